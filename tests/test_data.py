@@ -1,0 +1,76 @@
+"""Data: the embedded corpus, tokenizer, deterministic batches, padding, the real-text path."""
+
+import pytest
+import torch
+
+import pplab
+from pplab.data import CharTokenizer, batches, default_corpus, pad_sequences, split_microbatches
+from pplab.model import IGNORE_INDEX, loss_fn
+
+
+def test_tokenizer_round_trip_and_vocabulary_fits_tiny():
+    tok = CharTokenizer()
+    text = "the red fox.\n12 + 3 = 15."
+    assert tok.decode(tok.encode(text)) == text
+    assert tok.vocab_size <= pplab.LlamaConfig.tiny().vocab_size
+    assert tok.encode("é") == [tok.unk_id]
+
+
+def test_batches_are_deterministic_per_seed_and_well_formed():
+    a = list(batches(4, 32, seed=7, steps=3))
+    b = list(batches(4, 32, seed=7, steps=3))
+    c = list(batches(4, 32, seed=8, steps=3))
+    assert len(a) == 3
+    for (x, y), (x2, y2) in zip(a, b):
+        assert torch.equal(x, x2) and torch.equal(y, y2)
+    assert not all(torch.equal(x, x3) for (x, _), (x3, _) in zip(a, c))
+    x, y = a[0]
+    assert x.shape == y.shape == (4, 32) and x.dtype == y.dtype == torch.int64
+    assert torch.equal(x[:, 1:], y[:, :-1])  # targets are the inputs shifted by one
+    assert int(x.max()) < pplab.LlamaConfig.tiny().vocab_size
+    assert default_corpus() == default_corpus.__wrapped__()  # made, the same every time
+
+
+def test_local_text_file_path(tmp_path):
+    path = tmp_path / "corpus.txt"
+    path.write_text("abcdefghij" * 20, encoding="utf-8")
+    x, y = next(batches(2, 8, path=path))
+    assert CharTokenizer().decode(x[0].tolist()) in "abcdefghij" * 20
+    with pytest.raises(FileNotFoundError, match="does not exist"):
+        next(batches(2, 8, path=tmp_path / "missing.txt"))
+
+
+def test_short_corpus_is_padded_with_the_ignore_index():
+    x, y = next(batches(1, 10, text="hello"))
+    assert CharTokenizer().decode(x[0].tolist()) == "hell"
+    assert (y[0, 4:] == IGNORE_INDEX).all() and (y[0, :4] != IGNORE_INDEX).all()
+    logits = torch.randn(1, 10, 128)
+    assert torch.allclose(loss_fn(logits, y), loss_fn(logits[:, :4], y[:, :4]))
+
+
+@pytest.mark.parametrize("call, message", [
+    (lambda: next(batches(0, 8)), "batch_size=0"),
+    (lambda: next(batches(2, -1)), "seq_len=-1"),
+    (lambda: next(batches(2, 8, text="abc", path="x.txt")), "not both"),
+    (lambda: next(batches(2, 8, text="a")), "1 token"),
+    (lambda: pad_sequences([[1]], 4), "sequence 0 has 1 token"),
+    (lambda: split_microbatches(next(batches(6, 8)), 4), r"n_microbatches=4 does not divide the batch size 6; use one of \[1, 2, 3, 6\]"),
+])
+def test_data_errors_name_the_value(call, message):
+    with pytest.raises(ValueError, match=message):
+        call()
+
+
+def test_embedded_corpus_is_learnable():
+    torch.manual_seed(0)
+    model = pplab.build_model(pplab.LlamaConfig.tiny())
+    optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    losses = []
+    for x, y in batches(8, 64, steps=150):
+        loss = loss_fn(model(x), y)
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+        losses.append(loss.item())
+    assert losses[0] > 4.5                       # ~ln(128): chance level
+    assert sum(losses[-10:]) / 10 < 2.0          # falls visibly within 150 steps

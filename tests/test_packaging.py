@@ -1,0 +1,31 @@
+"""The project's own files stay consistent: environment.yml vs pyproject, README vs CI."""
+
+import re
+import subprocess
+import tomllib
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def requirement_names(requirements):
+    return {re.split(r"[<>=!~\[ ]", r.strip())[0].lower() for r in requirements}
+
+
+def test_environment_yml_matches_pyproject():
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    wanted = requirement_names(project["dependencies"] + project["optional-dependencies"]["test"])
+    wanted = {"pytorch" if name == "torch" else name for name in wanted}
+    listed = {re.split(r"[<>=!~ ]", line.strip()[2:])[0].lower()
+              for line in (ROOT / "environment.yml").read_text().splitlines()
+              if line.startswith("  - ") and not line.strip().startswith("- pip")}
+    assert wanted <= listed, f"environment.yml lacks {sorted(wanted - listed)}"
+    assert listed - wanted <= {"python"}, f"environment.yml has extra {sorted(listed - wanted - {'python'})}"
+
+
+def test_ci_runs_the_readme_test_command():
+    command = subprocess.run(
+        ["awk", '/<!-- test-command/ {found=1; next} found && /^pip install/ {print; exit}',
+         str(ROOT / "README.md")], capture_output=True, text=True, check=True).stdout.strip()
+    assert command.startswith("pip install torch==2.13.0") and "pytest" in command
+    assert (ROOT / ".ci/run").read_text().count("test-command") >= 1
