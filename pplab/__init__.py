@@ -3,8 +3,19 @@
 from pplab.model import LlamaConfig, LlamaModel, build_model
 from pplab.partition import build_stage, layer_ranges, stages_of_rank
 from pplab.reference import reference_step
+from pplab.schedules import Action, Kind, Schedule, ScheduleError, Theory
+from pplab.schedules import build as build_schedule
+from pplab.simulator import Costs, simulate
+from pplab.trace import Event, Timeline
+from pplab import trace, viz
 
 __all__ = [
+    "simulate",
+    "Costs",
+    "Event",
+    "Timeline",
+    "trace",
+    "viz",
     "LlamaConfig",
     "LlamaModel",
     "build_model",
@@ -12,4 +23,14 @@ __all__ = [
     "layer_ranges",
     "stages_of_rank",
     "reference_step",
+    "Action",
+    "Kind",
+    "Schedule",
+    "ScheduleError",
+    "Theory",
+    "build_schedule",
 ]
+
+from pplab.cluster import Lab, cleanup  # noqa: E402  (floor 4: engines as ranks, from Jupyter)
+
+__all__ += ["Lab", "cleanup"]

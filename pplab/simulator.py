@@ -1,0 +1,330 @@
+"""Run a schedule on a cost model and predict its timeline.
+
+The model is the one the textbook bubble formulas assume, plus optional
+communication costs:
+
+* each rank runs its action list in order, one action at a time;
+* a compute action (F, B, I, W) starts when its rank is free and its inputs
+  are there, and takes its cost from `Costs`;
+* sends are buffered and non-blocking (like ``isend``): a send costs its rank
+  no time; the message travels for ``latency + bytes / bandwidth`` seconds
+  and shows as a SEND event on the sender's communication track;
+* a receive blocks its rank until the message has arrived; its RECV event
+  covers the part of the transfer the receiver actually waited for (zero
+  length when the data was already there);
+* messages do not compete for links (no contention);
+* a schedule without sends and receives (``schedule.compute_only()``) moves
+  data between ranks by itself, after the same transfer time;
+* a schedule that cannot finish raises `DeadlockError`, naming what every
+  stuck rank waits for.
+
+The result is a `Timeline` labelled "simulated", the same type a measured run
+produces, so predictions and measurements can be compared directly. Times are
+in the unit of the costs: give them in seconds to compare with a measurement.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import defaultdict
+from dataclasses import dataclass
+from typing import Sequence, Union
+
+from pplab.schedules import Action, Kind, Schedule, ScheduleError
+from pplab.trace import Event, Timeline
+
+PerStage = Union[float, Sequence[float]]
+"""A value for every stage: one number for all, or one number per stage."""
+
+
+# ---------------------------------------------------------------- costs
+
+
+@dataclass(frozen=True)
+class Costs:
+    """Durations of F, B, I, W per stage, and the cost of a message.
+
+    Each duration is one number for every stage or a sequence, one per stage.
+    When a schedule splits the backward into I (input gradient) and W (weight
+    gradient), unspecified halves default to an even split of `backward`: if
+    neither is given, I = W = backward / 2; if one is given, the other is
+    backward minus it. A message across the boundary after stage s (its
+    activation, or the gradient coming back) takes ``latency +
+    activation_bytes[s] / bandwidth``; without a bandwidth, just the latency.
+    """
+
+    forward: PerStage = 1.0
+    backward: PerStage = 2.0
+    input_grad: PerStage | None = None
+    weight_grad: PerStage | None = None
+    latency: float = 0.0
+    bandwidth: float | None = None
+    activation_bytes: int | Sequence[int] | None = None
+
+    def __post_init__(self):
+        for name in ("forward", "backward", "input_grad", "weight_grad", "activation_bytes"):
+            _check_per_stage(name, getattr(self, name))
+            if _is_sequence(getattr(self, name)):
+                # A tuple keeps Costs immutable and hashable, and is quick to index.
+                object.__setattr__(self, name, tuple(getattr(self, name)))
+        _check_number("latency", self.latency)
+        if self.bandwidth is not None:
+            _check_number("bandwidth", self.bandwidth)
+            if self.bandwidth == 0:
+                raise ValueError("Costs: bandwidth=0 would make every message take forever; "
+                                 "give bytes per second > 0, or None for no bandwidth cost")
+        if self.bandwidth is not None and self.activation_bytes is None:
+            raise ValueError(f"Costs: bandwidth={self.bandwidth} needs message sizes: "
+                             "give activation_bytes (one number, or one per stage)")
+
+    def check_stages(self, n_stages: int) -> None:
+        """Raise ValueError if a per-stage sequence does not have one value per stage."""
+        for name in ("forward", "backward", "input_grad", "weight_grad", "activation_bytes"):
+            value = getattr(self, name)
+            if _is_sequence(value) and len(value) != n_stages:
+                raise ValueError(f"Costs: {name} has {len(value)} values but the schedule has "
+                                 f"{n_stages} stages; give one value per stage or a single number")
+        for stage in range(n_stages):
+            self._split_backward(stage)  # raises when a given half exceeds the backward
+
+    def compute_time(self, kind: Kind, stage: int) -> float:
+        """How long a compute action of `kind` takes on `stage`."""
+        if kind == Kind.F:
+            return _at(self.forward, stage)
+        if kind == Kind.B:
+            return _at(self.backward, stage)
+        input_grad, weight_grad = self._split_backward(stage)
+        if kind == Kind.I:
+            return input_grad
+        if kind == Kind.W:
+            return weight_grad
+        raise ValueError(f"{kind} is not a compute action")
+
+    def message_bytes(self, stage: int) -> int | None:
+        """Size of the activation leaving `stage`; its gradient, going back, is the same size."""
+        return None if self.activation_bytes is None else int(_at(self.activation_bytes, stage))
+
+    def transfer_time(self, stage: int) -> float:
+        """Seconds the activation leaving `stage`, or its gradient coming back, spends in flight."""
+        if self.bandwidth is None:
+            return self.latency
+        return self.latency + self.message_bytes(stage) / self.bandwidth
+
+    def _split_backward(self, stage: int) -> tuple[float, float]:
+        backward = _at(self.backward, stage)
+        input_grad = None if self.input_grad is None else _at(self.input_grad, stage)
+        weight_grad = None if self.weight_grad is None else _at(self.weight_grad, stage)
+        if input_grad is None and weight_grad is None:
+            return backward / 2, backward / 2
+        for name, half in (("input_grad", input_grad), ("weight_grad", weight_grad)):
+            if half is not None and half > backward and (input_grad is None or weight_grad is None):
+                raise ValueError(f"Costs: {name}={half} on stage {stage} exceeds backward={backward}, "
+                                 f"so the other half would be negative; give both input_grad and weight_grad")
+        if input_grad is None:
+            input_grad = backward - weight_grad
+        if weight_grad is None:
+            weight_grad = backward - input_grad
+        return input_grad, weight_grad
+
+
+def _is_sequence(value) -> bool:
+    return isinstance(value, Sequence) and not isinstance(value, str)
+
+
+def _at(value: PerStage, stage: int) -> float:
+    return value[stage] if type(value) is tuple else value  # sequences became tuples in __post_init__
+
+
+def _check_number(name: str, value) -> None:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise ValueError(f"Costs: {name}={value!r} must be a number")
+    if not math.isfinite(value) or value < 0:
+        raise ValueError(f"Costs: {name}={value!r} must be a finite number >= 0")
+
+
+def _check_per_stage(name: str, value) -> None:
+    if value is None:
+        return
+    values = list(value) if _is_sequence(value) else [value]
+    if not values:
+        raise ValueError(f"Costs: {name} is an empty sequence; give a number or one value per stage")
+    for v in values:
+        _check_number(name, v)
+
+
+# ---------------------------------------------------------------- simulation
+
+
+class DeadlockError(ScheduleError):
+    """The schedule stops with ranks waiting for data that never comes."""
+
+
+def simulate(schedule: Schedule, costs: Costs | None = None) -> Timeline:
+    """Execute `schedule` on the cost model and return the predicted timeline."""
+    costs = Costs() if costs is None else costs
+    costs.check_stages(schedule.n_stages)
+    return _Simulation(schedule, costs).run()
+
+
+# What actions wait for, as keys of `_Simulation.ready_at` (stage, microbatch):
+#   ("F", s, mb)      the forward of stage s is done: its output exists
+#   ("G", s, mb)      the input gradient of stage s is done (by B or by I)
+#   ("I", s, mb)      the input-gradient pass is done (W needs it)
+#   ("W", s, mb)      the weight-gradient pass is done (nothing waits on it)
+#   ("SENT_F", s, mb) the activation sent by stage s has arrived; ("SENT_B", s, mb) its gradient
+#   ("RECV_F", s, mb) stage s has received its activation; ("RECV_B", s, mb) its gradient
+# Each need is (key, delay): the action may start `delay` after the key is ready.
+
+
+# The keys a compute action makes ready when it ends.
+_PROVIDES = {Kind.F: ("F",), Kind.B: ("G",), Kind.I: ("G", "I"), Kind.W: ("W",)}
+
+
+def _boundary(action: Action) -> int:
+    """The stage whose output a communication action moves (or whose gradient it moves back)."""
+    return action.stage if action.kind in (Kind.SEND_F, Kind.RECV_B) else action.stage - 1
+
+
+class _Simulation:
+    """Dataflow over the schedule: every action is placed once, so it runs in O(actions)."""
+
+    def __init__(self, schedule: Schedule, costs: Costs):
+        self.schedule = schedule
+        self.costs = costs
+        self.last_stage = schedule.n_stages - 1
+        self.rank_of_stage = [schedule.stage_to_rank(s) for s in range(schedule.n_stages)]
+        # Without sends and receives in the lists (e.g. schedule.compute_only()),
+        # data crosses ranks by itself, after its transfer time, as validate() assumes.
+        self.implicit_comm = not any(a.is_comm for acts in schedule.actions for a in acts)
+        self.ready_at: dict[tuple, float] = {}
+        self.waiting: dict[tuple, list[int]] = defaultdict(list)
+        self.next_index = [0] * schedule.n_ranks
+        self.free_at = [0.0] * schedule.n_ranks
+        self.events: list[Event] = []
+
+    def run(self) -> Timeline:
+        runnable = list(range(self.schedule.n_ranks))
+        while runnable:
+            runnable += self._advance(runnable.pop())
+        self._check_finished()
+        return Timeline(self.events, self.schedule.n_ranks, label="simulated")
+
+    def _advance(self, rank: int) -> list[int]:
+        """Run `rank` until it ends or blocks; return the ranks this woke up."""
+        actions = self.schedule.actions[rank]
+        woken = []
+        while self.next_index[rank] < len(actions):
+            action = actions[self.next_index[rank]]
+            inputs_at = 0.0
+            for key, delay in self._needs(rank, action):
+                if key not in self.ready_at:
+                    self.waiting[key].append(rank)  # woken when `key` is recorded
+                    return woken
+                inputs_at = max(inputs_at, self.ready_at[key] + delay)
+            for key in self._execute(rank, action, inputs_at):
+                woken += self.waiting.pop(key, [])
+            self.next_index[rank] += 1
+        return woken
+
+    def _needs(self, rank: int, action: Action) -> list[tuple[tuple, float]]:
+        """What an action waits for, as (key, delay) pairs."""
+        s, kind, mb = action.stage, action.kind, action.microbatch
+        if kind == Kind.F:
+            return [] if s == 0 else [self._input_activation(rank, s, mb)]
+        if kind in (Kind.B, Kind.I):
+            needs = [(("F", s, mb), 0.0)]
+            return needs if s == self.last_stage else needs + [self._output_gradient(rank, s, mb)]
+        if kind == Kind.W:
+            return [(("I", s, mb), 0.0)]
+        if kind == Kind.SEND_F:
+            return [(("F", s, mb), 0.0)]
+        if kind == Kind.SEND_B:
+            return [(("G", s, mb), 0.0)]
+        if kind == Kind.RECV_F:
+            return [(("SENT_F", s - 1, mb), 0.0)]
+        if kind == Kind.RECV_B:
+            return [(("SENT_B", s + 1, mb), 0.0)]
+        raise ValueError(f"simulate does not know action kind {kind!r} (action {action})")
+
+    def _input_activation(self, rank: int, stage: int, mb: int) -> tuple[tuple, float]:
+        # A neighbour stage on the same rank (V-shaped placements) hands its
+        # output over in memory; from another rank it comes through a receive.
+        if self.rank_of_stage[stage - 1] == rank:
+            return ("F", stage - 1, mb), 0.0
+        if self.implicit_comm:
+            return ("F", stage - 1, mb), self.costs.transfer_time(stage - 1)
+        return ("RECV_F", stage, mb), 0.0
+
+    def _output_gradient(self, rank: int, stage: int, mb: int) -> tuple[tuple, float]:
+        if self.rank_of_stage[stage + 1] == rank:
+            return ("G", stage + 1, mb), 0.0
+        if self.implicit_comm:
+            return ("G", stage + 1, mb), self.costs.transfer_time(stage)
+        return ("RECV_B", stage, mb), 0.0
+
+    def _execute(self, rank: int, action: Action, inputs_at: float) -> list[tuple]:
+        """Place the action on the clock; return the keys it makes ready."""
+        kind = action.kind
+        if kind in (Kind.SEND_F, Kind.SEND_B):
+            return self._send(rank, action, max(self.free_at[rank], inputs_at))
+        if kind in (Kind.RECV_F, Kind.RECV_B):
+            return self._receive(rank, action, arrival=inputs_at)
+        start = max(self.free_at[rank], inputs_at)
+        end = start + self.costs.compute_time(kind, action.stage)
+        self.free_at[rank] = end
+        self.events.append(Event(rank, kind.value, action.stage, action.microbatch, start, end))
+        return [self._record((name, action.stage, action.microbatch), end, action) for name in _PROVIDES[kind]]
+
+    def _send(self, rank: int, action: Action, start: float) -> list[tuple]:
+        # Non-blocking: the rank goes on at once while the message is in flight.
+        boundary = _boundary(action)
+        arrival = start + self.costs.transfer_time(boundary)
+        self.events.append(Event(rank, action.kind.value, action.stage, action.microbatch, start, arrival,
+                                 bytes=self.costs.message_bytes(boundary)))
+        sent = "SENT_F" if action.kind == Kind.SEND_F else "SENT_B"
+        return [self._record((sent, action.stage, action.microbatch), arrival, action)]
+
+    def _receive(self, rank: int, action: Action, arrival: float) -> list[tuple]:
+        # Blocking: the rank waits until the message is there. The event shows
+        # only the waiting that overlapped the transfer; waiting for the
+        # sender to send at all is idle time, like any other bubble.
+        boundary = _boundary(action)
+        sent_at = arrival - self.costs.transfer_time(boundary)
+        posted = self.free_at[rank]
+        end = max(posted, arrival)
+        self.free_at[rank] = end
+        self.events.append(Event(rank, action.kind.value, action.stage, action.microbatch,
+                                 min(max(posted, sent_at), end), end, bytes=self.costs.message_bytes(boundary)))
+        return [self._record((action.kind.value, action.stage, action.microbatch), end, action)]
+
+    def _record(self, key: tuple, time: float, action: Action) -> tuple:
+        if key in self.ready_at:
+            raise ScheduleError(f"action {action} appears twice in schedule {self.schedule.name!r}")
+        self.ready_at[key] = time
+        return key
+
+    def _check_finished(self) -> None:
+        """Raise DeadlockError naming what every stuck rank waits for."""
+        stuck = []
+        for rank, actions in enumerate(self.schedule.actions):
+            if self.next_index[rank] < len(actions):
+                action = actions[self.next_index[rank]]
+                missing = next(key for key, _ in self._needs(rank, action) if key not in self.ready_at)
+                stuck.append(f"rank {rank} at action {action} (position {self.next_index[rank]}) "
+                             f"waits for {_describe(missing)}")
+        if stuck:
+            raise DeadlockError(f"schedule {self.schedule.name!r} deadlocks: " + "; ".join(stuck))
+
+
+def _describe(key: tuple) -> str:
+    name, stage, mb = key
+    what = {
+        "F": f"the forward {stage}F{mb}",
+        "G": f"the backward (B or I) of stage {stage} for microbatch {mb}",
+        "I": f"the input-gradient pass {stage}I{mb}",
+        "SENT_F": f"the send {stage}SEND_F{mb}",
+        "SENT_B": f"the send {stage}SEND_B{mb}",
+        "RECV_F": f"the receive {stage}RECV_F{mb}",
+        "RECV_B": f"the receive {stage}RECV_B{mb}",
+    }
+    return what[name]
