@@ -1,0 +1,315 @@
+"""Executing one rank's part of a schedule: autograd across stages, events on one clock.
+
+The rank walks its action list in order. A forward keeps the tensor it consumed
+(a received activation, marked `requires_grad_`) and the output it produced; a
+backward runs autograd from that output, and the consumed tensor's `.grad` is
+what goes upstream. The last stage divides each microbatch's loss by the number
+of microbatches, so the accumulated gradients are those of the mean loss, as in
+`pplab.reference_step`.
+
+Neighbouring stages on the same rank (interleaved schedules with one rank, or
+custom placements) hand tensors over locally, through the same detach-and-keep
+boundary a network hop has, so every stage's backward stays its own action.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from pplab.comm import StageLink, monotonic_clock
+from pplab.model import loss_fn
+from pplab.schedules import Action, Kind, Schedule
+from pplab.simulator import Costs
+from pplab.trace import Event
+
+Key = tuple[int, int]  # (stage, microbatch)
+
+
+@dataclass
+class Boundary:
+    """What crossed from stage `source` to stage `source + 1` for one microbatch."""
+
+    source: int
+    microbatch: int
+    shape: tuple[int, ...]
+    dtype: str
+    bytes: int
+
+
+@dataclass
+class RankStep:
+    """What one rank did in one step: events, losses (last stage), boundaries, gradient stats."""
+
+    rank: int
+    events: list[Event]
+    microbatch_losses: dict[int, float]
+    boundaries: list[Boundary]
+    grad_stats: dict[str, dict]
+    grads: dict[str, torch.Tensor] | None = None
+
+
+@dataclass
+class _StepState:
+    """The tensors a step keeps between actions, released as soon as they are spent."""
+
+    inputs: dict[Key, torch.Tensor] = field(default_factory=dict)      # what each forward consumed
+    outputs: dict[Key, torch.Tensor] = field(default_factory=dict)     # hidden states, or scaled loss
+    output_grads: dict[Key, torch.Tensor] = field(default_factory=dict)  # kept from I for its W
+    input_grads: dict[Key, torch.Tensor] = field(default_factory=dict)   # to send (or hand) upstream
+    losses: dict[int, float] = field(default_factory=dict)
+
+
+class SavedBytes:
+    """Counts the bytes autograd saves for backward in a forward, parameters excluded."""
+
+    def __init__(self, parameters):
+        self.parameter_storages = {p.untyped_storage().data_ptr() for p in parameters}
+        self.seen: set[int] = set()
+        self.bytes = 0
+
+    def pack(self, tensor: torch.Tensor) -> torch.Tensor:
+        storage = tensor.untyped_storage()
+        pointer = storage.data_ptr()
+        if pointer not in self.parameter_storages and pointer not in self.seen:
+            self.seen.add(pointer)
+            self.bytes += storage.nbytes()
+        return tensor
+
+    def hooks(self):
+        """The context manager that routes saved tensors through `pack`."""
+        return torch.autograd.graph.saved_tensors_hooks(self.pack, lambda tensor: tensor)
+
+
+class RankRuntime:
+    """Runs one rank's action list of a schedule with that rank's stage modules."""
+
+    def __init__(self, schedule: Schedule, rank: int, stages: dict[int, nn.Module],
+                 device="cpu", timeout: float = 30.0, record: bool = True,
+                 timing: Costs | None = None, group=None):
+        missing = set(schedule.stages_of(rank)) - set(stages)
+        if missing:
+            raise ValueError(f"rank {rank} runs stages {sorted(missing)} of schedule "
+                             f"{schedule.name!r} but was given modules for {sorted(stages)}")
+        self.schedule, self.rank, self.stages = schedule, rank, stages
+        self.device, self.timeout, self.record, self.timing = torch.device(device), timeout, record, timing
+        self.group = group
+        self.last_stage = schedule.n_stages - 1
+        self._saved_bytes: dict[tuple, int] = {}  # (stage, input shape, dtype) -> bytes saved
+
+    # --- one step ---------------------------------------------------------------------------
+
+    def step(self, inputs: list[torch.Tensor] | None, targets: list[torch.Tensor] | None,
+             activation_shapes: list[tuple[int, ...]] | None = None,
+             return_grads: bool = False) -> RankStep:
+        """Run this rank's actions for one step; gradients accumulate into the stages' `.grad`.
+
+        `inputs` (token ids per microbatch) are needed where stage 0 lives, `targets` where
+        the last stage lives. `activation_shapes` (per microbatch) lets receives skip the
+        shape handshake; without it every activation is preceded by a header.
+        """
+        self._check_data(inputs, targets)
+        link = StageLink(self.schedule, self.rank, self.device, self.timeout,
+                         handshake=activation_shapes is None, group=self.group)
+        self._link = link
+        state, events, boundaries = _StepState(), [], []
+        origin = self._synchronised_origin()
+        clock = lambda: monotonic_clock() - origin  # noqa: E731 - one clock for the whole step
+        actions = self.schedule.actions[self.rank]
+        position = 0
+        while position < len(actions):
+            action = actions[position]
+            if action.is_comm:  # adjacent sends/receives travel as one batch
+                batch = [action]
+                while position + len(batch) < len(actions) and actions[position + len(batch)].is_comm:
+                    batch.append(actions[position + len(batch)])
+                self._exchange(link, batch, state, activation_shapes, clock)
+                position += len(batch)
+                continue
+            started = clock()
+            event_extra = self._compute(action, state, inputs, targets, boundaries)
+            self._pad_to_cost(action, started, clock)
+            if self.record:
+                events.append(Event(self.rank, action.kind.value, action.stage, action.microbatch,
+                                    started, clock(), **event_extra))
+            position += 1
+        link.finish()
+        if self.record:
+            events.extend(link.events)
+        return RankStep(self.rank, events if self.record else [], state.losses, boundaries,
+                        gradient_stats(self.stages.values()),
+                        gradients(self.stages.values()) if return_grads else None)
+
+    def _check_data(self, inputs, targets) -> None:
+        stages = self.schedule.stages_of(self.rank)
+        m = self.schedule.n_microbatches
+        for needed, given, what in ((0 in stages, inputs, "inputs"),
+                                    (self.last_stage in stages, targets, "targets")):
+            if needed and (given is None or len(given) != m):
+                count = "none" if given is None else len(given)
+                raise ValueError(f"rank {self.rank} runs stage {0 if what == 'inputs' else self.last_stage} "
+                                 f"and needs {what} for all {m} microbatches, got {count}")
+
+    def _synchronised_origin(self) -> float:
+        """Time zero of the step, taken right after a barrier so all ranks share it."""
+        if dist.is_initialized() and dist.get_world_size(self.group) > 1:
+            dist.barrier(group=self.group)
+        return monotonic_clock()
+
+    def _pad_to_cost(self, action: Action, started: float, clock) -> None:
+        """Timing mode: stretch a compute action to its cost, so the schedule's shape shows
+        even when ranks share fewer cores than there are ranks."""
+        if self.timing is not None:
+            remaining = self.timing.compute_time(action.kind, action.stage) - (clock() - started)
+            if remaining > 0:
+                time.sleep(remaining)
+
+    # --- compute actions ----------------------------------------------------------------------
+
+    def _compute(self, action: Action, state: _StepState, inputs, targets, boundaries) -> dict:
+        key = (action.stage, action.microbatch)
+        if action.kind == Kind.F:
+            return self._forward(key, state, inputs, targets, boundaries)
+        if action.kind == Kind.B:
+            self._backward(key, state)
+        elif action.kind == Kind.I:
+            self._input_grad(key, state)
+        elif action.kind == Kind.W:
+            self._weight_grad(key, state)
+        return {}
+
+    def _forward(self, key: Key, state: _StepState, inputs, targets, boundaries) -> dict:
+        stage, microbatch = key
+        module = self.stages[stage]
+        if stage == 0:
+            x = inputs[microbatch].to(self.device)
+        else:
+            x = state.inputs.pop(key, None)
+            if x is None:  # it arrived from another rank
+                x = self._received(Action(stage, Kind.RECV_F, microbatch))
+            x.requires_grad_(True)  # a fresh leaf: its .grad is what goes upstream
+        state.inputs[key] = x
+        # What a forward saves depends only on the stage and its input's shape: measure it
+        # on the first such forward (hooks cost time on every saved tensor), then reuse it.
+        shape_key = (stage, tuple(x.shape), x.dtype)
+        saved = SavedBytes(module.parameters()) if self.record and shape_key not in self._saved_bytes else None
+        with saved.hooks() if saved else contextlib.nullcontext():
+            out = module(x)
+            if stage == self.last_stage:
+                loss = loss_fn(out, targets[microbatch].to(self.device))
+        if saved:
+            self._saved_bytes[shape_key] = saved.bytes
+        extra = dict(bytes=self._saved_bytes.get(shape_key), shape=tuple(out.shape),
+                     dtype=_dtype_name(out)) if self.record else {}
+        if stage == self.last_stage:
+            state.losses[microbatch] = loss.item()
+            state.outputs[key] = loss / self.schedule.n_microbatches
+            return extra
+        state.outputs[key] = out
+        boundaries.append(Boundary(stage, microbatch, tuple(out.shape), _dtype_name(out),
+                                   out.numel() * out.element_size()))
+        if self._is_local(stage, stage + 1):
+            state.inputs[(stage + 1, microbatch)] = out.detach()  # same boundary as a network hop
+        return extra
+
+    def _output_grad(self, key: Key, state: _StepState) -> torch.Tensor | None:
+        """The gradient of this stage's output: None on the last stage (the loss is a scalar)."""
+        stage, microbatch = key
+        if stage == self.last_stage:
+            return None
+        if self._is_local(stage, stage + 1):
+            return state.input_grads.pop((stage + 1, microbatch))
+        return self._received(Action(stage, Kind.RECV_B, microbatch))
+
+    def _backward(self, key: Key, state: _StepState) -> None:
+        output, grad = state.outputs.pop(key), self._output_grad(key, state)
+        output.backward(grad)
+        self._keep_input_grad(key, state, state.inputs.pop(key).grad)
+
+    def _input_grad(self, key: Key, state: _StepState) -> None:
+        """Zero-bubble I: the gradient of the stage input only; W follows later."""
+        output, grad = state.outputs[key], self._output_grad(key, state)
+        state.output_grads[key] = grad
+        x = state.inputs[key]
+        if key[0] > 0:
+            (input_grad,) = torch.autograd.grad(output, [x], grad, retain_graph=True)
+            self._keep_input_grad(key, state, input_grad)
+
+    def _weight_grad(self, key: Key, state: _StepState) -> None:
+        """Zero-bubble W: the parameter gradients, accumulated into `.grad` like B does."""
+        output, grad = state.outputs.pop(key), state.output_grads.pop(key)
+        state.inputs.pop(key)
+        params = [p for p in self.stages[key[0]].parameters() if p.requires_grad]
+        if not params:
+            return
+        grads = torch.autograd.grad(output, params, grad, allow_unused=True)
+        for param, param_grad in zip(params, grads):
+            if param_grad is not None:
+                param.grad = param_grad if param.grad is None else param.grad + param_grad
+
+    def _keep_input_grad(self, key: Key, state: _StepState, input_grad) -> None:
+        if key[0] > 0:
+            state.input_grads[key] = input_grad
+
+    # --- communication ------------------------------------------------------------------------
+
+    def _exchange(self, link: StageLink, batch: list[Action], state: _StepState,
+                  activation_shapes, clock) -> None:
+        outgoing, expected = {}, {}
+        for action in batch:
+            key = (action.stage, action.microbatch)
+            if action.kind == Kind.SEND_F:
+                outgoing[action] = state.outputs[key].detach()
+            elif action.kind == Kind.SEND_B:
+                outgoing[action] = state.input_grads.pop(key)
+            elif action.kind == Kind.RECV_B:
+                output = state.outputs[key]
+                expected[action] = (output.dtype, tuple(output.shape))
+            elif action.kind == Kind.RECV_F and activation_shapes is not None:
+                expected[action] = (self._activation_dtype(), activation_shapes[action.microbatch])
+        link.exchange(batch, outgoing, expected, clock)
+
+    def _received(self, action: Action) -> torch.Tensor:
+        try:
+            return self._link.mailbox.received.pop(action)
+        except KeyError:
+            what = "activation" if action.kind == Kind.RECV_F else "gradient"
+            raise RuntimeError(
+                f"rank {self.rank} needs the {what} of microbatch {action.microbatch} for stage "
+                f"{action.stage} but nothing received it: the schedule lacks {action} before "
+                f"its use (run pplab.schedules.validate on it)") from None
+
+    def _activation_dtype(self) -> torch.dtype:
+        return next(iter(p.dtype for m in self.stages.values() for p in m.parameters()), torch.float32)
+
+    def _is_local(self, stage: int, neighbour: int) -> bool:
+        return self.schedule.stage_to_rank(stage) == self.schedule.stage_to_rank(neighbour)
+
+
+def _dtype_name(tensor: torch.Tensor) -> str:
+    return str(tensor.dtype).removeprefix("torch.")
+
+
+def gradient_stats(modules) -> dict[str, dict]:
+    """Per parameter: gradient norm, whether it is finite, whether any entry is non-zero."""
+    stats = {}
+    for module in modules:
+        for name, param in module.named_parameters():
+            grad = param.grad
+            stats[name] = dict(present=grad is not None,
+                               norm=float(grad.norm()) if grad is not None else 0.0,
+                               finite=bool(torch.isfinite(grad).all()) if grad is not None else False,
+                               nonzero=bool(grad.count_nonzero()) if grad is not None else False)
+    return stats
+
+
+def gradients(modules) -> dict[str, torch.Tensor]:
+    """Every parameter's gradient by name, on the CPU (for parity checks)."""
+    return {name: param.grad.detach().cpu().clone()
+            for module in modules for name, param in module.named_parameters()
+            if param.grad is not None}

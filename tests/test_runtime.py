@@ -1,0 +1,134 @@
+"""The hand-written runtime on real processes (gloo): exact parity, gradient flow, memory, failures.
+
+Each world size starts its processes once and runs every (schedule, microbatches)
+case in them; the client compares each step with the single-device reference.
+"""
+
+import pytest
+import torch
+
+import pplab
+from pplab.checks import check_gradient_flow, compare_with_reference
+from pplab.comm import PipelineTimeout
+from pplab.data import batches
+from pplab.launch import RankFailed, run_ranks
+from pplab.pipeline import PipelineSpec, merge_steps, run_jobs_on_rank, split_for_ranks
+from pplab.schedules import Action, Kind, Schedule, build
+
+CONFIG = pplab.LlamaConfig.tiny()
+FULL_NAMES = [name for name, _ in pplab.build_model(CONFIG).named_parameters()]
+MICROBATCH_SIZE, SEQ_LEN = 2, 16
+
+
+def cases(p):
+    """(schedule, n_virtual, microbatches) for p ranks: m in {1, p, 2p+1} where the schedule allows."""
+    for name, v in (("gpipe", 1), ("1f1b", 1), ("zb-h1", 1), ("interleaved-1f1b", 2)):
+        # interleaved runs in rounds of equal size, so 2p+1 is not allowed: 2p covers two rounds.
+        counts = (1, p, 2 * p) if name == "interleaved-1f1b" else (1, p, 2 * p + 1)
+        for m in sorted(set(counts)):
+            yield name, v, m
+
+
+def run_cases(p, specs_and_batches, **launch):
+    jobs = [(spec, split_for_ranks(spec, batch)) for spec, batch in specs_and_batches]
+    per_rank = run_ranks(p, run_jobs_on_rank, jobs, **launch)
+    return [merge_steps([per_rank[rank][job] for rank in range(p)]) for job in range(len(jobs))]
+
+
+@pytest.mark.parametrize("p", [1, 2, 3, 4])
+def test_every_schedule_matches_one_device_exactly(p):
+    specs_and_batches, labels = [], []
+    for name, v, m in cases(p):
+        spec = PipelineSpec.create(CONFIG, name, p, m, n_virtual=v)
+        batch = next(batches(MICROBATCH_SIZE * m, SEQ_LEN, seed=m))
+        specs_and_batches.append((spec, batch))
+        labels.append(f"{name} p={p} m={m}")
+    results = run_cases(p, specs_and_batches, timeout=300)
+
+    for label, (spec, batch), result in zip(labels, specs_and_batches, results):
+        reference = pplab.reference_step(CONFIG, batch, spec.schedule.n_microbatches)
+        parity = compare_with_reference(result.loss, result.grads, reference,
+                                        loss_rtol=1e-6, grad_atol=1e-5)
+        assert parity.passed, f"{label}: {parity}"
+        assert len(parity.grad_diffs) == len(FULL_NAMES), label
+        flow = check_gradient_flow(result.grad_stats, FULL_NAMES)
+        assert flow.passed, f"{label}: {flow}"
+
+
+def test_peak_inflight_activations_match_the_theory():
+    p, m = 4, 6
+    specs_and_batches = [(PipelineSpec.create(CONFIG, name, p, m), next(batches(MICROBATCH_SIZE * m, SEQ_LEN)))
+                         for name in ("gpipe", "1f1b")]
+    gpipe, one_f_one_b = run_cases(p, specs_and_batches, timeout=300)
+    assert [gpipe.timeline.peak_inflight(r) for r in range(p)] == [m] * p
+    assert [one_f_one_b.timeline.peak_inflight(r) for r in range(p)] == [min(p - r, m) for r in range(p)]
+    # Bytes follow counts: rank 0 of 1F1B holds p of GPipe's m microbatches of activations.
+    ratio = one_f_one_b.timeline.peak_inflight_bytes(0) / gpipe.timeline.peak_inflight_bytes(0)
+    assert ratio == pytest.approx(min(p, m) / m, rel=0.05)
+
+
+def test_variable_sequence_lengths_use_the_shape_handshake():
+    p = 3
+    microbatches = [next(batches(2, seq_len, seed=seq_len)) for seq_len in (8, 24, 16)]
+    spec = PipelineSpec.create(CONFIG, "1f1b", p, len(microbatches))
+    data = split_for_ranks(spec, microbatches)
+    assert all(d["activation_shapes"] is None for d in data)  # shapes vary: receivers must ask
+    (result,) = run_cases(p, [(spec, microbatches)], timeout=120)
+    parity = compare_with_reference(result.loss, result.grads, pplab.reference_step(CONFIG, microbatches))
+    assert parity.passed, str(parity)
+    crossed = {(b.source, b.microbatch): b.shape for b in result.shapes}
+    assert crossed[(0, 1)] == (2, 24, CONFIG.hidden_size) and crossed[(1, 2)] == (2, 16, CONFIG.hidden_size)
+    received = [e for e in result.timeline.events if e.kind == "RECV_F"]
+    assert {e.shape for e in received} == {(2, 8, 64), (2, 24, 64), (2, 16, 64)}
+
+
+def test_pass_through_stages_keep_parity():
+    config = pplab.LlamaConfig.tiny(num_hidden_layers=2)
+    p, m = 4, 4
+    spec = PipelineSpec.create(config, "1f1b", p, m, allow_empty=True)
+    batch = next(batches(MICROBATCH_SIZE * m, SEQ_LEN))
+    (result,) = run_cases(p, [(spec, batch)], timeout=120)
+    parity = compare_with_reference(result.loss, result.grads, pplab.reference_step(config, batch, m))
+    assert parity.passed, str(parity)
+
+
+def without(schedule: Schedule, text: str) -> Schedule:
+    """The schedule with one action removed from its rank's list (a deliberately broken one)."""
+    target = Action.parse(text)
+    return Schedule([[a for a in acts if a != target] for acts in schedule.actions], schedule.n_ranks,
+                    schedule.n_microbatches, schedule.n_stages, schedule.n_virtual, "broken")
+
+
+def broken_job(text):
+    schedule = without(build("1f1b", 2, 2), text)
+    spec = PipelineSpec(CONFIG, schedule, timeout=2.0)  # bypasses validate(), on purpose
+    return spec, split_for_ranks(spec, next(batches(4, SEQ_LEN)))
+
+
+def test_a_missing_send_ends_in_timeouts_naming_rank_peer_and_action():
+    with pytest.raises(RankFailed) as failure:
+        run_ranks(2, run_jobs_on_rank, [broken_job("0SEND_F0")], timeout=60)
+    message = str(failure.value)
+    assert PipelineTimeout.__name__ in message
+    # Rank 1 never gets its activation, so rank 0 never gets its gradient: both say so.
+    assert "rank 1 waited 2 s for the activation of microbatch 0 from rank 0 (action 1RECV_F0)" in message
+    assert "rank 0 waited 2 s for the gradient of microbatch 0 from rank 1 (action 0RECV_B0)" in message
+
+
+def test_a_missing_receive_is_named_not_a_hang():
+    with pytest.raises(RankFailed, match=r"rank 1 needs the activation of microbatch 0 for stage 1 "
+                                         r"but nothing received it: the schedule lacks 1RECV_F0"):
+        run_ranks(2, run_jobs_on_rank, [broken_job("1RECV_F0")], timeout=60)
+
+
+def test_spec_rejects_bad_input_before_any_rank_starts():
+    with pytest.raises(ValueError, match="unknown schedule 'zigzag'"):
+        PipelineSpec.create(CONFIG, "zigzag", 2, 4)
+    with pytest.raises(ValueError, match="n_stages=9 is more than n_layers=8"):
+        PipelineSpec.create(CONFIG, "1f1b", 9, 4)
+    with pytest.raises(ValueError, match="does not divide the batch size 6"):
+        split_for_ranks(PipelineSpec.create(CONFIG, "1f1b", 2, 4), next(batches(6, SEQ_LEN)))
+    bad_tokens = (torch.full((4, 8), 500), torch.zeros(4, 8, dtype=torch.int64))
+    with pytest.raises(ValueError, match="token id 500 is outside the vocabulary"):
+        split_for_ranks(PipelineSpec.create(CONFIG, "1f1b", 2, 2), bad_tokens)
+    assert Kind.RECV_F.value == "RECV_F"
