@@ -7,7 +7,7 @@ from pplab.schedules import Action, Kind, Schedule, ScheduleError, Theory
 from pplab.schedules import build as build_schedule
 from pplab.simulator import Costs, simulate
 from pplab.trace import Event, Timeline
-from pplab import trace, viz
+from pplab import data, trace
 
 __all__ = [
     "simulate",
@@ -34,3 +34,12 @@ __all__ = [
 from pplab.cluster import Lab, cleanup  # noqa: E402  (floor 4: engines as ranks, from Jupyter)
 
 __all__ += ["Lab", "cleanup"]
+
+
+def __getattr__(name):
+    # matplotlib is heavy: engines and the CLI load `pplab.viz` only when they draw.
+    if name == "viz":
+        import importlib
+
+        return importlib.import_module("pplab.viz")
+    raise AttributeError(f"module 'pplab' has no attribute {name!r}")
