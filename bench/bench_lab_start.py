@@ -1,0 +1,191 @@
+"""Time to a ready lab against torchrun, and the cost of lab.run on a warm lab.
+
+"Ready" means the same for both: one process per rank is up, torch is imported,
+the gloo process group is initialised and one barrier is done.
+
+* torchrun: `torchrun --standalone --nproc_per_node=N ready.py`, timed from launch
+  until rank 0 has passed the barrier (it prints the time).
+* lab, fresh kernel: a new Python process that has already imported pplab (as a
+  notebook after its first cell) times `pplab.Lab(ranks=N)`, its first lab.
+* lab, warm kernel: `pplab.Lab(ranks=N)` again in this process (ipyparallel is
+  already imported, as for a second lab or a restart).
+
+The trials are interleaved (torchrun, lab, lab warm, then the next repeat in
+reverse order) so that a machine getting busier or quieter affects all alike; the
+ratio (lab / torchrun, medians) is the result, not the absolute seconds.
+
+Run: python bench/bench_lab_start.py [--repeats 3] [--ranks 2 4]
+Writes bench/results/lab_start.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+RESULT_PATH = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", "lab_start.json")
+
+TORCHRUN_SCRIPT = """\
+import datetime, time
+import torch
+import torch.distributed as dist
+dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=60))
+dist.barrier()
+if dist.get_rank() == 0:
+    print(f"READY {time.time()!r}", flush=True)
+dist.destroy_process_group()
+"""
+
+FRESH_LAB_SCRIPT = """\
+import sys, time
+import pplab
+started = time.perf_counter()
+lab = pplab.Lab(ranks=int(sys.argv[1]), verbose=False)
+print(f"READY {time.perf_counter() - started!r}", flush=True)
+lab.stop()
+"""
+
+
+def time_torchrun(ranks: int, script: str, environment: dict) -> float:
+    """Seconds from launching torchrun until its rank 0 has passed the first barrier."""
+    launched = time.time()
+    finished = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone",
+         f"--nproc_per_node={ranks}", script],
+        capture_output=True, text=True, env=environment, timeout=300, check=True)
+    return _ready_value(finished.stdout) - launched
+
+
+def time_fresh_lab(ranks: int, environment: dict) -> float:
+    """Seconds a new process that has imported pplab takes to get its first ready lab."""
+    finished = subprocess.run([sys.executable, "-c", FRESH_LAB_SCRIPT, str(ranks)],
+                              capture_output=True, text=True, env=environment, timeout=300,
+                              check=True)
+    return _ready_value(finished.stdout)
+
+
+def time_warm_lab(ranks: int) -> float:
+    """Seconds `pplab.Lab(ranks)` takes in this (warm) process."""
+    import pplab
+
+    started = time.perf_counter()
+    lab = pplab.Lab(ranks=ranks, verbose=False)
+    elapsed = time.perf_counter() - started
+    lab.stop()
+    return elapsed
+
+
+def _ready_value(stdout: str) -> float:
+    for line in stdout.splitlines():
+        if line.startswith("READY "):
+            return float(line.split()[1])
+    raise RuntimeError(f"no READY line in the output:\n{stdout}")
+
+
+def noop():
+    """The function whose round trip is measured."""
+
+
+def time_noop_calls(ranks: int, calls: int) -> dict:
+    """Median milliseconds of lab.run(noop), and of ipyparallel's own apply underneath it."""
+    import pplab
+
+    with pplab.Lab(ranks=ranks, verbose=False) as lab:
+        for _ in range(20):  # warm up both paths
+            lab.run(noop)
+            lab.view.apply_async(noop).get()
+        lab_run, raw_apply = [], []
+        for _ in range(calls):  # interleaved, like the start-up trials
+            started = time.perf_counter()
+            lab.run(noop)
+            lab_run.append(time.perf_counter() - started)
+            started = time.perf_counter()
+            lab.view.apply_async(noop).get()
+            raw_apply.append(time.perf_counter() - started)
+    return {"ranks": ranks, "calls": calls,
+            "lab_run_ms": 1000 * statistics.median(lab_run),
+            "ipyparallel_apply_ms": 1000 * statistics.median(raw_apply)}
+
+
+def measure_start(ranks: int, repeats: int, script: str, environment: dict) -> dict:
+    """Interleaved trials of the three ways to get N ready ranks; medians and ratios."""
+    trials = {"torchrun": [], "lab_fresh_kernel": [], "lab_warm_kernel": []}
+    kinds = {"torchrun": lambda: time_torchrun(ranks, script, environment),
+             "lab_fresh_kernel": lambda: time_fresh_lab(ranks, environment),
+             "lab_warm_kernel": lambda: time_warm_lab(ranks)}
+    order = list(kinds)
+    for repeat in range(repeats):
+        for kind in order if repeat % 2 == 0 else reversed(order):
+            seconds = kinds[kind]()
+            trials[kind].append(seconds)
+            print(f"  N={ranks} repeat {repeat + 1}/{repeats}: {kind:17s} {seconds:6.2f} s", flush=True)
+    medians = {kind: statistics.median(values) for kind, values in trials.items()}
+    return {"trials_s": trials, "median_s": medians,
+            "ratio_fresh_kernel": medians["lab_fresh_kernel"] / medians["torchrun"],
+            "ratio_warm_kernel": medians["lab_warm_kernel"] / medians["torchrun"]}
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--ranks", type=int, nargs="+", default=[2, 4])
+    parser.add_argument("--noop-calls", type=int, default=200)
+    parser.add_argument("--output", default=RESULT_PATH)
+    args = parser.parse_args()
+
+    import ipyparallel
+    import torch
+
+    from pplab.cluster.plan import loopback_interface
+
+    with tempfile.TemporaryDirectory(prefix="pplab-bench-") as scratch:
+        # Both sides get the same settings a lab uses: one thread, gloo on loopback.
+        os.environ["IPYTHONDIR"] = os.path.join(scratch, "ipython")  # no user profile touched
+        environment = {**os.environ, "OMP_NUM_THREADS": "1", "GLOO_SOCKET_IFNAME": loopback_interface()}
+        script = os.path.join(scratch, "ready.py")
+        with open(script, "w") as file:
+            file.write(TORCHRUN_SCRIPT)
+
+        start = {}
+        for ranks in args.ranks:
+            print(f"time to ready ranks, N={ranks} (interleaved, {args.repeats} repeats)")
+            start[str(ranks)] = measure_start(ranks, args.repeats, script, environment)
+        print(f"lab.run(noop) on a warm 2-rank lab, {args.noop_calls} calls")
+        noop_result = time_noop_calls(2, args.noop_calls)
+
+    result = {
+        "benchmark": "time to a ready lab vs torchrun --standalone; lab.run no-op overhead",
+        "ready_means": "one process per rank up, torch imported, gloo group initialised, one barrier done",
+        "machine": {"cpus": os.cpu_count(), "python": platform.python_version(),
+                    "torch": torch.__version__, "ipyparallel": ipyparallel.__version__,
+                    "platform": platform.platform()},
+        "repeats": args.repeats,
+        "start": start,
+        "noop": noop_result,
+        "measured_at": time.strftime("%Y-%m-%dT%H:%M:%S"),
+    }
+    os.makedirs(os.path.dirname(args.output), exist_ok=True)
+    with open(args.output, "w") as file:
+        json.dump(result, file, indent=2)
+
+    print("\nresult (medians; ratio = lab / torchrun, goal <= 1.0)")
+    for ranks, row in start.items():
+        medians = row["median_s"]
+        print(f"  N={ranks}: torchrun {medians['torchrun']:.2f} s | lab, fresh kernel "
+              f"{medians['lab_fresh_kernel']:.2f} s (ratio {row['ratio_fresh_kernel']:.2f}) | "
+              f"lab, warm kernel {medians['lab_warm_kernel']:.2f} s (ratio {row['ratio_warm_kernel']:.2f})")
+    print(f"  lab.run(noop), 2 ranks: {noop_result['lab_run_ms']:.1f} ms "
+          f"(ipyparallel apply alone: {noop_result['ipyparallel_apply_ms']:.1f} ms)")
+    print(f"wrote {args.output}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

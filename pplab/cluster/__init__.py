@@ -1,0 +1,28 @@
+"""The lab cluster: ipyparallel engines as torch.distributed ranks, driven from a notebook.
+
+    lab = pplab.Lab(ranks=4)      # start: engines up, ranks assigned, process group ready
+    lab.run(fn, *args)            # fn on every rank, results ordered by rank
+    for event in lab.stream(fn):  # events that ranks publish() while fn runs
+        ...
+    lab.restart()                 # after a hang or a crash
+    lab.stop()                    # nothing left running
+
+Modules, top to bottom: `plan` (argument checks, backend/device, rank order),
+`engine` (what runs on each engine), `forkserver` and `launcher` (fast engine
+start), `records` (on-disk records and `cleanup`), `status`, `calls` (waiting,
+errors, streaming) and `lab` (the Lab itself).
+"""
+
+from pplab.cluster.calls import RankCall, RankEvent
+from pplab.cluster.engine import RankContext, publish, rank_context
+from pplab.cluster.errors import (LabError, LabNeedsRestartError, LabStartError, RankDiedError,
+                                  RankFailedError, RankTimeoutError)
+from pplab.cluster.lab import Lab
+from pplab.cluster.records import cleanup
+from pplab.cluster.status import RankInfo, RankTable
+
+__all__ = [
+    "Lab", "cleanup", "publish", "rank_context", "RankContext", "RankCall", "RankEvent",
+    "RankInfo", "RankTable", "LabError", "LabStartError", "LabNeedsRestartError",
+    "RankFailedError", "RankDiedError", "RankTimeoutError",
+]

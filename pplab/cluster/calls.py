@@ -1,0 +1,191 @@
+"""A call running on every rank: results ordered by rank, events streamed while it runs.
+
+`Lab.run_async` returns a `RankCall`. Waiting on it (`result()`, `events()`)
+never hangs silently: the first rank that raises wins (the others get `grace`
+seconds to finish), a rank whose process dies is noticed within a fraction of
+a second, and a call past its timeout names the ranks still running.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import re
+import time
+from typing import Any, Iterator, NamedTuple
+
+from pplab.cluster.engine import event_key
+from pplab.cluster.errors import (RESTART_HINT, RankDiedError, RankFailedError,
+                                  RankTimeoutError)
+
+POLL_SECONDS = 0.1  # how often a waiting client looks for dead ranks and new events
+OUTPUT_DRAIN_SECONDS = 2.0  # events may trail a rank's result by a moment: wait this long for them
+_ANSI_ESCAPES = re.compile(r"\x1b\[[0-9;]*m")
+
+
+class RankEvent(NamedTuple):
+    """One event published by a rank: its rank, its number within the call, its payload."""
+
+    rank: int
+    seq: int
+    payload: Any
+
+
+def _one_result_per_rank(async_result) -> list:
+    """Split an AsyncResult over the ranks into one single-result AsyncResult per rank.
+
+    (AsyncResult.split() returns a lone result unsplit, as a list of one.)
+    """
+    from ipyparallel import AsyncResult
+
+    return [AsyncResult(async_result._client, children=child, targets=[target],
+                        fname=async_result._fname, owner=False)
+            for child, target in zip(async_result._children, async_result._targets)]
+
+
+def _remote_parts(error: BaseException) -> tuple[str, str, str]:
+    """(exception type, message, traceback text) of an error raised on a rank."""
+    if hasattr(error, "ename"):  # ipyparallel's RemoteError carries the rank's own exception
+        return error.ename, str(error.evalue), _ANSI_ESCAPES.sub("", error.traceback or "")
+    return type(error).__name__, str(error), ""
+
+
+class RankCall:
+    """A function running on every rank: its results ordered by rank, its events as they arrive."""
+
+    def __init__(self, lab, async_result, name: str, timeout: float | None):
+        self._lab = lab
+        self._per_rank = _one_result_per_rank(async_result)
+        self._name = name
+        self._timeout = timeout
+        self._deadline = None if timeout is None else time.monotonic() + timeout
+        self._data = [result.metadata["data"] for result in self._per_rank]  # filled as events arrive
+        self._next_seq = [0] * len(self._per_rank)
+        self._first_failure_at: float | None = None
+        self._dead: set[int] = set()  # ranks whose process was found gone while waiting
+        self._error: Exception | None = None
+
+    def __repr__(self) -> str:
+        state = "done" if self.done() else "running"
+        return f"<RankCall {self._name} on {len(self._per_rank)} ranks: {state}>"
+
+    def done(self) -> bool:
+        """True when every rank has finished (successfully or not)."""
+        return all(result.ready() for result in self._per_rank)
+
+    def result(self, timeout: float | None = None) -> list:
+        """Wait for every rank; return their results ordered by rank, or raise naming the rank."""
+        wait_until = None if timeout is None else time.monotonic() + timeout
+        while not self._finished():
+            if wait_until is not None and time.monotonic() >= wait_until:
+                raise TimeoutError(f"{self._name} still running after result(timeout={timeout}); "
+                                   "the call goes on, ask again later")
+            self._wait_a_little(wait_until)
+        return [result.get() for result in self._per_rank]
+
+    def poll_events(self) -> list[RankEvent]:
+        """The events that arrived since the last look, without waiting (for widget loops)."""
+        events = []
+        for rank, data in enumerate(self._data):
+            while (key := event_key(self._next_seq[rank])) in data:
+                events.append(RankEvent(rank, self._next_seq[rank], data[key]))
+                self._next_seq[rank] += 1
+        return events
+
+    def events(self) -> Iterator[RankEvent]:
+        """Yield events as ranks publish them, until the call ends (then raise if it failed)."""
+        while True:
+            yield from self.poll_events()
+            try:
+                if self._finished():
+                    break
+            except Exception:
+                yield from self.poll_events()  # what arrived before the failure still counts
+                raise
+            self._wait_a_little(None)
+        for result in self._per_rank:
+            result.wait_for_output(OUTPUT_DRAIN_SECONDS)  # the last events may trail the result
+        yield from self.poll_events()
+
+    # -- waiting, and turning what went wrong into one clear error ---------------------------
+
+    def _finished(self) -> bool:
+        """True when every rank succeeded; raises the call's error if it failed."""
+        if self._error is None:
+            self._error = self._find_error()
+        if self._error is not None:
+            raise self._error
+        return self.done()
+
+    def _wait_a_little(self, wait_until: float | None) -> None:
+        """Block until a rank finishes or fails, or POLL_SECONDS pass; then look for dead ranks."""
+        running = self._running()
+        seconds = POLL_SECONDS
+        if wait_until is not None:
+            seconds = max(0.0, min(seconds, wait_until - time.monotonic()))
+        done, _ = concurrent.futures.wait([self._per_rank[rank] for rank in running],
+                                          timeout=seconds,
+                                          return_when=concurrent.futures.FIRST_EXCEPTION)
+        if not done:  # only a call that takes a while pays for checking processes
+            self._dead.update(self._lab._dead_ranks(self._running()))
+
+    def _running(self) -> list[int]:
+        return [rank for rank, result in enumerate(self._per_rank) if not result.ready()]
+
+    def _find_error(self) -> Exception | None:
+        """The error this call has come to (failed, died or timed out), or None while it is fine."""
+        failed = [rank for rank, result in enumerate(self._per_rank)
+                  if result.ready() and not result.successful()]
+        running = self._running()
+        died = self._dead | {rank for rank in failed
+                             if _remote_parts(self._per_rank[rank].exception())[0] == "EngineError"}
+        if died:
+            return self._died(sorted(died))
+        if failed:
+            if self._first_failure_at is None:
+                self._first_failure_at = time.monotonic()
+            waited = time.monotonic() - self._first_failure_at
+            if running and waited < self._lab.grace and not self._past_deadline():
+                return None  # the others get a bounded time to finish
+            return self._failed(failed, running)
+        if running and self._past_deadline():
+            return self._timed_out(running)
+        return None
+
+    def _past_deadline(self) -> bool:
+        return self._deadline is not None and time.monotonic() >= self._deadline
+
+    def _failed(self, failed: list[int], running: list[int]) -> RankFailedError:
+        """The first rank to raise wins; the message says what happened to the others."""
+        first = min(failed, key=self._completion_time)
+        ename, evalue, traceback = _remote_parts(self._per_rank[first].exception())
+        lines = [f"rank {first} raised {ename}: {evalue}  (in {self._name})"]
+        others = [rank for rank in failed if rank != first]
+        if others:
+            lines.append(f"ranks {others} raised too (see lab.last_errors).")
+        if running:
+            lines.append(f"ranks {running} were still running {self._lab.grace:g} s later, probably "
+                         f"waiting for rank {first}; {RESTART_HINT}.")
+            self._lab._needs_restart(f"ranks {running} were left running after rank {first} raised")
+        lines.append(f"\nRemote traceback (rank {first}):\n{traceback}")
+        self._lab.last_errors = {rank: self._per_rank[rank].exception() for rank in failed}
+        return RankFailedError("\n".join(lines), rank=first, ename=ename, evalue=evalue,
+                               traceback=traceback, still_running=running)
+
+    def _completion_time(self, rank: int) -> float:
+        """When a finished rank's engine completed the call (for 'first exception wins')."""
+        completed = self._per_rank[rank].metadata.get("completed")
+        return completed.timestamp() if completed is not None else float("inf")
+
+    def _died(self, died: list[int]) -> RankDiedError:
+        who = ", ".join(self._lab._describe_rank(rank) for rank in died)
+        reason = f"{who} died (its process ended) while running {self._name}"
+        self._lab._needs_restart(reason)
+        return RankDiedError(f"{reason}; {RESTART_HINT}.", ranks=died)
+
+    def _timed_out(self, running: list[int]) -> RankTimeoutError:
+        finished = [rank for rank in range(len(self._per_rank)) if rank not in running]
+        reason = (f"{self._name} timed out after {self._timeout:g} s: ranks {running} still running"
+                  + (f" (ranks {finished} finished)" if finished else ""))
+        self._lab._needs_restart(reason)
+        return RankTimeoutError(f"{reason}. A rank blocked in a collective or a recv cannot be "
+                                f"interrupted; {RESTART_HINT}.", ranks=running)

@@ -1,0 +1,156 @@
+"""What runs on each engine: describe it, make it a rank, publish events, leave the group.
+
+The client calls these functions on the engines (they are pickled by reference,
+so every engine imports this module). Code that runs on a rank can call
+`publish(...)` to stream an event to the notebook while it runs, and
+`rank_context()` to learn its rank, world size and device.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import socket
+import sys
+import threading
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from pplab.cluster.plan import RankSpec
+
+EVENT_KEY_PREFIX = "pplab-event-"
+
+
+def event_key(sequence: int) -> str:
+    """The data key of the `sequence`-th event of a call (unique, so no event overwrites another)."""
+    return f"{EVENT_KEY_PREFIX}{sequence:09d}"
+
+
+@dataclass(frozen=True)
+class RankContext:
+    """Who this engine is in the process group."""
+
+    rank: int
+    world_size: int
+    local_rank: int
+    local_world_size: int
+    backend: str
+    device: torch.device
+
+
+_context: RankContext | None = None
+
+
+def rank_context() -> RankContext:
+    """This engine's rank, world size and device (raises outside a lab engine)."""
+    if _context is None:
+        raise RuntimeError("rank_context() works on a pplab lab engine, after the lab has started")
+    return _context
+
+
+def describe() -> dict:
+    """Report host, process and GPUs of this engine: what the client needs to assign ranks."""
+    import psutil
+
+    return {
+        "host": socket.gethostname(),
+        "address": _host_address(),
+        "pid": os.getpid(),
+        "create_time": psutil.Process().create_time(),
+        "gpus": torch.cuda.device_count(),
+    }
+
+
+def _host_address() -> str:
+    """An IP address of this host that other hosts can reach (used for a TCP rendezvous)."""
+    try:
+        return socket.gethostbyname(socket.gethostname())
+    except OSError:
+        return "127.0.0.1"
+
+
+def free_port() -> int:
+    """A TCP port that is free on this host right now (for a fresh TCP rendezvous)."""
+    with socket.socket() as sock:
+        sock.bind(("", 0))
+        return sock.getsockname()[1]
+
+
+def setup_rank(spec: RankSpec) -> dict:
+    """Join the process group as `spec.rank`, do one barrier, and define rank names for %%px."""
+    global _context
+    for entry in reversed(spec.sys_path):
+        if entry not in sys.path:
+            sys.path.insert(0, entry)  # so functions from the notebook's own modules import here
+    if spec.threads is not None:
+        torch.set_num_threads(spec.threads)
+    if spec.gloo_ifname:
+        os.environ["GLOO_SOCKET_IFNAME"] = spec.gloo_ifname
+        os.environ["NCCL_SOCKET_IFNAME"] = spec.gloo_ifname
+
+    if dist.is_initialized():
+        dist.destroy_process_group()  # left by an earlier lab on these engines: start afresh
+    if spec.device == "cuda":
+        torch.cuda.set_device(spec.local_rank)
+        device = torch.device("cuda", spec.local_rank)
+    else:
+        device = torch.device("cpu")
+    dist.init_process_group(spec.backend, init_method=spec.rendezvous, rank=spec.rank,
+                            world_size=spec.world_size,
+                            timeout=datetime.timedelta(seconds=spec.timeout))
+    dist.barrier(device_ids=[spec.local_rank] if spec.backend == "nccl" else None)
+
+    _context = RankContext(spec.rank, spec.world_size, spec.local_rank, spec.local_world_size,
+                           spec.backend, device)
+    _define_names_for_px_cells(_context)
+    return describe()
+
+
+def _define_names_for_px_cells(context: RankContext) -> None:
+    """Put rank, world_size, device, dist, ... in the engine's namespace, where %%px cells run."""
+    from IPython import get_ipython
+
+    shell = get_ipython()
+    if shell is None:
+        return
+    shell.user_ns.update(
+        rank=context.rank, world_size=context.world_size, local_rank=context.local_rank,
+        device=context.device, backend=context.backend, torch=torch, dist=dist, publish=publish,
+    )
+
+
+def teardown_rank() -> None:
+    """Leave the process group, so that the engine can stop cleanly."""
+    global _context
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    _context = None
+
+
+# Events: ipyparallel's data publication keeps, per call, a dict that each message
+# *updates*. Giving every event its own key (a per-call sequence number) means no
+# event replaces another, and the client reads them back in order, exactly once.
+_publish_lock = threading.Lock()
+_current_call = {"id": None, "next": 0}
+
+
+def publish(payload: object) -> None:
+    """Send one event (any picklable object) to the client while the current call runs.
+
+    Events of one rank arrive in the order they were published, none lost or repeated.
+    Outside a lab engine (e.g. under torchrun) there is no one to tell: it does nothing.
+    """
+    if _context is None:
+        return
+    from IPython import get_ipython
+
+    data_pub = get_ipython().data_pub
+    with _publish_lock:
+        call_id = data_pub.parent_header.get("msg_id")
+        if call_id != _current_call["id"]:
+            _current_call.update(id=call_id, next=0)
+        sequence = _current_call["next"]
+        _current_call["next"] += 1
+        data_pub.publish_data({event_key(sequence): payload})

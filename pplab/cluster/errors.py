@@ -1,0 +1,46 @@
+"""What can go wrong on a lab, each error naming the rank and what to do next."""
+
+from __future__ import annotations
+
+RESTART_HINT = "call lab.restart() to get fresh ranks"
+
+
+class LabError(RuntimeError):
+    """Something went wrong with the lab's engines or with a call running on them."""
+
+
+class LabStartError(LabError):
+    """The controller or the engines did not come up."""
+
+
+class RankFailedError(LabError):
+    """A rank raised an exception; carries its rank, exception type and remote traceback."""
+
+    def __init__(self, message: str, *, rank: int, ename: str, evalue: str, traceback: str,
+                 still_running: list[int]):
+        super().__init__(message)
+        self.rank = rank
+        self.ename = ename
+        self.evalue = evalue
+        self.traceback = traceback
+        self.still_running = still_running
+
+
+class RankDiedError(LabError):
+    """A rank's process ended while a call was running on it."""
+
+    def __init__(self, message: str, *, ranks: list[int]):
+        super().__init__(message)
+        self.ranks = ranks
+
+
+class RankTimeoutError(LabError, TimeoutError):
+    """A call ran past its timeout; carries the ranks that were still running."""
+
+    def __init__(self, message: str, *, ranks: list[int]):
+        super().__init__(message)
+        self.ranks = ranks
+
+
+class LabNeedsRestartError(LabError):
+    """An earlier failure left ranks busy or gone; only lab.restart() can recover."""

@@ -1,0 +1,123 @@
+"""Pure decisions taken before any rank blocks: argument checks, backend and device, rank order.
+
+Nothing here starts a process or imports ipyparallel, so every rule is cheap to
+test and every bad argument is rejected before the lab spends a second starting.
+"""
+
+from __future__ import annotations
+
+import socket
+from dataclasses import dataclass
+
+BACKENDS = ("auto", "gloo", "nccl")
+DEVICES = ("auto", "cpu", "cuda")
+
+
+@dataclass(frozen=True)
+class RankSpec:
+    """Everything one engine needs to become rank `rank` of the process group."""
+
+    rank: int
+    world_size: int
+    local_rank: int
+    local_world_size: int
+    backend: str
+    device: str  # "cpu" or "cuda"
+    rendezvous: str  # init_method URL: file:///... on one host, tcp://host:port across hosts
+    timeout: float  # seconds, for the rendezvous and for every collective or P2P op
+    threads: int | None  # torch threads per rank; None keeps the engine's default
+    gloo_ifname: str | None  # network interface for gloo/NCCL sockets; None lets them choose
+    sys_path: tuple[str, ...] = ()  # entries of the client's sys.path to add on the engine
+
+
+def check_ranks(ranks: object) -> int:
+    """Return `ranks` if it is a whole number >= 1, else raise a ValueError naming the fix."""
+    if isinstance(ranks, bool) or not isinstance(ranks, int):
+        raise ValueError(f"ranks={ranks!r} must be a whole number of processes, e.g. Lab(ranks=2)")
+    if ranks < 1:
+        raise ValueError(f"ranks={ranks} must be at least 1, e.g. Lab(ranks=2)")
+    return ranks
+
+
+def check_positive(name: str, value: object) -> float:
+    """Return `value` as a float if it is a positive number of seconds, else raise."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0:
+        raise ValueError(f"{name}={value!r} must be a positive number of seconds")
+    return float(value)
+
+
+def check_threads(threads: object) -> int | None:
+    """Return `threads` if it is None or a whole number >= 1, else raise."""
+    if threads is None:
+        return None
+    if isinstance(threads, bool) or not isinstance(threads, int) or threads < 1:
+        raise ValueError(f"threads={threads!r} must be a whole number >= 1 (or None for torch's default)")
+    return threads
+
+
+def choose_backend_device(backend: str, device: str, gpus_per_host: dict[str, int],
+                          ranks_per_host: dict[str, int]) -> tuple[str, str]:
+    """Pick (backend, device): CUDA + NCCL when every local rank can own a GPU, else CPU + gloo.
+
+    `backend` and `device` may be forced; a forced choice the hosts cannot honour
+    raises a ValueError that names the value and the fix.
+    """
+    if backend not in BACKENDS:
+        raise ValueError(f"backend={backend!r} is unknown; use one of {', '.join(map(repr, BACKENDS))}")
+    if device not in DEVICES:
+        raise ValueError(f"device={device!r} is unknown; use one of {', '.join(map(repr, DEVICES))}")
+    short = {host: (ranks_per_host[host], gpus_per_host.get(host, 0)) for host in ranks_per_host
+             if gpus_per_host.get(host, 0) < ranks_per_host[host]}
+
+    asked_for_gpus = f"device={device!r}" if device == "cuda" else f"backend={backend!r}"
+    if device == "auto":
+        if backend == "auto":
+            device = "cpu" if short else "cuda"
+        else:
+            device = "cuda" if backend == "nccl" else "cpu"
+    if device == "cuda" and short:
+        host, (wanted, have) = next(iter(short.items()))
+        raise ValueError(f"{asked_for_gpus} needs one GPU per rank, but host {host!r} would run "
+                         f"{wanted} ranks on {have} GPU(s); use fewer ranks or device='cpu' "
+                         f"(backend='gloo')")
+    if backend == "auto":
+        backend = "nccl" if device == "cuda" else "gloo"
+    if backend == "nccl" and device != "cuda":
+        raise ValueError("backend='nccl' runs on GPUs only; use backend='gloo' for device='cpu'")
+    return backend, device
+
+
+def assign_ranks(engines: dict[int, str]) -> list[int]:
+    """Order engine ids into ranks: hosts in order of their lowest engine id, engine ids within a host.
+
+    Engine ids are not ranks (they change after a restart); this order keeps each
+    host's ranks contiguous so that local ranks 0..k-1 map onto its GPUs.
+    """
+    host_order: dict[str, int] = {}
+    for engine_id in sorted(engines):
+        host_order.setdefault(engines[engine_id], len(host_order))
+    return sorted(engines, key=lambda engine_id: (host_order[engines[engine_id]], engine_id))
+
+
+def local_ranks(hosts_by_rank: list[str]) -> list[tuple[int, int]]:
+    """For each rank, (its index among the ranks on its host, how many ranks that host has)."""
+    seen: dict[str, int] = {}
+    for host in hosts_by_rank:
+        seen[host] = seen.get(host, 0) + 1
+    counter: dict[str, int] = {}
+    pairs = []
+    for host in hosts_by_rank:
+        pairs.append((counter.get(host, 0), seen[host]))
+        counter[host] = counter.get(host, 0) + 1
+    return pairs
+
+
+def loopback_interface() -> str:
+    """Name of the loopback network interface ("lo" on Linux, "lo0" on macOS)."""
+    import psutil
+
+    for name, addresses in psutil.net_if_addrs().items():
+        if any(address.family == socket.AF_INET and address.address.startswith("127.")
+               for address in addresses):
+            return name
+    return "lo"

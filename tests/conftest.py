@@ -1,0 +1,96 @@
+"""Shared fixtures: a sandboxed IPYTHONDIR, one lab for the session, labs on demand, no leaks.
+
+* `ipython_dir` (session, automatic): a temporary IPYTHONDIR, so tests never touch
+  the user's profiles; at the end of the run it FAILS the run if any controller,
+  engine or engine fork server started under it is still alive (and kills it).
+* `lab2`: a 2-rank CPU/gloo lab shared by the whole session (restarted first if an
+  earlier test left it needing a restart). Use it for anything that does not
+  break or reconfigure the lab.
+* `lab_factory`: `lab_factory(ranks=4, timeout=3, ...)` starts a lab of your own;
+  every lab it started is stopped after the test, passed or failed.
+"""
+
+from __future__ import annotations
+
+import os
+
+import psutil
+import pytest
+
+LAB_PROCESS_MARKERS = ("ipyparallel.controller", "ipyparallel.engine", "ipcontroller",
+                       "ipengine", "pplab.cluster.forkserver")
+
+
+def lab_processes(ipython_dir: str) -> list[psutil.Process]:
+    """Live controller, engine and fork-server processes started under `ipython_dir`."""
+    found = []
+    for process in psutil.process_iter(["cmdline", "environ", "status"]):
+        command = " ".join(process.info["cmdline"] or [])
+        if process.info["status"] == psutil.STATUS_ZOMBIE:
+            continue
+        if not any(marker in command for marker in LAB_PROCESS_MARKERS):
+            continue
+        environment = process.info["environ"] or {}
+        started_here = (environment.get("IPYTHONDIR", "").startswith(ipython_dir)
+                        or environment.get("IPP_PROFILE_DIR", "").startswith(ipython_dir)
+                        or ipython_dir in command)
+        if started_here:
+            found.append(process)
+    return found
+
+
+@pytest.fixture(scope="session", autouse=True)
+def ipython_dir(tmp_path_factory):
+    """A temporary IPYTHONDIR for the session; fails the run if a lab process outlives it."""
+    path = str(tmp_path_factory.mktemp("ipython"))
+    previous = os.environ.get("IPYTHONDIR")
+    os.environ["IPYTHONDIR"] = path
+    yield path
+    if previous is None:
+        os.environ.pop("IPYTHONDIR", None)
+    else:
+        os.environ["IPYTHONDIR"] = previous
+    # Give processes that are on their way out (e.g. ipyparallel's nannies) a moment.
+    _, leaked = psutil.wait_procs(lab_processes(path), timeout=5)
+    described = [f"pid {process.pid}: {' '.join(process.cmdline())[:120]}" for process in leaked]
+    for process in leaked:
+        process.kill()  # never leave them to the next CI job
+    if leaked:
+        pytest.fail(f"{len(leaked)} lab process(es) outlived the tests:\n" + "\n".join(described),
+                    pytrace=False)
+
+
+@pytest.fixture(scope="session")
+def _session_lab(ipython_dir):
+    import pplab
+
+    lab = pplab.Lab(ranks=2, device="cpu", timeout=20, grace=1, verbose=False)
+    yield lab
+    lab.stop()
+
+
+@pytest.fixture
+def lab2(_session_lab):
+    """The session's 2-rank lab, restarted first if an earlier test left it needing a restart."""
+    if _session_lab.state != "running":
+        _session_lab.restart()
+    return _session_lab
+
+
+@pytest.fixture
+def lab_factory(ipython_dir):
+    """Start labs with any options; every lab started is stopped after the test, pass or fail."""
+    import pplab
+
+    labs = []
+
+    def start(ranks: int = 2, **options):
+        options.setdefault("verbose", False)
+        options.setdefault("device", "cpu")  # the tests are about gloo on CPU, GPUs or not
+        lab = pplab.Lab(ranks=ranks, **options)
+        labs.append(lab)
+        return lab
+
+    yield start
+    for lab in labs:
+        lab.stop()

@@ -1,0 +1,441 @@
+"""The lab cluster with real processes: engines as gloo ranks on CPU, started, used, broken, restarted.
+
+Functions sent to the ranks are defined at module level (the engines import this
+module, as they would import a notebook's own module).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+
+import psutil
+import pytest
+import torch
+
+import pplab
+from pplab.cluster import (LabError, LabNeedsRestartError, RankDiedError, RankFailedError,
+                           RankTimeoutError, publish, rank_context, records)
+from pplab.cluster.plan import assign_ranks, choose_backend_device, local_ranks
+from pplab.cluster.status import RankInfo, RankTable
+
+# -- functions that run on the ranks ------------------------------------------------------
+
+
+def whoami():
+    import torch.distributed as dist
+
+    context = rank_context()
+    return {"rank": context.rank, "dist_rank": dist.get_rank(), "world_size": context.world_size,
+            "pid": os.getpid()}
+
+
+def all_reduce_sum():
+    """Every rank contributes rank + 1; every rank must see 1 + 2 + ... + world_size."""
+    import torch
+    import torch.distributed as dist
+
+    value = torch.tensor([float(dist.get_rank() + 1)])
+    dist.all_reduce(value)
+    return value.item()
+
+
+def ring_exchange():
+    """Each rank sends 10 * rank to the next rank and receives from the previous one."""
+    import torch
+    import torch.distributed as dist
+
+    rank, size = dist.get_rank(), dist.get_world_size()
+    outgoing, incoming = torch.tensor([10.0 * rank]), torch.zeros(1)
+    requests = [dist.isend(outgoing, (rank + 1) % size), dist.irecv(incoming, (rank - 1) % size)]
+    for request in requests:
+        request.wait()
+    return incoming.item()
+
+
+def raise_on_rank(bad_rank, others_wait_for_it):
+    """`bad_rank` raises; the others return at once, or block receiving from it."""
+    import torch
+    import torch.distributed as dist
+
+    if dist.get_rank() == bad_rank:
+        raise ValueError(f"boom from rank {bad_rank}")
+    if others_wait_for_it:
+        dist.recv(torch.zeros(1), src=bad_rank)
+    return "ok"
+
+
+def exit_on_rank(bad_rank):
+    import torch.distributed as dist
+
+    if dist.get_rank() == bad_rank:
+        os._exit(3)
+    return "ok"
+
+
+def recv_that_never_comes():
+    """Rank 1 waits for a message rank 0 never sends."""
+    import torch
+    import torch.distributed as dist
+
+    if dist.get_rank() == 1:
+        dist.recv(torch.zeros(1), src=0)
+    return "done"
+
+
+def publish_numbered_events(count, release_flag):
+    """Publish `count` numbered events, then keep running until `release_flag` exists."""
+    import torch.distributed as dist
+
+    for number in range(count):
+        publish({"rank": dist.get_rank(), "number": number})
+    deadline = time.time() + 30
+    while not os.path.exists(release_flag) and time.time() < deadline:
+        time.sleep(0.01)
+    return count
+
+
+def listening_addresses():
+    """The addresses this process listens on (TCP)."""
+    connections = psutil.Process().net_connections(kind="inet")
+    return sorted({c.laddr.ip for c in connections if c.status == psutil.CONN_LISTEN})
+
+
+# -- helpers ------------------------------------------------------------------------------------
+
+
+def assert_healthy(lab):
+    """The lab answers, and a collective gives the right value on every rank."""
+    n = lab.world_size
+    assert lab.run(all_reduce_sum, timeout=20) == [n * (n + 1) / 2] * n
+
+
+def all_gone(pids, within=10.0):
+    deadline = time.monotonic() + within
+    while time.monotonic() < deadline:
+        alive = [pid for pid in pids if psutil.pid_exists(pid)
+                 and psutil.Process(pid).status() != psutil.STATUS_ZOMBIE]
+        if not alive:
+            return True
+        time.sleep(0.1)
+    return False
+
+
+# -- decisions taken before anything starts (no processes) ---------------------------------------
+
+
+@pytest.mark.timeout(30)
+@pytest.mark.parametrize("arguments, named", [
+    ({"ranks": 0}, "ranks=0"),
+    ({"ranks": -2}, "ranks=-2"),
+    ({"ranks": 1.5}, "ranks=1.5"),
+    ({"ranks": "2"}, "ranks='2'"),
+    ({"ranks": 2, "backend": "mpi"}, "backend='mpi'"),
+    ({"ranks": 2, "device": "tpu"}, "device='tpu'"),
+    pytest.param({"ranks": 2, "device": "cuda"}, "device='cuda'",
+                 marks=pytest.mark.skipif(torch.cuda.device_count() >= 2, reason="has 2 GPUs")),
+    ({"ranks": 2, "backend": "nccl", "device": "cpu"}, "backend='nccl'"),
+    pytest.param({"ranks": 2, "backend": "nccl"}, "backend='nccl' needs one GPU per rank",
+                 marks=pytest.mark.skipif(torch.cuda.device_count() >= 2, reason="has 2 GPUs")),
+    ({"ranks": 2, "timeout": 0}, "timeout=0"),
+    ({"ranks": 2, "threads": 0}, "threads=0"),
+])
+def test_bad_arguments_are_rejected_before_anything_starts(arguments, named, ipython_dir):
+    from conftest import lab_processes
+
+    started = time.monotonic()
+    with pytest.raises(ValueError, match=named.replace("(", r"\(").replace(".", r"\.")):
+        pplab.Lab(**arguments, verbose=False)
+    assert time.monotonic() - started < 2, "rejected only after starting something"
+    assert lab_processes(ipython_dir) == []
+
+
+def test_backend_and_device_follow_the_gpus_of_each_host():
+    two_hosts = {"a": 2, "b": 2}
+    assert choose_backend_device("auto", "auto", {"a": 2, "b": 2}, two_hosts) == ("nccl", "cuda")
+    assert choose_backend_device("auto", "auto", {"a": 2, "b": 1}, two_hosts) == ("gloo", "cpu")
+    assert choose_backend_device("gloo", "auto", {"a": 2, "b": 2}, two_hosts) == ("gloo", "cpu")
+    assert choose_backend_device("auto", "cpu", {"a": 8}, {"a": 2}) == ("gloo", "cpu")
+    assert choose_backend_device("gloo", "cuda", {"a": 2}, {"a": 2}) == ("gloo", "cuda")
+    with pytest.raises(ValueError, match="host 'b' would run 2 ranks on 1 GPU"):
+        choose_backend_device("auto", "cuda", {"a": 2, "b": 1}, two_hosts)
+
+
+def test_ranks_are_grouped_by_host_and_numbered_within_it():
+    engines = {7: "b", 3: "a", 5: "b", 4: "a"}  # engine ids are not ranks
+    order = assign_ranks(engines)
+    assert order == [3, 4, 5, 7]
+    assert local_ranks([engines[e] for e in order]) == [(0, 2), (1, 2), (0, 2), (1, 2)]
+
+
+def test_status_table_prints_as_text_and_html():
+    table = RankTable([RankInfo(0, 3, "vm", 11, 0, "cpu", "gloo", "idle"),
+                       RankInfo(1, 4, "vm", 12, 1, "cpu", "gloo", "busy")])
+    text = str(table)
+    assert text.splitlines()[0].split() == ["rank", "engine_id", "host", "pid", "local_rank",
+                                            "device", "backend", "state"]
+    assert text.splitlines()[2].split()[:2] == ["1", "4"]
+    assert table._repr_html_().count("<tr>") == 3
+
+
+def test_publish_outside_a_lab_engine_does_nothing():
+    assert publish({"anything": 1}) is None
+    with pytest.raises(RuntimeError, match="lab engine"):
+        rank_context()
+
+
+# -- a running lab -----------------------------------------------------------------------------
+
+
+@pytest.mark.timeout(60)
+def test_results_come_back_ordered_by_rank(lab2):
+    results = lab2.run(whoami)
+    assert [r["rank"] for r in results] == [0, 1]
+    assert [r["dist_rank"] for r in results] == [0, 1]
+    assert {r["world_size"] for r in results} == {2}
+    status = lab2.status()
+    assert [row.rank for row in status] == [0, 1]
+    assert [row.pid for row in status] == [r["pid"] for r in results]
+    assert {(row.device, row.backend, row.state) for row in status} == {("cpu", "gloo", "idle")}
+
+
+@pytest.mark.timeout(60)
+def test_all_reduce_and_p2p_give_the_right_values_on_every_rank(lab2):
+    assert lab2.run(all_reduce_sum) == [3.0, 3.0]
+    assert lab2.run(ring_exchange) == [10.0, 0.0]
+
+
+@pytest.mark.timeout(60)
+def test_px_cells_see_rank_world_size_device_and_dist(lab2):
+    from IPython.core.interactiveshell import InteractiveShell
+
+    shell = InteractiveShell.instance()
+    try:
+        lab2.activate()
+        shell.run_cell_magic("px", "", "seen = (rank, world_size, str(device), dist.get_rank())")
+        assert lab2.view.pull("seen", block=True) == [(0, 2, "cpu", 0), (1, 2, "cpu", 1)]
+    finally:
+        InteractiveShell.clear_instance()
+
+
+@pytest.mark.timeout(60)
+def test_100_events_stream_complete_and_in_order_while_the_call_runs(lab2, tmp_path):
+    release = tmp_path / "release"
+    call = lab2.run_async(publish_numbered_events, 100, str(release), timeout=40)
+    received = {0: [], 1: []}
+    for event in call.events():
+        received[event.rank].append(event)
+        if all(len(events) == 100 for events in received.values()):
+            break
+    assert not call.done(), "the events must arrive while the call is still running"
+    release.touch()
+    assert call.result() == [100, 100]
+    for rank, events in received.items():
+        assert [e.seq for e in events] == list(range(100))
+        assert [e.payload for e in events] == [{"rank": rank, "number": n} for n in range(100)]
+    assert call.poll_events() == [], "no event is delivered twice"
+
+
+@pytest.mark.timeout(60)
+def test_every_lab_process_listens_on_loopback_only(lab2):
+    from conftest import lab_processes
+
+    engine_addresses = lab2.run(listening_addresses)
+    assert engine_addresses and all(all(ip.startswith("127.") for ip in ips) for ips in engine_addresses)
+    for process in lab_processes(os.environ["IPYTHONDIR"]):
+        for connection in process.net_connections(kind="inet"):
+            if connection.status == psutil.CONN_LISTEN:
+                assert connection.laddr.ip.startswith("127."), (process.cmdline(), connection)
+
+
+# -- starting and stopping --------------------------------------------------------------------
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("ranks", [1, 4])
+def test_start_and_stop_leave_nothing_running(ranks, lab_factory):
+    lab = lab_factory(ranks=ranks)
+    assert lab.world_size == ranks
+    assert [r["rank"] for r in lab.run(whoami)] == list(range(ranks))
+    assert_healthy(lab)
+    record = os.path.join(records.records_dir(lab.profile_dir), f"{lab.cluster_id}.json")
+    with open(record) as file:
+        entries = json.load(file)["processes"]
+    pids = [entry["pid"] for entry in entries]
+    roles = [entry["role"] for entry in entries]
+    assert roles.count("controller") == 1 and roles.count("engine fork server") == 1
+    assert [role for role in roles if role.startswith("rank")] == [f"rank {r}" for r in range(ranks)]
+    lab.stop()
+    assert all_gone(pids), "a controller or engine outlived lab.stop()"
+    assert not os.path.exists(record)
+    assert lab.state == "stopped"
+    with pytest.raises(LabError, match="stopped"):
+        lab.run(whoami)
+    lab.stop()  # stopping twice is fine
+
+
+@pytest.mark.timeout(120)
+def test_engines_started_one_process_each_without_the_fork_server(lab_factory):
+    lab = lab_factory(ranks=2, fork=False)  # what non-Linux hosts use
+    assert [r["rank"] for r in lab.run(whoami)] == [0, 1]
+    assert_healthy(lab)
+    pids = [row.pid for row in lab.status()]
+    lab.stop()
+    assert all_gone(pids)
+
+
+@pytest.mark.timeout(120)
+def test_a_lab_used_as_a_context_manager_stops_at_the_end(ipython_dir):
+    with pplab.Lab(ranks=2, device="cpu", verbose=False) as lab:
+        pids = [row.pid for row in lab.status()]
+        assert_healthy(lab)
+    assert all_gone(pids)
+
+
+@pytest.mark.timeout(120)
+def test_cleanup_stops_the_lab_of_a_killed_kernel(ipython_dir):
+    try:
+        kernel = subprocess.run(
+            [sys.executable, "-c",
+             "import os, signal, pplab\n"
+             "lab = pplab.Lab(ranks=2, device='cpu', verbose=False)\n"
+             "print(lab.cluster_id, flush=True)\n"
+             "os.kill(os.getpid(), signal.SIGKILL)  # no atexit, no lab.stop(): a killed kernel\n"],
+            capture_output=True, text=True, timeout=90, env=os.environ)
+        cluster_id = kernel.stdout.strip()
+        assert cluster_id, kernel.stderr
+        profile_dir = records.default_profile_dir()
+        [record] = [r for r in records.read_records(profile_dir) if r["cluster_id"] == cluster_id]
+        pids = [entry["pid"] for entry in record["processes"]]
+        assert pplab.cleanup() == [cluster_id]
+        assert all_gone(pids)
+        assert cluster_id not in [r["cluster_id"] for r in records.read_records(profile_dir)]
+    finally:
+        records.cleanup(verbose=False)  # if an assertion failed midway: still nothing left
+
+
+# -- failures: each gives a clear error within its timeout, then restart works ------------------
+
+
+@pytest.fixture(scope="module")
+def _fragile_lab(ipython_dir):
+    import pplab
+
+    lab = pplab.Lab(ranks=2, device="cpu", timeout=3, grace=1, verbose=False)
+    yield lab
+    lab.stop()
+
+
+@pytest.fixture
+def fragile_lab(_fragile_lab):
+    """A 2-rank lab with short timeouts (3 s per op, 1 s grace) that tests may break."""
+    if _fragile_lab.state != "running":
+        _fragile_lab.restart()
+    return _fragile_lab
+
+
+@pytest.mark.timeout(60)
+def test_a_rank_that_raises_is_named_with_its_traceback(fragile_lab):
+    started = time.monotonic()
+    with pytest.raises(RankFailedError) as caught:
+        fragile_lab.run(raise_on_rank, 1, False)
+    assert time.monotonic() - started < 3
+    error = caught.value
+    assert error.rank == 1 and error.ename == "ValueError" and error.still_running == []
+    assert "rank 1 raised ValueError: boom from rank 1" in str(error)
+    assert "Remote traceback (rank 1)" in str(error) and "raise_on_rank" in str(error)
+    assert fragile_lab.state == "running"  # the other rank finished: nothing to restart
+    assert_healthy(fragile_lab)
+
+
+@pytest.mark.timeout(60)
+def test_ranks_left_waiting_for_a_failed_rank_get_a_bounded_time_then_restart_works(fragile_lab):
+    started = time.monotonic()
+    with pytest.raises(RankFailedError) as caught:
+        fragile_lab.run(raise_on_rank, 1, True)
+    waited = time.monotonic() - started
+    assert caught.value.rank == 1 and caught.value.still_running == [0]
+    assert waited < fragile_lab.grace + 2
+    assert "ranks [0] were still running" in str(caught.value)
+    assert "lab.restart()" in str(caught.value)
+    with pytest.raises(LabNeedsRestartError, match="lab.restart()"):
+        fragile_lab.run(whoami)
+    fragile_lab.restart()
+    assert_healthy(fragile_lab)
+
+
+@pytest.mark.timeout(60)
+def test_a_rank_whose_process_dies_is_named_then_restart_works(fragile_lab):
+    old_pids = [row.pid for row in fragile_lab.status()]
+    started = time.monotonic()
+    with pytest.raises(RankDiedError) as caught:
+        fragile_lab.run(exit_on_rank, 1, timeout=20)
+    assert time.monotonic() - started < 3
+    assert caught.value.ranks == [1]
+    assert "rank 1 (engine" in str(caught.value) and "lab.restart()" in str(caught.value)
+    assert [row.state for row in fragile_lab.status()] == ["idle", "dead"]
+    fragile_lab.restart()
+    assert_healthy(fragile_lab)
+    assert not set(old_pids) & {row.pid for row in fragile_lab.status()}
+    assert all_gone(old_pids)
+
+
+@pytest.mark.timeout(60)
+def test_a_rank_blocked_in_recv_past_the_run_timeout_is_named_then_restart_works(fragile_lab):
+    started = time.monotonic()
+    with pytest.raises(RankTimeoutError) as caught:
+        fragile_lab.run(recv_that_never_comes, timeout=1.5)
+    assert 1.5 <= time.monotonic() - started < 3.5
+    assert caught.value.ranks == [1]
+    assert "ranks [1] still running" in str(caught.value) and "lab.restart()" in str(caught.value)
+    fragile_lab.restart()
+    assert_healthy(fragile_lab)
+
+
+@pytest.mark.timeout(60)
+def test_the_process_group_timeout_turns_a_blocked_recv_into_an_error(fragile_lab):
+    started = time.monotonic()
+    with pytest.raises(RankFailedError) as caught:
+        fragile_lab.run(recv_that_never_comes, timeout=30)
+    assert time.monotonic() - started < fragile_lab.timeout + 4
+    assert caught.value.rank == 1
+    fragile_lab.restart()  # a timed-out gloo pair is not to be trusted
+    assert_healthy(fragile_lab)
+
+
+# -- connecting to a cluster started elsewhere ---------------------------------------------------
+
+
+@pytest.mark.timeout(180)
+def test_connect_uses_engines_of_a_cluster_started_elsewhere(tmp_path):
+    import ipyparallel as ipp
+
+    cluster = ipp.Cluster(n=2, profile_dir=str(tmp_path / "profile_elsewhere"),
+                          controller_ip="127.0.0.1", log_level=40,
+                          controller_args=["--HeartMonitor.period=100"])
+    cluster.start_cluster_sync()
+    try:
+        lab = pplab.Lab.connect(profile=None, profile_dir=cluster.profile_dir,
+                                cluster_id=cluster.cluster_id, ranks=2, device="cpu",
+                                verbose=False)
+        try:
+            assert_healthy(lab)
+            assert lab.run(ring_exchange) == [10.0, 0.0]
+            first_pids = [row.pid for row in lab.status()]
+            lab.restart()  # through the cluster's own launcher
+            assert not set(first_pids) & {row.pid for row in lab.status()}
+            assert_healthy(lab)
+        finally:
+            lab.stop()
+        engines = [psutil.Process(row.pid) for row in lab.status()]
+        assert all(engine.is_running() for engine in engines)  # the cluster belongs to its starter
+        helpers = [child for engine in engines for child in engine.children(recursive=True)]
+    finally:
+        # The restart went through the cluster file, as `ipcluster stop` does: stop from it too.
+        ipp.Cluster.from_file(profile_dir=cluster.profile_dir,
+                              cluster_id=cluster.cluster_id).stop_cluster_sync()
+        cluster.stop_cluster_sync()
+    psutil.wait_procs(helpers, timeout=10)  # ipyparallel's nannies take a few seconds to exit
