@@ -16,6 +16,13 @@ from pplab.reference import ReferenceResult
 from pplab.runtime import Boundary
 
 
+class _ShownAsText:
+    """Reports read the same in a terminal, in a repr and (as a table) in a notebook."""
+
+    def __repr__(self) -> str:
+        return str(self)
+
+
 def _html_table(header: list[str], rows: Iterable[list], caption: str) -> str:
     head = "".join(f"<th>{html.escape(str(h))}</th>" for h in header)
     body = "".join("<tr>" + "".join(f"<td>{html.escape(str(c))}</td>" for c in row) + "</tr>"
@@ -26,8 +33,8 @@ def _html_table(header: list[str], rows: Iterable[list], caption: str) -> str:
 # --- gradient flow -------------------------------------------------------------------------
 
 
-@dataclass
-class GradientFlowReport:
+@dataclass(repr=False)
+class GradientFlowReport(_ShownAsText):
     """Which parameters got a finite, not-all-zero gradient, and which did not (and why)."""
 
     failures: dict[str, str]
@@ -71,8 +78,8 @@ def check_gradient_flow(grad_stats: dict[str, dict], expected_names: Iterable[st
 # --- parity with the single-device reference -------------------------------------------------
 
 
-@dataclass
-class ParityReport:
+@dataclass(repr=False)
+class ParityReport(_ShownAsText):
     """Loss and per-parameter gradient differences between a pipeline and the reference."""
 
     loss: float
@@ -135,8 +142,8 @@ def compare_with_reference(loss: float, grads: dict[str, torch.Tensor], referenc
 # --- boundary shapes ---------------------------------------------------------------------------
 
 
-@dataclass
-class BoundaryTable:
+@dataclass(repr=False)
+class BoundaryTable(_ShownAsText):
     """What crossed each stage boundary, per microbatch."""
 
     boundaries: list[Boundary]

@@ -29,6 +29,7 @@ from typing import Callable, Iterator
 from pplab.cluster import engine, records
 from pplab.cluster.calls import RankCall, RankEvent
 from pplab.cluster.errors import RESTART_HINT, LabError, LabNeedsRestartError, LabStartError
+from pplab.cluster.pipelines import PipelineRun
 from pplab.cluster.plan import (RankSpec, assign_ranks, check_positive, check_ranks,
                                 check_threads, choose_backend_device, local_ranks,
                                 loopback_interface)
@@ -442,6 +443,12 @@ class Lab:
         name = f"{getattr(fn, '__name__', type(fn).__name__)}()"
         self._last_call = RankCall(self, self._view.apply_async(fn, *args, **kwargs), name, timeout)
         return self._last_call
+
+    def pipeline(self, config, schedule="1f1b", microbatches: int | None = None, n_virtual: int = 1,
+                 **options) -> PipelineRun:
+        """Build a pipeline's stages on every rank (schedule validated first); step it with `.step()`."""
+        self._check_usable()
+        return PipelineRun(self, config, schedule, microbatches, n_virtual, **options)
 
     def stream(self, fn: Callable, *args, timeout: float | None = None,
                **kwargs) -> Iterator[RankEvent]:

@@ -1,0 +1,129 @@
+"""Pipelines on a lab: every engine builds its stages once, then the notebook steps them.
+
+The engine side keeps each rank's `RankPipeline` in a registry keyed by a run id
+(engines are long-lived, so stages are built once and stepped many times). The
+client side, `PipelineRun`, sends each rank only the data it needs and merges
+what comes back into one `StepResult`: loss, timeline on one clock, the shapes
+that crossed each boundary, gradient statistics.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Sequence
+
+import torch
+
+from pplab.checks import (BoundaryTable, GradientFlowReport, ParityReport, check_gradient_flow,
+                          compare_with_reference)
+from pplab.cluster import engine
+from pplab.data import Batch, batches
+from pplab.model import LlamaConfig, LlamaModel
+from pplab.pipeline import PipelineSpec, RankPipeline, StepResult, merge_steps, split_for_ranks
+from pplab.reference import reference_step
+from pplab.runtime import RankStep
+from pplab.schedules import Schedule
+from pplab.simulator import Costs, simulate
+from pplab.trace import Timeline
+
+# --- engine side ----------------------------------------------------------------------------
+
+_pipelines: dict[str, RankPipeline] = {}
+
+
+def build_on_rank(run_id: str, spec: PipelineSpec) -> dict:
+    """Build this rank's stages for `spec` and keep them under `run_id`."""
+    context = engine.rank_context()
+    pipeline = RankPipeline(spec, context.rank, context.device)
+    _pipelines[run_id] = pipeline
+    return {"rank": context.rank, "stages": sorted(pipeline.stages),
+            "parameters": sum(p.numel() for p in pipeline.parameters())}
+
+
+def step_on_rank(run_id: str, per_rank_data: list[dict], return_grads: bool) -> RankStep:
+    """Run one step of the pipeline `run_id` with this rank's share of the data."""
+    context = engine.rank_context()
+    return _pipelines[run_id].step(per_rank_data[context.rank], return_grads=return_grads)
+
+
+def drop_on_rank(run_id: str) -> None:
+    """Forget the pipeline `run_id` (frees its stages)."""
+    _pipelines.pop(run_id, None)
+
+
+# --- client side ----------------------------------------------------------------------------
+
+_run_ids = itertools.count()
+
+
+class PipelineRun:
+    """A pipeline built on a lab's ranks: step it, check it, compare it with the simulator."""
+
+    def __init__(self, lab, config: LlamaConfig, schedule: str | Schedule = "1f1b",
+                 microbatches: int | None = None, n_virtual: int = 1, **options):
+        self.lab = lab
+        self.spec = PipelineSpec.create(config, schedule, lab.world_size, microbatches, n_virtual, **options)
+        self.run_id = f"run-{next(_run_ids)}"
+        self.last: StepResult | None = None
+        self._call_timeout = self.spec.timeout + 120.0  # rank waits are bounded by spec.timeout
+        self.placement = lab.run(build_on_rank, self.run_id, self.spec, timeout=self._call_timeout)
+
+    @property
+    def schedule(self) -> Schedule:
+        """The (validated) schedule every rank follows."""
+        return self.spec.schedule
+
+    @property
+    def config(self) -> LlamaConfig:
+        """The model configuration."""
+        return self.spec.config
+
+    def default_batch(self, microbatch_size: int = 2, seq_len: int = 32, seed: int = 0) -> Batch:
+        """A batch of the embedded corpus that splits into this run's microbatches."""
+        return next(batches(microbatch_size * self.schedule.n_microbatches, seq_len, seed=seed))
+
+    def step(self, batch: Batch | Sequence[Batch] | None = None, return_grads: bool = False) -> StepResult:
+        """One step (forward and backward of every microbatch) on every rank."""
+        batch = self.default_batch() if batch is None else batch
+        data = split_for_ranks(self.spec, batch)
+        rank_steps = self.lab.run(step_on_rank, self.run_id, data, return_grads,
+                                  timeout=self._call_timeout)
+        self.last = merge_steps(rank_steps)
+        return self.last
+
+    def check_parity(self, batch: Batch | Sequence[Batch] | None = None, loss_rtol: float = 1e-6,
+                     grad_atol: float = 1e-5) -> ParityReport:
+        """Run a step and compare its loss and every gradient with the single-device reference."""
+        batch = self.default_batch() if batch is None else batch
+        result = self.step(batch, return_grads=True)
+        reference = reference_step(self.config, batch, None if isinstance(batch, list)
+                                   else self.schedule.n_microbatches, seed=self.spec.seed)
+        return compare_with_reference(result.loss, result.grads, reference, loss_rtol, grad_atol)
+
+    def check_gradient_flow(self, batch: Batch | Sequence[Batch] | None = None) -> GradientFlowReport:
+        """Every parameter of the full model got a finite, non-zero gradient on some stage."""
+        if self.last is None or batch is not None:
+            self.step(batch)
+        with torch.device("meta"):
+            expected = [name for name, _ in LlamaModel(self.config).named_parameters()]
+        return check_gradient_flow(self.last.grad_stats, expected)
+
+    def boundary_shapes(self) -> BoundaryTable:
+        """What crossed each stage boundary in the last step."""
+        if self.last is None:
+            self.step()
+        return BoundaryTable(self.last.shapes)
+
+    def simulate(self, costs: Costs | None = None) -> Timeline:
+        """The timeline the simulator predicts for this schedule (same type as a measured one)."""
+        return simulate(self.schedule, costs or self.spec.timing)
+
+    def close(self) -> None:
+        """Free the stages on every rank."""
+        if not getattr(self.lab, "_stopped", False):
+            self.lab.run(drop_on_rank, self.run_id, timeout=60)
+
+    def __repr__(self) -> str:
+        s = self.schedule
+        return (f"<PipelineRun {s.name}: {s.n_ranks} ranks, {s.n_stages} stages, "
+                f"{s.n_microbatches} microbatches>")

@@ -1,0 +1,46 @@
+"""`lab.pipeline` on real engines: the calls the notebooks and widgets build on."""
+
+import pytest
+
+import pplab
+from pplab.data import batches
+
+CONFIG = pplab.LlamaConfig.tiny()
+
+
+def test_step_parity_gradient_flow_and_shapes_on_a_lab(lab2):
+    run = lab2.pipeline(CONFIG, schedule="1f1b", microbatches=4)
+    result = run.step()
+    assert result.timeline.n_ranks == 2
+    assert {e.rank for e in result.timeline.events} == {0, 1}
+    assert len(result.microbatch_losses) == 4 and 0 < result.timeline.bubble_fraction() < 1
+    assert [row[:3] for row in run.boundary_shapes().rows()] == \
+        [["0 -> 1", mb, (2, 32, CONFIG.hidden_size)] for mb in range(4)]
+
+    parity = run.check_parity()
+    assert parity.passed, str(parity)
+    assert len(parity.grad_diffs) == sum(1 for _ in pplab.build_model(CONFIG).parameters())
+    flow = run.check_gradient_flow()
+    assert flow.passed, str(flow)
+    run.close()
+
+
+@pytest.mark.parametrize("schedule, microbatches, n_virtual", [("interleaved-1f1b", 4, 2), ("zb-h1", 3, 1)])
+def test_interleaved_and_zero_bubble_match_one_device_on_a_lab(lab2, schedule, microbatches, n_virtual):
+    run = lab2.pipeline(CONFIG, schedule=schedule, microbatches=microbatches, n_virtual=n_virtual)
+    batch = next(batches(2 * microbatches, 24, seed=5))
+    parity = run.check_parity(batch)
+    assert parity.passed, str(parity)
+    run.close()
+
+
+def test_bad_pipelines_are_rejected_before_any_rank_runs(lab2):
+    with pytest.raises(ValueError, match="unknown schedule 'zigzag'"):
+        lab2.pipeline(CONFIG, schedule="zigzag", microbatches=4)
+    with pytest.raises(ValueError, match="schedule is for 3 ranks but the pipeline has 2"):
+        lab2.pipeline(CONFIG, schedule=pplab.build_schedule("1f1b", 3, 3))
+    run = lab2.pipeline(CONFIG, schedule="gpipe", microbatches=4)
+    with pytest.raises(ValueError, match="n_microbatches=4 does not divide the batch size 6"):
+        run.step(next(batches(6, 16)))
+    assert run.step().loss > 0  # nothing was left half-done on the ranks
+    run.close()
