@@ -4,63 +4,89 @@ from __future__ import annotations
 
 import argparse
 import time
+from pathlib import Path
 
-import torch
-from tqdm import tqdm
-
+from pplab.checks import check_gradient_flow, compare_with_reference
 from pplab.data import batches
-from pplab.model import LlamaConfig, build_model, loss_fn
-from pplab.partition import build_stage, layer_ranges
+from pplab.launch import run_ranks
+from pplab.model import LlamaConfig, build_model
+from pplab.pipeline import PipelineSpec, merge_steps, run_jobs_on_rank, split_for_ranks
+from pplab.reference import reference_step
+from pplab.schedules import theory
+from pplab.simulator import Costs, simulate
+
+DEMO_SCHEDULES = (("gpipe", 1), ("1f1b", 1), ("interleaved-1f1b", 2), ("zb-h1", 1))
 
 
 def demo(args: argparse.Namespace) -> int:
-    """Partition the tiny model, check the stages chain to the full model, and train it a little."""
-    torch.set_num_threads(args.threads)
+    """Run every schedule on local ranks (CPU, gloo, embedded data): parity, bubble, pictures."""
+    from pplab import viz  # matplotlib only when drawing
+
     config = LlamaConfig.tiny()
-    model = build_model(config, seed=args.seed)
-    print(f"tiny LLaMA: {sum(p.numel() for p in model.parameters()):,} parameters, "
-          f"{config.num_hidden_layers} layers")
+    print(f"pplab demo: tiny LLaMA ({sum(p.numel() for p in build_model(config).parameters()):,} parameters, "
+          f"{config.num_hidden_layers} layers) on {args.ranks} local ranks (gloo), {args.microbatches} "
+          f"microbatches, timing mode F={args.forward}s B={2 * args.forward}s")
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    batch = next(batches(args.microbatch_size * args.microbatches, args.seq_len, seed=args.seed))
+    jobs = []
+    for name, n_virtual in DEMO_SCHEDULES:
+        # An interleaved chunk holds 1/v of a stage's layers, so it costs 1/v as much.
+        costs = Costs(forward=args.forward / n_virtual, backward=2 * args.forward / n_virtual)
+        spec = PipelineSpec.create(config, name, args.ranks, args.microbatches, n_virtual,
+                                   seed=args.seed, timing=costs)
+        jobs.append((spec, split_for_ranks(spec, batch)))
+    started = time.perf_counter()
+    print(f"starting {args.ranks} ranks and running {len(jobs)} schedules on them ...", flush=True)
+    rank_steps = run_ranks(args.ranks, run_jobs_on_rank, jobs, timeout=600)
+    print(f"done in {time.perf_counter() - started:.1f} s")
+    reference = reference_step(config, batch, args.microbatches, seed=args.seed)
+    failures = 0
+    for index, (spec, _) in enumerate(jobs):
+        name, costs = spec.schedule.name, spec.timing
+        result = merge_steps([steps[index] for steps in rank_steps])
+        parity = compare_with_reference(result.loss, result.grads, reference)
+        flow = check_gradient_flow(result.grad_stats, reference.grads)
+        failures += not (parity.passed and flow.passed)
+        print(f"  {name:17s} loss {result.loss:.5f}  parity {'ok' if parity.passed else 'FAILED'} "
+              f"(max |grad diff| {parity.max_abs_diff:.1e})  gradient flow {'ok' if flow.passed else 'FAILED'}  "
+              f"bubble {result.timeline.bubble_fraction():.3f} (theory "
+              f"{theory(spec.schedule, costs).bubble_fraction:.3f})  "
+              f"peak in-flight rank 0: {result.timeline.peak_inflight(0)}")
+        viz.save(viz.compare_timelines(simulate(spec.schedule, costs), result.timeline), out / f"{name}.png")
+        result.timeline.to_chrome_trace(out / f"{name}.trace.json")
+    print("measured bubbles include each message's real cost (about a millisecond per hop here), "
+          "which the theory leaves out")
+    print(f"timelines (predicted vs measured) and Chrome traces (open in ui.perfetto.dev) in {out}/")
+    return 1 if failures else 0
 
-    ranges = layer_ranges(config.num_hidden_layers, args.stages)
-    stages = [build_stage(config, s, args.stages, seed=args.seed) for s in range(args.stages)]
-    input_ids, _ = next(batches(args.batch_size, args.seq_len, seed=args.seed))
-    hidden = input_ids
-    for index, (stage, (start, end)) in enumerate(zip(stages, ranges)):
-        shape_in = tuple(hidden.shape)
-        hidden = stage(hidden)
-        print(f"  stage {index}: layers {start}..{end - 1}  {shape_in} -> {tuple(hidden.shape)}")
-    exact = torch.equal(hidden, model(input_ids))
-    print(f"stages chained reproduce the full model's logits exactly: {exact}")
 
-    optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr)
-    start_time, losses = time.perf_counter(), []
-    progress = tqdm(batches(args.batch_size, args.seq_len, seed=args.seed, steps=args.steps),
-                    total=args.steps, desc="training (1 device)", unit="step")
-    for input_ids, target_ids in progress:
-        loss = loss_fn(model(input_ids), target_ids)
-        optimizer.zero_grad(set_to_none=True)
-        loss.backward()
-        optimizer.step()
-        losses.append(loss.item())
-        progress.set_postfix(loss=f"{loss.item():.3f}")
-    print(f"loss {losses[0]:.3f} -> {losses[-1]:.3f} in {args.steps} steps "
-          f"({time.perf_counter() - start_time:.1f} s)")
-    return 0 if exact and losses[-1] < losses[0] else 1
+def cleanup(args: argparse.Namespace) -> int:
+    """Stop lab clusters left behind by killed kernels (all labs with --force)."""
+    from pplab.cluster import cleanup as stop_orphans
+
+    stopped = stop_orphans(force=args.force)
+    print(f"pplab cleanup: {len(stopped)} lab(s) stopped" if stopped else "pplab cleanup: nothing to stop")
+    return 0
 
 
 def build_parser() -> argparse.ArgumentParser:
     """The command-line interface."""
     parser = argparse.ArgumentParser(prog="pplab", description=__doc__)
     commands = parser.add_subparsers(dest="command", required=True)
-    run_demo = commands.add_parser("demo", help="the main job on the embedded defaults (CPU)")
-    run_demo.add_argument("--stages", type=int, default=4)
-    run_demo.add_argument("--steps", type=int, default=200)
-    run_demo.add_argument("--batch-size", type=int, default=8)
-    run_demo.add_argument("--seq-len", type=int, default=64)
-    run_demo.add_argument("--lr", type=float, default=3e-3)
+    run_demo = commands.add_parser("demo", help="every schedule on local ranks, checked and drawn (CPU)")
+    run_demo.add_argument("--ranks", type=int, default=4)
+    run_demo.add_argument("--microbatches", type=int, default=8)
+    run_demo.add_argument("--microbatch-size", type=int, default=2)
+    run_demo.add_argument("--seq-len", type=int, default=32)
+    run_demo.add_argument("--forward", type=float, default=0.05,
+                          help="timing mode: seconds per forward (backward takes twice as long)")
     run_demo.add_argument("--seed", type=int, default=0)
-    run_demo.add_argument("--threads", type=int, default=1)
+    run_demo.add_argument("--out", default="pplab-demo", help="folder for pictures and traces")
     run_demo.set_defaults(handler=demo)
+    run_cleanup = commands.add_parser("cleanup", help="stop lab clusters left by killed kernels")
+    run_cleanup.add_argument("--force", action="store_true", help="also stop labs of running kernels")
+    run_cleanup.set_defaults(handler=cleanup)
     return parser
 
 

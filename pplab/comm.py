@@ -69,9 +69,9 @@ class StageLink:
     """One rank's P2P endpoint in a pipeline: posts batches of sends and receives, bounded waits."""
 
     def __init__(self, schedule: Schedule, rank: int, device: torch.device,
-                 timeout: float = 30.0, handshake: bool = True, group=None):
+                 timeout: float = 30.0, handshake: bool = True, group=None, record: bool = True):
         self.schedule, self.rank, self.device = schedule, rank, torch.device(device)
-        self.timeout, self.handshake, self.group = timeout, handshake, group
+        self.timeout, self.handshake, self.group, self.record = timeout, handshake, group, record
         self.mailbox = Mailbox()
         self.events: list[Event] = []
 
@@ -86,81 +86,119 @@ class StageLink:
         `outgoing` holds the tensor of each send; `expected` the dtype and shape of each
         receive whose shape is known here (all gradients; activations when shapes are fixed).
         """
-        sends = [a for a in actions if a.kind in (Kind.SEND_F, Kind.SEND_B)]
-        receives = [a for a in actions if a.kind in (Kind.RECV_F, Kind.RECV_B)]
+        sends = [a for a in actions if a.kind in _SENDS]
+        receives = [a for a in actions if a.kind not in _SENDS]
         started = clock()
-        headers_in = self._exchange_headers(sends, receives, outgoing)
-        ops, buffers = [], {}
-        for action in sends:
-            ops.append(self._op(dist.isend, outgoing[action], action))
-        for action in receives:
-            dtype, shape = headers_in[action] if action in headers_in else expected[action]
-            buffers[action] = torch.empty(shape, dtype=dtype, device=self.device)
-            ops.append(self._op(dist.irecv, buffers[action], action))
-        works = dist.batch_isend_irecv(ops) if ops else []
-        for action, work in zip(sends, works):
-            self.mailbox.pending_sends.append((action, work, outgoing[action]))
-        for action, work in zip(receives, works[len(sends):]):
-            self._wait(work, action)
+        shapes = dict(expected)
+        if self.handshake:
+            shapes.update(self._exchange_headers(sends, receives, outgoing))
+        buffers = {a: torch.empty(shapes[a][1], dtype=shapes[a][0], device=self.device) for a in receives}
+        posted = self._post([(a, outgoing[a], False) for a in sends] +
+                            [(a, buffers[a], False) for a in receives], clock)
         ended = clock()
-        for action in sends:
-            self._record(action, outgoing[action], started, ended)
+        for action in sends:  # a send costs its rank only the posting
+            self._record(action, outgoing[action], started, posted)
         for action in receives:
             self.mailbox.received[action] = buffers[action]
             self._record(action, buffers[action], started, ended)
 
     def _exchange_headers(self, sends, receives, outgoing) -> dict[Action, tuple]:
         """Send a header before each activation and receive the headers of incoming ones."""
-        if not self.handshake:
-            return {}
-        header_sends = [a for a in sends if a.kind == Kind.SEND_F]
-        header_recvs = [a for a in receives if a.kind == Kind.RECV_F]
-        if not header_sends and not header_recvs:
-            return {}
-        ops, incoming = [], {}
-        headers_out = {a: encode_header(outgoing[a]).to(self.device) for a in header_sends}
-        for action, header in headers_out.items():
-            ops.append(self._op(dist.isend, header, action, header=True))
-        for action in header_recvs:
-            incoming[action] = torch.empty(2 + MAX_DIMS, dtype=torch.int64, device=self.device)
-            ops.append(self._op(dist.irecv, incoming[action], action, header=True))
-        works = dist.batch_isend_irecv(ops)
-        for action, work in zip(header_sends, works):
-            self.mailbox.pending_sends.append((action, work, headers_out[action]))
-        for action, work in zip(header_recvs, works[len(header_sends):]):
-            self._wait(work, action)
-        return {action: decode_header(h.cpu()) for action, h in incoming.items()}
+        headers_out = {a: encode_header(outgoing[a]).to(self.device) for a in sends if a.kind == Kind.SEND_F}
+        headers_in = {a: torch.empty(2 + MAX_DIMS, dtype=torch.int64, device=self.device)
+                      for a in receives if a.kind == Kind.RECV_F}
+        if headers_out or headers_in:
+            self._post([(a, h, True) for a, h in headers_out.items()] +
+                       [(a, h, True) for a, h in headers_in.items()], monotonic_clock)
+        return {action: decode_header(header.cpu()) for action, header in headers_in.items()}
 
-    def _op(self, fn, tensor: torch.Tensor, action: Action, header: bool = False) -> dist.P2POp:
-        tag = message_tag(action, self.schedule.n_stages, header)
-        return dist.P2POp(fn, tensor, self.peer_rank(action), self.group, tag)
+    def _post(self, posts: list[tuple[Action, torch.Tensor, bool]], clock) -> float:
+        """Post (action, tensor, is_header) as one batch of P2P ops, wait (bounded) for the
+        receives; return the time on `clock` at which everything was posted."""
+        # Sends that have left no longer need their tensors kept alive.
+        self.mailbox.pending_sends = [p for p in self.mailbox.pending_sends if not p[1].is_completed()]
+        ops = [dist.P2POp(dist.isend if action.kind in _SENDS else dist.irecv, tensor,
+                          self.peer_rank(action), self.group,
+                          message_tag(action, self.schedule.n_stages, header))
+               for action, tensor, header in posts]
+        works = dist.batch_isend_irecv(ops)
+        posted = clock()
+        if len(works) != len(ops):
+            # Backends that coalesce a batch (NCCL) return one work for all of it.
+            first_receive = next((a for a, _, _ in posts if a.kind not in _SENDS), posts[0][0])
+            for work in works:
+                self._wait(work, first_receive)
+            return posted
+        for (action, tensor, _), work in zip(posts, works):
+            if action.kind in _SENDS:
+                self.mailbox.pending_sends.append((action, work, tensor))
+            else:
+                self._wait(work, action)
+        return posted
 
     def _wait(self, work: dist.Work, action: Action) -> None:
+        started = time.monotonic()
         try:
             work.wait(timedelta(seconds=self.timeout))
         except RuntimeError as error:
-            raise PipelineTimeout(self.describe_wait(action)) from error
+            raise PipelineTimeout(self.describe_wait(action, time.monotonic() - started, error)) from error
 
-    def describe_wait(self, action: Action) -> str:
+    def describe_wait(self, action: Action, waited: float | None = None, error=None) -> str:
         """'rank 2 waited 30 s for the activation of microbatch 3 from rank 1 (action 2RECV_F3)'."""
         what = {Kind.RECV_F: "the activation", Kind.RECV_B: "the gradient",
                 Kind.SEND_F: "the send of the activation", Kind.SEND_B: "the send of the gradient"}
         direction = "from" if action.kind in (Kind.RECV_F, Kind.RECV_B) else "to"
-        return (f"rank {self.rank} waited {self.timeout:g} s for {what[action.kind]} of microbatch "
-                f"{action.microbatch} {direction} rank {self.peer_rank(action)} (action {action}); "
-                f"the peer may have failed or its schedule lacks the matching action. The process "
-                f"group is now unusable: restart the ranks (lab.restart()).")
+        subject = (f"{what[action.kind]} of microbatch {action.microbatch} {direction} rank "
+                   f"{self.peer_rank(action)} (action {action})")
+        if waited is None or waited >= 0.9 * self.timeout:
+            head = (f"rank {self.rank} waited {self.timeout:g} s for {subject}; the peer may have "
+                    f"failed or its schedule lacks the matching action.")
+        else:  # not a timeout: the connection failed (a peer died, say)
+            head = f"rank {self.rank} lost {subject} after {waited:.1f} s: {error}."
+        return head + " The process group is now unusable: restart the ranks (lab.restart())."
 
     def _record(self, action: Action, tensor: torch.Tensor, started: float, ended: float) -> None:
-        self.events.append(Event(self.rank, action.kind.value, action.stage, action.microbatch,
-                                 started, ended, tensor.numel() * tensor.element_size(),
-                                 tuple(tensor.shape), str(tensor.dtype).removeprefix("torch.")))
+        if self.record:
+            self.events.append(Event(self.rank, action.kind.value, action.stage, action.microbatch,
+                                     started, ended, tensor.numel() * tensor.element_size(),
+                                     tuple(tensor.shape), dtype_name(tensor)))
 
     def finish(self) -> None:
         """Wait (bounded) until every send of the step has left, so its buffers can be freed."""
         for action, work, _ in self.mailbox.pending_sends:
             self._wait(work, action)
         self.mailbox.pending_sends.clear()
+
+
+def dtype_name(tensor: torch.Tensor) -> str:
+    """'float32' for a torch.float32 tensor."""
+    return str(tensor.dtype).removeprefix("torch.")
+
+
+def in_order_mismatch(schedule: Schedule) -> str | None:
+    """Where messages between two ranks would be received in another order than sent, or None.
+
+    gloo matches a receive to its send by tag; NCCL by order, so a schedule for NCCL
+    must receive every peer's messages in the order that peer sends them.
+    """
+    sent, received = {}, {}
+    for rank, actions in enumerate(schedule.actions):
+        for action in actions:
+            if not action.is_comm:
+                continue
+            peer = schedule.stage_to_rank(action.peer_stage)
+            sender_stage = action.stage if action.kind in _SENDS else action.peer_stage
+            message = (sender_stage, action.kind in (Kind.SEND_F, Kind.RECV_F), action.microbatch)
+            book = sent if action.kind in _SENDS else received
+            book.setdefault((rank, peer) if action.kind in _SENDS else (peer, rank), []).append(message)
+    for (source, target), messages in sent.items():
+        if received.get((source, target)) != messages:
+            return (f"rank {target} receives rank {source}'s messages in another order than rank "
+                    f"{source} sends them")
+    return None
+
+
+_SENDS = (Kind.SEND_F, Kind.SEND_B)
 
 
 def monotonic_clock():

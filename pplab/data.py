@@ -16,7 +16,7 @@ from pathlib import Path
 
 import torch
 
-from pplab.model import IGNORE_INDEX
+from pplab.model import IGNORE_INDEX, check_positive_int
 
 Batch = tuple[torch.Tensor, torch.Tensor]  # (input_ids, target_ids), int64 [batch, seq]
 
@@ -98,17 +98,12 @@ def load_text(path: str | Path) -> str:
 # --- batches -----------------------------------------------------------------------------
 
 
-def _check_positive(name: str, value) -> None:
-    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-        raise ValueError(f"{name}={value!r}: must be a positive integer")
-
-
 def pad_sequences(sequences: Sequence[Sequence[int]], seq_len: int, pad_id: int = 0) -> Batch:
     """Next-token (input, target) pairs from token lists, padded to `seq_len`.
 
     Padded inputs get `pad_id`; padded targets get IGNORE_INDEX so the loss skips them.
     """
-    _check_positive("seq_len", seq_len)
+    check_positive_int("seq_len", seq_len)
     inputs = torch.full((len(sequences), seq_len), pad_id, dtype=torch.int64)
     targets = torch.full((len(sequences), seq_len), IGNORE_INDEX, dtype=torch.int64)
     for row, tokens in enumerate(sequences):
@@ -130,10 +125,10 @@ def batches(batch_size: int, seq_len: int, seed: int = 0, text: str | None = Non
     The stream is a pure function of `seed`; it is endless unless `steps` is given.
     A corpus shorter than one window is padded, with targets set to IGNORE_INDEX.
     """
-    _check_positive("batch_size", batch_size)
-    _check_positive("seq_len", seq_len)
+    check_positive_int("batch_size", batch_size)
+    check_positive_int("seq_len", seq_len)
     if steps is not None:
-        _check_positive("steps", steps)
+        check_positive_int("steps", steps)
     if text is not None and path is not None:
         raise ValueError("give the corpus as text= or as path=, not both")
     tokenizer = tokenizer or CharTokenizer()
@@ -177,7 +172,7 @@ def hf_batches(dataset: str, tokenizer: str, batch_size: int, seq_len: int, spli
 
 def split_microbatches(batch: Batch, n_microbatches: int) -> list[Batch]:
     """Cut a batch into `n_microbatches` equal microbatches along the batch dimension."""
-    _check_positive("n_microbatches", n_microbatches)
+    check_positive_int("n_microbatches", n_microbatches)
     input_ids, target_ids = batch
     if input_ids.shape != target_ids.shape:
         raise ValueError(f"input_ids {tuple(input_ids.shape)} and target_ids "

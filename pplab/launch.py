@@ -23,10 +23,10 @@ class RankFailed(RuntimeError):
     """A rank raised, died, or did not finish in time."""
 
 
-def free_port() -> int:
-    """A TCP port on loopback that is free right now (a fresh rendezvous per run)."""
+def free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port free on `host` right now (a fresh rendezvous per run; "" for every interface)."""
     with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
+        sock.bind((host, 0))
         return sock.getsockname()[1]
 
 
@@ -80,6 +80,13 @@ def run_ranks(world_size: int, fn, *args, backend: str = "gloo", timeout: float 
 
 def _collect(processes, results, timeout: float, grace: float) -> list:
     deadline, collected, failures = time.monotonic() + timeout, {}, {}
+
+    def fail(rank: int, what: str) -> None:
+        nonlocal deadline
+        if not failures:  # the first failure starts the others' grace period
+            deadline = min(deadline, time.monotonic() + grace)
+        failures[rank] = what
+
     while len(collected) + len(failures) < len(processes):
         if failures and time.monotonic() > deadline:
             break
@@ -90,15 +97,13 @@ def _collect(processes, results, timeout: float, grace: float) -> list:
                 if rank not in collected and rank not in failures and process.exitcode not in (None, 0):
                     time.sleep(0.5)  # its report may still be in the queue
                     if results.empty():
-                        failures[rank] = f"died (exit code {process.exitcode}) without reporting"
+                        fail(rank, f"died (exit code {process.exitcode}) without reporting")
             if time.monotonic() > deadline and not failures:
                 missing = [r for r in range(len(processes)) if r not in collected]
                 raise RankFailed(f"ranks {missing} did not finish within {timeout:g} s") from None
             continue
         if status == "error":
-            if not failures:
-                deadline = min(deadline, time.monotonic() + grace)
-            failures[rank] = f"failed:\n{value}"
+            fail(rank, f"failed:\n{value}")
         else:
             collected[rank] = pickle.loads(value)
     if failures:

@@ -23,6 +23,12 @@ IGNORE_INDEX = -100  # target value the loss skips (padding)
 INIT_STD = 0.02
 
 
+def check_positive_int(name: str, value) -> None:
+    """Raise a ValueError naming `name` unless `value` is an int >= 1 (bool excluded)."""
+    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+        raise ValueError(f"{name}={value!r}: must be a positive integer")
+
+
 @dataclass(frozen=True)
 class LlamaConfig:
     """Shape of a LLaMA-style decoder; validated on construction."""
@@ -40,9 +46,7 @@ class LlamaConfig:
     def __post_init__(self):
         for name in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
                      "num_attention_heads", "num_key_value_heads", "max_position_embeddings"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-                raise ValueError(f"LlamaConfig.{name}={value!r}: must be a positive integer")
+            check_positive_int(f"LlamaConfig.{name}", getattr(self, name))
         if self.hidden_size % self.num_attention_heads:
             raise ValueError(
                 f"LlamaConfig: num_attention_heads={self.num_attention_heads} does not divide "

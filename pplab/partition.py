@@ -10,14 +10,14 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from pplab.model import LlamaConfig, LlamaModel, materialise
+from pplab.model import LlamaConfig, LlamaModel, check_positive_int, materialise
 
 
 def layer_ranges(n_layers: int, n_stages: int, balance: Sequence[int] | None = None,
                  allow_empty: bool = False) -> list[tuple[int, int]]:
     """One (start, end) layer range per stage, end exclusive; earlier stages take the extra layers."""
-    _check_positive("n_layers", n_layers)
-    _check_positive("n_stages", n_stages)
+    check_positive_int("n_layers", n_layers)
+    check_positive_int("n_stages", n_stages)
     counts = _balanced_counts(n_layers, n_stages, allow_empty) if balance is None else \
         _checked_balance(balance, n_layers, n_stages, allow_empty)
     ranges, start = [], 0
@@ -53,11 +53,6 @@ def _checked_balance(balance: Sequence[int], n_layers: int, n_stages: int,
     return counts
 
 
-def _check_positive(name: str, value) -> None:
-    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-        raise ValueError(f"{name}={value!r}: must be a positive integer")
-
-
 def build_stage(config: LlamaConfig, stage_index: int, n_stages: int, seed: int = 0,
                 device="cpu", balance: Sequence[int] | None = None,
                 allow_empty: bool = False) -> LlamaModel:
@@ -73,8 +68,8 @@ def build_stage(config: LlamaConfig, stage_index: int, n_stages: int, seed: int 
 
 def stages_of_rank(rank: int, n_ranks: int, n_virtual: int = 1) -> list[int]:
     """Stage indices rank `rank` owns when n_ranks * n_virtual stages loop over the ranks."""
-    _check_positive("n_ranks", n_ranks)
-    _check_positive("n_virtual", n_virtual)
+    check_positive_int("n_ranks", n_ranks)
+    check_positive_int("n_virtual", n_virtual)
     if not isinstance(rank, int) or not 0 <= rank < n_ranks:
         raise ValueError(f"rank={rank!r} is not a rank of n_ranks={n_ranks}; use 0..{n_ranks - 1}")
     return [rank + chunk * n_ranks for chunk in range(n_virtual)]

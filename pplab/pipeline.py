@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 import torch
 
 from pplab.data import Batch
-from pplab.model import LlamaConfig
+from pplab.model import IGNORE_INDEX, LlamaConfig
 from pplab.partition import build_stage, layer_ranges
 from pplab.reference import as_microbatches
 from pplab.runtime import Boundary, RankRuntime, RankStep
@@ -47,14 +47,32 @@ class PipelineSpec:
             if microbatches is None:
                 raise ValueError(f"schedule={schedule!r} needs microbatches=<count>")
             schedule = build(schedule, n_ranks, microbatches, n_virtual)
-        elif schedule.n_ranks != n_ranks:
-            raise ValueError(f"the schedule is for {schedule.n_ranks} ranks but the pipeline has "
-                             f"{n_ranks}; build it for {n_ranks} ranks")
+        else:
+            _check_matches(schedule, n_ranks, microbatches, n_virtual)
         validate(schedule)
         spec = cls(config, schedule, **options)
+        if not spec.timeout > 0:
+            raise ValueError(f"timeout={spec.timeout!r}: give the seconds a rank may wait for a "
+                             f"neighbour, > 0")
+        if spec.timing is not None:
+            if not isinstance(spec.timing, Costs):
+                raise ValueError(f"timing={spec.timing!r}: give a pplab.Costs (seconds per action)")
+            spec.timing.check_stages(schedule.n_stages)
         # Raises a clear error now if the stages cannot be cut (e.g. more stages than layers).
         layer_ranges(config.num_hidden_layers, schedule.n_stages, spec.balance, spec.allow_empty)
         return spec
+
+
+def _check_matches(schedule: Schedule, n_ranks: int, microbatches, n_virtual: int) -> None:
+    """A ready-made schedule fixes its sizes: arguments that disagree are mistakes, not hints."""
+    if schedule.n_ranks != n_ranks:
+        raise ValueError(f"the schedule is for {schedule.n_ranks} ranks but the pipeline has "
+                         f"{n_ranks}; build it for {n_ranks} ranks")
+    for what, given, actual in (("microbatches", microbatches, schedule.n_microbatches),
+                                ("n_virtual", n_virtual, schedule.n_virtual)):
+        if given is not None and given != actual and not (what == "n_virtual" and given == 1):
+            raise ValueError(f"the schedule is for {actual} {what} but {given} were asked for; "
+                             f"build the schedule for {given} or leave the argument out")
 
 
 class RankPipeline:
@@ -94,18 +112,16 @@ def split_for_ranks(spec: PipelineSpec, batch: Batch | Sequence[Batch],
                     handshake: bool | None = None) -> list[dict]:
     """Per rank, the data it needs: token ids where stage 0 is, targets where the last stage is.
 
-    When every microbatch has the same shape the receivers are told the activation
-    shape and skip the handshake (unless `handshake=True`); otherwise they learn each
-    shape from a header.
+    The microbatches are checked here, on the client, so that bad data fails before any
+    rank waits for a neighbour. When every microbatch has the same shape the receivers are
+    told the activation shape and skip the handshake (unless `handshake=True`); otherwise
+    they learn each shape from a header.
     """
     schedule = spec.schedule
     microbatches = as_microbatches(batch, schedule.n_microbatches)
-    token_shapes = {tuple(ids.shape) for ids, _ in microbatches}
-    for ids, _ in microbatches:
-        if ids.numel() and int(ids.max()) >= spec.config.vocab_size:
-            raise ValueError(f"a token id {int(ids.max())} is outside the vocabulary "
-                             f"(vocab_size={spec.config.vocab_size}); check the tokenizer and config")
-    fixed = len(token_shapes) == 1 and handshake is not True
+    for index, (input_ids, target_ids) in enumerate(microbatches):
+        check_microbatch(spec.config, index, input_ids, target_ids)
+    fixed = len({tuple(ids.shape) for ids, _ in microbatches}) == 1 and handshake is not True
     activation_shapes = ([(*ids.shape, spec.config.hidden_size) for ids, _ in microbatches]
                          if fixed else None)
     per_rank = []
@@ -116,6 +132,29 @@ def split_for_ranks(spec: PipelineSpec, batch: Batch | Sequence[Batch],
             targets=[t for _, t in microbatches] if schedule.n_stages - 1 in stages else None,
             activation_shapes=activation_shapes))
     return per_rank
+
+
+def check_microbatch(config: LlamaConfig, index: int, input_ids: torch.Tensor,
+                     target_ids: torch.Tensor) -> None:
+    """Token ids and targets a model with `config` can take, or a ValueError naming the problem."""
+    where = f"microbatch {index}"
+    if input_ids.dtype != torch.int64 or target_ids.dtype != torch.int64:
+        raise ValueError(f"{where}: token ids and targets must be int64 tensors, got "
+                         f"{input_ids.dtype} and {target_ids.dtype}")
+    if input_ids.dim() != 2 or input_ids.shape != target_ids.shape:
+        raise ValueError(f"{where}: input_ids {tuple(input_ids.shape)} and target_ids "
+                         f"{tuple(target_ids.shape)} must both be [batch, seq] of the same shape")
+    if input_ids.shape[1] > config.max_position_embeddings:
+        raise ValueError(f"{where}: sequence length {input_ids.shape[1]} exceeds "
+                         f"max_position_embeddings={config.max_position_embeddings}; use shorter "
+                         f"sequences or a larger config")
+    for name, ids, allowed in (("token id", input_ids, ()), ("target id", target_ids, (IGNORE_INDEX,))):
+        bad = ids[(ids < 0) | (ids >= config.vocab_size)]
+        bad = bad[~torch.isin(bad, torch.tensor(allowed, dtype=torch.int64))]
+        if bad.numel():
+            raise ValueError(f"{where}: a {name} {int(bad[0])} is outside the vocabulary "
+                             f"0..{config.vocab_size - 1} (vocab_size={config.vocab_size}); check "
+                             f"the tokenizer and the config")
 
 
 @dataclass

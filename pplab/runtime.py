@@ -22,7 +22,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from pplab.comm import StageLink, monotonic_clock
+from pplab.comm import StageLink, dtype_name, in_order_mismatch, monotonic_clock
 from pplab.model import loss_fn
 from pplab.schedules import Action, Kind, Schedule
 from pplab.simulator import Costs
@@ -114,8 +114,9 @@ class RankRuntime:
         shape handshake; without it every activation is preceded by a header.
         """
         self._check_data(inputs, targets)
+        self._check_backend_can_match(handshake=activation_shapes is None)
         link = StageLink(self.schedule, self.rank, self.device, self.timeout,
-                         handshake=activation_shapes is None, group=self.group)
+                         handshake=activation_shapes is None, group=self.group, record=self.record)
         self._link = link
         state, events, boundaries = _StepState(), [], []
         origin = self._synchronised_origin()
@@ -139,8 +140,8 @@ class RankRuntime:
                                     started, clock(), **event_extra))
             position += 1
         link.finish()
-        if self.record:
-            events.extend(link.events)
+        self._check_all_released(state, link)
+        events.extend(link.events)
         return RankStep(self.rank, events if self.record else [], state.losses, boundaries,
                         gradient_stats(self.stages.values()),
                         gradients(self.stages.values()) if return_grads else None)
@@ -154,6 +155,27 @@ class RankRuntime:
                 count = "none" if given is None else len(given)
                 raise ValueError(f"rank {self.rank} runs stage {0 if what == 'inputs' else self.last_stage} "
                                  f"and needs {what} for all {m} microbatches, got {count}")
+
+    def _check_backend_can_match(self, handshake: bool) -> None:
+        """NCCL matches messages by order, not tag: refuse what it cannot do, before any wait."""
+        if not dist.is_initialized() or dist.get_backend(self.group) != "nccl":
+            return
+        mismatch = in_order_mismatch(self.schedule)
+        if mismatch:
+            raise ValueError(f"schedule {self.schedule.name!r} cannot run on NCCL: {mismatch}; "
+                             f"use the gloo backend or reorder its communication")
+        if handshake:
+            raise ValueError("microbatches of different shapes need the shape handshake, whose "
+                             "headers are matched by tag (gloo); on NCCL give every microbatch "
+                             "the same shape")
+
+    def _check_all_released(self, state: _StepState, link: StageLink) -> None:
+        """A valid schedule consumes every tensor it keeps: anything left is a leak (a bug)."""
+        held = {name: sorted(getattr(state, name)) for name in ("inputs", "outputs", "output_grads",
+                                                                 "input_grads") if getattr(state, name)}
+        if held or link.mailbox.received:
+            raise RuntimeError(f"rank {self.rank} still holds tensors after the step: {held}, "
+                               f"unconsumed receives {sorted(map(str, link.mailbox.received))}")
 
     def _synchronised_origin(self) -> float:
         """Time zero of the step, taken right after a barrier so all ranks share it."""
@@ -205,13 +227,13 @@ class RankRuntime:
         if saved:
             self._saved_bytes[shape_key] = saved.bytes
         extra = dict(bytes=self._saved_bytes.get(shape_key), shape=tuple(out.shape),
-                     dtype=_dtype_name(out)) if self.record else {}
+                     dtype=dtype_name(out)) if self.record else {}
         if stage == self.last_stage:
             state.losses[microbatch] = loss.item()
             state.outputs[key] = loss / self.schedule.n_microbatches
             return extra
         state.outputs[key] = out
-        boundaries.append(Boundary(stage, microbatch, tuple(out.shape), _dtype_name(out),
+        boundaries.append(Boundary(stage, microbatch, tuple(out.shape), dtype_name(out),
                                    out.numel() * out.element_size()))
         if self._is_local(stage, stage + 1):
             state.inputs[(stage + 1, microbatch)] = out.detach()  # same boundary as a network hop
@@ -289,10 +311,6 @@ class RankRuntime:
 
     def _is_local(self, stage: int, neighbour: int) -> bool:
         return self.schedule.stage_to_rank(stage) == self.schedule.stage_to_rank(neighbour)
-
-
-def _dtype_name(tensor: torch.Tensor) -> str:
-    return str(tensor.dtype).removeprefix("torch.")
 
 
 def gradient_stats(modules) -> dict[str, dict]:

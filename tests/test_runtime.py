@@ -13,7 +13,7 @@ from pplab.comm import PipelineTimeout
 from pplab.data import batches
 from pplab.launch import RankFailed, run_ranks
 from pplab.pipeline import PipelineSpec, merge_steps, run_jobs_on_rank, split_for_ranks
-from pplab.schedules import Action, Kind, Schedule, build
+from pplab.schedules import Action, Schedule, build
 
 CONFIG = pplab.LlamaConfig.tiny()
 FULL_NAMES = [name for name, _ in pplab.build_model(CONFIG).named_parameters()]
@@ -131,4 +131,59 @@ def test_spec_rejects_bad_input_before_any_rank_starts():
     bad_tokens = (torch.full((4, 8), 500), torch.zeros(4, 8, dtype=torch.int64))
     with pytest.raises(ValueError, match="token id 500 is outside the vocabulary"):
         split_for_ranks(PipelineSpec.create(CONFIG, "1f1b", 2, 2), bad_tokens)
-    assert Kind.RECV_F.value == "RECV_F"
+
+
+@pytest.mark.parametrize("overrides, message", [
+    (dict(seq_len=300), "sequence length 300 exceeds max_position_embeddings=256"),
+    (dict(first_token=-1), "a token id -1 is outside the vocabulary 0..127"),
+    (dict(first_target=128), "a target id 128 is outside the vocabulary"),
+    (dict(dtype=torch.int32), "must be int64 tensors"),
+    (dict(short_targets=True), "must both be \\[batch, seq\\] of the same shape"),
+])
+def test_bad_microbatches_are_refused_on_the_client(overrides, message):
+    seq_len = overrides.get("seq_len", 8)
+    ids = torch.zeros(2, seq_len, dtype=overrides.get("dtype", torch.int64))
+    targets = torch.zeros(2, seq_len - 1 if overrides.get("short_targets") else seq_len, dtype=torch.int64)
+    ids[0, 0] = overrides.get("first_token", 0)
+    targets[0, 0] = overrides.get("first_target", 0)
+    spec = PipelineSpec.create(CONFIG, "1f1b", 2, 2)
+    with pytest.raises(ValueError, match=message):
+        split_for_ranks(spec, [(ids, targets), (ids, targets)])
+    targets[0, 0] = pplab.model.IGNORE_INDEX  # padding is not out of vocabulary
+    if "first_target" in overrides:
+        split_for_ranks(spec, [(ids, targets), (ids, targets)])
+
+
+def test_a_ready_schedule_must_agree_with_the_arguments():
+    schedule = build("1f1b", 2, 4)
+    with pytest.raises(ValueError, match="the schedule is for 4 microbatches but 8 were asked for"):
+        PipelineSpec.create(CONFIG, schedule, 2, microbatches=8)
+    with pytest.raises(ValueError, match="timeout=0"):
+        PipelineSpec.create(CONFIG, schedule, 2, timeout=0)
+    assert PipelineSpec.create(CONFIG, schedule, 2, microbatches=4).schedule is schedule
+
+
+def test_timing_mode_pads_every_action_and_ranks_share_one_clock():
+    p, m = 2, 3
+    costs = pplab.Costs(forward=0.03, backward=0.06)
+    spec = PipelineSpec.create(CONFIG, "1f1b", p, m, timing=costs)
+    (result,) = run_cases(p, [(spec, next(batches(MICROBATCH_SIZE * m, SEQ_LEN)))], timeout=120)
+    events = result.timeline.events
+    assert all(e.duration >= 0.03 for e in events if e.kind == "F")
+    assert all(e.duration >= 0.06 for e in events if e.kind == "B")
+    # Causality across processes: an activation is received after its forward ended on the
+    # sender (up to the barrier's skew, well under 5 ms), and a receive waits for it.
+    forward_end = {e.microbatch: e.end for e in events if e.rank == 0 and e.kind == "F"}
+    for received in (e for e in events if e.rank == 1 and e.kind == "RECV_F"):
+        assert received.end >= forward_end[received.microbatch] - 0.005
+    assert result.timeline.step_time() >= pplab.simulate(spec.schedule, costs).step_time()
+
+
+def test_nccl_matching_order_is_checked_on_schedules():
+    from pplab.comm import in_order_mismatch
+
+    for name, v in (("gpipe", 1), ("1f1b", 1), ("zb-h1", 1), ("interleaved-1f1b", 2)):
+        assert in_order_mismatch(build(name, 4, 8, v)) is None, name
+    crossed = Schedule.from_text(["0F0 0F1 0SEND_F0 0SEND_F1 0RECV_B0 0RECV_B1 0B0 0B1",
+                                  "1RECV_F1 1RECV_F0 1F0 1F1 1B0 1B1 1SEND_B0 1SEND_B1"])
+    assert in_order_mismatch(crossed) == "rank 1 receives rank 0's messages in another order than rank 0 sends them"

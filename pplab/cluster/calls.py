@@ -22,6 +22,10 @@ OUTPUT_DRAIN_SECONDS = 2.0  # events may trail a rank's result by a moment: wait
 _ANSI_ESCAPES = re.compile(r"\x1b\[[0-9;]*m")
 
 
+# Remote errors after which a rank's process group cannot be used again.
+BREAKS_PROCESS_GROUP = frozenset({"PipelineTimeout", "DistBackendError"})
+
+
 class RankEvent(NamedTuple):
     """One event published by a rank: its rank, its number within the call, its payload."""
 
@@ -166,6 +170,10 @@ class RankCall:
             lines.append(f"ranks {running} were still running {self._lab.grace:g} s later, probably "
                          f"waiting for rank {first}; {RESTART_HINT}.")
             self._lab._needs_restart(f"ranks {running} were left running after rank {first} raised")
+        elif any(_remote_parts(self._per_rank[r].exception())[0] in BREAKS_PROCESS_GROUP for r in failed):
+            # A timed-out or failed P2P wait leaves gloo's pair closed: the next call would fail.
+            lines.append(f"the process group is broken; {RESTART_HINT}.")
+            self._lab._needs_restart(f"rank {first}'s process group failed ({ename})")
         lines.append(f"\nRemote traceback (rank {first}):\n{traceback}")
         self._lab.last_errors = {rank: self._per_rank[rank].exception() for rank in failed}
         return RankFailedError("\n".join(lines), rank=first, ename=ename, evalue=evalue,

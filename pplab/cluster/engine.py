@@ -19,6 +19,7 @@ import torch
 import torch.distributed as dist
 
 from pplab.cluster.plan import RankSpec
+from pplab.launch import free_port
 
 EVENT_KEY_PREFIX = "pplab-event-"
 
@@ -71,11 +72,9 @@ def _host_address() -> str:
         return "127.0.0.1"
 
 
-def free_port() -> int:
-    """A TCP port that is free on this host right now (for a fresh TCP rendezvous)."""
-    with socket.socket() as sock:
-        sock.bind(("", 0))
-        return sock.getsockname()[1]
+def free_tcp_port() -> int:
+    """A TCP port free on every interface of this host (for a multi-host TCP rendezvous)."""
+    return free_port("")
 
 
 def setup_rank(spec: RankSpec) -> dict:

@@ -379,7 +379,7 @@ class Lab:
             os.makedirs(folder, exist_ok=True)
             return f"file://{os.path.join(folder, f'rendezvous-{uuid.uuid4().hex}')}"
         rank0 = self._client[order[0]]
-        port = rank0.apply_async(engine.free_port).get(self.start_timeout)
+        port = rank0.apply_async(engine.free_tcp_port).get(self.start_timeout)
         return f"tcp://{about[order[0]]['address']}:{port}"
 
     # -- using ---------------------------------------------------------------------------
@@ -443,6 +443,11 @@ class Lab:
         name = f"{getattr(fn, '__name__', type(fn).__name__)}()"
         self._last_call = RankCall(self, self._view.apply_async(fn, *args, **kwargs), name, timeout)
         return self._last_call
+
+    @property
+    def rank_processes(self) -> tuple[tuple[str, int], ...]:
+        """(host, pid) of each rank's engine, by rank: it changes when the engines are replaced."""
+        return tuple((info.host, info.pid) for info in self._ranks)
 
     def pipeline(self, config, schedule="1f1b", microbatches: int | None = None, n_virtual: int = 1,
                  **options) -> PipelineRun:

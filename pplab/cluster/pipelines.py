@@ -2,14 +2,16 @@
 
 The engine side keeps each rank's `RankPipeline` in a registry keyed by a run id
 (engines are long-lived, so stages are built once and stepped many times). The
-client side, `PipelineRun`, sends each rank only the data it needs and merges
-what comes back into one `StepResult`: loss, timeline on one clock, the shapes
-that crossed each boundary, gradient statistics.
+client side, `PipelineRun`, checks the batch, splits it into per-rank shares
+(token ids for stage 0, targets for the last stage; the shares are small, so
+every engine is sent the list and uses only its own), and merges what comes back
+into one `StepResult`: loss, timeline on one clock, the shapes that crossed each
+boundary, gradient statistics.
 """
 
 from __future__ import annotations
 
-import itertools
+import uuid
 from collections.abc import Sequence
 
 import torch
@@ -43,6 +45,9 @@ def build_on_rank(run_id: str, spec: PipelineSpec) -> dict:
 def step_on_rank(run_id: str, per_rank_data: list[dict], return_grads: bool) -> RankStep:
     """Run one step of the pipeline `run_id` with this rank's share of the data."""
     context = engine.rank_context()
+    if run_id not in _pipelines:
+        raise LookupError(f"pipeline {run_id} is not built on rank {context.rank} (was the lab "
+                          f"restarted?): call lab.pipeline(...) again")
     return _pipelines[run_id].step(per_rank_data[context.rank], return_grads=return_grads)
 
 
@@ -53,9 +58,6 @@ def drop_on_rank(run_id: str) -> None:
 
 # --- client side ----------------------------------------------------------------------------
 
-_run_ids = itertools.count()
-
-
 class PipelineRun:
     """A pipeline built on a lab's ranks: step it, check it, compare it with the simulator."""
 
@@ -63,10 +65,13 @@ class PipelineRun:
                  microbatches: int | None = None, n_virtual: int = 1, **options):
         self.lab = lab
         self.spec = PipelineSpec.create(config, schedule, lab.world_size, microbatches, n_virtual, **options)
-        self.run_id = f"run-{next(_run_ids)}"
+        self.run_id = f"run-{uuid.uuid4().hex[:8]}"  # unique even with two clients on one cluster
         self.last: StepResult | None = None
-        self._call_timeout = self.spec.timeout + 120.0  # rank waits are bounded by spec.timeout
+        # Every wait between ranks is bounded by spec.timeout; timing mode adds the step's own length.
+        padded = simulate(self.spec.schedule, self.spec.timing).step_time() if self.spec.timing else 0.0
+        self._call_timeout = self.spec.timeout + 120.0 + 2 * padded
         self.placement = lab.run(build_on_rank, self.run_id, self.spec, timeout=self._call_timeout)
+        self._built_on = lab.rank_processes
 
     @property
     def schedule(self) -> Schedule:
@@ -84,6 +89,9 @@ class PipelineRun:
 
     def step(self, batch: Batch | Sequence[Batch] | None = None, return_grads: bool = False) -> StepResult:
         """One step (forward and backward of every microbatch) on every rank."""
+        if self.lab.rank_processes != self._built_on:
+            raise RuntimeError(f"{self!r} was built on engines that lab.restart() replaced: "
+                               f"call lab.pipeline(...) again")
         batch = self.default_batch() if batch is None else batch
         data = split_for_ranks(self.spec, batch)
         rank_steps = self.lab.run(step_on_rank, self.run_id, data, return_grads,
