@@ -187,3 +187,17 @@ def test_nccl_matching_order_is_checked_on_schedules():
     crossed = Schedule.from_text(["0F0 0F1 0SEND_F0 0SEND_F1 0RECV_B0 0RECV_B1 0B0 0B1",
                                   "1RECV_F1 1RECV_F0 1F0 1F1 1B0 1B1 1SEND_B0 1SEND_B1"])
     assert in_order_mismatch(crossed) == "rank 1 receives rank 0's messages in another order than rank 0 sends them"
+
+
+def test_torch_v_shaped_plans_and_a_hand_written_schedule_run_exactly():
+    from pplab.schedules import from_torch
+
+    schedules = [from_torch("ZBVZeroBubble", 2, 4, 2), from_torch("DualPipeV", 2, 4, 2),
+                 Schedule.from_text(["0F0 0F1 0B0 0F2 0B1 0B2", "1F0 1B0 1F1 1B1 1F2 1B2"], name="mine")]
+    assert schedules[0].placement == (0, 1, 1, 0)  # stages 1 and 2 meet on rank 1: a local hand-off
+    specs_and_batches = [(PipelineSpec.create(CONFIG, s, 2), next(batches(2 * s.n_microbatches, SEQ_LEN)))
+                         for s in schedules]
+    for (spec, batch), result in zip(specs_and_batches, run_cases(2, specs_and_batches, timeout=200)):
+        reference = pplab.reference_step(CONFIG, batch, spec.schedule.n_microbatches)
+        parity = compare_with_reference(result.loss, result.grads, reference)
+        assert parity.passed, f"{spec.schedule.name}: {parity}"
