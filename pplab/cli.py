@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import argparse
+import os
 import time
 from pathlib import Path
 
 from pplab.checks import check_gradient_flow, compare_with_reference
 from pplab.data import batches
-from pplab.launch import run_ranks
+from pplab.launch import run_as_torchrun_rank, run_ranks, under_torchrun
 from pplab.model import LlamaConfig, build_model
 from pplab.pipeline import PipelineSpec, merge_steps, run_jobs_on_rank, split_for_ranks
 from pplab.reference import reference_step
@@ -23,9 +24,13 @@ def demo(args: argparse.Namespace) -> int:
     from pplab import viz  # matplotlib only when drawing
 
     config = LlamaConfig.tiny()
-    print(f"pplab demo: tiny LLaMA ({sum(p.numel() for p in build_model(config).parameters()):,} parameters, "
-          f"{config.num_hidden_layers} layers) on {args.ranks} local ranks (gloo), {args.microbatches} "
-          f"microbatches, timing mode F={args.forward}s B={2 * args.forward}s")
+    if under_torchrun():  # torchrun decides the ranks; only rank 0 speaks
+        args.ranks = int(os.environ["WORLD_SIZE"])
+    if os.environ.get("RANK", "0") == "0":
+        where = "ranks started by torchrun" if under_torchrun() else "local ranks (gloo)"
+        print(f"pplab demo: tiny LLaMA ({sum(p.numel() for p in build_model(config).parameters()):,} "
+              f"parameters, {config.num_hidden_layers} layers) on {args.ranks} {where}, "
+              f"{args.microbatches} microbatches, timing mode F={args.forward}s B={2 * args.forward}s")
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     batch = next(batches(args.microbatch_size * args.microbatches, args.seq_len, seed=args.seed))
@@ -37,8 +42,13 @@ def demo(args: argparse.Namespace) -> int:
                                    seed=args.seed, timing=costs)
         jobs.append((spec, split_for_ranks(spec, batch)))
     started = time.perf_counter()
-    print(f"starting {args.ranks} ranks and running {len(jobs)} schedules on them ...", flush=True)
-    rank_steps = run_ranks(args.ranks, run_jobs_on_rank, jobs, timeout=600)
+    if under_torchrun():  # every process is one rank; rank 0 reports
+        rank_steps = run_as_torchrun_rank(run_jobs_on_rank, jobs)
+        if rank_steps is None:
+            return 0
+    else:
+        print(f"starting {args.ranks} ranks and running {len(jobs)} schedules on them ...", flush=True)
+        rank_steps = run_ranks(args.ranks, run_jobs_on_rank, jobs, timeout=600)
     print(f"done in {time.perf_counter() - started:.1f} s")
     reference = reference_step(config, batch, args.microbatches, seed=args.seed)
     failures = 0

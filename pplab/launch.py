@@ -109,3 +109,34 @@ def _collect(processes, results, timeout: float, grace: float) -> list:
     if failures:
         raise RankFailed("\n".join(f"rank {rank} {what}" for rank, what in failures.items()))
     return [collected[rank] for rank in range(len(processes))]
+
+
+def under_torchrun() -> bool:
+    """True in a process that torchrun (or any launcher setting RANK and WORLD_SIZE) started."""
+    return "RANK" in os.environ and "WORLD_SIZE" in os.environ
+
+
+def run_as_torchrun_rank(fn, *args, timeout: float = 60.0):
+    """Join torchrun's process group, call `fn(rank, world_size, *args, device=...)`, gather the
+    results on rank 0: the list by rank there, None on the other ranks."""
+    import torch
+    import torch.distributed as dist
+
+    if os.environ.get("MASTER_ADDR") in ("127.0.0.1", "localhost"):
+        os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")  # one host: gloo on loopback
+    local_rank = int(os.environ.get("LOCAL_RANK", 0))
+    use_cuda = torch.cuda.is_available() and torch.cuda.device_count() > local_rank
+    device = torch.device("cuda", local_rank) if use_cuda else torch.device("cpu")
+    if use_cuda:
+        torch.cuda.set_device(device)
+    else:
+        torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", 1)))
+    dist.init_process_group("nccl" if use_cuda else "gloo", timeout=timedelta(seconds=timeout))
+    try:
+        rank, world_size = dist.get_rank(), dist.get_world_size()
+        result = fn(rank, world_size, *args, device=device)
+        gathered = [None] * world_size if rank == 0 else None
+        dist.gather_object(result, gathered, dst=0)
+        return gathered
+    finally:
+        dist.destroy_process_group()

@@ -187,7 +187,7 @@ def merge_steps(rank_steps: Sequence[RankStep], label: str = "measured") -> Step
 
 
 def run_jobs_on_rank(rank: int, world_size: int, jobs: Sequence[tuple[PipelineSpec, list[dict]]],
-                     return_grads: bool = True) -> list[RankStep]:
+                     return_grads: bool = True, device="cpu") -> list[RankStep]:
     """For each (spec, per-rank data) job, build this rank's stages and run one step.
 
     The entry point for plain processes (`pplab.launch.run_ranks`) and torchrun scripts.
@@ -197,5 +197,5 @@ def run_jobs_on_rank(rank: int, world_size: int, jobs: Sequence[tuple[PipelineSp
         if spec.schedule.n_ranks != world_size:
             raise ValueError(f"the schedule is for {spec.schedule.n_ranks} ranks but "
                              f"world_size={world_size}")
-        steps.append(RankPipeline(spec, rank).step(data[rank], return_grads=return_grads))
+        steps.append(RankPipeline(spec, rank, device).step(data[rank], return_grads=return_grads))
     return steps
