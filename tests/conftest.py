@@ -60,21 +60,42 @@ def ipython_dir(tmp_path_factory):
                     pytrace=False)
 
 
-@pytest.fixture(scope="session")
-def _session_lab(ipython_dir):
+def _reusable_lab(timeout: float):
+    """A 2-rank CPU lab kept across tests; stopped when its fixture's scope ends."""
     import pplab
 
-    lab = pplab.Lab(ranks=2, device="cpu", timeout=20, grace=1, verbose=False)
+    lab = pplab.Lab(ranks=2, device="cpu", timeout=timeout, grace=1, verbose=False)
     yield lab
     lab.stop()
 
 
+def _ready(lab):
+    """The lab, restarted first if an earlier test left it needing a restart."""
+    if lab.state != "running":
+        lab.restart()
+    return lab
+
+
+@pytest.fixture(scope="session")
+def _session_lab(ipython_dir):
+    yield from _reusable_lab(timeout=20)
+
+
+@pytest.fixture(scope="module")
+def _fragile_lab(ipython_dir):
+    yield from _reusable_lab(timeout=3)
+
+
 @pytest.fixture
 def lab2(_session_lab):
-    """The session's 2-rank lab, restarted first if an earlier test left it needing a restart."""
-    if _session_lab.state != "running":
-        _session_lab.restart()
-    return _session_lab
+    """The session's 2-rank lab (20 s per operation), running."""
+    return _ready(_session_lab)
+
+
+@pytest.fixture
+def fragile_lab(_fragile_lab):
+    """A 2-rank lab with short timeouts (3 s per op, 1 s grace) that tests may break, running."""
+    return _ready(_fragile_lab)
 
 
 @pytest.fixture

@@ -320,23 +320,6 @@ def test_cleanup_stops_the_lab_of_a_killed_kernel(ipython_dir):
 # -- failures: each gives a clear error within its timeout, then restart works ------------------
 
 
-@pytest.fixture(scope="module")
-def _fragile_lab(ipython_dir):
-    import pplab
-
-    lab = pplab.Lab(ranks=2, device="cpu", timeout=3, grace=1, verbose=False)
-    yield lab
-    lab.stop()
-
-
-@pytest.fixture
-def fragile_lab(_fragile_lab):
-    """A 2-rank lab with short timeouts (3 s per op, 1 s grace) that tests may break."""
-    if _fragile_lab.state != "running":
-        _fragile_lab.restart()
-    return _fragile_lab
-
-
 @pytest.mark.timeout(60)
 def test_a_rank_that_raises_is_named_with_its_traceback(fragile_lab):
     started = time.monotonic()
