@@ -62,6 +62,7 @@ class _StepState:
     outputs: dict[Key, torch.Tensor] = field(default_factory=dict)     # hidden states, or scaled loss
     output_grads: dict[Key, torch.Tensor] = field(default_factory=dict)  # kept from I for its W
     input_grads: dict[Key, torch.Tensor] = field(default_factory=dict)   # to send (or hand) upstream
+    received: dict[Action, torch.Tensor] = field(default_factory=dict)   # the link's mailbox
     losses: dict[int, float] = field(default_factory=dict)
 
 
@@ -117,8 +118,7 @@ class RankRuntime:
         self._check_backend_can_match(handshake=activation_shapes is None)
         link = StageLink(self.schedule, self.rank, self.device, self.timeout,
                          handshake=activation_shapes is None, group=self.group, record=self.record)
-        self._link = link
-        state, events, boundaries = _StepState(), [], []
+        state, events, boundaries = _StepState(received=link.mailbox.received), [], []
         origin = self._synchronised_origin()
         clock = lambda: monotonic_clock() - origin  # noqa: E731 - one clock for the whole step
         actions = self.schedule.actions[self.rank]
@@ -140,9 +140,9 @@ class RankRuntime:
                                     started, clock(), **event_extra))
             position += 1
         link.finish()
-        self._check_all_released(state, link)
+        self._check_all_released(state)
         events.extend(link.events)
-        return RankStep(self.rank, events if self.record else [], state.losses, boundaries,
+        return RankStep(self.rank, events, state.losses, boundaries,
                         gradient_stats(self.stages.values()),
                         gradients(self.stages.values()) if return_grads else None)
 
@@ -169,13 +169,12 @@ class RankRuntime:
                              "headers are matched by tag (gloo); on NCCL give every microbatch "
                              "the same shape")
 
-    def _check_all_released(self, state: _StepState, link: StageLink) -> None:
+    def _check_all_released(self, state: _StepState) -> None:
         """A valid schedule consumes every tensor it keeps: anything left is a leak (a bug)."""
-        held = {name: sorted(getattr(state, name)) for name in ("inputs", "outputs", "output_grads",
-                                                                 "input_grads") if getattr(state, name)}
-        if held or link.mailbox.received:
-            raise RuntimeError(f"rank {self.rank} still holds tensors after the step: {held}, "
-                               f"unconsumed receives {sorted(map(str, link.mailbox.received))}")
+        held = {name: sorted(map(str, getattr(state, name))) for name in
+                ("inputs", "outputs", "output_grads", "input_grads", "received") if getattr(state, name)}
+        if held:
+            raise RuntimeError(f"rank {self.rank} still holds tensors after the step: {held}")
 
     def _synchronised_origin(self) -> float:
         """Time zero of the step, taken right after a barrier so all ranks share it."""
@@ -213,7 +212,7 @@ class RankRuntime:
         else:
             x = state.inputs.pop(key, None)
             if x is None:  # it arrived from another rank
-                x = self._received(Action(stage, Kind.RECV_F, microbatch))
+                x = self._received(state, Action(stage, Kind.RECV_F, microbatch))
             x.requires_grad_(True)  # a fresh leaf: its .grad is what goes upstream
         state.inputs[key] = x
         # What a forward saves depends only on the stage and its input's shape: measure it
@@ -246,7 +245,7 @@ class RankRuntime:
             return None
         if self._is_local(stage, stage + 1):
             return state.input_grads.pop((stage + 1, microbatch))
-        return self._received(Action(stage, Kind.RECV_B, microbatch))
+        return self._received(state, Action(stage, Kind.RECV_B, microbatch))
 
     def _backward(self, key: Key, state: _StepState) -> None:
         output, grad = state.outputs.pop(key), self._output_grad(key, state)
@@ -296,9 +295,9 @@ class RankRuntime:
                 expected[action] = (self._activation_dtype(), activation_shapes[action.microbatch])
         link.exchange(batch, outgoing, expected, clock)
 
-    def _received(self, action: Action) -> torch.Tensor:
+    def _received(self, state: _StepState, action: Action) -> torch.Tensor:
         try:
-            return self._link.mailbox.received.pop(action)
+            return state.received.pop(action)
         except KeyError:
             what = "activation" if action.kind == Kind.RECV_F else "gradient"
             raise RuntimeError(

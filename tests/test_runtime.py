@@ -201,3 +201,12 @@ def test_torch_v_shaped_plans_and_a_hand_written_schedule_run_exactly():
         reference = pplab.reference_step(CONFIG, batch, spec.schedule.n_microbatches)
         parity = compare_with_reference(result.loss, result.grads, reference)
         assert parity.passed, f"{spec.schedule.name}: {parity}"
+
+
+def test_a_schedule_that_never_runs_backward_trips_the_leak_check():
+    forward_only = Schedule.from_text(["0F0 0SEND_F0", "1RECV_F0 1F0"], name="forward-only")
+    spec = PipelineSpec(CONFIG, forward_only, timeout=5.0)  # bypasses validate(), on purpose
+    data = split_for_ranks(spec, next(batches(2, SEQ_LEN)))
+    with pytest.raises(RankFailed, match=r"still holds tensors after the step: \{'inputs': \['\(0, 0\)'\], "
+                                               r"'outputs': \['\(0, 0\)'\]\}"):
+        run_ranks(2, run_jobs_on_rank, [(spec, data)], timeout=60)
