@@ -12,6 +12,12 @@ names this rank, the peer, what it waited for and the action.
 Gradients need no shape handshake: a gradient has the shape of the activation
 this rank sent. Activations do when microbatch shapes vary; then each one is
 preceded by a small header tensor carrying its dtype and shape.
+
+gloo matches a receive to its send by tag; NCCL by order between two ranks, and
+returns one work for a whole batch. So on NCCL the runtime first checks that a
+schedule receives in the order it sends (`in_order_mismatch`), needs fixed
+shapes, and waits for a batch as a whole; the bound on a wait there is the
+process group's timeout.
 """
 
 from __future__ import annotations
@@ -28,6 +34,7 @@ from pplab.trace import Event
 
 MAX_DIMS = 6
 _DTYPES = [torch.float32, torch.float16, torch.bfloat16, torch.float64]
+_SENDS = (Kind.SEND_F, Kind.SEND_B)
 
 
 class PipelineTimeout(TimeoutError):
@@ -51,7 +58,7 @@ def decode_header(header: torch.Tensor) -> tuple[torch.dtype, tuple[int, ...]]:
 
 def message_tag(action: Action, n_stages: int, header: bool = False) -> int:
     """A tag unique to one message of a step, the same on sender and receiver (gloo matches on it)."""
-    sender_stage = action.stage if action.kind in (Kind.SEND_F, Kind.SEND_B) else action.peer_stage
+    sender_stage = action.stage if action.kind in _SENDS else action.peer_stage
     forward = action.kind in (Kind.SEND_F, Kind.RECV_F)
     return ((action.microbatch * n_stages + sender_stage) * 2 + forward) * 2 + header
 
@@ -197,8 +204,6 @@ def in_order_mismatch(schedule: Schedule) -> str | None:
                     f"{source} sends them")
     return None
 
-
-_SENDS = (Kind.SEND_F, Kind.SEND_B)
 
 
 def monotonic_clock():
