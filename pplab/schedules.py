@@ -840,8 +840,14 @@ def theory(schedule: Schedule, costs=None) -> Theory:
 
 
 def _recognise(schedule: Schedule) -> str | None:
-    """The name of the classic schedule with this compute order, if any."""
+    """The name of the classic schedule with this compute order and its messages, if any.
+
+    Moving a send later (or a receive earlier) than `add_communication` puts it can make
+    ranks wait longer, so such a schedule gets no textbook number.
+    """
     if schedule.placement is not None:
+        return None
+    if _has_comm(schedule) and add_communication(schedule).actions != schedule.actions:
         return None
     mine = schedule.compute_only().actions
     for name in SCHEDULE_NAMES:
@@ -873,7 +879,7 @@ def _bubble(schedule: Schedule, recognised: str | None, costs) -> tuple[float | 
     p, m, v = schedule.n_ranks, schedule.n_microbatches, schedule.n_virtual
     if recognised is None:
         return None, "none", (
-            "no closed form: the compute order is not that of "
+            "no closed form: the compute order and messages are not those of "
             f"{', '.join(SCHEDULE_NAMES)} for these sizes; simulate it (pplab.simulate)"
         )
     cost, why_not = _uniform_costs(schedule, costs)

@@ -54,7 +54,7 @@ class Costs:
     """
 
     forward: PerStage = 1.0
-    backward: PerStage = 2.0
+    backward: PerStage | None = None  # None: input_grad + weight_grad when both are given, else 2.0
     input_grad: PerStage | None = None
     weight_grad: PerStage | None = None
     latency: float = 0.0
@@ -62,6 +62,9 @@ class Costs:
     activation_bytes: int | Sequence[int] | None = None
 
     def __post_init__(self):
+        if self.backward is None:
+            halves = (self.input_grad, self.weight_grad)
+            object.__setattr__(self, "backward", 2.0 if None in halves else _sum(*halves))
         for name in ("forward", "backward", "input_grad", "weight_grad", "activation_bytes"):
             _check_per_stage(name, getattr(self, name))
             if _is_sequence(getattr(self, name)):
@@ -116,6 +119,12 @@ class Costs:
         weight_grad = None if self.weight_grad is None else _at(self.weight_grad, stage)
         if input_grad is None and weight_grad is None:
             return backward / 2, backward / 2
+        if input_grad is not None and weight_grad is not None:
+            if not math.isclose(input_grad + weight_grad, backward, rel_tol=1e-9, abs_tol=1e-12):
+                raise ValueError(f"Costs: input_grad + weight_grad = {input_grad + weight_grad:g} on "
+                                 f"stage {stage} but backward={backward:g}: B is I and W together; give "
+                                 f"backward={input_grad + weight_grad:g} or leave backward out")
+            return input_grad, weight_grad
         for name, half in (("input_grad", input_grad), ("weight_grad", weight_grad)):
             if half is not None and half > backward and (input_grad is None or weight_grad is None):
                 raise ValueError(f"Costs: {name}={half} on stage {stage} exceeds backward={backward}, "
@@ -125,6 +134,15 @@ class Costs:
         if weight_grad is None:
             weight_grad = backward - input_grad
         return input_grad, weight_grad
+
+
+def _sum(a: PerStage, b: PerStage) -> PerStage:
+    """a + b, stage by stage when either is a sequence."""
+    if not _is_sequence(a) and not _is_sequence(b):
+        return a + b
+    n_stages = len(a) if _is_sequence(a) else len(b)
+    return [_at(tuple(a) if _is_sequence(a) else a, s) + _at(tuple(b) if _is_sequence(b) else b, s)
+            for s in range(n_stages)]
 
 
 def _is_sequence(value) -> bool:

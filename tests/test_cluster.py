@@ -76,6 +76,12 @@ def exit_on_rank(bad_rank):
     return "ok"
 
 
+def sleep_for(seconds):
+    """Keep a rank busy (but not blocked in torch.distributed) for `seconds`."""
+    time.sleep(seconds)
+    return seconds
+
+
 def recv_that_never_comes():
     """Rank 1 waits for a message rank 0 never sends."""
     import torch
@@ -407,12 +413,17 @@ def test_connect_uses_engines_of_a_cluster_started_elsewhere(tmp_path):
         try:
             assert_healthy(lab)
             assert lab.run(ring_exchange) == [10.0, 0.0]
+            # On one host a connected lab also keeps its rendezvous and gloo on loopback.
+            addresses = lab.run(listening_addresses)
+            assert all(ips and all(ip.startswith("127.") for ip in ips) for ips in addresses), addresses
             first_pids = [row.pid for row in lab.status()]
             lab.restart()  # through the cluster's own launcher
             assert not set(first_pids) & {row.pid for row in lab.status()}
             assert_healthy(lab)
         finally:
             lab.stop()
+        with pytest.raises(pplab.cluster.LabError, match="connect again with pplab.Lab.connect"):
+            lab.restart()
         engines = [psutil.Process(row.pid) for row in lab.status()]
         assert all(engine.is_running() for engine in engines)  # the cluster belongs to its starter
         helpers = [child for engine in engines for child in engine.children(recursive=True)]
@@ -422,3 +433,35 @@ def test_connect_uses_engines_of_a_cluster_started_elsewhere(tmp_path):
                               cluster_id=cluster.cluster_id).stop_cluster_sync()
         cluster.stop_cluster_sync()
     psutil.wait_procs(helpers, timeout=10)  # ipyparallel's nannies take a few seconds to exit
+
+
+@pytest.mark.timeout(120)
+def test_a_start_that_fails_midway_leaves_nothing_running(ipython_dir, monkeypatch):
+    import ipyparallel as ipp
+    from conftest import lab_processes
+
+    async def controller_fails(self, **kwargs):
+        raise RuntimeError("controller could not start (injected)")
+
+    # (its *_sync twins are made on the fly from the async methods)
+    monkeypatch.setattr(ipp.Cluster, "start_controller", controller_fails)
+    started = time.monotonic()
+    with pytest.raises(RuntimeError, match="injected"):
+        pplab.Lab(ranks=2, device="cpu", verbose=False)  # the fork server was already up
+    assert time.monotonic() - started < 30
+    assert lab_processes(ipython_dir) == []
+
+
+@pytest.mark.timeout(60)
+def test_an_interrupted_call_makes_the_lab_ask_for_a_restart(fragile_lab):
+    import _thread
+    import threading
+
+    threading.Timer(1.0, _thread.interrupt_main).start()  # what Ctrl-C / a kernel interrupt does
+    with pytest.raises(KeyboardInterrupt):
+        fragile_lab.run(sleep_for, 30)
+    assert fragile_lab.state.startswith("needs restart")
+    with pytest.raises(pplab.cluster.LabNeedsRestartError):
+        fragile_lab.run(sleep_for, 0)
+    fragile_lab.restart()
+    assert [row.state for row in fragile_lab.status()] == ["idle", "idle"]

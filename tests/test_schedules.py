@@ -546,3 +546,15 @@ def test_from_torch_rejects_bad_input(args, message):
     with pytest.raises(ValueError) as error:
         from_torch(*args)
     assert message in str(error.value)
+
+
+def test_theory_gives_no_textbook_number_when_messages_are_moved():
+    from pplab.simulator import simulate
+
+    # GPipe's compute order, but rank 0 sends both activations only after both forwards.
+    late_sends = Schedule.from_text(["0F0 0F1 0SEND_F0 0SEND_F1 0RECV_B0 0B0 0RECV_B1 0B1",
+                                     "1RECV_F0 1F0 1B0 1SEND_B0 1RECV_F1 1F1 1B1 1SEND_B1"])
+    validate(late_sends)
+    assert simulate(late_sends).bubble_fraction() == pytest.approx(0.4)   # not 1/3
+    assert theory(late_sends).bubble_fraction is None
+    assert "messages are not those of" in theory(late_sends).conditions

@@ -172,3 +172,11 @@ def test_per_stage_costs_must_match_the_number_of_stages():
 def test_half_of_the_backward_cannot_exceed_the_backward():
     with pytest.raises(ValueError, match="input_grad=3.0 on stage 0 exceeds backward=2.0"):
         simulate(build("zb-h1", 2, 2), Costs(input_grad=3.0))
+
+
+def test_backward_is_input_grad_plus_weight_grad():
+    assert Costs(input_grad=1.0, weight_grad=2.0).backward == 3.0
+    assert Costs(input_grad=[1.0, 2.0], weight_grad=1.0).backward == (2.0, 3.0)
+    with pytest.raises(ValueError, match=r"input_grad \+ weight_grad = 3 on stage 0 but backward=2: .* "
+                                         r"give backward=3 or leave backward out"):
+        simulate(build("zb-h1", 2, 2), Costs(backward=2.0, input_grad=1.0, weight_grad=2.0))

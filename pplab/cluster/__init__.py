@@ -8,9 +8,10 @@
     lab.stop()                    # nothing left running
 
 Modules, top to bottom: `plan` (argument checks, backend/device, rank order),
-`engine` (what runs on each engine), `forkserver` and `launcher` (fast engine
-start), `records` (on-disk records and `cleanup`), `status`, `calls` (waiting,
-errors, streaming) and `lab` (the Lab itself).
+`errors`, `engine` (what runs on each engine), `forkserver` (fast engine start),
+`records` (on-disk records and `cleanup`), `status`, `calls` (waiting, errors,
+streaming), `pipelines` (a pipeline's stages kept on the engines) and `lab`
+(the Lab itself).
 """
 
 from pplab.cluster.calls import RankCall, RankEvent

@@ -126,9 +126,14 @@ class RankCall:
         seconds = POLL_SECONDS
         if wait_until is not None:
             seconds = max(0.0, min(seconds, wait_until - time.monotonic()))
-        done, _ = concurrent.futures.wait([self._per_rank[rank] for rank in running],
-                                          timeout=seconds,
-                                          return_when=concurrent.futures.FIRST_EXCEPTION)
+        try:
+            done, _ = concurrent.futures.wait([self._per_rank[rank] for rank in running],
+                                              timeout=seconds,
+                                              return_when=concurrent.futures.FIRST_EXCEPTION)
+        except KeyboardInterrupt:
+            # The ranks go on running: a next call would queue behind them, so demand a restart.
+            self._lab._needs_restart(f"{self._name} was interrupted while ranks {running} were running")
+            raise
         if not done:  # only a call that takes a while pays for checking processes
             self._dead.update(self._lab._dead_ranks(self._running()))
 

@@ -136,7 +136,11 @@ class Lab:
         lab._owned = False
         lab._profile = profile
         lab._gloo_ifname = gloo_ifname
-        lab.profile_dir = profile_dir
+        if profile_dir is None:  # where ipcluster keeps the profile (and we a rendezvous file)
+            from IPython.paths import get_ipython_dir
+
+            profile_dir = os.path.join(get_ipython_dir(), f"profile_{profile or 'default'}")
+        lab.profile_dir = os.path.abspath(profile_dir)
         lab.cluster_id = cluster_id
         lab._start()
         return lab
@@ -170,6 +174,7 @@ class Lab:
 
     def _start(self) -> None:
         """Bring up engines (launch or connect), then make them ranks; on failure stop what started."""
+        self._last_call = None  # a call of engines that are gone says nothing about new ones
         progress = _Progress(self._verbose)
         self._stopped = False
         self._broken = None
@@ -199,6 +204,9 @@ class Lab:
         if self._fork:
             # First of all, so that the engines import torch while everything else starts.
             self._fork_server = self._start_fork_server(ranks)
+            # Recorded at once: if the rest of the start fails, shutdown and cleanup() find it.
+            self._launched = [records.process_entry(self._fork_server.pid, "engine fork server")]
+            records.write_record(self.profile_dir, self.cluster_id, self._launched)
         import ipyparallel as ipp
 
         self._cluster = ipp.Cluster(
@@ -374,8 +382,8 @@ class Lab:
 
     def _new_rendezvous(self, order: list[int], about: dict, on_one_host: bool) -> str:
         """A fresh rendezvous for one init: a new file on one host (no listening socket), else TCP."""
-        if on_one_host and self._owned:
-            folder = os.path.join(records.records_dir(self.profile_dir), self.cluster_id)
+        if on_one_host:  # owned or connected: on one host nothing needs to listen
+            folder = os.path.join(records.records_dir(self.profile_dir), self.cluster_id or "connected")
             os.makedirs(folder, exist_ok=True)
             return f"file://{os.path.join(folder, f'rendezvous-{uuid.uuid4().hex}')}"
         rank0 = self._client[order[0]]
@@ -505,6 +513,9 @@ class Lab:
 
     def _restart_connected_engines(self) -> None:
         """Restart the engines of a cluster we connected to, through its own launcher."""
+        if self._stopped:
+            raise LabError("this lab was stopped, which closed its connection to the cluster: "
+                           "connect again with pplab.Lab.connect(...)")
         if self._cluster is None or not self._cluster.engines:
             raise LabError("cannot restart engines of a cluster started elsewhere without its "
                            "cluster file; restart them with your launcher (e.g. `ipcluster "
@@ -556,7 +567,11 @@ class Lab:
             self._cluster = None
         records.stop_processes(ours)
         if self._fork_server is not None:
-            self._fork_server.wait(timeout=10)  # reap it: no zombie left behind
+            try:
+                self._fork_server.wait(timeout=10)  # reap it: no zombie left behind
+            except subprocess.TimeoutExpired:
+                self._fork_server.kill()
+                self._fork_server.wait(timeout=10)
             self._fork_server = None
         if self.cluster_id:
             records.remove_lab_files(self.profile_dir, self.cluster_id)
