@@ -46,9 +46,10 @@ class Costs:
 
     Each duration is one number for every stage or a sequence, one per stage.
     When a schedule splits the backward into I (input gradient) and W (weight
-    gradient), unspecified halves default to an even split of `backward`: if
-    neither is given, I = W = backward / 2; if one is given, the other is
-    backward minus it. A message across the boundary after stage s (its
+    gradient), B is I and W together: with neither given, I = W = backward / 2;
+    with one, the other is backward minus it; with both, backward defaults to
+    I + W (and must equal it if given), so schedules with B and with I/W
+    compare on the same work. A message across the boundary after stage s (its
     activation, or the gradient coming back) takes ``latency +
     activation_bytes[s] / bandwidth``; without a bandwidth, just the latency.
     """
