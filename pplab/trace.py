@@ -33,9 +33,12 @@ COMM_KINDS = frozenset({"SEND_F", "RECV_F", "SEND_B", "RECV_B"})
 """Communication kinds; every other kind (F, B, I, W, OPT, ...) is compute."""
 
 # Chrome trace tracks (thread ids) inside each rank's process. Sends and
-# receives get their own tracks because they may overlap each other in time.
+# receives get their own tracks because they may overlap each other in time;
+# overlapping ones go on further lanes (tid + _LANE_STRIDE * lane), since a
+# trace viewer nests the slices of one track and cannot show partial overlaps.
 _COMPUTE_TRACK, _SEND_TRACK, _RECV_TRACK = 0, 1, 2
 _TRACK_NAMES = {_COMPUTE_TRACK: "compute", _SEND_TRACK: "send", _RECV_TRACK: "recv"}
+_LANE_STRIDE = 10
 
 
 # ---------------------------------------------------------------- events
@@ -307,8 +310,10 @@ class Timeline:
 
     def to_chrome_trace(self, path: str | PathLike | None = None) -> dict:
         """The timeline in the Chrome trace event format; also written to `path` when given."""
+        tids = _chrome_tracks(self.events)
         trace = {
-            "traceEvents": _chrome_metadata(self.n_ranks) + [_chrome_event(e) for e in self.events],
+            "traceEvents": _chrome_metadata(self.n_ranks, set(zip((e.rank for e in self.events), tids)))
+                           + [_chrome_event(e, tid) for e, tid in zip(self.events, tids)],
             "displayTimeUnit": "ms",
             "otherData": {"pplab": True, "label": self.label, "n_ranks": self.n_ranks},
         }
@@ -335,15 +340,30 @@ class Timeline:
         return cls(events, n_ranks, other.get("label", ""))
 
 
-def _chrome_metadata(n_ranks: int) -> list[dict]:
+def _chrome_metadata(n_ranks: int, used: set[tuple[int, int]]) -> list[dict]:
     """Process and track names, so each rank shows as 'rank r' with named tracks."""
     meta = []
     for rank in range(n_ranks):
         meta.append({"ph": "M", "name": "process_name", "pid": rank, "tid": 0, "args": {"name": f"rank {rank}"}})
         meta.append({"ph": "M", "name": "process_sort_index", "pid": rank, "tid": 0, "args": {"sort_index": rank}})
-        for tid, name in _TRACK_NAMES.items():
+        tids = set(_TRACK_NAMES) | {tid for r, tid in used if r == rank}
+        for tid in sorted(tids):
+            lane, track = divmod(tid, _LANE_STRIDE)
+            name = _TRACK_NAMES[track] + (f" {lane + 1}" if lane else "")
             meta.append({"ph": "M", "name": "thread_name", "pid": rank, "tid": tid, "args": {"name": name}})
     return meta
+
+
+def _chrome_tracks(events: Sequence[Event]) -> list[int]:
+    """A track (thread id) per event: no two events that overlap in time share a track."""
+    tids, lane_ends = [], {}  # (rank, track) -> when each of its lanes is free again
+    for event in events:  # a Timeline keeps them sorted by rank, then start
+        track = _track_of(event)
+        ends = lane_ends.setdefault((event.rank, track), [])
+        lane = next((i for i, end in enumerate(ends) if end <= event.start), len(ends))
+        ends[lane:lane + 1] = [event.end]
+        tids.append(track + _LANE_STRIDE * lane)
+    return tids
 
 
 def _track_of(event: Event) -> int:
@@ -354,7 +374,7 @@ def _track_of(event: Event) -> int:
     return _COMPUTE_TRACK
 
 
-def _chrome_event(event: Event) -> dict:
+def _chrome_event(event: Event, tid: int) -> dict:
     """One complete ('X') event; ts and dur are in microseconds, as the format wants."""
     args = {"kind": event.kind, "stage": event.stage, "microbatch": event.microbatch,
             # Exact seconds as well, so that importing back is lossless
@@ -369,7 +389,7 @@ def _chrome_event(event: Event) -> dict:
         "name": event.label(),
         "cat": "comm" if event.is_comm else "compute",
         "pid": event.rank,
-        "tid": _track_of(event),
+        "tid": tid,
         "ts": event.start * 1e6,
         "dur": event.duration * 1e6,
         "args": args,

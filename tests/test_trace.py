@@ -174,3 +174,20 @@ def test_chrome_trace_without_pplab_extras_is_read_from_ts_and_dur():
     assert timeline.n_ranks == 2
     (event,) = timeline.events
     assert (event.rank, event.kind, event.microbatch, event.start, event.end) == (1, "B", 1, 2.0, 2.5)
+
+
+def test_chrome_trace_never_puts_overlapping_slices_on_one_track():
+    from pplab.schedules import build
+    from pplab.simulator import Costs, simulate
+
+    timeline = simulate(build("1f1b", 2, 4), Costs(latency=3.0))   # sends overlap on the wire
+    trace = timeline.to_chrome_trace()
+    tracks = {}
+    for event in (e for e in trace["traceEvents"] if e["ph"] == "X"):
+        tracks.setdefault((event["pid"], event["tid"]), []).append((event["ts"], event["ts"] + event["dur"]))
+    for slices in tracks.values():
+        slices.sort()
+        assert all(later[0] >= earlier[1] for earlier, later in zip(slices, slices[1:]))
+    names = {(e["pid"], e["args"]["name"]) for e in trace["traceEvents"] if e.get("name") == "thread_name"}
+    assert (0, "send 2") in names  # the overlapping send got a second lane
+    assert Timeline.from_chrome_trace(trace).events == timeline.events
