@@ -496,6 +496,10 @@ def validate(schedule: Schedule, blocking_sends: bool = False) -> None:
        with ``blocking_sends=True``, for its receive. A schedule without any
        communication action is run as if data moved instantly.
     """
+    if _has_comm(schedule):
+        # First the compute order alone, with positions as a hand-written compute order
+        # reads (from_text inserts the messages), then with its messages.
+        _check_each_action(schedule.compute_only(), " (counting compute actions only)")
     _check_each_action(schedule)
     _check_sends_meet_receives(schedule)
     _check_every_pass_present(schedule)
@@ -515,7 +519,7 @@ def _has_comm(schedule: Schedule) -> bool:
     return any(a.is_comm for acts in schedule.actions for a in acts)
 
 
-def _check_each_action(schedule: Schedule) -> None:
+def _check_each_action(schedule: Schedule, counting: str = "") -> None:
     everywhere = _first_positions(schedule)
     with_comm = _has_comm(schedule)
     for rank, acts in enumerate(schedule.actions):
@@ -523,7 +527,7 @@ def _check_each_action(schedule: Schedule) -> None:
         for position, action in enumerate(acts):
             why = _what_is_wrong(schedule, rank, action, earlier, everywhere, with_comm)
             if why:
-                raise ScheduleError(f"rank {rank} action {action} at position {position}: {why}")
+                raise ScheduleError(f"rank {rank} action {action} at position {position}{counting}: {why}")
             earlier[action] = position
 
 

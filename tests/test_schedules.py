@@ -501,7 +501,8 @@ def test_torch_1f1b_plan_has_a_known_defect_on_its_last_rank():
             assert theirs[-1] == forwards_renumbered(ours[-1], +1), (p, m)
             last = p - 1
             assert rejection(torch_plan) == (
-                f"rank {last} action {last}B0 at position 2: backward of microbatch 0 on stage "
+                f"rank {last} action {last}B0 at position 1 (counting compute actions only): "
+                f"backward of microbatch 0 on stage "
                 f"{last} comes before its forward {last}F0, which is not in the schedule"
             )
 
@@ -558,3 +559,12 @@ def test_theory_gives_no_textbook_number_when_messages_are_moved():
     assert simulate(late_sends).bubble_fraction() == pytest.approx(0.4)   # not 1/3
     assert theory(late_sends).bubble_fraction is None
     assert "messages are not those of" in theory(late_sends).conditions
+
+
+def test_positions_in_errors_are_those_of_the_hand_written_compute_order():
+    with pytest.raises(ScheduleError, match=r"rank 1 action 1B0 at position 0 \(counting compute actions "
+                                            r"only\): backward of microbatch 0 on stage 1 comes before its "
+                                            r"forward 1F0, which comes later, at position 1"):
+        validate(Schedule.from_text(["0F0 0B0", "1B0 1F0"]))
+    with pytest.raises(ScheduleError, match="already ran as 0B0 at position 1: use either B or the pair I and W"):
+        validate(Schedule.from_text(["0F0 0B0 0I0 0W0", "1F0 1B0"]))
