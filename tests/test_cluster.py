@@ -465,3 +465,16 @@ def test_an_interrupted_call_makes_the_lab_ask_for_a_restart(fragile_lab):
         fragile_lab.run(sleep_for, 0)
     fragile_lab.restart()
     assert [row.state for row in fragile_lab.status()] == ["idle", "idle"]
+
+
+@pytest.mark.timeout(120)
+def test_an_engine_that_dies_at_start_fails_the_start_at_once(ipython_dir, monkeypatch):
+    import pplab.cluster.lab as lab_module
+    from conftest import lab_processes
+
+    monkeypatch.setattr(lab_module, "ENGINE_ARGS", [*lab_module.ENGINE_ARGS, "--no-such-flag"])
+    started = time.monotonic()
+    with pytest.raises(pplab.cluster.LabStartError, match=r"engine \d \(pid \d+\) exited with status 2 during start-up"):
+        pplab.Lab(ranks=2, device="cpu", verbose=False, start_timeout=60)
+    assert time.monotonic() - started < 30   # not the whole start_timeout
+    assert lab_processes(ipython_dir) == []

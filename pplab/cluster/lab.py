@@ -288,10 +288,21 @@ class Lab:
             if gone:
                 raise LabStartError(f"the {gone[0]['role']} (pid {gone[0]['pid']}) exited during "
                                     f"start-up.\n{self._launch_logs()}")
+            exited = self._forked_engine_exit()
+            if exited:
+                raise LabStartError(f"{exited.removeprefix('pplab forkserver: ').strip()} during "
+                                    f"start-up.\n{self._launch_logs()}")
             if time.monotonic() > deadline:
                 raise LabStartError(f"only {len(ids)} of {count} engines registered within "
                                     f"start_timeout={self.start_timeout:g} s.\n{self._launch_logs()}")
             time.sleep(0.02)
+
+    def _forked_engine_exit(self) -> str | None:
+        """The fork server's log line about an engine that exited, if one did."""
+        if self._fork_server is None or not os.path.exists(self._fork_server_log()):
+            return None
+        with open(self._fork_server_log(), errors="replace") as log:
+            return next((line for line in log if "exited with status" in line), None)
 
     def _launch_logs(self) -> str:
         """The last lines the controller and engines wrote, for start-up error messages."""
