@@ -935,7 +935,8 @@ def _uniform_costs(schedule: Schedule, costs) -> tuple[dict[Kind, float], str | 
     if costs is None:
         return _DEFAULT_COSTS, None
     stages = range(schedule.n_stages)
-    per_kind = {k: {costs.compute_time(k, s) for s in stages} for k in _DEFAULT_COSTS}
+    used = {a.kind for acts in schedule.actions for a in acts if a.is_compute}
+    per_kind = {k: {costs.compute_time(k, s) for s in stages} for k in _DEFAULT_COSTS if k in used}
     varying = [k.value for k, values in per_kind.items() if len(values) > 1]
     if varying:
         return {}, f"the cost of {', '.join(varying)} differs between stages"
