@@ -11,7 +11,7 @@ from pplab.checks import check_gradient_flow, compare_with_reference
 from pplab.data import batches
 from pplab.launch import run_as_torchrun_rank, run_ranks, under_torchrun
 from pplab.model import LlamaConfig, build_model
-from pplab.pipeline import PipelineSpec, merge_steps, run_jobs_on_rank, split_for_ranks
+from pplab.rank_pipeline import PipelineSpec, merge_steps, run_jobs_on_rank, split_for_ranks
 from pplab.reference import reference_step
 from pplab.schedules import theory
 from pplab.simulator import Costs, simulate

@@ -37,7 +37,7 @@ _DTYPES = [torch.float32, torch.float16, torch.bfloat16, torch.float64]
 _SENDS = (Kind.SEND_F, Kind.SEND_B)
 
 
-class PipelineTimeout(TimeoutError):
+class PipelineTimeoutError(TimeoutError):
     """A rank waited longer than the timeout for a message from a neighbour."""
 
 
@@ -148,7 +148,7 @@ class StageLink:
         try:
             work.wait(timedelta(seconds=self.timeout))
         except RuntimeError as error:
-            raise PipelineTimeout(self.describe_wait(action, time.monotonic() - started, error)) from error
+            raise PipelineTimeoutError(self.describe_wait(action, time.monotonic() - started, error)) from error
 
     def describe_wait(self, action: Action, waited: float | None = None, error=None) -> str:
         """'rank 2 waited 30 s for the activation of microbatch 3 from rank 1 (action 2RECV_F3)'."""

@@ -16,7 +16,8 @@ from pathlib import Path
 
 import torch
 
-from pplab.model import IGNORE_INDEX, check_positive_int
+from pplab.arguments import check_positive_int
+from pplab.model import IGNORE_INDEX
 
 Batch = tuple[torch.Tensor, torch.Tensor]  # (input_ids, target_ids), int64 [batch, seq]
 

@@ -18,8 +18,10 @@ import time
 import traceback
 from datetime import timedelta
 
+from pplab.arguments import check_positive_int
 
-class RankFailed(RuntimeError):
+
+class LocalRankError(RuntimeError):
     """A rank raised, died, or did not finish in time."""
 
 
@@ -59,8 +61,7 @@ def run_ranks(world_size: int, fn, *args, backend: str = "gloo", timeout: float 
     (a neighbour's timeout usually follows), then all are stopped and every
     failure is raised together, the first one first.
     """
-    if not isinstance(world_size, int) or world_size < 1:
-        raise ValueError(f"world_size={world_size!r}: must be a positive integer")
+    check_positive_int("world_size", world_size)
     context = mp.get_context("spawn")
     results = context.Queue()
     port = free_port()
@@ -100,14 +101,14 @@ def _collect(processes, results, timeout: float, grace: float) -> list:
                         fail(rank, f"died (exit code {process.exitcode}) without reporting")
             if time.monotonic() > deadline and not failures:
                 missing = [r for r in range(len(processes)) if r not in collected]
-                raise RankFailed(f"ranks {missing} did not finish within {timeout:g} s") from None
+                raise LocalRankError(f"ranks {missing} did not finish within {timeout:g} s") from None
             continue
         if status == "error":
             fail(rank, f"failed:\n{value}")
         else:
             collected[rank] = pickle.loads(value)
     if failures:
-        raise RankFailed("\n".join(f"rank {rank} {what}" for rank, what in failures.items()))
+        raise LocalRankError("\n".join(f"rank {rank} {what}" for rank, what in failures.items()))
     return [collected[rank] for rank in range(len(processes))]
 
 

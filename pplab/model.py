@@ -19,14 +19,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from pplab.arguments import check_positive_int
+
 IGNORE_INDEX = -100  # target value the loss skips (padding)
 INIT_STD = 0.02
-
-
-def check_positive_int(name: str, value) -> None:
-    """Raise a ValueError naming `name` unless `value` is an int >= 1 (bool excluded)."""
-    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-        raise ValueError(f"{name}={value!r}: must be a positive integer")
 
 
 @dataclass(frozen=True)

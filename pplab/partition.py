@@ -10,7 +10,8 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from pplab.model import LlamaConfig, LlamaModel, check_positive_int, materialise
+from pplab.arguments import check_positive_int
+from pplab.model import LlamaConfig, LlamaModel, materialise
 
 
 def layer_ranges(n_layers: int, n_stages: int, balance: Sequence[int] | None = None,

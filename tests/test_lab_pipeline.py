@@ -55,9 +55,9 @@ def test_bad_pipelines_are_rejected_before_any_rank_runs(lab2):
 
 def test_a_broken_process_group_makes_the_lab_ask_for_a_restart(lab2):
     def every_rank_times_out():
-        from pplab.comm import PipelineTimeout
+        from pplab.comm import PipelineTimeoutError
 
-        raise PipelineTimeout(f"rank {my_rank()} waited 1 s for the activation of microbatch 0")
+        raise PipelineTimeoutError(f"rank {my_rank()} waited 1 s for the activation of microbatch 0")
 
     with pytest.raises(pplab.cluster.RankFailedError, match="the process group is broken"):
         lab2.run(every_rank_times_out)

@@ -9,10 +9,10 @@ import torch
 
 import pplab
 from pplab.checks import check_gradient_flow, compare_with_reference
-from pplab.comm import PipelineTimeout
+from pplab.comm import PipelineTimeoutError
 from pplab.data import batches
-from pplab.launch import RankFailed, run_ranks
-from pplab.pipeline import PipelineSpec, merge_steps, run_jobs_on_rank, split_for_ranks
+from pplab.launch import LocalRankError, run_ranks
+from pplab.rank_pipeline import PipelineSpec, merge_steps, run_jobs_on_rank, split_for_ranks
 from pplab.schedules import Action, Schedule, build
 
 CONFIG = pplab.LlamaConfig.tiny()
@@ -106,17 +106,17 @@ def broken_job(text):
 
 
 def test_a_missing_send_ends_in_timeouts_naming_rank_peer_and_action():
-    with pytest.raises(RankFailed) as failure:
+    with pytest.raises(LocalRankError) as failure:
         run_ranks(2, run_jobs_on_rank, [broken_job("0SEND_F0")], timeout=60)
     message = str(failure.value)
-    assert PipelineTimeout.__name__ in message
+    assert PipelineTimeoutError.__name__ in message
     # Rank 1 never gets its activation, so rank 0 never gets its gradient: both say so.
     assert "rank 1 waited 2 s for the activation of microbatch 0 from rank 0 (action 1RECV_F0)" in message
     assert "rank 0 waited 2 s for the gradient of microbatch 0 from rank 1 (action 0RECV_B0)" in message
 
 
 def test_a_missing_receive_is_named_not_a_hang():
-    with pytest.raises(RankFailed, match=r"rank 1 needs the activation of microbatch 0 for stage 1 "
+    with pytest.raises(LocalRankError, match=r"rank 1 needs the activation of microbatch 0 for stage 1 "
                                          r"but nothing received it: the schedule lacks 1RECV_F0"):
         run_ranks(2, run_jobs_on_rank, [broken_job("1RECV_F0")], timeout=60)
 
@@ -207,6 +207,6 @@ def test_a_schedule_that_never_runs_backward_trips_the_leak_check():
     forward_only = Schedule.from_text(["0F0 0SEND_F0", "1RECV_F0 1F0"], name="forward-only")
     spec = PipelineSpec(CONFIG, forward_only, timeout=5.0)  # bypasses validate(), on purpose
     data = split_for_ranks(spec, next(batches(2, SEQ_LEN)))
-    with pytest.raises(RankFailed, match=r"still holds tensors after the step: \{'inputs': \['\(0, 0\)'\], "
+    with pytest.raises(LocalRankError, match=r"still holds tensors after the step: \{'inputs': \['\(0, 0\)'\], "
                                                r"'outputs': \['\(0, 0\)'\]\}"):
         run_ranks(2, run_jobs_on_rank, [(spec, data)], timeout=60)

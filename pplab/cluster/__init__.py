@@ -10,7 +10,7 @@
 Modules, top to bottom: `plan` (argument checks, backend/device, rank order),
 `errors`, `engine` (what runs on each engine), `forkserver` (fast engine start),
 `records` (on-disk records and `cleanup`), `status`, `calls` (waiting, errors,
-streaming), `pipelines` (a pipeline's stages kept on the engines) and `lab`
+streaming), `lab_pipeline` (a pipeline's stages kept on the engines) and `lab`
 (the Lab itself).
 """
 

@@ -23,7 +23,7 @@ _ANSI_ESCAPES = re.compile(r"\x1b\[[0-9;]*m")
 
 
 # Remote errors after which a rank's process group cannot be used again.
-BREAKS_PROCESS_GROUP = frozenset({"PipelineTimeout", "DistBackendError"})
+BREAKS_PROCESS_GROUP = frozenset({"PipelineTimeoutError", "DistBackendError"})
 
 
 class RankEvent(NamedTuple):

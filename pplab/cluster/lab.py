@@ -29,7 +29,7 @@ from typing import Callable, Iterator
 from pplab.cluster import engine, records
 from pplab.cluster.calls import RankCall, RankEvent
 from pplab.cluster.errors import RESTART_HINT, LabError, LabNeedsRestartError, LabStartError
-from pplab.cluster.pipelines import PipelineRun
+from pplab.cluster.lab_pipeline import PipelineRun
 from pplab.cluster.plan import (RankSpec, assign_ranks, check_positive, check_ranks,
                                 check_threads, choose_backend_device, local_ranks,
                                 loopback_interface)

@@ -21,7 +21,7 @@ from pplab.checks import (BoundaryTable, GradientFlowReport, ParityReport, check
 from pplab.cluster import engine
 from pplab.data import Batch, batches
 from pplab.model import LlamaConfig, LlamaModel
-from pplab.pipeline import PipelineSpec, RankPipeline, StepResult, merge_steps, split_for_ranks
+from pplab.rank_pipeline import PipelineSpec, RankPipeline, StepResult, merge_steps, split_for_ranks
 from pplab.reference import reference_step
 from pplab.runtime import RankStep
 from pplab.schedules import Schedule
