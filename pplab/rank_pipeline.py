@@ -20,7 +20,7 @@ from pplab.data import Batch
 from pplab.model import IGNORE_INDEX, LlamaConfig
 from pplab.partition import build_stage, layer_ranges
 from pplab.reference import as_microbatches
-from pplab.runtime import Boundary, RankRuntime, RankStep
+from pplab.runtime import Boundary, RankRuntime, RankStep, check_runnable
 from pplab.schedules import Schedule, build, validate
 from pplab.simulator import Costs
 from pplab.trace import Timeline
@@ -50,6 +50,7 @@ class PipelineSpec:
         else:
             _check_matches(schedule, n_ranks, microbatches, n_virtual)
         validate(schedule)
+        check_runnable(schedule)
         spec = cls(config, schedule, **options)
         if not spec.timeout > 0:
             raise ValueError(f"timeout={spec.timeout!r}: give the seconds a rank may wait for a "

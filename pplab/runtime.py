@@ -24,7 +24,7 @@ from torch import nn
 
 from pplab.comm import StageLink, dtype_name, in_order_mismatch, monotonic_clock
 from pplab.model import loss_fn
-from pplab.schedules import Action, Kind, Schedule
+from pplab.schedules import Action, Dependencies, Kind, Schedule
 from pplab.simulator import Costs
 from pplab.trace import Event
 
@@ -97,7 +97,9 @@ class RankRuntime:
         if missing:
             raise ValueError(f"rank {rank} runs stages {sorted(missing)} of schedule "
                              f"{schedule.name!r} but was given modules for {sorted(stages)}")
+        check_runnable(schedule)
         self.schedule, self.rank, self.stages = schedule, rank, stages
+        self.rule = Dependencies(schedule)
         self.device, self.timeout, self.record, self.timing = torch.device(device), timeout, record, timing
         self.group = group
         self.last_stage = schedule.n_stages - 1
@@ -210,9 +212,8 @@ class RankRuntime:
         if stage == 0:
             x = inputs[microbatch].to(self.device)
         else:
-            x = state.inputs.pop(key, None)
-            if x is None:  # it arrived from another rank
-                x = self._received(state, Action(stage, Kind.RECV_F, microbatch))
+            (need,) = self.rule.needs(Action(stage, Kind.F, microbatch))
+            x = self._received(state, need.action) if need.action.is_comm else state.inputs.pop(key)
             x.requires_grad_(True)  # a fresh leaf: its .grad is what goes upstream
         state.inputs[key] = x
         # What a forward saves depends only on the stage and its input's shape: measure it
@@ -234,7 +235,7 @@ class RankRuntime:
         state.outputs[key] = out
         boundaries.append(Boundary(stage, microbatch, tuple(out.shape), dtype_name(out),
                                    out.numel() * out.element_size()))
-        if self._is_local(stage, stage + 1):
+        if self.schedule.same_rank(stage, stage + 1):
             state.inputs[(stage + 1, microbatch)] = out.detach()  # same boundary as a network hop
         return extra
 
@@ -243,9 +244,10 @@ class RankRuntime:
         stage, microbatch = key
         if stage == self.last_stage:
             return None
-        if self._is_local(stage, stage + 1):
-            return state.input_grads.pop((stage + 1, microbatch))
-        return self._received(state, Action(stage, Kind.RECV_B, microbatch))
+        _, need = self.rule.needs(Action(stage, Kind.B, microbatch))
+        if need.action.is_comm:
+            return self._received(state, need.action)
+        return state.input_grads.pop((stage + 1, microbatch))  # handed over by the next stage here
 
     def _backward(self, key: Key, state: _StepState) -> None:
         output, grad = state.outputs.pop(key), self._output_grad(key, state)
@@ -308,8 +310,23 @@ class RankRuntime:
     def _activation_dtype(self) -> torch.dtype:
         return next(iter(p.dtype for m in self.stages.values() for p in m.parameters()), torch.float32)
 
-    def _is_local(self, stage: int, neighbour: int) -> bool:
-        return self.schedule.stage_to_rank(stage) == self.schedule.stage_to_rank(neighbour)
+
+def check_runnable(schedule: Schedule) -> None:
+    """Raise a ValueError if data crosses ranks with no send and receive to carry it.
+
+    `validate` and `simulate` read such a schedule as if data moved by itself;
+    ranks cannot: they move tensors only where the schedule says so.
+    """
+    rule = Dependencies(schedule)
+    for acts in schedule.actions:
+        for action in acts:
+            crossing = next((need for need in rule.needs(action) if need.transfer is not None), None)
+            if crossing is not None:
+                raise ValueError(
+                    f"schedule {schedule.name!r} has no sends and receives, but {action} needs "
+                    f"{crossing.action} from rank {schedule.stage_to_rank(crossing.action.stage)}: "
+                    f"ranks move data only where the schedule says; add them with "
+                    f"pplab.schedules.add_communication(schedule)")
 
 
 def gradient_stats(modules) -> dict[str, dict]:

@@ -30,7 +30,7 @@ from collections import defaultdict
 from dataclasses import dataclass
 from typing import Sequence, Union
 
-from pplab.schedules import Action, Kind, Schedule, ScheduleError
+from pplab.schedules import Action, DeadlockError, Dependencies, Kind, Schedule, ScheduleError
 from pplab.trace import Event, Timeline
 
 PerStage = Union[float, Sequence[float]]
@@ -174,10 +174,6 @@ def _check_per_stage(name: str, value) -> None:
 # ---------------------------------------------------------------- simulation
 
 
-class DeadlockError(ScheduleError):
-    """The schedule stops with ranks waiting for data that never comes."""
-
-
 def simulate(schedule: Schedule, costs: Costs | None = None) -> Timeline:
     """Execute `schedule` on the cost model and return the predicted timeline."""
     costs = Costs() if costs is None else costs
@@ -185,38 +181,20 @@ def simulate(schedule: Schedule, costs: Costs | None = None) -> Timeline:
     return _Simulation(schedule, costs).run()
 
 
-# What actions wait for, as keys of `_Simulation.ready_at` (stage, microbatch):
-#   ("F", s, mb)      the forward of stage s is done: its output exists
-#   ("G", s, mb)      the input gradient of stage s is done (by B or by I)
-#   ("I", s, mb)      the input-gradient pass is done (W needs it)
-#   ("W", s, mb)      the weight-gradient pass is done (nothing waits on it)
-#   ("SENT_F", s, mb) the activation sent by stage s has arrived; ("SENT_B", s, mb) its gradient
-#   ("RECV_F", s, mb) stage s has received its activation; ("RECV_B", s, mb) its gradient
-# Each need is (key, delay): the action may start `delay` after the key is ready.
-
-
-# The keys a compute action makes ready when it ends.
-_PROVIDES = {Kind.F: ("F",), Kind.B: ("G",), Kind.I: ("G", "I"), Kind.W: ("W",)}
-
-
-def _boundary(action: Action) -> int:
-    """The stage whose output a communication action moves (or whose gradient it moves back)."""
-    return action.stage if action.kind in (Kind.SEND_F, Kind.RECV_B) else action.stage - 1
-
-
 class _Simulation:
-    """Dataflow over the schedule: every action is placed once, so it runs in O(actions)."""
+    """Dataflow over the schedule: every action is placed once, so it runs in O(actions).
+
+    What an action waits for comes from the schedules' one dependency rule
+    (`Dependencies.needs`); `ready_at[action]` is when what it made is there:
+    the end of a compute or a receive, the arrival of a send's message.
+    """
 
     def __init__(self, schedule: Schedule, costs: Costs):
         self.schedule = schedule
         self.costs = costs
-        self.last_stage = schedule.n_stages - 1
-        self.rank_of_stage = [schedule.stage_to_rank(s) for s in range(schedule.n_stages)]
-        # Without sends and receives in the lists (e.g. schedule.compute_only()),
-        # data crosses ranks by itself, after its transfer time, as validate() assumes.
-        self.implicit_comm = not any(a.is_comm for acts in schedule.actions for a in acts)
-        self.ready_at: dict[tuple, float] = {}
-        self.waiting: dict[tuple, list[int]] = defaultdict(list)
+        self.rule = Dependencies(schedule)
+        self.ready_at: dict[Action, float] = {}
+        self.waiting: dict[Action, list[int]] = defaultdict(list)
         self.next_index = [0] * schedule.n_ranks
         self.free_at = [0.0] * schedule.n_ranks
         self.events: list[Event] = []
@@ -235,92 +213,54 @@ class _Simulation:
         while self.next_index[rank] < len(actions):
             action = actions[self.next_index[rank]]
             inputs_at = 0.0
-            for key, delay in self._needs(rank, action):
-                if key not in self.ready_at:
-                    self.waiting[key].append(rank)  # woken when `key` is recorded
+            for need in self.rule.needs(action):
+                if need.action not in self.ready_at:
+                    self.waiting[need.action].append(rank)  # woken when it is recorded
                     return woken
-                inputs_at = max(inputs_at, self.ready_at[key] + delay)
-            for key in self._execute(rank, action, inputs_at):
-                woken += self.waiting.pop(key, [])
+                # Data that crosses ranks with no send/receive in the lists still takes its time.
+                delay = 0.0 if need.transfer is None else self.costs.transfer_time(need.transfer)
+                inputs_at = max(inputs_at, self.ready_at[need.action] + delay)
+            self._execute(rank, action, inputs_at)
+            woken += self.waiting.pop(action, [])
             self.next_index[rank] += 1
         return woken
 
-    def _needs(self, rank: int, action: Action) -> list[tuple[tuple, float]]:
-        """What an action waits for, as (key, delay) pairs."""
-        s, kind, mb = action.stage, action.kind, action.microbatch
-        if kind == Kind.F:
-            return [] if s == 0 else [self._input_activation(rank, s, mb)]
-        if kind in (Kind.B, Kind.I):
-            needs = [(("F", s, mb), 0.0)]
-            return needs if s == self.last_stage else needs + [self._output_gradient(rank, s, mb)]
-        if kind == Kind.W:
-            return [(("I", s, mb), 0.0)]
-        if kind == Kind.SEND_F:
-            return [(("F", s, mb), 0.0)]
-        if kind == Kind.SEND_B:
-            return [(("G", s, mb), 0.0)]
-        if kind == Kind.RECV_F:
-            return [(("SENT_F", s - 1, mb), 0.0)]
-        if kind == Kind.RECV_B:
-            return [(("SENT_B", s + 1, mb), 0.0)]
-        raise ValueError(f"simulate does not know action kind {kind!r} (action {action})")
-
-    def _input_activation(self, rank: int, stage: int, mb: int) -> tuple[tuple, float]:
-        # A neighbour stage on the same rank (V-shaped placements) hands its
-        # output over in memory; from another rank it comes through a receive.
-        if self.rank_of_stage[stage - 1] == rank:
-            return ("F", stage - 1, mb), 0.0
-        if self.implicit_comm:
-            return ("F", stage - 1, mb), self.costs.transfer_time(stage - 1)
-        return ("RECV_F", stage, mb), 0.0
-
-    def _output_gradient(self, rank: int, stage: int, mb: int) -> tuple[tuple, float]:
-        if self.rank_of_stage[stage + 1] == rank:
-            return ("G", stage + 1, mb), 0.0
-        if self.implicit_comm:
-            return ("G", stage + 1, mb), self.costs.transfer_time(stage)
-        return ("RECV_B", stage, mb), 0.0
-
-    def _execute(self, rank: int, action: Action, inputs_at: float) -> list[tuple]:
-        """Place the action on the clock; return the keys it makes ready."""
-        kind = action.kind
-        if kind in (Kind.SEND_F, Kind.SEND_B):
+    def _execute(self, rank: int, action: Action, inputs_at: float) -> None:
+        """Place the action on the clock and record when what it makes is ready."""
+        if action.is_send:
             return self._send(rank, action, max(self.free_at[rank], inputs_at))
-        if kind in (Kind.RECV_F, Kind.RECV_B):
+        if action.is_comm:
             return self._receive(rank, action, arrival=inputs_at)
         start = max(self.free_at[rank], inputs_at)
-        end = start + self.costs.compute_time(kind, action.stage)
+        end = start + self.costs.compute_time(action.kind, action.stage)
         self.free_at[rank] = end
-        self.events.append(Event(rank, kind.value, action.stage, action.microbatch, start, end))
-        return [self._record((name, action.stage, action.microbatch), end, action) for name in _PROVIDES[kind]]
+        self.events.append(Event(rank, action.kind.value, action.stage, action.microbatch, start, end))
+        self._record(action, end)
 
-    def _send(self, rank: int, action: Action, start: float) -> list[tuple]:
+    def _send(self, rank: int, action: Action, start: float) -> None:
         # Non-blocking: the rank goes on at once while the message is in flight.
-        boundary = _boundary(action)
-        arrival = start + self.costs.transfer_time(boundary)
+        arrival = start + self.costs.transfer_time(action.boundary)
         self.events.append(Event(rank, action.kind.value, action.stage, action.microbatch, start, arrival,
-                                 bytes=self.costs.message_bytes(boundary)))
-        sent = "SENT_F" if action.kind == Kind.SEND_F else "SENT_B"
-        return [self._record((sent, action.stage, action.microbatch), arrival, action)]
+                                 bytes=self.costs.message_bytes(action.boundary)))
+        self._record(action, arrival)
 
-    def _receive(self, rank: int, action: Action, arrival: float) -> list[tuple]:
+    def _receive(self, rank: int, action: Action, arrival: float) -> None:
         # Blocking: the rank waits until the message is there. The event shows
         # only the waiting that overlapped the transfer; waiting for the
         # sender to send at all is idle time, like any other bubble.
-        boundary = _boundary(action)
-        sent_at = arrival - self.costs.transfer_time(boundary)
+        sent_at = arrival - self.costs.transfer_time(action.boundary)
         posted = self.free_at[rank]
         end = max(posted, arrival)
         self.free_at[rank] = end
         self.events.append(Event(rank, action.kind.value, action.stage, action.microbatch,
-                                 min(max(posted, sent_at), end), end, bytes=self.costs.message_bytes(boundary)))
-        return [self._record((action.kind.value, action.stage, action.microbatch), end, action)]
+                                 min(max(posted, sent_at), end), end,
+                                 bytes=self.costs.message_bytes(action.boundary)))
+        self._record(action, end)
 
-    def _record(self, key: tuple, time: float, action: Action) -> tuple:
-        if key in self.ready_at:
+    def _record(self, action: Action, time: float) -> None:
+        if action in self.ready_at:
             raise ScheduleError(f"action {action} appears twice in schedule {self.schedule.name!r}")
-        self.ready_at[key] = time
-        return key
+        self.ready_at[action] = time
 
     def _check_finished(self) -> None:
         """Raise DeadlockError naming what every stuck rank waits for."""
@@ -328,22 +268,8 @@ class _Simulation:
         for rank, actions in enumerate(self.schedule.actions):
             if self.next_index[rank] < len(actions):
                 action = actions[self.next_index[rank]]
-                missing = next(key for key, _ in self._needs(rank, action) if key not in self.ready_at)
+                missing = next(need for need in self.rule.needs(action) if need.action not in self.ready_at)
                 stuck.append(f"rank {rank} at action {action} (position {self.next_index[rank]}) "
-                             f"waits for {_describe(missing)}")
+                             f"waits for {missing.label} {missing.action}")
         if stuck:
             raise DeadlockError(f"schedule {self.schedule.name!r} deadlocks: " + "; ".join(stuck))
-
-
-def _describe(key: tuple) -> str:
-    name, stage, mb = key
-    what = {
-        "F": f"the forward {stage}F{mb}",
-        "G": f"the backward (B or I) of stage {stage} for microbatch {mb}",
-        "I": f"the input-gradient pass {stage}I{mb}",
-        "SENT_F": f"the send {stage}SEND_F{mb}",
-        "SENT_B": f"the send {stage}SEND_B{mb}",
-        "RECV_F": f"the receive {stage}RECV_F{mb}",
-        "RECV_B": f"the receive {stage}RECV_B{mb}",
-    }
-    return what[name]

@@ -137,7 +137,7 @@ def test_a_deadlocking_schedule_raises_naming_the_stuck_ranks():
 
 
 def test_a_backward_before_its_forward_is_a_deadlock_not_a_hang():
-    with pytest.raises(DeadlockError, match="1B0.*the forward 1F0"):
+    with pytest.raises(DeadlockError, match="1B0.*its forward 1F0"):
         simulate(Schedule.from_text(["0F0 0B0", "1B0 1F0"]))
 
 

@@ -1,0 +1,37 @@
+"""Pipeline schedules as plain data: actions, schedules, one dependency rule, a validator and the theory.
+
+A schedule says, for every rank, the ordered list of actions that rank runs:
+compute (``F``, ``B``, or the zero-bubble ``I`` and ``W``) and the sends and
+receives between ranks. Everything here is pure Python (torch is imported only
+inside `from_torch`). The modules, each building on the ones before:
+
+* `actions` — `Kind`, `Action` and the text form (``2F0``, ``1SEND_F3``);
+* `schedule` — the immutable `Schedule`, `ScheduleError`, `DeadlockError`;
+* `dependencies` — the one rule of what an action needs, shared by the
+  validator, the simulator and the runtime;
+* `communication` — `add_communication`: the sends and receives a compute order implies;
+* `builders` — `build` and the classic schedules (GPipe, 1F1B, interleaved 1F1B, ZB-H1);
+* `validation` — `validate`: dependencies in order, messages matched, no deadlock;
+* `textbook` — `theory`: the textbook bubble and peak in-flight activations;
+* `torch_plans` — `from_torch`: torch.distributed.pipelining's plans as schedules.
+"""
+
+from pplab.schedules.actions import COMM_KINDS, COMPUTE_KINDS, Action, Kind
+from pplab.schedules.schedule import DeadlockError, Schedule, ScheduleError, from_lists
+from pplab.schedules.dependencies import Dependencies, Need
+from pplab.schedules.communication import add_communication
+from pplab.schedules.builders import SCHEDULE_NAMES, build
+from pplab.schedules.validation import validate
+from pplab.schedules.textbook import Theory, theory
+from pplab.schedules.torch_plans import from_torch
+
+__all__ = [
+    "Kind", "Action", "COMPUTE_KINDS", "COMM_KINDS",
+    "Schedule", "ScheduleError", "DeadlockError", "from_lists",
+    "Dependencies", "Need",
+    "add_communication",
+    "SCHEDULE_NAMES", "build",
+    "validate",
+    "Theory", "theory",
+    "from_torch",
+]

@@ -1,0 +1,53 @@
+"""The communication pass: the sends and receives that a compute order implies."""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+from pplab.schedules.actions import Action, Kind
+from pplab.schedules.dependencies import Dependencies
+from pplab.schedules.schedule import Schedule, from_lists
+
+
+def add_communication(
+    schedule: Schedule | Sequence[Sequence[Action]],
+    placement: tuple[int, ...] | None = None,
+) -> Schedule:
+    """Insert the sends and receives that the compute actions imply.
+
+    Each receive goes right before the compute that needs it and each send
+    right after the compute that produces it: the latest and the earliest
+    moments that are correct, so a rank never waits on data it does not need
+    yet, and a value leaves as soon as it exists. Neighbour stages on the
+    same rank share memory and get no communication. Existing communication
+    actions are dropped and derived afresh, so the pass is idempotent.
+    A plain list of per-rank compute lists is accepted too (sizes inferred
+    as in :meth:`Schedule.from_text`).
+    """
+    if not isinstance(schedule, Schedule):
+        schedule = from_lists(schedule, None, placement, "custom")
+    compute = schedule.compute_only()
+    rule = Dependencies(compute, with_communication=True)
+    return schedule.with_actions([_with_communication(acts, rule) for acts in compute.actions])
+
+
+def _with_communication(compute_actions: Sequence[Action], rule: Dependencies) -> list[Action]:
+    result = []
+    for action in compute_actions:
+        result += [need.action for need in rule.needs(action) if need.action.is_comm]
+        result.append(action)
+        result += _sends_after(action, rule)
+    return result
+
+
+def _sends_after(action: Action, rule: Dependencies) -> list[Action]:
+    """The sends whose data ``action`` produces, where that data leaves the rank."""
+    schedule, stage, mb = rule.schedule, action.stage, action.microbatch
+    candidates = []
+    if stage < schedule.n_stages - 1:
+        candidates.append(Action(stage, Kind.SEND_F, mb))
+    if stage > 0:
+        candidates.append(Action(stage, Kind.SEND_B, mb))
+    return [send for send in candidates
+            if not schedule.same_rank(stage, send.peer_stage)
+            and rule.needs(send)[0].action == action]
