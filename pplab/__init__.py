@@ -1,45 +1,71 @@
-"""pplab: a lab kit to understand, teach and measure pipeline parallelism in PyTorch."""
+"""pplab: a lab kit to understand, teach and measure pipeline parallelism in PyTorch.
 
-from pplab.model import LlamaConfig, LlamaModel, build_model
-from pplab.partition import build_stage, layer_ranges, stages_of_rank
-from pplab.reference import reference_step
-from pplab.schedules import Action, Kind, Schedule, ScheduleError, Theory
-from pplab.schedules import build as build_schedule
-from pplab.simulator import Costs, simulate
-from pplab.trace import Event, Timeline
-from pplab import data, trace
+Every name below loads its module on first use: `import pplab` is instant, and
+`import pplab.schedules` (or `trace`, `simulator`) loads neither torch nor the
+cluster layer (ipyparallel) nor matplotlib. Schedules are used from their own
+module, as the notebooks do: `from pplab.schedules import build, theory`.
+"""
 
-__all__ = [
-    "simulate",
-    "Costs",
-    "Event",
-    "Timeline",
-    "trace",
-    "viz",
-    "LlamaConfig",
-    "LlamaModel",
-    "build_model",
-    "build_stage",
-    "layer_ranges",
-    "stages_of_rank",
-    "reference_step",
-    "Action",
-    "Kind",
-    "Schedule",
-    "ScheduleError",
-    "Theory",
-    "build_schedule",
-]
+import importlib as _importlib
+from typing import TYPE_CHECKING as _TYPE_CHECKING
 
-from pplab.cluster import Lab, cleanup  # noqa: E402  (floor 4: engines as ranks, from Jupyter)
+__version__ = "0.1.0"  # the one place it is written: pyproject.toml reads it from here
 
-__all__ += ["Lab", "cleanup"]
+# public name -> the module that defines it
+_EXPORTS = {
+    "LlamaConfig": "pplab.model",
+    "LlamaModel": "pplab.model",
+    "build_model": "pplab.model",
+    "build_stage": "pplab.partition",
+    "layer_ranges": "pplab.partition",
+    "stages_of_rank": "pplab.partition",
+    "reference_step": "pplab.reference",
+    "simulate": "pplab.simulator",
+    "Costs": "pplab.simulator",
+    "Event": "pplab.trace",
+    "Timeline": "pplab.trace",
+    "Lab": "pplab.cluster",  # floor 4: engines as ranks, from Jupyter
+    "cleanup": "pplab.cluster",
+}
+_MODULES = ("data", "schedules", "trace", "viz")
+
+# Older spellings, kept working but not advertised: the schedule API lives in `pplab.schedules`.
+_ALIASES = {
+    "build_schedule": ("pplab.schedules", "build"),
+    "Action": ("pplab.schedules", "Action"),
+    "Kind": ("pplab.schedules", "Kind"),
+    "Schedule": ("pplab.schedules", "Schedule"),
+    "ScheduleError": ("pplab.schedules", "ScheduleError"),
+    "Theory": ("pplab.schedules", "Theory"),
+}
+# Reachable as attributes after a bare `import pplab` (e.g. `pplab.cluster.LabError`).
+_SUBPACKAGES = ("cluster",)
+
+__all__ = [*_EXPORTS, *_MODULES]
+
+if _TYPE_CHECKING:  # what static checkers and editors see
+    from pplab import data, schedules, trace, viz
+    from pplab.cluster import Lab, cleanup
+    from pplab.model import LlamaConfig, LlamaModel, build_model
+    from pplab.partition import build_stage, layer_ranges, stages_of_rank
+    from pplab.reference import reference_step
+    from pplab.simulator import Costs, simulate
+    from pplab.trace import Event, Timeline
 
 
-def __getattr__(name):
-    # matplotlib is heavy: engines and the CLI load `pplab.viz` only when they draw.
-    if name == "viz":
-        import importlib
+def __getattr__(name: str):
+    if name in _MODULES or name in _SUBPACKAGES:
+        return _importlib.import_module(f"pplab.{name}")
+    if name in _EXPORTS:
+        module, attribute = _EXPORTS[name], name
+    elif name in _ALIASES:
+        module, attribute = _ALIASES[name]
+    else:
+        raise AttributeError(f"module 'pplab' has no attribute {name!r}")
+    value = getattr(_importlib.import_module(module), attribute)
+    globals()[name] = value  # found directly from now on
+    return value
 
-        return importlib.import_module("pplab.viz")
-    raise AttributeError(f"module 'pplab' has no attribute {name!r}")
+
+def __dir__() -> list[str]:
+    return sorted({*globals(), *__all__, *_ALIASES, *_SUBPACKAGES})

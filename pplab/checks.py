@@ -23,11 +23,15 @@ class _ShownAsText:
         return str(self)
 
 
-def _html_table(header: list[str], rows: Iterable[list], caption: str) -> str:
+def _html_table(header: list[str], rows: Iterable[list], caption: str | list[str]) -> str:
+    """A table whose caption is one line, or several (each on its own line)."""
+    lines = [caption] if isinstance(caption, str) else caption
     head = "".join(f"<th>{html.escape(str(h))}</th>" for h in header)
     body = "".join("<tr>" + "".join(f"<td>{html.escape(str(c))}</td>" for c in row) + "</tr>"
                    for row in rows)
-    return f"<table><caption>{html.escape(caption)}</caption><tr>{head}</tr>{body}</table>"
+    caption_html = "<br>".join(html.escape(line) for line in lines)
+    return (f'<table><caption style="text-align: left">{caption_html}</caption>'
+            f"<tr>{head}</tr>{body}</table>")
 
 
 # --- gradient flow -------------------------------------------------------------------------
@@ -109,12 +113,16 @@ class ParityReport(_ShownAsText):
         """Loss within loss_rtol, every gradient within grad_atol, none missing."""
         return self.loss_rel_diff <= self.loss_rtol and not self.failing and not self.missing
 
+    def _summary(self) -> list[str]:
+        # Short lines, one fact each: a notebook wraps long ones mid-word.
+        return [f"parity {'PASSED' if self.passed else 'FAILED'}",
+                f"  loss {self.loss:.8f} vs reference {self.reference_loss:.8f} "
+                f"(relative difference {self.loss_rel_diff:.1e}, tolerance {self.loss_rtol:.0e})",
+                f"  gradients: largest |difference| {self.max_abs_diff:.1e} over "
+                f"{len(self.grad_diffs)} parameters (tolerance {self.grad_atol:.0e})"]
+
     def __str__(self) -> str:
-        verdict = "PASSED" if self.passed else "FAILED"
-        lines = [f"parity {verdict}: loss {self.loss:.8f} vs reference {self.reference_loss:.8f} "
-                 f"(rel diff {self.loss_rel_diff:.1e}, tol {self.loss_rtol:.0e}); "
-                 f"max |grad diff| {self.max_abs_diff:.1e} over {len(self.grad_diffs)} parameters "
-                 f"(tol {self.grad_atol:.0e})"]
+        lines = self._summary()
         lines += [f"  {name}: max abs diff {self.grad_diffs[name][0]:.2e}" for name in self.failing]
         lines += [f"  {name}: no gradient from the pipeline" for name in self.missing]
         return "\n".join(lines)
@@ -122,8 +130,9 @@ class ParityReport(_ShownAsText):
     def _repr_html_(self) -> str:
         rows = [[name, f"{a:.2e}", f"{r:.2e}", "FAIL" if a > self.grad_atol else "ok"]
                 for name, (a, r) in sorted(self.grad_diffs.items())]
+        rows += [[name, "", "", "no gradient from the pipeline"] for name in self.missing]
         return _html_table(["parameter", "max abs diff", "max rel diff", ""], rows,
-                           str(self).splitlines()[0])
+                           [line.strip() for line in self._summary()])
 
 
 def compare_with_reference(loss: float, grads: dict[str, torch.Tensor], reference: ReferenceResult,

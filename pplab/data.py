@@ -3,14 +3,14 @@
 The default corpus is made, not fetched: a small grammar writes sentences,
 arithmetic facts and counting runs from a fixed seed. It has enough structure
 for the tiny model's loss to fall visibly within a few hundred CPU steps.
-A local text file, or a Hugging Face dataset when the user has one, can
-replace it.
+A local text file, a list of documents (`packed_batches`), or a Hugging Face
+dataset when the optional packages are installed (`hf_batches`) can replace it.
 """
 
 from __future__ import annotations
 
 import random
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from functools import lru_cache
 from pathlib import Path
 
@@ -147,28 +147,48 @@ def batches(batch_size: int, seq_len: int, seed: int = 0, text: str | None = Non
         step += 1
 
 
+def packed_batches(texts: Iterable[str], encode: Callable[[str], list[int]], batch_size: int,
+                   seq_len: int, eos_id: int, pad_id: int = 0) -> Iterator[Batch]:
+    """Batches of consecutive windows of `texts` encoded one after another, each ended by `eos_id`.
+
+    Every window is seq_len + 1 tokens (inputs and targets shifted by one); the
+    stream ends when the texts do, dropping the last, incomplete batch.
+    """
+    check_positive_int("batch_size", batch_size)
+    check_positive_int("seq_len", seq_len)
+    window, buffer = seq_len + 1, []
+    for text in texts:
+        buffer.extend([*encode(text), eos_id])
+        while len(buffer) >= batch_size * window:
+            chunk, buffer = buffer[:batch_size * window], buffer[batch_size * window:]
+            yield pad_sequences([chunk[i * window:(i + 1) * window] for i in range(batch_size)],
+                                seq_len, pad_id)
+
+
 def hf_batches(dataset: str, tokenizer: str, batch_size: int, seq_len: int, split: str = "train",
                text_field: str = "text", seed: int = 0) -> Iterator[Batch]:
-    """Batches from a Hugging Face dataset and tokenizer (needs `datasets`, `transformers`, a network).
+    """Batches from a Hugging Face dataset and tokenizer (the optional extra: pip install 'pplab[hf]').
 
-    Use a config whose vocab_size equals the tokenizer's. Never used by default.
+    `dataset` and `tokenizer` are hub names or local paths, loaded with
+    `datasets.load_dataset` (streamed, shuffled with `seed`) and
+    `transformers.AutoTokenizer`. Use a config whose vocab_size equals the
+    tokenizer's. Never used by default.
     """
+    check_positive_int("batch_size", batch_size)
+    check_positive_int("seq_len", seq_len)
     try:
         import datasets
         import transformers
     except ImportError as error:
-        raise ImportError("hf_batches needs the optional packages 'datasets' and 'transformers' "
-                          "(pip install datasets transformers); the embedded corpus needs "
-                          "neither") from error
+        raise ImportError(f"hf_batches needs the optional packages 'datasets' and 'transformers', "
+                          f"which are not installed ({error.msg}): pip install 'pplab[hf]' (or "
+                          f"datasets transformers); the embedded corpus (pplab.data.batches) needs "
+                          f"neither") from error
     tok = transformers.AutoTokenizer.from_pretrained(tokenizer)
     stream = datasets.load_dataset(dataset, split=split, streaming=True).shuffle(seed=seed)
-    buffer: list[int] = []
-    for record in stream:
-        buffer.extend(tok(record[text_field])["input_ids"] + [tok.eos_token_id or 0])
-        while len(buffer) >= batch_size * (seq_len + 1):
-            chunk, buffer = buffer[:batch_size * (seq_len + 1)], buffer[batch_size * (seq_len + 1):]
-            windows = [chunk[i * (seq_len + 1):(i + 1) * (seq_len + 1)] for i in range(batch_size)]
-            yield pad_sequences(windows, seq_len, tok.pad_token_id or 0)
+    texts = (record[text_field] for record in stream)
+    return packed_batches(texts, lambda text: tok(text)["input_ids"], batch_size, seq_len,
+                          tok.eos_token_id or 0, tok.pad_token_id or 0)
 
 
 def split_microbatches(batch: Batch, n_microbatches: int) -> list[Batch]:

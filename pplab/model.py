@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import hashlib
 import math
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -23,6 +23,7 @@ from pplab.arguments import check_positive_int
 
 IGNORE_INDEX = -100  # target value the loss skips (padding)
 INIT_STD = 0.02
+TOKEN_ID_DTYPES = (torch.int64, torch.int32)  # the index types an embedding lookup accepts
 
 
 @dataclass(frozen=True)
@@ -77,10 +78,6 @@ class LlamaConfig:
                     num_hidden_layers=12, num_attention_heads=12, num_key_value_heads=4,
                     max_position_embeddings=1024)
         return cls(**{**base, **overrides})
-
-    def to_dict(self) -> dict:
-        """Plain dict (for checkpoints and for sending to engines)."""
-        return asdict(self)
 
 
 # --- building blocks -------------------------------------------------------------------
@@ -242,9 +239,9 @@ class LlamaModel(nn.Module):
 
 
 def check_token_ids(input_ids: torch.Tensor) -> None:
-    """Reject anything but an integer [batch, seq] tensor of token ids."""
-    if input_ids.dim() != 2 or input_ids.dtype not in (torch.int64, torch.int32):
-        raise TypeError(f"the first stage expects token ids as an int64 tensor [batch, seq], "
+    """Reject anything but an int64 or int32 [batch, seq] tensor of token ids (what nn.Embedding takes)."""
+    if input_ids.dim() != 2 or input_ids.dtype not in TOKEN_ID_DTYPES:
+        raise TypeError(f"the first stage expects token ids as an int64 or int32 tensor [batch, seq], "
                         f"got {input_ids.dtype} of shape {tuple(input_ids.shape)}")
 
 

@@ -142,11 +142,6 @@ class Timeline:
     def __len__(self) -> int:
         return len(self.events)
 
-    def extend(self, events: Iterable[Event]) -> None:
-        """Add events (for instance streamed from a rank), keeping the order."""
-        self.events = sorted([*self.events, *events], key=_sort_key)
-        self.n_ranks = max(self.n_ranks, max((e.rank for e in self.events), default=-1) + 1)
-
     # -- selections
 
     def of_rank(self, rank: int) -> list[Event]:
@@ -299,10 +294,10 @@ class Timeline:
 
     def summary(self) -> str:
         """A few lines of text: step time, bubble and peak in-flight per rank."""
-        lines = [f"{self.label or 'timeline'}: {self.n_ranks} ranks, step {self.step_time():.6g}, "
+        lines = [f"{self.label or 'timeline'}: {self.n_ranks} ranks, step {self.step_time():.4g}, "
                  f"bubble {self.bubble_fraction():.1%}"]
         for r in range(self.n_ranks):
-            lines.append(f"  rank {r}: busy {self.busy_time(r):.6g}, bubble {self.bubble_fraction(r):.1%}, "
+            lines.append(f"  rank {r}: busy {self.busy_time(r):.4g}, bubble {self.bubble_fraction(r):.1%}, "
                          f"peak in-flight {self.peak_inflight(r)}")
         return "\n".join(lines)
 

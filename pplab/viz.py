@@ -120,8 +120,11 @@ def compare_timelines(predicted: Timeline, measured: Timeline, titles: tuple[str
     fig = _new_figure(_timeline_width(predicted, measured), 2.2 + 0.5 * n_rows)
     top, bottom = fig.subplots(2, 1, sharex=True, height_ratios=[max(predicted.n_ranks, 1), max(measured.n_ranks, 1)])
     handles = {}
+    predicted, measured = predicted.normalised(), measured.normalised()
+    # Both panels span the longer step: the shared x axis must not cut the other one off.
+    until = max(predicted.end, measured.end)
     for ax, timeline, title in ((top, predicted, titles[0]), (bottom, measured, titles[1])):
-        for handle in _draw_timeline(ax, timeline.normalised(), title):
+        for handle in _draw_timeline(ax, timeline, title, until):
             handles[handle.get_label()] = handle
     top.set_xlabel("")
     # Kinds first, then the entries that explain the background and the shading.
@@ -131,15 +134,17 @@ def compare_timelines(predicted: Timeline, measured: Timeline, titles: tuple[str
     return fig
 
 
-def _draw_timeline(ax: Axes, timeline: Timeline, title: str | None) -> list[Patch]:
-    """Draw the rows, boxes and labels of a timeline on `ax`; return legend handles."""
+def _draw_timeline(ax: Axes, timeline: Timeline, title: str | None, until: float | None = None) -> list[Patch]:
+    """Draw the rows, boxes and labels of a timeline on `ax` (its x axis reaching at least
+    `until`); return legend handles."""
     n_ranks = max(timeline.n_ranks, 1)
     t0, t1 = timeline.start, timeline.end
-    span = (t1 - t0) or 1.0
+    x_end = t1 if until is None else max(t1, until)
+    span = (x_end - t0) or 1.0
     show_comm = any(e.is_comm and e.duration > 0 for e in timeline.events)
     compute_band, comm_band = _row_bands(show_comm)
 
-    ax.set_xlim(t0 - 0.01 * span, t1 + 0.01 * span)
+    ax.set_xlim(t0 - 0.01 * span, x_end + 0.01 * span)
     ax.set_ylim(n_ranks, 0)  # rank 0 on top
     ax.set_yticks([r + 0.5 for r in range(n_ranks)], [f"rank {r}" for r in range(n_ranks)])
     ax.tick_params(axis="y", length=0)
@@ -309,16 +314,21 @@ def plot_memory(timeline: Timeline, title: str | None = None) -> Figure:
     use_bytes = timeline.n_ranks > 0 and all(timeline.inflight_bytes(r) is not None for r in range(timeline.n_ranks))
     most = max((timeline.peak_inflight_bytes(r) for r in range(timeline.n_ranks)), default=0) if use_bytes else 0
     scale, unit = _byte_unit(most) if use_bytes else (1, "")
+    highest = 0.0
     for rank, ax in enumerate(axes):
         steps = timeline.inflight_bytes(rank) if use_bytes else timeline.inflight(rank)
-        _draw_steps(ax, [(t, held / scale) for t, held in steps or []], timeline.start, timeline.end)
+        values = [(t, held / scale) for t, held in steps or []]
+        _draw_steps(ax, values, timeline.start, timeline.end)
+        highest = max([highest, *(v for _, v in values)])
         note = f"peak {timeline.peak_inflight(rank)}"
         if use_bytes:
             note += f" ({_human_bytes(timeline.peak_inflight_bytes(rank))})"
         ax.text(1.005, 0.5, note, transform=ax.transAxes, ha="left", va="center", fontsize=8)
         ax.set_ylabel(f"rank {rank}", rotation=0, ha="right", va="center")
         ax.spines[["top", "right"]].set_visible(False)
-        ax.set_ylim(bottom=0)
+    # One y range for all panels, set after all are drawn, from the highest peak of any rank
+    # (a limit set while drawing would freeze the range at the ranks drawn so far).
+    axes[0].set_ylim(0, 1.1 * highest if highest > 0 else 1.0)
     # Shared y axes share their ticks: setting them on one sets them on all.
     axes[0].yaxis.get_major_locator().set_params(integer=not use_bytes)
     if use_bytes:

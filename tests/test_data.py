@@ -1,10 +1,14 @@
 """Data: the embedded corpus, tokenizer, deterministic batches, padding, the real-text path."""
 
+import json
+import sys
+
 import pytest
 import torch
 
 import pplab
-from pplab.data import CharTokenizer, batches, default_corpus, pad_sequences, split_microbatches
+from pplab.data import (CharTokenizer, batches, default_corpus, hf_batches, packed_batches, pad_sequences,
+                        split_microbatches)
 from pplab.model import IGNORE_INDEX, loss_fn
 
 
@@ -74,3 +78,62 @@ def test_embedded_corpus_is_learnable():
         losses.append(loss.item())
     assert losses[0] > 4.5                       # ~ln(128): chance level
     assert sum(losses[-10:]) / 10 < 2.0          # falls visibly within 150 steps
+
+
+# -- documents packed into windows; the optional Hugging Face path ---------------------------
+
+
+DOCUMENTS = [f"the {colour} {animal} sat on the mat." for colour in ("red", "blue", "green")
+             for animal in ("cat", "dog", "owl", "bee")]
+
+
+def test_packed_batches_cut_the_documents_one_after_another_into_windows():
+    tok = CharTokenizer()
+    stream = [token for doc in DOCUMENTS for token in [*tok.encode(doc), tok.eos_id]]
+    got = list(packed_batches(DOCUMENTS, tok.encode, batch_size=2, seq_len=15, eos_id=tok.eos_id))
+    assert len(got) == len(stream) // (2 * 16)   # the last, incomplete batch is dropped
+    windows = [stream[i * 16:(i + 1) * 16] for i in range(2 * len(got))]
+    for index, (x, y) in enumerate(got):
+        assert x.shape == y.shape == (2, 15) and x.dtype == y.dtype == torch.int64
+        for row in range(2):
+            window = windows[2 * index + row]
+            assert x[row].tolist() == window[:-1] and y[row].tolist() == window[1:]
+    assert tok.eos_id in torch.cat([x for x, _ in got]).flatten().tolist()  # documents end with <eos>
+
+
+def test_hf_batches_without_the_optional_packages_says_how_to_install_them(monkeypatch):
+    monkeypatch.setitem(sys.modules, "datasets", None)  # as if not installed
+    with pytest.raises(ImportError, match=r"optional packages 'datasets' and 'transformers'.*"
+                                          r"pip install 'pplab\[hf\]'"):
+        hf_batches("some/dataset", "some/tokenizer", batch_size=2, seq_len=8)  # raises on the call
+    with pytest.raises(ValueError, match="seq_len=0"):
+        hf_batches("some/dataset", "some/tokenizer", batch_size=2, seq_len=0)
+
+
+def test_hf_batches_on_a_local_dataset_and_tokenizer(tmp_path, monkeypatch):
+    """Only where the optional extra is installed: nothing is downloaded."""
+    pytest.importorskip("datasets")
+    transformers = pytest.importorskip("transformers")
+    tokenizers = pytest.importorskip("tokenizers")
+    for variable in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE", "TRANSFORMERS_OFFLINE"):
+        monkeypatch.setenv(variable, "1")
+    monkeypatch.setenv("HF_HOME", str(tmp_path / "hf-home"))
+    corpus = tmp_path / "corpus"
+    corpus.mkdir()
+    (corpus / "train.jsonl").write_text("".join(json.dumps({"text": doc}) + "\n" for doc in DOCUMENTS))
+    words = sorted({word for doc in DOCUMENTS for word in doc.split()})
+    vocab = {word: i for i, word in enumerate(["<pad>", "<eos>", "<unk>", *words])}
+    word_level = tokenizers.Tokenizer(tokenizers.models.WordLevel(vocab, unk_token="<unk>"))
+    word_level.pre_tokenizer = tokenizers.pre_tokenizers.WhitespaceSplit()
+    transformers.PreTrainedTokenizerFast(tokenizer_object=word_level, pad_token="<pad>", eos_token="<eos>",
+                                         unk_token="<unk>").save_pretrained(tmp_path / "tokenizer")
+
+    got = list(hf_batches(str(corpus), str(tmp_path / "tokenizer"), batch_size=2, seq_len=7, seed=3))
+
+    n_tokens = sum(len(doc.split()) + 1 for doc in DOCUMENTS)   # words and one <eos> per document
+    assert len(got) == n_tokens // (2 * 8)
+    for x, y in got:
+        assert x.shape == (2, 7) and torch.equal(x[:, 1:], y[:, :-1])
+        assert vocab["<unk>"] not in x.tolist() and int(x.max()) < len(vocab)
+    again = list(hf_batches(str(corpus), str(tmp_path / "tokenizer"), batch_size=2, seq_len=7, seed=3))
+    assert all(torch.equal(a[0], b[0]) for a, b in zip(got, again))

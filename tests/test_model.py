@@ -76,8 +76,11 @@ def test_rope_scores_depend_on_relative_position_only():
 def test_bad_inputs_are_named():
     config = pplab.LlamaConfig.tiny()
     model = pplab.build_model(config)
-    with pytest.raises(TypeError, match="expects token ids"):
+    with pytest.raises(TypeError, match=r"expects token ids as an int64 or int32 tensor \[batch, seq\], "
+                                        r"got torch.float32 of shape \(2, 4, 64\)"):
         model(torch.randn(2, 4, config.hidden_size))
+    with pytest.raises(TypeError, match="int64 or int32 tensor.*got torch.int16"):
+        model(torch.zeros(1, 4, dtype=torch.int16))
     with pytest.raises(ValueError, match="exceeds max_position_embeddings=256"):
         model(torch.zeros(1, 300, dtype=torch.int64))
     middle = pplab.build_stage(config, 1, 2)
@@ -89,3 +92,9 @@ def test_loss_ignores_padding():
     logits = torch.randn(1, 6, 10)
     targets = torch.tensor([[1, 2, 3, IGNORE_INDEX, IGNORE_INDEX, IGNORE_INDEX]])
     assert torch.allclose(loss_fn(logits, targets), loss_fn(logits[:, :3], targets[:, :3]))
+
+
+def test_token_ids_may_be_int64_or_int32_as_the_message_says():
+    model = pplab.build_model(pplab.LlamaConfig.tiny())
+    ids = torch.randint(0, 128, (2, 8))
+    assert torch.equal(model(ids.to(torch.int32)), model(ids))

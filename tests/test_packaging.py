@@ -29,3 +29,22 @@ def test_ci_runs_the_readme_test_command():
          str(ROOT / "README.md")], capture_output=True, text=True, check=True).stdout.strip()
     assert command.startswith("pip install torch==2.13.0") and "pytest" in command
     assert (ROOT / ".ci/run").read_text().count("test-command") >= 1
+
+
+def test_version_has_one_source_that_the_installed_metadata_agrees_with():
+    import importlib.metadata
+
+    import pplab
+
+    setuptools = tomllib.loads((ROOT / "pyproject.toml").read_text())
+    assert "version" not in setuptools["project"] and "version" in setuptools["project"]["dynamic"]
+    assert setuptools["tool"]["setuptools"]["dynamic"]["version"] == {"attr": "pplab.__version__"}
+    assert re.fullmatch(r"\d+\.\d+\.\d+(\.dev\d+|rc\d+)?", pplab.__version__)
+    assert importlib.metadata.version("pplab") == pplab.__version__, "reinstall: pip install -e ."
+
+
+def test_every_package_data_pattern_matches_a_file():
+    setuptools = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]
+    for package, patterns in setuptools.get("package-data", {}).items():
+        for pattern in patterns:
+            assert list((ROOT / package.replace(".", "/")).glob(pattern)), f"{package}: {pattern} matches nothing"

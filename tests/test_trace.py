@@ -37,6 +37,14 @@ def test_step_busy_and_bubble_of_a_hand_made_pipeline():
     assert timeline.utilisation(1) == 0.5
 
 
+def test_summary_reads_step_bubble_and_peak_per_rank():
+    assert two_rank_pipeline().summary().splitlines() == [
+        "hand-made: 2 ranks, step 6, bubble 50.0%",
+        "  rank 0: busy 3, bubble 50.0%, peak in-flight 1",
+        "  rank 1: busy 3, bubble 50.0%, peak in-flight 1",
+    ]
+
+
 def test_communication_is_not_busy_time():
     timeline = Timeline([
         Event(0, "F", 0, 0, 0.0, 1.0),

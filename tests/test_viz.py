@@ -90,6 +90,16 @@ def test_compare_timelines_shares_one_time_axis(tmp_path):
     saved(fig, tmp_path, "compare")
 
 
+def test_compare_timelines_shows_the_longer_one_whole_whichever_is_on_top():
+    longer = simulate(build("1f1b", 4, 8))       # 1F1B's bubble is larger: its step is longer
+    shorter = simulate(build("zb-h1", 4, 8))
+    assert longer.step_time() > shorter.step_time()
+    for pair in ((longer, shorter), (shorter, longer)):
+        fig = viz.compare_timelines(*pair, titles=("top", "bottom"))
+        for ax in fig.axes:
+            assert ax.get_xlim()[1] >= longer.step_time(), "the longer timeline is cut off"
+
+
 def test_memory_plot_uses_bytes_when_forwards_carry_them(tmp_path):
     timeline = Timeline([
         Event(0, "F", 0, 0, 0, 1, bytes=3 << 20), Event(0, "F", 0, 1, 1, 2, bytes=3 << 20),
@@ -99,6 +109,30 @@ def test_memory_plot_uses_bytes_when_forwards_carry_them(tmp_path):
     assert "bytes" in fig._suptitle.get_text()
     assert any("6.0 MiB" in t.get_text() for t in fig.axes[0].texts)
     saved(fig, tmp_path, "memory-bytes")
+
+
+def gpipe_memory_like_the_lesson() -> Timeline:
+    """GPipe on 2 ranks: the last rank holds more bytes per microbatch (6.0 MiB) than the first."""
+    events = []
+    for rank, size in ((0, 2.65), (1, 3.0)):
+        for mb in range(2):
+            events.append(Event(rank, "F", rank, mb, mb, mb + 1, bytes=int(size * (1 << 20))))
+            events.append(Event(rank, "B", rank, mb, 2 + 2 * mb, 4 + 2 * mb))
+    return Timeline(events)
+
+
+@pytest.mark.parametrize("in_bytes", [True, False], ids=["bytes", "counts"])
+def test_memory_plot_shows_every_ranks_whole_curve(in_bytes):
+    timeline = gpipe_memory_like_the_lesson()
+    if not in_bytes:
+        timeline = Timeline([Event(e.rank, e.kind, e.stage, e.microbatch, e.start, e.end) for e in timeline.events]
+                            + [Event(1, "F", 1, 2, 1.5, 1.8), Event(1, "B", 1, 2, 8, 9)])
+    fig = viz.plot_memory(timeline)
+    for rank, ax in enumerate(fig.axes):
+        drawn = max(max(line.get_ydata()) for line in ax.lines)
+        bottom, top = ax.get_ylim()
+        assert bottom == 0 and drawn < top, f"rank {rank}: peak {drawn} is cut off by the y limit {top}"
+    assert fig.axes[0].get_ylim() == fig.axes[1].get_ylim()  # one scale, so ranks compare at a glance
 
 
 def test_plot_bubbles_measured_against_theory(tmp_path):
