@@ -17,6 +17,7 @@ from __future__ import annotations
 import contextlib
 import time
 from dataclasses import dataclass, field
+from typing import Callable
 
 import torch
 import torch.distributed as dist
@@ -40,6 +41,44 @@ class Boundary:
     shape: tuple[int, ...]
     dtype: str
     bytes: int
+
+
+@dataclass(frozen=True)
+class Now:
+    """What a rank starts at `since` (seconds on the step's clock), for live views.
+
+    `doing` is an action ("1F3"), a batch of messages ("1SEND_F3 1RECV_B0") or "done";
+    `waits_for` names, for each receive in it, the peer rank and the send it waits on.
+    """
+
+    rank: int
+    doing: str
+    since: float
+    waits_for: tuple[tuple[int, str], ...] = ()
+
+
+class _Teller:
+    """Tells a step's watcher what the rank starts and each event as it ends (nothing without one)."""
+
+    def __init__(self, rank: int, watch, link_events: list[Event], clock):
+        self.rank, self.watch, self.link_events, self.clock = rank, watch, link_events, clock
+        self.messages_told = 0
+
+    def starting(self, actions: list[Action], waits_for: tuple[tuple[int, str], ...] = ()) -> None:
+        if self.watch is not None:
+            doing = " ".join(map(str, actions)) or "done"
+            self.watch(Now(self.rank, doing, self.clock(), waits_for))
+
+    def event(self, event: Event) -> None:
+        if self.watch is not None:
+            self.watch(event)
+
+    def messages(self) -> None:
+        """The send and receive events the link recorded since the last call."""
+        if self.watch is not None:
+            for event in self.link_events[self.messages_told:]:
+                self.watch(event)
+            self.messages_told = len(self.link_events)
 
 
 @dataclass
@@ -109,12 +148,14 @@ class RankRuntime:
 
     def step(self, inputs: list[torch.Tensor] | None, targets: list[torch.Tensor] | None,
              activation_shapes: list[tuple[int, ...]] | None = None,
-             return_grads: bool = False) -> RankStep:
+             return_grads: bool = False, watch: Callable[[Event | Now], None] | None = None) -> RankStep:
         """Run this rank's actions for one step; gradients accumulate into the stages' `.grad`.
 
         `inputs` (token ids per microbatch) are needed where stage 0 lives, `targets` where
         the last stage lives. `activation_shapes` (per microbatch) lets receives skip the
-        shape handshake; without it every activation is preceded by a header.
+        shape handshake; without it every activation is preceded by a header. `watch`, if
+        given, is told what the rank starts (a `Now`) and every event as soon as it ends,
+        so that a live view can follow the step while it runs.
         """
         self._check_data(inputs, targets)
         self._check_backend_can_match(handshake=activation_shapes is None)
@@ -123,6 +164,7 @@ class RankRuntime:
         state, events, boundaries = _StepState(received=link.mailbox.received), [], []
         origin = self._synchronised_origin()
         clock = lambda: monotonic_clock() - origin  # noqa: E731 - one clock for the whole step
+        tell = _Teller(self.rank, watch, link.events, clock)
         actions = self.schedule.actions[self.rank]
         position = 0
         while position < len(actions):
@@ -131,22 +173,33 @@ class RankRuntime:
                 batch = [action]
                 while position + len(batch) < len(actions) and actions[position + len(batch)].is_comm:
                     batch.append(actions[position + len(batch)])
+                tell.starting(batch, self._waits_for(batch))
                 self._exchange(link, batch, state, activation_shapes, clock)
+                tell.messages()
                 position += len(batch)
                 continue
+            tell.starting([action])
             started = clock()
             event_extra = self._compute(action, state, inputs, targets, boundaries)
             self._pad_to_cost(action, started, clock)
             if self.record:
                 events.append(Event(self.rank, action.kind.value, action.stage, action.microbatch,
                                     started, clock(), **event_extra))
+                tell.event(events[-1])
             position += 1
         link.finish()
+        tell.messages()
+        tell.starting([])
         self._check_all_released(state)
         events.extend(link.events)
         return RankStep(self.rank, events, state.losses, boundaries,
                         gradient_stats(self.stages.values()),
                         gradients(self.stages.values()) if return_grads else None)
+
+    def _waits_for(self, batch: list[Action]) -> tuple[tuple[int, str], ...]:
+        """(peer rank, the peer's send) for every receive in a batch: whom the rank waits on."""
+        return tuple((self.schedule.stage_to_rank(a.peer_stage), str(a.partner()))
+                     for a in batch if not a.is_send)
 
     def _check_data(self, inputs, targets) -> None:
         stages = self.schedule.stages_of(self.rank)

@@ -210,3 +210,37 @@ def test_a_schedule_that_never_runs_backward_trips_the_leak_check():
     with pytest.raises(LocalRankError, match=r"still holds tensors after the step: \{'inputs': \['\(0, 0\)'\], "
                                                r"'outputs': \['\(0, 0\)'\]\}"):
         run_ranks(2, run_jobs_on_rank, [(spec, data)], timeout=60)
+
+
+def _watched_step(rank, world_size, spec, data):
+    from pplab.rank_pipeline import RankPipeline
+
+    told = []
+    pipeline = RankPipeline(spec, rank)
+    result = pipeline.runtime.step(data[rank]["inputs"], data[rank]["targets"],
+                                   data[rank]["activation_shapes"], watch=told.append)
+    return told, result.events
+
+
+def test_a_watcher_is_told_each_start_and_each_event_as_the_step_goes():
+    from pplab.runtime import Now
+    from pplab.trace import Event
+
+    spec = PipelineSpec.create(CONFIG, "1f1b", 2, 3)
+    data = split_for_ranks(spec, next(batches(MICROBATCH_SIZE * 3, SEQ_LEN)))
+    for rank, (told, events) in enumerate(run_ranks(2, _watched_step, spec, data, timeout=120)):
+        told_events = [item for item in told if isinstance(item, Event)]
+        assert sorted(told_events, key=repr) == sorted(events, key=repr)  # every event, once
+        starts = [item for item in told if isinstance(item, Now)]
+        assert [n.doing for n in starts if " " not in n.doing and "RECV" not in n.doing
+                and "SEND" not in n.doing and n.doing != "done"] == \
+            [str(a) for a in spec.schedule.actions[rank] if a.is_compute]
+        assert starts[-1].doing == "done" and all(n.rank == rank for n in starts)
+        # Each compute action is announced before its event ends, in the order it runs.
+        for item, following in zip(told, told[1:]):
+            if isinstance(following, Event) and following.is_compute:
+                assert isinstance(item, Now)
+                assert item.doing == f"{following.stage}{following.kind}{following.microbatch}"
+        receives = [n for n in starts if "RECV" in n.doing]
+        peer = 1 - rank
+        assert receives and all(w[0] == peer and "SEND" in w[1] for n in receives for w in n.waits_for)
