@@ -151,18 +151,25 @@ class StageLink:
             raise PipelineTimeoutError(self.describe_wait(action, time.monotonic() - started, error)) from error
 
     def describe_wait(self, action: Action, waited: float | None = None, error=None) -> str:
-        """'rank 2 waited 30 s for the activation of microbatch 3 from rank 1 (action 2RECV_F3)'."""
+        """What went wrong in a wait, in lines: what happened (who waited on whom), why, the fix.
+
+        'rank 2 waited 30 s for the activation of microbatch 3 from rank 1 (action 2RECV_F3).'
+        The fix says what any launcher can do (this runs under torchrun too); a lab adds its own.
+        """
         what = {Kind.RECV_F: "the activation", Kind.RECV_B: "the gradient",
                 Kind.SEND_F: "the send of the activation", Kind.SEND_B: "the send of the gradient"}
         direction = "from" if action.kind in (Kind.RECV_F, Kind.RECV_B) else "to"
+        peer = self.peer_rank(action)
         subject = (f"{what[action.kind]} of microbatch {action.microbatch} {direction} rank "
-                   f"{self.peer_rank(action)} (action {action})")
+                   f"{peer} (action {action})")
         if waited is None or waited >= 0.9 * self.timeout:
-            head = (f"rank {self.rank} waited {self.timeout:g} s for {subject}; the peer may have "
-                    f"failed or its schedule lacks the matching action.")
+            lines = [f"rank {self.rank} waited {self.timeout:g} s for {subject}.",
+                     f"Rank {peer} may have failed, or its schedule lacks the matching action."]
         else:  # not a timeout: the connection failed (a peer died, say)
-            head = f"rank {self.rank} lost {subject} after {waited:.1f} s: {error}."
-        return head + " The process group is now unusable: restart the ranks (lab.restart())."
+            lines = [f"rank {self.rank} lost {subject} after {waited:.1f} s.",
+                     f"Cause: {error}"]
+        lines.append("This process group cannot be used again: start the ranks afresh.")
+        return "\n".join(lines)
 
     def _record(self, action: Action, tensor: torch.Tensor, started: float, ended: float) -> None:
         if self.record:
@@ -203,7 +210,6 @@ def in_order_mismatch(schedule: Schedule) -> str | None:
             return (f"rank {target} receives rank {source}'s messages in another order than rank "
                     f"{source} sends them")
     return None
-
 
 
 def monotonic_clock():

@@ -59,7 +59,7 @@ def test_a_broken_process_group_makes_the_lab_ask_for_a_restart(lab2):
 
         raise PipelineTimeoutError(f"rank {my_rank()} waited 1 s for the activation of microbatch 0")
 
-    with pytest.raises(pplab.cluster.RankFailedError, match="the process group is broken"):
+    with pytest.raises(pplab.cluster.RankFailedError, match="The process group is broken"):
         lab2.run(every_rank_times_out)
     assert lab2.state != "running"
     with pytest.raises(pplab.cluster.LabNeedsRestartError):

@@ -7,10 +7,11 @@
     lab.restart()                 # after a hang or a crash
     lab.stop()                    # nothing left running
 
-Modules, top to bottom: `plan` (argument checks, backend/device, rank order),
-`errors`, `engine` (what runs on each engine), `forkserver` (fast engine start),
-`records` (on-disk records and `cleanup`), `status`, `calls` (waiting, errors,
-streaming), `lab_pipeline` (a pipeline's stages kept on the engines) and `lab`
+Modules, top to bottom: `plan` (backend/device, rank order), `errors`, `engine`
+(what runs on each engine), `forkserver` (fast engine start), `records` (on-disk
+records and `cleanup`), `status` (the ranks of a start and what calls learned about
+them), `calls` (waiting, errors, streaming), `launchers` (a local cluster or a
+connected one), `lab_pipeline` (a pipeline's stages kept on the engines) and `lab`
 (the Lab itself).
 """
 

@@ -3,27 +3,27 @@
 `Lab.run_async` returns a `RankCall`. Waiting on it (`result()`, `events()`)
 never hangs silently: the first rank that raises wins (the others get `grace`
 seconds to finish), a rank whose process dies is noticed within a fraction of
-a second, and a call past its timeout names the ranks still running.
+a second, and a call past its timeout names the ranks still running. What a
+call learns about its ranks (busy, dead, broken) it reports to their
+`RankGroup`, which is all it knows of the lab.
 """
 
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import re
 import time
 from typing import Any, Iterator, NamedTuple
 
-from pplab.cluster.engine import event_key
+from pplab.cluster.engine import PROCESS_GROUP_BROKEN_KEY, event_key
 from pplab.cluster.errors import (RESTART_HINT, RankDiedError, RankFailedError,
                                   RankTimeoutError)
+from pplab.cluster.status import RankGroup
 
 POLL_SECONDS = 0.1  # how often a waiting client looks for dead ranks and new events
 OUTPUT_DRAIN_SECONDS = 2.0  # events may trail a rank's result by a moment: wait this long for them
 _ANSI_ESCAPES = re.compile(r"\x1b\[[0-9;]*m")
-
-
-# Remote errors after which a rank's process group cannot be used again.
-BREAKS_PROCESS_GROUP = frozenset({"PipelineTimeoutError", "DistBackendError"})
 
 
 class RankEvent(NamedTuple):
@@ -53,14 +53,25 @@ def _remote_parts(error: BaseException) -> tuple[str, str, str]:
     return type(error).__name__, str(error), ""
 
 
+def _engine_died(error: BaseException) -> bool:
+    """True for the error ipyparallel puts in place of the result of an engine that died."""
+    # ipyparallel raises an EngineError on the client when an engine unregisters with work
+    # outstanding, then turns it into a RemoteError like any error from an engine: only
+    # the class name is left, and no typed alternative exists. This is the one place
+    # that reads it.
+    return _remote_parts(error)[0] == "EngineError"
+
+
 class RankCall:
     """A function running on every rank: its results ordered by rank, its events as they arrive."""
 
-    def __init__(self, lab, async_result, name: str, timeout: float | None):
-        self._lab = lab
+    def __init__(self, ranks: RankGroup, async_result, name: str, timeout: float | None,
+                 grace: float):
+        self._ranks = ranks
         self._per_rank = _one_result_per_rank(async_result)
         self._name = name
         self._timeout = timeout
+        self._grace = grace
         self._deadline = None if timeout is None else time.monotonic() + timeout
         self._data = [result.metadata["data"] for result in self._per_rank]  # filled as events arrive
         self._next_seq = [0] * len(self._per_rank)
@@ -76,15 +87,20 @@ class RankCall:
         """True when every rank has finished (successfully or not)."""
         return all(result.ready() for result in self._per_rank)
 
+    def running_ranks(self) -> list[int]:
+        """The ranks that have not finished this call yet."""
+        return [rank for rank, result in enumerate(self._per_rank) if not result.ready()]
+
     def result(self, timeout: float | None = None) -> list:
         """Wait for every rank; return their results ordered by rank, or raise naming the rank."""
         wait_until = None if timeout is None else time.monotonic() + timeout
-        while not self._finished():
-            if wait_until is not None and time.monotonic() >= wait_until:
-                raise TimeoutError(f"{self._name} still running after result(timeout={timeout}); "
-                                   "the call goes on, ask again later")
-            self._wait_a_little(wait_until)
-        return [result.get() for result in self._per_rank]
+        with self._interruptible():
+            while not self._finished():
+                if wait_until is not None and time.monotonic() >= wait_until:
+                    raise TimeoutError(f"{self._name} still running after result(timeout={timeout})"
+                                       "; the call goes on, ask again later")
+                self._wait_a_little(wait_until)
+            return [result.get() for result in self._per_rank]
 
     def poll_events(self) -> list[RankEvent]:
         """The events that arrived since the last look, without waiting (for widget loops)."""
@@ -97,20 +113,35 @@ class RankCall:
 
     def events(self) -> Iterator[RankEvent]:
         """Yield events as ranks publish them, until the call ends (then raise if it failed)."""
-        while True:
-            yield from self.poll_events()
-            try:
-                if self._finished():
-                    break
-            except Exception:
-                yield from self.poll_events()  # what arrived before the failure still counts
-                raise
-            self._wait_a_little(None)
-        for result in self._per_rank:
-            result.wait_for_output(OUTPUT_DRAIN_SECONDS)  # the last events may trail the result
+        with self._interruptible():
+            while True:
+                yield from self.poll_events()
+                try:
+                    if self._finished():
+                        break
+                except Exception:
+                    yield from self.poll_events()  # what arrived before the failure still counts
+                    raise
+                self._wait_a_little(None)
+            for result in self._per_rank:
+                result.wait_for_output(OUTPUT_DRAIN_SECONDS)  # the last events may trail the result
         yield from self.poll_events()
 
     # -- waiting, and turning what went wrong into one clear error ---------------------------
+
+    @contextlib.contextmanager
+    def _interruptible(self):
+        """On a KeyboardInterrupt while waiting, make the lab ask for a restart if ranks still run."""
+        try:
+            yield
+        except KeyboardInterrupt:
+            # Ctrl-C can land anywhere in the waiting loop. The ranks go on running: a next
+            # call would queue behind them, so only a restart helps.
+            running = self.running_ranks()
+            if running:
+                self._ranks.needs_restart(f"{self._name} was interrupted while ranks {running} "
+                                          f"were running")
+            raise
 
     def _finished(self) -> bool:
         """True when every rank succeeded; raises the call's error if it failed."""
@@ -122,38 +153,29 @@ class RankCall:
 
     def _wait_a_little(self, wait_until: float | None) -> None:
         """Block until a rank finishes or fails, or POLL_SECONDS pass; then look for dead ranks."""
-        running = self._running()
         seconds = POLL_SECONDS
         if wait_until is not None:
             seconds = max(0.0, min(seconds, wait_until - time.monotonic()))
-        try:
-            done, _ = concurrent.futures.wait([self._per_rank[rank] for rank in running],
-                                              timeout=seconds,
-                                              return_when=concurrent.futures.FIRST_EXCEPTION)
-        except KeyboardInterrupt:
-            # The ranks go on running: a next call would queue behind them, so demand a restart.
-            self._lab._needs_restart(f"{self._name} was interrupted while ranks {running} were running")
-            raise
+        done, _ = concurrent.futures.wait([self._per_rank[rank] for rank in self.running_ranks()],
+                                          timeout=seconds,
+                                          return_when=concurrent.futures.FIRST_EXCEPTION)
         if not done:  # only a call that takes a while pays for checking processes
-            self._dead.update(self._lab._dead_ranks(self._running()))
-
-    def _running(self) -> list[int]:
-        return [rank for rank, result in enumerate(self._per_rank) if not result.ready()]
+            self._dead.update(self._ranks.dead_ranks(self.running_ranks()))
 
     def _find_error(self) -> Exception | None:
         """The error this call has come to (failed, died or timed out), or None while it is fine."""
         failed = [rank for rank, result in enumerate(self._per_rank)
                   if result.ready() and not result.successful()]
-        running = self._running()
+        running = self.running_ranks()
         died = self._dead | {rank for rank in failed
-                             if _remote_parts(self._per_rank[rank].exception())[0] == "EngineError"}
+                             if _engine_died(self._per_rank[rank].exception())}
         if died:
             return self._died(sorted(died))
         if failed:
             if self._first_failure_at is None:
                 self._first_failure_at = time.monotonic()
             waited = time.monotonic() - self._first_failure_at
-            if running and waited < self._lab.grace and not self._past_deadline():
+            if running and waited < self._grace and not self._past_deadline():
                 return None  # the others get a bounded time to finish
             return self._failed(failed, running)
         if running and self._past_deadline():
@@ -167,22 +189,35 @@ class RankCall:
         """The first rank to raise wins; the message says what happened to the others."""
         first = min(failed, key=self._completion_time)
         ename, evalue, traceback = _remote_parts(self._per_rank[first].exception())
-        lines = [f"rank {first} raised {ename}: {evalue}  (in {self._name})"]
+        lines = [f"rank {first} raised {ename} in {self._name}:", evalue]
         others = [rank for rank in failed if rank != first]
         if others:
-            lines.append(f"ranks {others} raised too (see lab.last_errors).")
+            lines.append(f"Ranks {others} raised too (see lab.last_errors).")
+        broken = {} if running else self._process_group_notes(failed)
         if running:
-            lines.append(f"ranks {running} were still running {self._lab.grace:g} s later, probably "
-                         f"waiting for rank {first}; {RESTART_HINT}.")
-            self._lab._needs_restart(f"ranks {running} were left running after rank {first} raised")
-        elif any(_remote_parts(self._per_rank[r].exception())[0] in BREAKS_PROCESS_GROUP for r in failed):
-            # A timed-out or failed P2P wait leaves gloo's pair closed: the next call would fail.
-            lines.append(f"the process group is broken; {RESTART_HINT}.")
-            self._lab._needs_restart(f"rank {first}'s process group failed ({ename})")
+            lines += [f"Ranks {running} were still running {self._grace:g} s later, probably "
+                      f"waiting for rank {first}.", RESTART_HINT]
+            self._ranks.needs_restart(f"ranks {running} were left running after rank {first} raised")
+        elif broken:
+            lines += [f"The process group is broken (by the errors of ranks {sorted(broken)}).",
+                      RESTART_HINT]
+            rank, note = next(iter(broken.items()))
+            self._ranks.needs_restart(f"rank {rank}'s process group failed ({note})")
         lines.append(f"\nRemote traceback (rank {first}):\n{traceback}")
-        self._lab.last_errors = {rank: self._per_rank[rank].exception() for rank in failed}
+        self._ranks.record_errors({rank: self._per_rank[rank].exception() for rank in failed})
         return RankFailedError("\n".join(lines), rank=first, ename=ename, evalue=evalue,
                                traceback=traceback, still_running=running)
+
+    def _process_group_notes(self, failed: list[int]) -> dict[int, str]:
+        """rank -> why, for the failed ranks that said their error broke the process group."""
+        notes = {}
+        for rank in failed:
+            # A rank notes it (engine.call_on_rank) before its error reply; the call's output
+            # is complete only after everything it published: wait for that, briefly.
+            self._per_rank[rank].wait_for_output(OUTPUT_DRAIN_SECONDS)
+            if PROCESS_GROUP_BROKEN_KEY in self._data[rank]:
+                notes[rank] = self._data[rank][PROCESS_GROUP_BROKEN_KEY]
+        return notes
 
     def _completion_time(self, rank: int) -> float:
         """When a finished rank's engine completed the call (for 'first exception wins')."""
@@ -190,15 +225,18 @@ class RankCall:
         return completed.timestamp() if completed is not None else float("inf")
 
     def _died(self, died: list[int]) -> RankDiedError:
-        who = ", ".join(self._lab._describe_rank(rank) for rank in died)
+        who = ", ".join(self._ranks.describe(rank) for rank in died)
         reason = f"{who} died (its process ended) while running {self._name}"
-        self._lab._needs_restart(reason)
-        return RankDiedError(f"{reason}; {RESTART_HINT}.", ranks=died)
+        self._ranks.needs_restart(reason)
+        return RankDiedError(f"{reason}.\n{RESTART_HINT}", ranks=died)
 
     def _timed_out(self, running: list[int]) -> RankTimeoutError:
         finished = [rank for rank in range(len(self._per_rank)) if rank not in running]
-        reason = (f"{self._name} timed out after {self._timeout:g} s: ranks {running} still running"
-                  + (f" (ranks {finished} finished)" if finished else ""))
-        self._lab._needs_restart(reason)
-        return RankTimeoutError(f"{reason}. A rank blocked in a collective or a recv cannot be "
-                                f"interrupted; {RESTART_HINT}.", ranks=running)
+        self._ranks.needs_restart(f"{self._name} timed out after {self._timeout:g} s: "
+                                  f"ranks {running} still running")
+        who = f"Ranks {running} were still running"
+        if finished:
+            who += f" (ranks {finished} had finished)"
+        lines = [f"{self._name} timed out after {self._timeout:g} s.", f"{who}.",
+                 "A rank blocked in a collective or a recv cannot be interrupted.", RESTART_HINT]
+        return RankTimeoutError("\n".join(lines), ranks=running)

@@ -1,9 +1,14 @@
-"""What runs on each engine: describe it, make it a rank, publish events, leave the group.
+"""What runs on each engine: describe it, make it a rank, run calls, publish events, leave the group.
 
 The client calls these functions on the engines (they are pickled by reference,
 so every engine imports this module). Code that runs on a rank can call
 `publish(...)` to stream an event to the notebook while it runs, and
 `rank_context()` to learn its rank, world size and device.
+
+Besides events, a call's published data carries what the rank says about the
+call itself: `call_on_rank`, which runs every `Lab.run` function, notes there when
+the function's error left the process group unusable. Only the rank can tell:
+the client sees a remote error as a class name and a message.
 """
 
 from __future__ import annotations
@@ -19,9 +24,15 @@ import torch
 import torch.distributed as dist
 
 from pplab.cluster.plan import RankSpec
+from pplab.comm import PipelineTimeoutError
 from pplab.launch import free_port
 
 EVENT_KEY_PREFIX = "pplab-event-"
+# The data key under which a rank notes that its call broke the process group (with why).
+PROCESS_GROUP_BROKEN_KEY = "pplab-process-group-broken"
+# After these a rank's process group cannot be used again: a timed-out P2P wait of the
+# runtime leaves gloo's pair closed; a backend error leaves the communicator unusable.
+BREAKING_ERRORS = (PipelineTimeoutError, dist.DistBackendError)
 
 
 def event_key(sequence: int) -> str:
@@ -120,6 +131,29 @@ def _define_names_for_px_cells(context: RankContext) -> None:
     )
 
 
+def call_on_rank(fn, /, *args, **kwargs):
+    """Run fn(*args, **kwargs) for Lab.run; if its error broke the process group, note it for the client."""
+    try:
+        return fn(*args, **kwargs)
+    except Exception as error:
+        if breaks_process_group(error):
+            first_line = next(iter(str(error).splitlines()), "").rstrip(".")
+            # Published before the error reply: the call's output is complete only after it.
+            _publish_data({PROCESS_GROUP_BROKEN_KEY: f"{type(error).__name__}: {first_line}"})
+        raise
+
+
+def breaks_process_group(error: BaseException) -> bool:
+    """True if `error`, or an error it was raised from or while handling, leaves the group unusable."""
+    seen = set()
+    while error is not None and id(error) not in seen:
+        if isinstance(error, BREAKING_ERRORS):
+            return True
+        seen.add(id(error))
+        error = error.__cause__ or error.__context__
+    return False
+
+
 def teardown_rank() -> None:
     """Leave the process group, so that the engine can stop cleanly."""
     global _context
@@ -153,3 +187,13 @@ def publish(payload: object) -> None:
         sequence = _current_call["next"]
         _current_call["next"] += 1
         data_pub.publish_data({event_key(sequence): payload})
+
+
+def _publish_data(data: dict) -> None:
+    """Add `data` to the current call's published data (on an engine; elsewhere nobody listens)."""
+    from IPython import get_ipython
+
+    shell = get_ipython()
+    if shell is not None and getattr(shell, "data_pub", None) is not None:
+        with _publish_lock:
+            shell.data_pub.publish_data(data)

@@ -1,8 +1,13 @@
-"""What can go wrong on a lab, each error naming the rank and what to do next."""
+"""What can go wrong on a lab, each error naming the rank and what to do next.
+
+Messages are read in a notebook, where a long line wraps mid-word: they put what
+happened, who waited on whom, and the fix on lines of their own.
+"""
 
 from __future__ import annotations
 
-RESTART_HINT = "call lab.restart() to get fresh ranks"
+# The last line of every error after which only fresh engines help.
+RESTART_HINT = "Call lab.restart() to get fresh ranks."
 
 
 class LabError(RuntimeError):

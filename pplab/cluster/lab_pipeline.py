@@ -128,7 +128,7 @@ class PipelineRun:
 
     def close(self) -> None:
         """Free the stages on every rank."""
-        if not getattr(self.lab, "_stopped", False):
+        if self.lab.state != "stopped":
             self.lab.run(drop_on_rank, self.run_id, timeout=60)
 
     def __repr__(self) -> str:

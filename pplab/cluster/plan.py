@@ -1,4 +1,4 @@
-"""Pure decisions taken before any rank blocks: argument checks, backend and device, rank order.
+"""Pure decisions taken before any rank blocks: backend and device, rank order, thread count.
 
 Nothing here starts a process or imports ipyparallel, so every rule is cheap to
 test and every bad argument is rejected before the lab spends a second starting.
@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import socket
 from dataclasses import dataclass
+
+from pplab.arguments import check_positive_int
 
 BACKENDS = ("auto", "gloo", "nccl")
 DEVICES = ("auto", "cpu", "cuda")
@@ -30,29 +32,9 @@ class RankSpec:
     sys_path: tuple[str, ...] = ()  # entries of the client's sys.path to add on the engine
 
 
-def check_ranks(ranks: object) -> int:
-    """Return `ranks` if it is a whole number >= 1, else raise a ValueError naming the fix."""
-    if isinstance(ranks, bool) or not isinstance(ranks, int):
-        raise ValueError(f"ranks={ranks!r} must be a whole number of processes, e.g. Lab(ranks=2)")
-    if ranks < 1:
-        raise ValueError(f"ranks={ranks} must be at least 1, e.g. Lab(ranks=2)")
-    return ranks
-
-
-def check_positive(name: str, value: object) -> float:
-    """Return `value` as a float if it is a positive number of seconds, else raise."""
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0:
-        raise ValueError(f"{name}={value!r} must be a positive number of seconds")
-    return float(value)
-
-
 def check_threads(threads: object) -> int | None:
-    """Return `threads` if it is None or a whole number >= 1, else raise."""
-    if threads is None:
-        return None
-    if isinstance(threads, bool) or not isinstance(threads, int) or threads < 1:
-        raise ValueError(f"threads={threads!r} must be a whole number >= 1 (or None for torch's default)")
-    return threads
+    """Return `threads` if it is None (torch's default) or a whole number >= 1, else raise."""
+    return None if threads is None else check_positive_int("threads", threads, example=1)
 
 
 def choose_backend_device(backend: str, device: str, gpus_per_host: dict[str, int],

@@ -1,9 +1,18 @@
-"""The lab's status table: one row per rank, readable as text and as HTML in a notebook."""
+"""The lab's ranks: who they are, what calls on them learned, and the status table.
+
+A `RankGroup` is the set of ranks of one start (or restart) of a lab. Calls on the
+ranks (`RankCall`) report to it what went wrong: a rank died, ranks were left
+busy, the process group broke. The lab reads it to refuse calls that would queue
+behind busy ranks, and to show `lab.state` and `lab.last_errors`. A restart makes
+a new group, so a call on the old engines cannot mark the new ones.
+"""
 
 from __future__ import annotations
 
 import html
 from dataclasses import astuple, dataclass, fields
+
+from pplab.cluster import records
 
 
 @dataclass(frozen=True)
@@ -18,6 +27,34 @@ class RankInfo:
     device: str
     backend: str
     state: str  # "idle", "busy" or "dead"
+
+
+class RankGroup:
+    """The ranks of one start of a lab, and whether they still work (what RankCall reports to)."""
+
+    def __init__(self, infos: list[RankInfo], processes: dict[int, dict]):
+        self.infos = infos
+        self.processes = processes  # rank -> process entry, for the ranks on this host
+        self.broken: str | None = None  # why these ranks must be replaced, if they must
+        self.last_errors: dict = {}
+
+    def needs_restart(self, reason: str) -> None:
+        """Remember that ranks are busy, gone or broken, so that the next call refuses to queue."""
+        self.broken = self.broken or reason  # the first reason is the cause; later ones follow
+
+    def dead_ranks(self, ranks) -> list[int]:
+        """The ranks among `ranks` (on this host) whose engine process has ended."""
+        return [rank for rank in ranks
+                if rank in self.processes and records.find_process(self.processes[rank]) is None]
+
+    def describe(self, rank: int) -> str:
+        """'rank 1 (engine 3, pid 4242 on host)': what a user needs to find the process."""
+        info = self.infos[rank]
+        return f"rank {rank} (engine {info.engine_id}, pid {info.pid} on {info.host})"
+
+    def record_errors(self, errors: dict) -> None:
+        """Keep the remote errors of the ranks that raised in a failed call (lab.last_errors)."""
+        self.last_errors = errors
 
 
 class RankTable(tuple):

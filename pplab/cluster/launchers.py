@@ -1,0 +1,330 @@
+"""Where a lab's engines come from: a cluster it starts here, or one somebody started elsewhere.
+
+`Lab()` takes a `LocalCluster`, `Lab.connect()` a `ConnectedCluster`; from then
+on the lab never asks which it has. Both offer the same small interface:
+
+    client                      the ipyparallel Client (None before start and after stop)
+    profile_dir, cluster_id     where the cluster's files are, and which cluster it is
+    gloo_ifname                 the network interface the user chose for gloo/NCCL, or None
+    start(progress)             bring engines up and connect; return engine ids not to use
+    check_restart(stopped)      raise LabError if restart() cannot work, before anything changes
+    restart(progress)           replace the engines; return the old engine ids not to use
+    check_alive()               while engines register: raise LabStartError if ours exited
+    launch_logs()               the last lines the controller and engines wrote
+    threads_per_rank(threads)   what each rank passes to torch.set_num_threads
+    record_ranks(processes)     the ranks' processes are known: note them for cleanup()
+    stop(kill)                  close the client; end the processes this lab started
+
+How a local lab starts fast: the controller and a fork server start together;
+the fork server imports torch once and forks one engine per rank while the
+controller comes up; the engines register quickly because the controller's
+heartbeat is short.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import subprocess
+import sys
+import time
+import uuid
+
+from pplab.cluster import records
+from pplab.cluster.errors import LabError, LabStartError
+
+# The controller accepts an engine only after its heart beats: a 100 ms beat instead of
+# 3 s saves seconds at start; 100 missed beats (10 s) before it declares an engine dead
+# tolerates busy CPUs. Threads instead of processes for its schedulers: fewer processes.
+CONTROLLER_ARGS = ["--usethreads", "--HeartMonitor.period=100",
+                   "--HeartMonitor.max_heartmonitor_misses=100", "--log-level=ERROR"]
+# No nanny process per engine (it costs a Python start-up per rank; the lab watches
+# engine pids itself) and no shared IPython history database (ranks would contend for it).
+ENGINE_ARGS = ["--IPEngine.enable_nanny=False", "--HistoryManager.enabled=False",
+               "--log-level=WARN"]
+LOG_LINES = 15  # per log, in a start-up error message
+
+# ipyparallel reports a process it sees die (as our restart's SIGKILL) by dumping its log
+# into the notebook; pplab reports what matters itself, so only its errors get through.
+_ipyparallel_log = logging.getLogger("pplab.cluster.ipyparallel")
+_ipyparallel_log.setLevel(logging.ERROR)
+
+
+class LocalCluster:
+    """A controller and one engine per rank on this host, started by the lab and stopped with it."""
+
+    gloo_ifname = None  # all ranks are on this host: the lab puts gloo on loopback
+
+    def __init__(self, ranks: int, profile_dir: str, *, controller_ip: str, fork: bool,
+                 threads: int | None, start_timeout: float, verbose: bool):
+        self.ranks = ranks
+        self.profile_dir = profile_dir
+        self.controller_ip = controller_ip
+        self.fork = fork
+        self.threads = threads
+        self.start_timeout = start_timeout
+        self.verbose = verbose
+        self.client = None
+        self.cluster_id = ""
+        self._cluster = None  # ipyparallel's Cluster: the controller and, without fork, the engines
+        self._fork_server: subprocess.Popen | None = None
+        self._launched: list[dict] = []  # controller, fork server, engine launchers, helpers
+        self._rank_processes: list[dict] = []
+
+    def start(self, progress) -> set[int]:
+        """Start a controller and the engines, all listening on loopback, and connect a client."""
+        records.cleanup(self.profile_dir, verbose=self.verbose)  # what killed kernels left
+        for folder in ("security", "log"):
+            os.makedirs(os.path.join(self.profile_dir, folder), exist_ok=True)
+        self.cluster_id = new_cluster_id()
+        progress.update(f"starting a controller and {self.ranks} engines")
+        if self.fork:
+            # First of all, so that the engines import torch while everything else starts.
+            self._fork_server = self._start_fork_server()
+            # Recorded at once: if the rest of the start fails, stop() and cleanup() find it.
+            self._launched = [records.process_entry(self._fork_server.pid, "engine fork server")]
+            records.write_record(self.profile_dir, self.cluster_id, self._launched)
+        import ipyparallel as ipp
+
+        self._cluster = ipp.Cluster(
+            cluster_id=self.cluster_id, profile_dir=self.profile_dir, n=self.ranks,
+            config=self._engine_launcher_config(), load_profile=False,
+            controller_ip=self.controller_ip, controller_args=CONTROLLER_ARGS,
+            # Engines read the controller's connection file themselves, so they need
+            # not wait for the controller before they start.
+            send_engines_connection_env=False, delay=0, log=_ipyparallel_log)
+        self._cluster.start_controller_sync()
+        if not self.fork:
+            self._cluster.start_engines_sync(self.ranks)
+        self._launched = self._launched_processes()
+        records.write_record(self.profile_dir, self.cluster_id, self._launched)
+        self.client = self._cluster.connect_client_sync()
+        return set()
+
+    def check_restart(self, stopped: bool) -> None:
+        """A local lab can always start again, stopped or not."""
+
+    def restart(self, progress) -> set[int]:
+        """Stop everything (SIGKILL: a rank stuck in a gloo wait leaves no other way), start afresh."""
+        self.stop(kill=True)
+        return self.start(progress)
+
+    def check_alive(self) -> None:
+        """Raise LabStartError if a process this lab started has exited (e.g. a bad engine flag)."""
+        gone = [entry for entry in self._launched if records.find_process(entry) is None]
+        if gone:
+            raise LabStartError(f"the {gone[0]['role']} (pid {gone[0]['pid']}) exited during "
+                                f"start-up.\n{self.launch_logs()}")
+        exited = self._forked_engine_exit()
+        if exited:
+            raise LabStartError(f"{exited.removeprefix('pplab forkserver: ').strip()} during "
+                                f"start-up.\n{self.launch_logs()}")
+
+    def launch_logs(self) -> str:
+        """The last lines the controller and engines wrote, for start-up error messages."""
+        outputs = _launcher_outputs(self._cluster)
+        if self._fork_server is not None and os.path.exists(self._fork_server_log()):
+            with open(self._fork_server_log(), errors="replace") as log:
+                outputs.append(log.read())
+        return _tail(outputs)
+
+    def threads_per_rank(self, threads: int | None) -> int | None:
+        """What each rank passes to torch.set_num_threads (None: leave torch's default)."""
+        if threads is None and self.fork:
+            return os.cpu_count()  # torch's default had the fork server not been held to one
+        return threads
+
+    def record_ranks(self, processes: list[dict]) -> None:
+        """Record the ranks' processes, and the controller's helpers, on disk for cleanup()."""
+        self._rank_processes = processes
+        # By now the controller has started its heartbeat process: record it too, so that
+        # cleanup() finds it even if the controller itself is gone.
+        controller = records.find_process(self._launched[0])
+        helpers = controller.children(recursive=True) if controller is not None else []
+        self._launched += [records.process_entry(child.pid, "controller child") for child in helpers]
+        records.write_record(self.profile_dir, self.cluster_id, self._launched + processes)
+
+    def stop(self, kill: bool) -> None:
+        """Close the client and end every process this lab started (SIGKILL if `kill`)."""
+        if self.client is not None:
+            self.client.close()
+            self.client = None
+        ours = self._launched + self._rank_processes
+        if kill:
+            records.kill_processes(ours)
+        try:
+            if self._cluster is not None:
+                self._cluster.stop_cluster_sync()
+        finally:  # should ipyparallel's stop fail, still end every process and say why after
+            self._cluster = None
+            records.stop_processes(ours)  # whatever ipyparallel's stop left, children included
+            self._reap_fork_server()
+            if self.cluster_id:
+                records.remove_lab_files(self.profile_dir, self.cluster_id)
+            self._launched, self._rank_processes = [], []
+
+    # -- how the engines are started ----------------------------------------------------------
+
+    def _start_fork_server(self) -> subprocess.Popen:
+        """Start the process that imports torch once and forks the engines (see forkserver.py)."""
+        environment = {**os.environ, **self._engine_environment(),
+                       "IPP_CLUSTER_ID": self.cluster_id, "IPP_PROFILE_DIR": self.profile_dir}
+        with open(self._fork_server_log(), "ab") as log:
+            return subprocess.Popen(
+                [sys.executable, "-m", "pplab.cluster.forkserver", str(self.ranks),
+                 *self._engine_args()],
+                env=environment, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
+                start_new_session=True)  # like ipyparallel's: a notebook interrupt must not reach it
+
+    def _reap_fork_server(self) -> None:
+        """Wait for the stopped fork server (SIGKILL after 10 s), so that no zombie is left."""
+        if self._fork_server is None:
+            return
+        try:
+            self._fork_server.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            self._fork_server.kill()
+            self._fork_server.wait(timeout=10)
+        self._fork_server = None
+
+    def _fork_server_log(self) -> str:
+        return os.path.join(self.profile_dir, "log", f"pplab-engines-{self.cluster_id}.log")
+
+    def _forked_engine_exit(self) -> str | None:
+        """The fork server's log line about an engine that exited, if one did."""
+        if self._fork_server is None or not os.path.exists(self._fork_server_log()):
+            return None
+        with open(self._fork_server_log(), errors="replace") as log:
+            return next((line for line in log if "exited with status" in line), None)
+
+    def _engine_args(self) -> list[str]:
+        return [*ENGINE_ARGS, f"--IPEngine.wait_for_url_file={self.start_timeout}"]
+
+    def _engine_launcher_config(self):
+        """Config for ipyparallel's one-process-per-engine launcher (used when not forking)."""
+        from traitlets.config import Config
+
+        config = Config()
+        config.LocalEngineSetLauncher.engine_args = self._engine_args()
+        config.LocalEngineSetLauncher.environment = self._engine_environment()
+        config.LocalEngineSetLauncher.delay = 0.0
+        return config
+
+    def _engine_environment(self) -> dict:
+        """Environment of the engines: thread counts set before torch is imported there."""
+        environment = {"PYTHONUNBUFFERED": "1"}
+        # The fork server must not start an OpenMP pool before it forks (a forked child
+        # cannot use its parent's pool): one thread there; each rank sets its own count.
+        threads = 1 if self.fork else self.threads
+        if threads is not None:
+            environment.update(OMP_NUM_THREADS=str(threads), MKL_NUM_THREADS=str(threads))
+        return environment
+
+    def _launched_processes(self) -> list[dict]:
+        """Process entries of the controller and of the engine launcher process(es)."""
+        entries = [records.process_entry(self._cluster.controller.process.pid, "controller")]
+        if self._fork_server is not None:
+            entries.append(records.process_entry(self._fork_server.pid, "engine fork server"))
+        for engine_set in self._cluster.engines.values():
+            for launcher in engine_set.launchers.values():
+                entries.append(records.process_entry(launcher.process.pid, "engine"))
+        return entries
+
+
+class ConnectedCluster:
+    """Engines of a cluster started elsewhere (ipcluster, any launcher, many hosts): used, never stopped."""
+
+    def __init__(self, profile: str | None, profile_dir: str, cluster_id: str,
+                 gloo_ifname: str | None):
+        self.profile = profile
+        self.profile_dir = profile_dir
+        self.cluster_id = cluster_id
+        self.gloo_ifname = gloo_ifname
+        self.client = None
+        self._cluster = None  # ipyparallel's Cluster read from the cluster file, to restart engines
+        self._why_no_restart = "the lab has not connected yet"
+
+    def start(self, progress) -> set[int]:
+        """Connect a client to the running cluster; read its cluster file, if any, for restart()."""
+        import ipyparallel as ipp
+
+        progress.update(f"connecting to cluster {self.cluster_id!r}")
+        try:
+            self.client = ipp.Client(profile=self.profile, profile_dir=self.profile_dir,
+                                     cluster_id=self.cluster_id)
+        except (OSError, ValueError) as error:
+            raise LabStartError(
+                f"no running cluster found for profile={self.profile!r}, "
+                f"cluster_id={self.cluster_id!r} ({error}).\nStart one first, e.g. "
+                f"`ipcluster start -n 4 --profile={self.profile or 'default'}`") from error
+        self._cluster, self._why_no_restart = self._load_cluster_file()
+        return set()
+
+    def _load_cluster_file(self):
+        """(ipyparallel's Cluster from the cluster file, None) or (None, why it cannot restart engines)."""
+        import ipyparallel as ipp
+
+        try:
+            cluster = ipp.Cluster.from_file(profile=self.profile, profile_dir=self.profile_dir,
+                                            cluster_id=self.cluster_id)
+        except Exception as error:  # any unreadable file: restart() explains with this reason
+            return None, f"its cluster file could not be read ({type(error).__name__}: {error})"
+        if not cluster.engines:
+            return None, f"its cluster file {cluster.cluster_file} lists no engines it started"
+        return cluster, None
+
+    def check_restart(self, stopped: bool) -> None:
+        """Restart needs the open connection and the cluster file; raise naming what is missing."""
+        if stopped:
+            raise LabError("this lab was stopped, which closed its connection to the cluster: "
+                           "connect again with pplab.Lab.connect(...)")
+        if self._cluster is None:
+            raise LabError(f"cannot restart the engines of a cluster started elsewhere: "
+                           f"{self._why_no_restart}.\nRestart them with your launcher (e.g. "
+                           f"`ipcluster stop/start`) and call Lab.connect(...) again")
+
+    def restart(self, progress) -> set[int]:
+        """Restart the engines through the cluster's own launcher; the old ids are not to be used."""
+        progress.update("restarting engines")
+        old_engines = set(self.client.ids)
+        self._cluster.restart_engines_sync()
+        return old_engines
+
+    def check_alive(self) -> None:
+        """This lab started no process that could have exited."""
+
+    def launch_logs(self) -> str:
+        """The last lines the launchers in the cluster file wrote (none without a cluster file)."""
+        return _tail(_launcher_outputs(self._cluster))
+
+    def threads_per_rank(self, threads: int | None) -> int | None:
+        """The engines were started elsewhere: each rank sets exactly what the lab asks."""
+        return threads
+
+    def record_ranks(self, processes: list[dict]) -> None:
+        """Nothing to record: the cluster belongs to whoever started it, and so does its cleanup."""
+
+    def stop(self, kill: bool) -> None:
+        """Close the client; the controller and engines go on running for their owner."""
+        if self.client is not None:
+            self.client.close()
+            self.client = None
+
+
+def new_cluster_id() -> str:
+    """A fresh cluster id, in ipyparallel's style: start time and a random suffix."""
+    return f"{int(time.time())}-{uuid.uuid4().hex[:4]}"
+
+
+def _launcher_outputs(cluster) -> list[str]:
+    """What the controller and engine-set launchers of an ipyparallel Cluster wrote."""
+    if cluster is None:
+        return []
+    launchers = [cluster.controller, *cluster.engines.values()]
+    return [launcher.get_output() for launcher in launchers if launcher is not None]
+
+
+def _tail(outputs: list[str]) -> str:
+    """The last LOG_LINES lines of each output, under a heading (empty if there are none)."""
+    tail = "\n".join(line for output in outputs for line in output.splitlines()[-LOG_LINES:])
+    return f"Last lines of their logs:\n{tail}" if tail else ""
