@@ -26,6 +26,7 @@ in the unit of the costs: give them in seconds to compare with a measurement.
 from __future__ import annotations
 
 import math
+import statistics
 from collections import defaultdict
 from dataclasses import dataclass
 from typing import Sequence, Union
@@ -172,6 +173,37 @@ def _check_per_stage(name: str, value) -> None:
 
 
 # ---------------------------------------------------------------- simulation
+
+
+def costs_from_timeline(timeline: Timeline, n_stages: int | None = None) -> Costs:
+    """The per-stage costs a measured run shows: median F, B (or I and W) durations per stage.
+
+    Message costs are not read off a run (a receive's length includes the wait for its
+    sender), so latency and bandwidth stay 0 and None: set them to study a slow link.
+    A stage with no event of a kind gets the median of that kind over all stages.
+    """
+    compute = [e for e in timeline.events if e.is_compute and e.stage is not None]
+    if not compute:
+        raise ValueError(f"timeline {timeline.label!r} has no compute events to measure costs from")
+    n_stages = n_stages if n_stages is not None else max(e.stage for e in compute) + 1
+
+    def medians(kind: str) -> tuple[float, ...] | None:
+        durations = [e.duration for e in compute if e.kind == kind]
+        if not durations:
+            return None
+        overall = statistics.median(durations)
+        return tuple(statistics.median([e.duration for e in compute if e.kind == kind and e.stage == s] or [overall])
+                     for s in range(n_stages))
+
+    forward, backward = medians("F"), medians("B")
+    input_grad, weight_grad = medians("I"), medians("W")
+    if forward is None:
+        raise ValueError(f"timeline {timeline.label!r} has no forward (F) events")
+    if backward is None and (input_grad is None or weight_grad is None):
+        raise ValueError(f"timeline {timeline.label!r} has no backward events (B, or I and W)")
+    if input_grad is not None and weight_grad is not None:
+        return Costs(forward=forward, input_grad=input_grad, weight_grad=weight_grad)
+    return Costs(forward=forward, backward=backward)
 
 
 def simulate(schedule: Schedule, costs: Costs | None = None) -> Timeline:

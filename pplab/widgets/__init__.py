@@ -1,0 +1,13 @@
+"""Live views of a pipeline in a notebook (ipywidgets and matplotlib, floor 5).
+
+`Dashboard(run)` (or `run.dashboard()`) follows a lab pipeline while its ranks
+work. Each panel also works alone, on static or simulated timelines:
+`TimelineView`, `BubblesView`, `ShapesView`, `GradientsView`, `MemoryView`,
+`WhereView`, and `WhatIf`, the simulator under sliders.
+"""
+
+from pplab.widgets.panels import (BubblesView, GradientsView, MemoryView, ShapesView, TimelineView,
+                                  WhereView)
+from pplab.widgets.whatif import WhatIf
+
+__all__ = ["TimelineView", "BubblesView", "ShapesView", "GradientsView", "MemoryView", "WhereView", "WhatIf"]

@@ -1,0 +1,301 @@
+"""The dashboard's panels, each a widget that also works alone, on static or simulated data.
+
+Every panel has a `show(...)`/`add(...)` that takes plain pplab objects (a `Timeline`,
+boundary records, gradient statistics, a rank's `Now`) and keeps what it shows in
+plain attributes (`rows`, `flagged`, `red`, `states`), so tests and notebooks can
+read the state without a browser.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+
+import ipywidgets as widgets
+
+from pplab.trace import Timeline
+from pplab.widgets.render import AMBER, RED, png, table
+
+FULL_WIDTH = widgets.Layout(width="100%")
+
+
+def _image() -> widgets.Image:
+    # Scaled down to the panel's width, never up: a PNG keeps its own size on wide screens.
+    return widgets.Image(format="png", layout=widgets.Layout(max_width="100%", height="auto"))
+
+
+def _percent(value: float | None) -> str:
+    return "n/a" if value is None else f"{value:.1%}"
+
+
+def _human_bytes(n: int | None) -> str:
+    if n is None:
+        return "?"
+    for size, unit in ((1 << 30, "GiB"), (1 << 20, "MiB"), (1 << 10, "KiB")):
+        if n >= size:
+            return f"{n / size:.1f} {unit}"
+    return f"{n} B"
+
+
+# ---------------------------------------------------------------- timeline
+
+
+class TimelineView(widgets.VBox):
+    """Per-rank Gantt chart of a timeline, its prediction above it on one time axis; past steps selectable."""
+
+    def __init__(self, timeline: Timeline | None = None, predicted: Timeline | None = None):
+        self.image = _image()
+        self.caption = widgets.HTML()
+        self.picker = widgets.Dropdown(description="step", options=[], layout=widgets.Layout(display="none"))
+        self.history: list[tuple[Timeline, Timeline | None]] = []
+        self.shown: Timeline | None = None
+        self.draws = 0
+        super().__init__([self.picker, self.caption, self.image])
+        self.picker.observe(self._picked, names="value")
+        if timeline is not None or predicted is not None:
+            self.show(timeline, predicted)
+
+    def show(self, timeline: Timeline | None, predicted: Timeline | None = None, note: str = "") -> None:
+        """Draw `timeline` (a step in progress may have few events) under `predicted`, if given."""
+        from pplab import viz
+
+        has_events = timeline is not None and len(timeline) > 0
+        if has_events and predicted is not None:
+            fig = viz.compare_timelines(predicted, timeline)
+        else:
+            fig = viz.plot_timeline(timeline if has_events else predicted)
+        self.image.value = png(fig)
+        self.shown = timeline if has_events else None
+        self.draws += 1
+        parts = [note] if note else []
+        if has_events:
+            parts.append(f"{timeline.label}: step {timeline.step_time():.3g} s, bubble "
+                         f"{timeline.bubble_fraction():.1%}")
+        if predicted is not None and len(predicted):
+            parts.append(f"{predicted.label}: step {predicted.step_time():.3g}, bubble "
+                         f"{predicted.bubble_fraction():.1%}")
+        self.caption.value = "<br>".join(parts)
+
+    def add_step(self, timeline: Timeline, predicted: Timeline | None = None) -> None:
+        """Keep a finished step and show it; the picker then offers every kept step."""
+        self.history.append((timeline, predicted))
+        self.picker.unobserve(self._picked, names="value")
+        self.picker.options = [(f"{i + 1}", i) for i in range(len(self.history))]
+        self.picker.value = len(self.history) - 1
+        self.picker.layout.display = None
+        self.picker.observe(self._picked, names="value")
+        self.show(timeline, predicted, note=f"step {len(self.history)}")
+
+    def _picked(self, change) -> None:
+        if change["new"] is not None:
+            timeline, predicted = self.history[change["new"]]
+            self.show(timeline, predicted, note=f"step {change['new'] + 1}")
+
+
+# ---------------------------------------------------------------- bubbles
+
+
+class BubblesView(widgets.VBox):
+    """Measured bubble fraction per rank and overall, step by step, against theory and simulation."""
+
+    def __init__(self, theory: float | None = None, simulated: float | None = None, theory_note: str = ""):
+        self.table = widgets.HTML()
+        self.image = _image()
+        self.rows: list[dict] = []
+        self.theory, self.simulated, self.theory_note = theory, simulated, theory_note
+        super().__init__([self.table, self.image])
+        self._render()
+
+    def set_reference(self, theory: float | None, simulated: float | None, theory_note: str = "") -> None:
+        """The numbers measured steps are compared with (theory is None where no formula holds)."""
+        self.theory, self.simulated, self.theory_note = theory, simulated, theory_note
+        self._render()
+
+    def add(self, timeline: Timeline) -> dict:
+        """Add one finished step's measured bubble (overall and per rank)."""
+        row = dict(step=len(self.rows) + 1, overall=timeline.bubble_fraction(),
+                   per_rank=[timeline.bubble_fraction(r) for r in range(timeline.n_ranks)])
+        self.rows.append(row)
+        self._render()
+        return row
+
+    def _render(self) -> None:
+        n_ranks = max((len(r["per_rank"]) for r in self.rows), default=0)
+        header = ["", "overall", *(f"rank {r}" for r in range(n_ranks))]
+        rows = [([f"step {r['step']}", _percent(r["overall"]), *map(_percent, r["per_rank"])], "")
+                for r in self.rows[-8:]]  # the latest steps; the plot shows them all
+        rows.append((["theory", _percent(self.theory)], ""))
+        rows.append((["simulation", _percent(self.simulated)], ""))
+        note = f"<div style='font-size:11px;color:#555'>theory: {self.theory_note}</div>" if self.theory_note else ""
+        self.table.value = table(header, rows, "bubble: idle time / step time") + note
+        if self.rows:
+            self.image.value = png(self._figure())
+
+    def _figure(self):
+        from matplotlib.figure import Figure
+        from matplotlib.ticker import MaxNLocator, PercentFormatter
+
+        fig = Figure(figsize=(5.5, 2.4), layout="constrained")
+        ax = fig.add_subplot()
+        steps = [r["step"] for r in self.rows]
+        ax.plot(steps, [r["overall"] for r in self.rows], "o-", color="#0072B2", label="measured")
+        for value, colour, label in ((self.theory, "#E69F00", "theory"), (self.simulated, "#009E73", "simulation")):
+            if value is not None:
+                ax.axhline(value, color=colour, linestyle="--", label=label)
+        ax.set_ylim(0, max([r["overall"] for r in self.rows] + [self.theory or 0, self.simulated or 0, 0.05]) * 1.2)
+        ax.yaxis.set_major_formatter(PercentFormatter(1.0))
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+        ax.set_xlabel("step")
+        ax.spines[["top", "right"]].set_visible(False)
+        ax.legend(frameon=False, fontsize=8)
+        return fig
+
+
+# ---------------------------------------------------------------- activation shapes
+
+
+class ShapesView(widgets.VBox):
+    """What crossed each stage boundary, per microbatch: shape, dtype, bytes; a change of shape flagged."""
+
+    def __init__(self, boundaries: Sequence | None = None):
+        self.table = widgets.HTML()
+        self.flagged: list[tuple[int, int]] = []  # (source stage, microbatch) whose shape changed
+        self._usual: dict[int, tuple] = {}  # boundary -> the shape it carried first
+        super().__init__([self.table])
+        self.show(boundaries or [])
+
+    def show(self, boundaries: Sequence) -> None:
+        """Show one step's boundary records (`StepResult.shapes`)."""
+        self.flagged = []
+        rows = []
+        for b in sorted(boundaries, key=lambda b: (b.source, b.microbatch)):
+            usual = self._usual.setdefault(b.source, tuple(b.shape))
+            changed = tuple(b.shape) != usual
+            if changed:
+                self.flagged.append((b.source, b.microbatch))
+            note = f"shape changed (was {usual})" if changed else ""
+            rows.append(([f"stage {b.source} → {b.source + 1}", b.microbatch, tuple(b.shape), b.dtype,
+                          _human_bytes(b.bytes), note], RED if changed else ""))
+        caption = "activations that crossed each stage boundary"
+        if self.flagged:
+            caption += f": {len(self.flagged)} shape change(s), flagged red"
+        self.table.value = table(["boundary", "microbatch", "shape", "dtype", "bytes", ""], rows, caption)
+
+
+# ---------------------------------------------------------------- gradient flow
+
+
+class GradientsView(widgets.VBox):
+    """Gradient norm per stage and parameter (and parity difference); missing, zero or non-finite in red."""
+
+    def __init__(self, grad_stats: dict | None = None, parity=None,
+                 stage_of: Callable[[str], int] | None = None):
+        self.table = widgets.HTML()
+        self.red: dict[str, str] = {}
+        super().__init__([self.table])
+        if grad_stats is not None:
+            self.show(grad_stats, parity, stage_of)
+
+    def show(self, grad_stats: dict, parity=None, stage_of: Callable[[str], int] | None = None) -> None:
+        """Show `StepResult.grad_stats`; `parity` is a `ParityReport` from `run.check_parity()`."""
+        from pplab.checks import check_gradient_flow
+
+        self.red = dict(check_gradient_flow(grad_stats).failures)
+        diffs = getattr(parity, "grad_diffs", {})
+        for name in getattr(parity, "failing", []):
+            self.red.setdefault(name, f"differs from one device by {diffs[name][0]:.2e}")
+        header = ["stage", "parameter", "grad norm"] + (["max |diff| vs one device"] if parity else []) + ["status"]
+        rows = []
+        for name in sorted(grad_stats, key=lambda n: (stage_of(n) if stage_of else 0, n)):
+            cells = ["" if stage_of is None else stage_of(name), name, f"{grad_stats[name]['norm']:.3e}"]
+            if parity:
+                cells.append(f"{diffs[name][0]:.1e}" if name in diffs else "missing")
+            cells.append(self.red.get(name, "ok"))
+            rows.append((cells, RED if name in self.red else ""))
+        verdict = (f"gradient flow: {len(self.red)} of {len(grad_stats)} parameters in trouble (red)"
+                   if self.red else f"gradient flow: all {len(grad_stats)} parameters have finite, non-zero gradients")
+        self.table.value = (f"<div style='max-height:260px;overflow:auto'>"
+                            f"{table(header, rows, verdict)}</div>")
+
+
+# ---------------------------------------------------------------- memory and loss
+
+
+class MemoryView(widgets.VBox):
+    """In-flight activation bytes per rank over the step, and the loss step by step."""
+
+    def __init__(self, timeline: Timeline | None = None):
+        self.image = _image()
+        self.loss_image = _image()
+        self.losses: list[float] = []
+        super().__init__([self.image, self.loss_image])
+        if timeline is not None:
+            self.show(timeline)
+
+    def show(self, timeline: Timeline) -> None:
+        """Draw the activations each rank holds for a backward, over `timeline`."""
+        from pplab import viz
+
+        if len(timeline):
+            self.image.value = png(viz.plot_memory(timeline))
+
+    def add_loss(self, loss: float) -> None:
+        """Add one step's loss to the loss curve."""
+        from matplotlib.figure import Figure
+        from matplotlib.ticker import MaxNLocator
+
+        self.losses.append(loss)
+        fig = Figure(figsize=(5.5, 2.2), layout="constrained")
+        ax = fig.add_subplot()
+        ax.plot(range(1, len(self.losses) + 1), self.losses, "o-", color="#D55E00")
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+        ax.set_xlabel("step")
+        ax.set_ylabel("loss")
+        ax.spines[["top", "right"]].set_visible(False)
+        self.loss_image.value = png(fig)
+
+
+# ---------------------------------------------------------------- where each rank is
+
+
+class WhereView(widgets.VBox):
+    """What every rank is doing now; a rank that waits shows on whom and for what, turning red when stalled."""
+
+    def __init__(self, n_ranks: int, stalled_after: float = 2.0):
+        self.html = widgets.HTML()
+        self.n_ranks, self.stalled_after = n_ranks, stalled_after
+        self.latest: dict[int, object] = {}  # rank -> its latest `Now`
+        self.seen_at: dict[int, float] = {}  # rank -> when that `Now` reached this client
+        self.states: dict[int, str] = {}  # rank -> "running", "waiting", "stalled", "done" or "idle"
+        super().__init__([self.html])
+        self.render()
+
+    def update(self, now, seen_at: float | None = None) -> None:
+        """Take a rank's latest `pplab.runtime.Now` (what it started, whom it waits on)."""
+        self.latest[now.rank] = now
+        self.seen_at[now.rank] = time.monotonic() if seen_at is None else seen_at
+
+    def render(self, at: float | None = None) -> None:
+        """Redraw, with how long each rank has been at its action as of `at` (monotonic seconds)."""
+        from pplab.schedules import Action
+
+        at = time.monotonic() if at is None else at
+        rows = []
+        for rank in range(self.n_ranks):
+            now = self.latest.get(rank)
+            if now is None:
+                self.states[rank] = "idle"
+                rows.append(([rank, "idle", "", ""], "color:#888"))
+                continue
+            held = at - self.seen_at[rank]
+            waits = "; ".join(f"rank {peer}: {Action.parse(text).describe()}" for peer, text in now.waits_for)
+            if now.doing == "done":
+                state, style = "done", "color:#888"
+            elif now.waits_for:
+                state = "stalled" if held >= self.stalled_after else "waiting"
+                style = RED if state == "stalled" else AMBER
+            else:
+                state, style = "running", ""
+            self.states[rank] = state
+            rows.append(([rank, now.doing, f"{held:.1f} s" if state != "done" else "", waits], style))
+        self.html.value = table(["rank", "doing", "for", "waits for"], rows, "where each rank is")

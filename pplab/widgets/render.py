@@ -1,0 +1,52 @@
+"""Figures to PNG bytes for `ipywidgets.Image`, and small HTML tables, shared by the panels.
+
+A PNG in an Image widget shows in JupyterLab with no frontend extension, under
+nbmake, and in exported HTML with saved widget state. Rendering is the slow part
+of a live view (tens of milliseconds), so live panels redraw at most a few times
+per second (`Throttle`).
+"""
+
+from __future__ import annotations
+
+import html
+import io
+import time
+from typing import Iterable
+
+PNG_DPI = 90
+
+
+def png(fig, dpi: int = PNG_DPI) -> bytes:
+    """The figure as PNG bytes (object-API figures: nothing to close in pyplot)."""
+    buffer = io.BytesIO()
+    fig.savefig(buffer, format="png", dpi=dpi)
+    return buffer.getvalue()
+
+
+def table(header: list[str], rows: Iterable[tuple[list, str]], caption: str = "") -> str:
+    """An HTML table; each row is (cells, CSS style of the row, e.g. 'color:#c00')."""
+    head = "".join(f"<th style='text-align:left;padding:0 8px'>{html.escape(str(h))}</th>" for h in header)
+    body = "".join(
+        f"<tr style='{style}'>" + "".join(f"<td style='padding:0 8px'>{html.escape(str(c))}</td>" for c in cells)
+        + "</tr>" for cells, style in rows)
+    title = f"<caption style='text-align:left;font-weight:bold'>{html.escape(caption)}</caption>" if caption else ""
+    return f"<table style='border-collapse:collapse;font-size:12px'>{title}<tr>{head}</tr>{body}</table>"
+
+
+RED = "color:#c00000;font-weight:bold"
+AMBER = "color:#b06000"
+
+
+class Throttle:
+    """Says yes at most once per `seconds` (the first time always), so redraws keep up with events."""
+
+    def __init__(self, seconds: float):
+        self.seconds = seconds
+        self._last = float("-inf")
+
+    def ready(self) -> bool:
+        now = time.monotonic()
+        if now - self._last >= self.seconds:
+            self._last = now
+            return True
+        return False
