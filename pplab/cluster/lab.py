@@ -364,15 +364,15 @@ class Lab:
         """Leave the process group and stop the controller and engines (nothing is left running)."""
         if self._stopped:
             return
-        if self.client is not None and self._view is not None and not self._ranks.broken:
-            try:
+        try:
+            if self.client is not None and self._view is not None and not self._ranks.broken:
                 self.run(engine.teardown_rank, timeout=TEARDOWN_SECONDS)
-            except LabError as error:  # the call marked the ranks broken: the stop kills them
-                if self._verbose:
-                    first_line = str(error).splitlines()[0]
-                    print(f"pplab: the ranks did not leave the process group ({first_line}); "
-                          f"stopping them anyway")
-        self._shutdown(kill=bool(self._ranks.broken))  # ranks stuck in a wait only leave by SIGKILL
+        except LabError as error:  # the call marked the ranks broken: the shutdown kills them
+            if self._verbose:
+                first_line = str(error).splitlines()[0]
+                print(f"pplab: the ranks did not leave their process group ({first_line})")
+        finally:  # whatever went wrong above, nothing is left running
+            self._shutdown(kill=bool(self._ranks.broken))  # a rank stuck in a wait leaves by SIGKILL
 
     def _shutdown(self, kill: bool) -> None:
         """Close the client and end every process this lab started (SIGKILL if `kill`)."""
@@ -382,13 +382,10 @@ class Lab:
 
     def __del__(self) -> None:
         # A running lab nobody refers to any more (e.g. a start cell run twice) must not
-        # leave its processes behind; a quick kill is all that can be done at this point,
-        # and an exception raised here would only be printed and ignored.
-        try:
-            if not self._stopped:
-                self._shutdown(kill=True)
-        except Exception:
-            pass
+        # leave its processes behind; a quick kill is all that can be done at this point.
+        # (Python prints, and then ignores, whatever this raises.)
+        if not self._stopped:
+            self._shutdown(kill=True)
 
     def __enter__(self) -> "Lab":
         return self
