@@ -106,6 +106,7 @@ class LocalCluster:
 
     def restart(self, progress) -> set[int]:
         """Stop everything (SIGKILL: a rank stuck in a gloo wait leaves no other way), start afresh."""
+        progress.update("stopping the old engines")
         self.stop(kill=True)
         return self.start(progress)
 
