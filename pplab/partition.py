@@ -54,6 +54,16 @@ def _checked_balance(balance: Sequence[int], n_layers: int, n_stages: int,
     return counts
 
 
+def stage_of_parameter(name: str, ranges: Sequence[tuple[int, int]]) -> int:
+    """The stage that holds parameter `name` (a full-model name) under `layer_ranges`' cut."""
+    if name.startswith("embed_tokens."):
+        return 0
+    if name.startswith("layers."):
+        layer = int(name.split(".")[1])
+        return next(stage for stage, (start, end) in enumerate(ranges) if start <= layer < end)
+    return len(ranges) - 1  # the final norm and the LM head
+
+
 def build_stage(config: LlamaConfig, stage_index: int, n_stages: int, seed: int = 0,
                 device="cpu", balance: Sequence[int] | None = None,
                 allow_empty: bool = False) -> LlamaModel:

@@ -101,12 +101,13 @@ class RankPipeline:
         for stage in self.stages.values():
             stage.zero_grad(set_to_none=True)
 
-    def step(self, data: dict, zero_grad: bool = True, return_grads: bool = False) -> RankStep:
-        """One step on this rank with the data `split_for_ranks` prepared for it."""
+    def step(self, data: dict, zero_grad: bool = True, return_grads: bool = False,
+             watch=None) -> RankStep:
+        """One step on this rank with the data `split_for_ranks` prepared for it (`watch`: see RankRuntime.step)."""
         if zero_grad:
             self.zero_grad()
         return self.runtime.step(data.get("inputs"), data.get("targets"),
-                                 data.get("activation_shapes"), return_grads)
+                                 data.get("activation_shapes"), return_grads, watch)
 
 
 def split_for_ranks(spec: PipelineSpec, batch: Batch | Sequence[Batch],

@@ -112,3 +112,15 @@ def test_stages_of_rank():
         pplab.stages_of_rank(4, 4)
     with pytest.raises(ValueError, match="n_virtual=0"):
         pplab.stages_of_rank(0, 4, n_virtual=0)
+
+
+def test_every_parameter_name_maps_to_the_stage_that_holds_it():
+    from pplab.partition import stage_of_parameter
+
+    config = pplab.LlamaConfig.tiny()
+    for n_stages in (1, 2, 3, 5, 8):
+        ranges = pplab.layer_ranges(config.num_hidden_layers, n_stages)
+        for stage in range(n_stages):
+            module = pplab.build_stage(config, stage, n_stages, device="meta")
+            for name, _ in module.named_parameters():
+                assert stage_of_parameter(name, ranges) == stage, (n_stages, name)
