@@ -171,11 +171,11 @@ def test_timing_mode_pads_every_action_and_ranks_share_one_clock():
     events = result.timeline.events
     assert all(e.duration >= 0.03 for e in events if e.kind == "F")
     assert all(e.duration >= 0.06 for e in events if e.kind == "B")
-    # Causality across processes: an activation is received after its forward ended on the
-    # sender (up to the barrier's skew, well under 5 ms), and a receive waits for it.
+    # Causality across processes on one machine (one clock, however loaded the CPUs): an
+    # activation is received after its forward ended on the sender.
     forward_end = {e.microbatch: e.end for e in events if e.rank == 0 and e.kind == "F"}
     for received in (e for e in events if e.rank == 1 and e.kind == "RECV_F"):
-        assert received.end >= forward_end[received.microbatch] - 0.005
+        assert received.end >= forward_end[received.microbatch]
     assert result.timeline.step_time() >= pplab.simulate(spec.schedule, costs).step_time()
 
 
