@@ -41,22 +41,28 @@ def _human_bytes(n: int | None) -> str:
 
 
 class TimelineView(widgets.VBox):
-    """Per-rank Gantt chart of a timeline, its prediction above it on one time axis; past steps selectable."""
+    """Per-rank Gantt chart of a timeline, its prediction above it on one time axis; past steps selectable.
+
+    A step in progress is drawn as SVG (`show_live`, cheap enough for several redraws a
+    second); a finished one as the full matplotlib picture (`show`).
+    """
 
     def __init__(self, timeline: Timeline | None = None, predicted: Timeline | None = None):
         self.image = _image()
+        self.live = widgets.HTML(layout=widgets.Layout(display="none", overflow="auto"))
         self.caption = widgets.HTML()
         self.picker = widgets.Dropdown(description="step", options=[], layout=widgets.Layout(display="none"))
         self.history: list[tuple[Timeline, Timeline | None]] = []
         self.shown: Timeline | None = None
-        self.draws = 0
-        super().__init__([self.picker, self.caption, self.image])
+        self.draws = 0  # pictures (PNG) drawn
+        self.live_draws = 0  # live (SVG) redraws
+        super().__init__([self.picker, self.caption, self.live, self.image])
         self.picker.observe(self._picked, names="value")
         if timeline is not None or predicted is not None:
             self.show(timeline, predicted)
 
     def show(self, timeline: Timeline | None, predicted: Timeline | None = None, note: str = "") -> None:
-        """Draw `timeline` (a step in progress may have few events) under `predicted`, if given."""
+        """Draw `timeline` under `predicted` (if given) as a picture."""
         from pplab import viz
 
         has_events = timeline is not None and len(timeline) > 0
@@ -65,26 +71,44 @@ class TimelineView(widgets.VBox):
         else:
             fig = viz.plot_timeline(timeline if has_events else predicted)
         self.image.value = png(fig)
-        self.shown = timeline if has_events else None
+        self.image.layout.display, self.live.layout.display = None, "none"
         self.draws += 1
-        parts = [note] if note else []
-        if has_events:
-            parts.append(f"{timeline.label}: step {timeline.step_time():.3g} s, bubble "
-                         f"{timeline.bubble_fraction():.1%}")
-        if predicted is not None and len(predicted):
-            parts.append(f"{predicted.label}: step {predicted.step_time():.3g}, bubble "
-                         f"{predicted.bubble_fraction():.1%}")
-        self.caption.value = "<br>".join(parts)
+        self._caption(timeline if has_events else None, predicted, note)
 
-    def add_step(self, timeline: Timeline, predicted: Timeline | None = None) -> None:
-        """Keep a finished step and show it; the picker then offers every kept step."""
+    def show_live(self, timeline: Timeline, predicted: Timeline | None = None, note: str = "") -> None:
+        """Draw a step in progress (or any timeline, quickly) as SVG."""
+        from pplab import viz
+        from pplab.widgets.svg import timeline_svg
+
+        self.live.value = timeline_svg(timeline, predicted, viz.kind_colours())
+        self.live.layout.display, self.image.layout.display = None, "none"
+        self.live_draws += 1
+        self._caption(timeline if len(timeline) else None, predicted, note)
+
+    def add_step(self, timeline: Timeline, predicted: Timeline | None = None, picture: bool = True) -> None:
+        """Keep a finished step and show it (as a picture, or as SVG while a run goes on)."""
         self.history.append((timeline, predicted))
         self.picker.unobserve(self._picked, names="value")
         self.picker.options = [(f"{i + 1}", i) for i in range(len(self.history))]
         self.picker.value = len(self.history) - 1
         self.picker.layout.display = None
         self.picker.observe(self._picked, names="value")
-        self.show(timeline, predicted, note=f"step {len(self.history)}")
+        note = f"step {len(self.history)}"
+        if picture:
+            self.show(timeline, predicted, note)
+        else:
+            self.show_live(timeline, predicted, note)
+
+    def _caption(self, timeline: Timeline | None, predicted: Timeline | None, note: str) -> None:
+        self.shown = timeline
+        parts = [note] if note else []
+        if timeline is not None:
+            parts.append(f"{timeline.label}: step {timeline.step_time():.3g} s, bubble "
+                         f"{timeline.bubble_fraction():.1%}")
+        if predicted is not None and len(predicted):
+            parts.append(f"{predicted.label}: step {predicted.step_time():.3g}, bubble "
+                         f"{predicted.bubble_fraction():.1%}")
+        self.caption.value = "<br>".join(parts)
 
     def _picked(self, change) -> None:
         if change["new"] is not None:
@@ -111,15 +135,19 @@ class BubblesView(widgets.VBox):
         self.theory, self.simulated, self.theory_note = theory, simulated, theory_note
         self._render()
 
-    def add(self, timeline: Timeline) -> dict:
-        """Add one finished step's measured bubble (overall and per rank)."""
+    def add(self, timeline: Timeline, picture: bool = True) -> dict:
+        """Add one finished step's measured bubble (overall and per rank); the plot waits if not `picture`."""
         row = dict(step=len(self.rows) + 1, overall=timeline.bubble_fraction(),
                    per_rank=[timeline.bubble_fraction(r) for r in range(timeline.n_ranks)])
         self.rows.append(row)
-        self._render()
+        self._render(picture)
         return row
 
-    def _render(self) -> None:
+    def draw_plot(self) -> None:
+        """Draw the plot of the bubble across steps (deferred during a run)."""
+        self._render(picture=True)
+
+    def _render(self, picture: bool = True) -> None:
         n_ranks = max((len(r["per_rank"]) for r in self.rows), default=0)
         header = ["", "overall", *(f"rank {r}" for r in range(n_ranks))]
         rows = [([f"step {r['step']}", _percent(r["overall"]), *map(_percent, r["per_rank"])], "")
@@ -128,7 +156,7 @@ class BubblesView(widgets.VBox):
         rows.append((["simulation", _percent(self.simulated)], ""))
         note = f"<div style='font-size:11px;color:#555'>theory: {self.theory_note}</div>" if self.theory_note else ""
         self.table.value = table(header, rows, "bubble: idle time / step time") + note
-        if self.rows:
+        if self.rows and picture:
             self.image.value = png(self._figure())
 
     def _figure(self):
@@ -239,12 +267,17 @@ class MemoryView(widgets.VBox):
         if len(timeline):
             self.image.value = png(viz.plot_memory(timeline))
 
-    def add_loss(self, loss: float) -> None:
-        """Add one step's loss to the loss curve."""
+    def add_loss(self, loss: float, picture: bool = True) -> None:
+        """Add one step's loss to the loss curve (drawn now, or by `draw_losses` later)."""
+        self.losses.append(loss)
+        if picture:
+            self.draw_losses()
+
+    def draw_losses(self) -> None:
+        """Draw the loss curve."""
         from matplotlib.figure import Figure
         from matplotlib.ticker import MaxNLocator
 
-        self.losses.append(loss)
         fig = Figure(figsize=(5.5, 2.2), layout="constrained")
         ax = fig.add_subplot()
         ax.plot(range(1, len(self.losses) + 1), self.losses, "o-", color="#D55E00")

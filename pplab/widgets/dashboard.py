@@ -1,0 +1,251 @@
+"""The live dashboard: one widget that runs a lab pipeline and shows every rank while it works.
+
+While a step runs, each rank publishes what it starts and every event as it ends
+(batched every `LIVE_INTERVAL` seconds by a helper thread on the engine); the
+dashboard polls for them on the kernel's main thread (a plain loop in `run_steps`,
+an asyncio task in `start`, so the kernel stays free for other cells) and redraws
+the live timeline as SVG a few times per second. Finished steps go to the bubble,
+shape, gradient, memory and loss panels; the matplotlib pictures are drawn when a
+run ends, so that rendering does not take the CPU the ranks need.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import ipywidgets as widgets
+
+from pplab.schedules import SCHEDULE_NAMES, theory
+from pplab.simulator import Costs, costs_from_timeline, simulate
+from pplab.trace import Timeline
+from pplab.widgets.panels import (BubblesView, GradientsView, MemoryView, ShapesView, TimelineView,
+                                  WhereView)
+from pplab.widgets.render import RED, Throttle
+
+POLL_SECONDS = 0.05  # how often the dashboard looks for what the ranks published
+LIVE_INTERVAL = 0.05  # how often a rank publishes what it has done
+LIVE_REDRAW_SECONDS = 0.2  # the live timeline's redraws, at most
+TIMING_COSTS = Costs(forward=0.05, backward=0.1)  # timing mode: the shape of a schedule, in seconds
+IMPLEMENTATIONS = ("pplab",)  # torch.distributed.pipelining joins with its own issue
+
+
+class Dashboard(widgets.VBox):
+    """Controls, where each rank is, the timeline, and panels for bubbles, shapes, gradients and memory."""
+
+    def __init__(self, run, batch=None, stalled_after: float = 2.0):
+        """`run` is a lab pipeline (`lab.pipeline(...)`); `batch` the data of every step (default: the run's)."""
+        self.run, self.batch = run, batch
+        self.results = []  # every finished step's StepResult
+        self.latencies: list[float] = []  # seconds from a rank's note to its place in the widget state
+        self.running = False
+        self._stop_requested = False
+        self._task: asyncio.Task | None = None
+        self._build_controls()
+        self.where = WhereView(run.schedule.n_ranks, stalled_after)
+        self.timeline = TimelineView()
+        self.bubbles = BubblesView()
+        self.shapes = ShapesView()
+        self.gradients = GradientsView()
+        self.memory = MemoryView()
+        tabs = widgets.Tab(children=[self.bubbles, self.shapes, self.gradients, self.memory],
+                           titles=["bubbles", "activation shapes", "gradient flow", "memory and loss"])
+        super().__init__([self.controls, widgets.HBox([self.progress, self.status]), self.where,
+                          self.timeline, tabs])
+        self._set_references()
+
+    # -- running steps -----------------------------------------------------------------------
+
+    def run_steps(self, steps: int = 1) -> list:
+        """Run `steps` steps now, updating every panel while they run; return their results."""
+        self._check_steps(steps)
+        done = len(self.results)
+        for _ in self._steps(steps):
+            time.sleep(POLL_SECONDS)
+        return self.results[done:]
+
+    def start(self, steps: int = 1) -> asyncio.Task:
+        """Run `steps` steps in the background on the kernel's event loop; `stop()` ends it after a step."""
+        self._check_steps(steps)
+
+        async def run_in_background():
+            for _ in self._steps(steps):
+                await asyncio.sleep(POLL_SECONDS)
+
+        self._task = asyncio.get_event_loop().create_task(run_in_background())
+        self.running = True  # at once: a second click must not start another run
+        return self._task
+
+    def stop(self) -> None:
+        """End the run after the step in progress."""
+        if self.running:
+            self._stop_requested = True
+            self._say("stopping after this step")
+
+    def _check_steps(self, steps: int) -> None:
+        from pplab.arguments import check_positive_int
+
+        check_positive_int("steps", steps, example=5)
+        if self.running and self._task is None:
+            raise RuntimeError("the dashboard is already running steps: call stop() first")
+        if self._task is not None and not self._task.done():
+            raise RuntimeError("the dashboard is already running steps in the background: call stop() "
+                               "and wait for it")
+
+    def _steps(self, steps: int):
+        """Run the steps, yielding whenever there is time to wait (the caller sleeps or awaits)."""
+        from pplab.cluster import LabError
+
+        self.running, self._stop_requested = True, False
+        self._enable_controls(False)
+        self.progress.max, self.progress.value = steps, 0
+        try:
+            for index in range(steps):
+                if self._stop_requested:
+                    self._say(f"stopped after {index} of {steps} steps")
+                    break
+                yield from self._one_step(index, steps)
+                self.progress.value = index + 1
+            else:
+                self._say(f"{steps} step{'s' if steps > 1 else ''} done")
+        except (LabError, ValueError) as error:
+            self._say(str(error).replace("\n", "<br>"), error=True)
+        finally:
+            self.running = False
+            self._enable_controls(True)
+            self._draw_pictures()
+
+    def _one_step(self, index: int, steps: int):
+        predicted = self._predicted()
+        number = len(self.results) + 1
+        self._say(f"step {number} running ({index + 1} of {steps})")
+        live = self.run.start_step(self.batch, live_interval=LIVE_INTERVAL)
+        redraw = Throttle(LIVE_REDRAW_SECONDS)
+        while not live.finished():
+            self._take(live.poll())
+            if redraw.ready():
+                self.timeline.show_live(live.timeline(f"step {number} (running)"), predicted,
+                                        note=f"step {number}, running")
+            yield
+        result = live.result()
+        self._take(live.poll())
+        self.results.append(result)
+        self.timeline.add_step(result.timeline, predicted, picture=False)
+        self.bubbles.add(result.timeline, picture=False)
+        self.shapes.show(result.shapes)
+        self.gradients.show(result.grad_stats, stage_of=self._stage_of())
+        self.memory.add_loss(result.loss, picture=False)
+        self._set_references()
+
+    def _take(self, items) -> None:
+        """Put what the ranks published into the 'where each rank is' panel."""
+        from pplab.runtime import Now
+
+        if not items:
+            return
+        for put_at, item in items:
+            if isinstance(item, Now):
+                self.where.update(item)
+        self.where.render()
+        applied = time.time()
+        self.latencies.extend(applied - put_at for put_at, _ in items)
+
+    def _draw_pictures(self) -> None:
+        """The matplotlib pictures of the last step, drawn once a run is over."""
+        if not self.results:
+            return
+        last = self.results[-1]
+        self.timeline.show(*self.timeline.history[-1], note=f"step {len(self.results)}")
+        self.bubbles.draw_plot()
+        self.memory.show(last.timeline)
+        self.memory.draw_losses()
+
+    # -- predictions ---------------------------------------------------------------------------
+
+    def _costs(self) -> tuple[Costs | None, str]:
+        """The costs to predict with: timing mode's, else those measured in the last step."""
+        if self.run.spec.timing is not None:
+            return self.run.spec.timing, "predicted (timing costs)"
+        if self.results:
+            return (costs_from_timeline(self.results[-1].timeline, self.run.schedule.n_stages),
+                    "predicted (costs of the last step)")
+        return None, ""
+
+    def _predicted(self) -> Timeline | None:
+        costs, label = self._costs()
+        if costs is None:
+            return None
+        predicted = simulate(self.run.schedule, costs)
+        return Timeline(predicted.events, predicted.n_ranks, label=label)
+
+    def _set_references(self) -> None:
+        costs, _ = self._costs()
+        textbook = theory(self.run.schedule, costs)
+        simulated = simulate(self.run.schedule, costs).bubble_fraction()
+        self.bubbles.set_reference(textbook.bubble_fraction, simulated,
+                                   "" if textbook.bubble_fraction is not None else textbook.conditions)
+
+    def _stage_of(self):
+        from pplab.partition import layer_ranges, stage_of_parameter
+
+        spec = self.run.spec
+        ranges = layer_ranges(spec.config.num_hidden_layers, spec.schedule.n_stages, spec.balance,
+                              spec.allow_empty)
+        return lambda name: stage_of_parameter(name, ranges)
+
+    # -- controls ------------------------------------------------------------------------------
+
+    def _build_controls(self) -> None:
+        schedule = self.run.schedule
+        names = list(SCHEDULE_NAMES) if schedule.name in SCHEDULE_NAMES else [schedule.name, *SCHEDULE_NAMES]
+        short = widgets.Layout(width="150px")
+        self.schedule_name = widgets.Dropdown(options=names, value=schedule.name, description="schedule")
+        self.microbatches = widgets.BoundedIntText(schedule.n_microbatches, min=1, max=256,
+                                                   description="microbatches", layout=short)
+        self.virtual = widgets.BoundedIntText(schedule.n_virtual, min=1, max=8, description="v",
+                                              layout=widgets.Layout(width="110px"))
+        self.implementation = widgets.Dropdown(options=IMPLEMENTATIONS, value="pplab",
+                                               description="runtime", layout=widgets.Layout(width="180px"))
+        self.timing = widgets.Checkbox(self.run.spec.timing is not None, description="timing mode",
+                                       indent=False, layout=widgets.Layout(width="110px"))
+        self.step_count = widgets.BoundedIntText(5, min=1, max=10_000, description="steps", layout=short)
+        self.step_button = widgets.Button(description="run 1 step", icon="play")
+        self.run_button = widgets.Button(description="run N steps", icon="forward")
+        self.stop_button = widgets.Button(description="stop", icon="stop", disabled=True)
+        self.progress = widgets.IntProgress(0, min=0, max=1, layout=widgets.Layout(width="220px"))
+        self.status = widgets.HTML()
+        self.controls = widgets.VBox([
+            widgets.HBox([self.schedule_name, self.microbatches, self.virtual, self.implementation, self.timing]),
+            widgets.HBox([self.step_button, self.step_count, self.run_button, self.stop_button])])
+        self.step_button.on_click(lambda _: self.start(1))
+        self.run_button.on_click(lambda _: self.start(self.step_count.value))
+        self.stop_button.on_click(lambda _: self.stop())
+        for control in (self.schedule_name, self.microbatches, self.virtual, self.timing):
+            control.observe(lambda _: self.rebuild(), names="value")
+
+    def rebuild(self) -> None:
+        """Build the pipeline the controls describe on the ranks (the old one is freed)."""
+        if self.running:
+            return
+        lab, config = self.run.lab, self.run.config
+        try:
+            new = lab.pipeline(config, schedule=self.schedule_name.value, microbatches=self.microbatches.value,
+                               n_virtual=self.virtual.value, timing=TIMING_COSTS if self.timing.value else None)
+        except ValueError as error:  # sizes the schedule cannot take: say so, keep the old pipeline
+            self._say(str(error), error=True)
+            return
+        self.run.close()
+        self.run, self.results = new, []
+        self.where.__init__(new.schedule.n_ranks, self.where.stalled_after)
+        self.bubbles.rows = []
+        self._set_references()
+        self._say(f"rebuilt: {new!r}")
+
+    def _enable_controls(self, enabled: bool) -> None:
+        for control in (self.schedule_name, self.microbatches, self.virtual, self.timing,
+                        self.step_button, self.run_button, self.step_count):
+            control.disabled = not enabled
+        self.stop_button.disabled = enabled
+
+    def _say(self, text: str, error: bool = False) -> None:
+        self.status.value = f"<span style='{RED if error else ''}'>{text}</span>"

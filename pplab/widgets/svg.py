@@ -1,0 +1,80 @@
+"""A per-rank Gantt chart as SVG text: what the live timeline draws while a step runs.
+
+Matplotlib takes about 0.3 s to render a timeline to PNG on a laptop core, which is
+CPU the ranks need while they run; building this SVG takes well under a millisecond
+(bench/bench_dashboard.py measures both). So a step in progress is drawn as SVG
+several times a second, and the finished step as the full matplotlib picture.
+"""
+
+from __future__ import annotations
+
+import html
+
+from pplab.trace import Timeline
+
+ROW = 18  # pixels per rank row
+LABEL_WIDTH = 56  # pixels left of the time axis for "rank r"
+IDLE = "#f1f1f1"
+
+
+def timeline_svg(measured: Timeline | None, predicted: Timeline | None = None,
+                 colours: dict[str, str] | None = None, width: int = 900) -> str:
+    """Measured (and predicted, above it) per-rank boxes on one time axis, as an SVG string."""
+    colours = colours or {}
+    parts = [(t, t.label or "") for t in (predicted, measured) if t is not None and len(t)]
+    if not parts:
+        return "<div style='color:#888'>no events yet</div>"
+    parts = [(t.normalised(), label) for t, label in parts]
+    until = max(t.end for t, _ in parts) or 1.0
+    scale = (width - LABEL_WIDTH - 8) / until
+    shapes, y = [], 0
+    for timeline, label in parts:
+        shapes.append(f"<text x='0' y='{y + 12}' font-size='12' font-weight='bold'>{html.escape(label)}</text>")
+        y += 18
+        for rank in range(timeline.n_ranks):
+            shapes.append(f"<text x='0' y='{y + 13}' font-size='11'>rank {rank}</text>")
+            shapes.append(f"<rect x='{LABEL_WIDTH}' y='{y}' width='{until * scale:.1f}' height='{ROW - 4}' "
+                          f"fill='{IDLE}'/>")
+            for event in timeline.of_rank(rank):
+                shapes.append(_box(event, y, scale, colours))
+            y += ROW
+        y += 6
+    ticks = _ticks(until, scale, y)
+    return (f"<svg xmlns='http://www.w3.org/2000/svg' width='{width}' height='{y + 20}' "
+            f"font-family='sans-serif'>{''.join(shapes)}{ticks}</svg>")
+
+
+def _box(event, y: float, scale: float, colours: dict[str, str]) -> str:
+    x = LABEL_WIDTH + event.start * scale
+    w = max(event.duration * scale, 0.5)
+    colour = colours.get(event.kind, "#999999")
+    if event.is_comm:  # a thin strip under the row: time spent on the wire
+        return f"<rect x='{x:.1f}' y='{y + ROW - 7}' width='{w:.1f}' height='3' fill='{colour}'/>"
+    title = f"<title>rank {event.rank} {event.kind} stage {event.stage} microbatch {event.microbatch}</title>"
+    label = ""
+    if event.microbatch is not None and w >= 7 * len(str(event.microbatch)) + 2:
+        label = (f"<text x='{x + w / 2:.1f}' y='{y + 11}' font-size='10' text-anchor='middle'>"
+                 f"{event.microbatch}</text>")
+    return (f"<g><rect x='{x:.1f}' y='{y}' width='{w:.1f}' height='{ROW - 8}' fill='{colour}' "
+            f"stroke='white' stroke-width='0.5'/>{label}{title}</g>")
+
+
+def _ticks(until: float, scale: float, y: float) -> str:
+    step = _nice_step(until / 6)
+    marks, t = [], 0.0
+    while t <= until + 1e-12:
+        x = LABEL_WIDTH + t * scale
+        marks.append(f"<line x1='{x:.1f}' y1='{y}' x2='{x:.1f}' y2='{y + 4}' stroke='#444'/>"
+                     f"<text x='{x:.1f}' y='{y + 15}' font-size='10' text-anchor='middle'>{t:g}</text>")
+        t += step
+    return "".join(marks)
+
+
+def _nice_step(rough: float) -> float:
+    """1, 2 or 5 times a power of ten, at least `rough`."""
+    import math
+
+    if rough <= 0:
+        return 1.0
+    power = 10 ** math.floor(math.log10(rough))
+    return next(m * power for m in (1, 2, 5, 10) if m * power >= rough)

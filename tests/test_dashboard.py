@@ -1,0 +1,91 @@
+"""The live dashboard on a real 2-rank lab: it updates while steps run, shows stalls, obeys its controls."""
+
+import asyncio
+import statistics
+
+import pytest
+
+pytest.importorskip("ipywidgets")
+
+import pplab  # noqa: E402
+from pplab.simulator import Costs  # noqa: E402
+
+CONFIG = pplab.LlamaConfig.tiny()
+TIMING = Costs(forward=0.05, backward=0.1)  # a 1F1B step of 4 microbatches on 2 ranks: about 0.75 s
+
+
+def test_a_multi_step_run_updates_the_panels_while_it_runs(lab2):
+    run = lab2.pipeline(CONFIG, schedule="1f1b", microbatches=4, timing=TIMING)
+    try:
+        dashboard = run.dashboard()
+        results = dashboard.run_steps(3)
+        assert len(results) == 3 and dashboard.results == results
+        # The live timeline was redrawn while steps ran, more than once per step.
+        assert dashboard.timeline.live_draws > 3
+        assert dashboard.timeline.draws >= 1  # and the finished run drawn as a picture
+        assert [row["overall"] for row in dashboard.bubbles.rows] == \
+            [r.timeline.bubble_fraction() for r in results]
+        assert dashboard.memory.losses == [r.loss for r in results]
+        assert dashboard.where.states == {0: "done", 1: "done"}
+        assert dashboard.gradients.red == {} and dashboard.shapes.flagged == []
+        assert statistics.median(dashboard.latencies) < 0.5
+        assert dashboard.progress.value == 3 and "3 steps done" in dashboard.status.value
+    finally:
+        run.close()
+
+
+def test_a_waiting_rank_shows_whom_it_waits_for_while_it_waits(lab2):
+    # Stage 0's forwards take 1.2 s: rank 1 sits in its first receive, visibly, long before any timeout.
+    slow_start = Costs(forward=[1.2, 0.01], backward=0.01)
+    run = lab2.pipeline(CONFIG, schedule="gpipe", microbatches=2, timing=slow_start)
+    try:
+        dashboard = run.dashboard(stalled_after=0.6)
+        seen = []
+
+        async def watch():
+            task = dashboard.start(1)
+            while not task.done():
+                await asyncio.sleep(0.05)  # the kernel's loop stays free while the step runs
+                seen.append((dict(dashboard.where.states), dashboard.where.html.value))
+            await task
+
+        asyncio.run(watch())
+        stalled = [html for states, html in seen if states.get(1) == "stalled"]
+        assert stalled, f"rank 1 was never shown stalled: {[s for s, _ in seen]}"
+        assert "rank 0: send of the activation of microbatch 0 on stage 0" in stalled[0]
+        assert len(dashboard.results) == 1
+    finally:
+        run.close()
+
+
+def test_stop_ends_a_background_run_after_the_current_step(lab2):
+    run = lab2.pipeline(CONFIG, schedule="1f1b", microbatches=4, timing=TIMING)
+    try:
+        dashboard = run.dashboard()
+
+        async def start_then_stop():
+            task = dashboard.start(20)
+            while not dashboard.results:
+                await asyncio.sleep(0.05)
+            dashboard.stop()
+            await task
+
+        asyncio.run(start_then_stop())
+        assert 1 <= len(dashboard.results) <= 2
+        assert "stopped after" in dashboard.status.value and not dashboard.running
+    finally:
+        run.close()
+
+
+def test_changing_a_control_rebuilds_on_the_ranks_and_bad_sizes_are_said(lab2):
+    dashboard = lab2.pipeline(CONFIG, schedule="1f1b", microbatches=4).dashboard()
+    try:
+        dashboard.schedule_name.value = "gpipe"
+        assert dashboard.run.schedule.name == "gpipe" and dashboard.run.schedule.n_microbatches == 4
+        (result,) = dashboard.run_steps(1)
+        assert result.timeline.n_ranks == 2
+        before = dashboard.run
+        dashboard.virtual.value = 2  # gpipe runs one stage per rank
+        assert dashboard.run is before and "runs one stage per rank" in dashboard.status.value
+    finally:
+        dashboard.run.close()
