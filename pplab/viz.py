@@ -49,6 +49,11 @@ _CHAR_WIDTH = 0.62  # width of a digit, in units of the font size
 _LABEL_MARGIN_PT = 1.5  # space left between a number and its box's edges
 
 
+def kind_colours() -> dict[str, str]:
+    """The face colour of every action kind, for drawings made outside matplotlib (the live SVG)."""
+    return {kind: face for kind, (face, _, _) in _KIND_STYLE.items()}
+
+
 def _style(kind: str) -> tuple[str, str, str]:
     return _KIND_STYLE.get(kind, (_OTHER_COLOUR, "", kind))
 

@@ -76,6 +76,8 @@ def test_where_view_shows_whom_a_rank_waits_for_and_marks_a_stall():
     assert "rank 0: send of the activation of microbatch 1 on stage 0" in panel.html.value
     panel.render(at=101.5)
     assert panel.states[1] == "stalled"
+    panel.render(at=102.0)
+    assert [(s["rank"], s["doing"], s["seconds"]) for s in panel.stalls] == [(1, "1RECV_F1", 2.0)]
 
 
 def test_memory_view_draws_every_rank_and_the_loss_curve():

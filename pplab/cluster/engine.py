@@ -18,6 +18,7 @@ import os
 import socket
 import sys
 import threading
+import time
 from dataclasses import dataclass
 
 import torch
@@ -197,3 +198,45 @@ def _publish_data(data: dict) -> None:
     if shell is not None and getattr(shell, "data_pub", None) is not None:
         with _publish_lock:
             shell.data_pub.publish_data(data)
+
+
+class Feed:
+    """Publishes what a call `put`s, in batches every `interval` seconds, from a helper thread.
+
+    The rank's own thread only appends to a list (cheap, never blocks on the network);
+    the helper publishes what gathered, each item with the time it was put, so a rank
+    blocked in a wait still shows its latest note within `interval`. Used as a context
+    manager: leaving it publishes what is left, before the call returns.
+    """
+
+    def __init__(self, interval: float):
+        self.interval = interval
+        self._items: list = []
+        self._lock = threading.Lock()
+        self._stopped = threading.Event()
+        self._thread = threading.Thread(target=self._publish_every_interval, daemon=True,
+                                        name="pplab-feed")
+
+    def put(self, item: object) -> None:
+        """Queue `item` for the client (any picklable object)."""
+        with self._lock:
+            self._items.append((time.time(), item))
+
+    def __enter__(self) -> "Feed":
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        self._stopped.set()
+        self._thread.join()
+        self._flush()
+
+    def _publish_every_interval(self) -> None:
+        while not self._stopped.wait(self.interval):
+            self._flush()
+
+    def _flush(self) -> None:
+        with self._lock:
+            items, self._items = self._items, []
+        if items:
+            publish(items)

@@ -16,6 +16,7 @@ from collections.abc import Sequence
 
 import torch
 
+from pplab.arguments import check_positive_seconds
 from pplab.checks import (BoundaryTable, GradientFlowReport, ParityReport, check_gradient_flow,
                           compare_with_reference)
 from pplab.cluster import engine
@@ -42,13 +43,22 @@ def build_on_rank(run_id: str, spec: PipelineSpec) -> dict:
             "parameters": sum(p.numel() for p in pipeline.parameters())}
 
 
-def step_on_rank(run_id: str, per_rank_data: list[dict], return_grads: bool) -> RankStep:
-    """Run one step of the pipeline `run_id` with this rank's share of the data."""
+def step_on_rank(run_id: str, per_rank_data: list[dict], return_grads: bool,
+                 live_interval: float | None = None) -> RankStep:
+    """Run one step of the pipeline `run_id` with this rank's share of the data.
+
+    With `live_interval`, what the rank starts and every event it records are published
+    while the step runs (see `engine.Feed`), for live views.
+    """
     context = engine.rank_context()
     if run_id not in _pipelines:
         raise LookupError(f"pipeline {run_id} is not built on rank {context.rank} (was the lab "
                           f"restarted?): call lab.pipeline(...) again")
-    return _pipelines[run_id].step(per_rank_data[context.rank], return_grads=return_grads)
+    pipeline, data = _pipelines[run_id], per_rank_data[context.rank]
+    if live_interval is None:
+        return pipeline.step(data, return_grads=return_grads)
+    with engine.Feed(live_interval) as feed:
+        return pipeline.step(data, return_grads=return_grads, watch=feed.put)
 
 
 def drop_on_rank(run_id: str) -> None:
@@ -89,15 +99,27 @@ class PipelineRun:
 
     def step(self, batch: Batch | Sequence[Batch] | None = None, return_grads: bool = False) -> StepResult:
         """One step (forward and backward of every microbatch) on every rank."""
+        return self.start_step(batch, return_grads).result()
+
+    def start_step(self, batch: Batch | Sequence[Batch] | None = None, return_grads: bool = False,
+                   live_interval: float | None = None) -> "LiveStep":
+        """Start one step on every rank and return at once; with `live_interval`, watch it as it runs."""
         if self.lab.rank_processes != self._built_on:
             raise RuntimeError(f"{self!r} was built on engines that lab.restart() replaced: "
                                f"call lab.pipeline(...) again")
+        if live_interval is not None:
+            check_positive_seconds("live_interval", live_interval)
         batch = self.default_batch() if batch is None else batch
         data = split_for_ranks(self.spec, batch)
-        rank_steps = self.lab.run(step_on_rank, self.run_id, data, return_grads,
+        call = self.lab.run_async(step_on_rank, self.run_id, data, return_grads, live_interval,
                                   timeout=self._call_timeout)
-        self.last = merge_steps(rank_steps)
-        return self.last
+        return LiveStep(self, call)
+
+    def dashboard(self, batch: Batch | Sequence[Batch] | None = None, **options):
+        """A live dashboard of this pipeline (pplab.widgets.Dashboard): display it, then run steps."""
+        from pplab.widgets import Dashboard
+
+        return Dashboard(self, batch, **options)
 
     def check_parity(self, batch: Batch | Sequence[Batch] | None = None, loss_rtol: float = 1e-6,
                      grad_atol: float = 1e-5) -> ParityReport:
@@ -135,3 +157,43 @@ class PipelineRun:
         s = self.schedule
         return (f"<PipelineRun {s.name}: {s.n_ranks} ranks, {s.n_stages} stages, "
                 f"{s.n_microbatches} microbatches>")
+
+
+class LiveStep:
+    """One step running on the ranks: what they published so far, then the merged result."""
+
+    def __init__(self, run: PipelineRun, call):
+        self.run, self.call = run, call
+        self.events: list = []  # the step's events that have arrived, from every rank
+        self._result: StepResult | None = None
+
+    def poll(self) -> list[tuple[float, object]]:
+        """What arrived since the last look, as (time the rank put it, Event or Now), without waiting."""
+        from pplab.trace import Event
+
+        items = [item for event in self.call.poll_events() for item in event.payload]
+        self.events += [item for _, item in items if isinstance(item, Event)]
+        return items
+
+    def finished(self) -> bool:
+        """True once every rank has finished; raises the call's error if a rank failed."""
+        from pplab.cluster.errors import LabError
+
+        try:
+            self.call.result(timeout=0)
+        except LabError:
+            raise
+        except TimeoutError:  # still running
+            return False
+        return True
+
+    def timeline(self, label: str = "running") -> Timeline:
+        """The events that have arrived, as a (growing) timeline."""
+        return Timeline(list(self.events), self.run.schedule.n_ranks, label=label)
+
+    def result(self) -> StepResult:
+        """Wait for every rank; the merged step (also kept as `run.last`)."""
+        if self._result is None:
+            self._result = merge_steps(self.call.result())
+            self.run.last = self._result
+        return self._result

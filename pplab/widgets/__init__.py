@@ -9,5 +9,6 @@ work. Each panel also works alone, on static or simulated timelines:
 from pplab.widgets.panels import (BubblesView, GradientsView, MemoryView, ShapesView, TimelineView,
                                   WhereView)
 from pplab.widgets.whatif import WhatIf
+from pplab.widgets.dashboard import Dashboard
 
-__all__ = ["TimelineView", "BubblesView", "ShapesView", "GradientsView", "MemoryView", "WhereView", "WhatIf"]
+__all__ = ["Dashboard", "TimelineView", "BubblesView", "ShapesView", "GradientsView", "MemoryView", "WhereView", "WhatIf"]

@@ -138,12 +138,11 @@ class Dashboard(widgets.VBox):
         self._set_references()
 
     def _take(self, items) -> None:
-        """Put what the ranks published into the 'where each rank is' panel."""
+        """Put what the ranks published into the 'where each rank is' panel, and redraw it
+        (also with nothing new: how long a rank has waited keeps growing)."""
         from pplab.runtime import Now
 
-        if not items:
-            return
-        for put_at, item in items:
+        for _, item in items:
             if isinstance(item, Now):
                 self.where.update(item)
         self.where.render()
@@ -236,7 +235,7 @@ class Dashboard(widgets.VBox):
             return
         self.run.close()
         self.run, self.results = new, []
-        self.where.__init__(new.schedule.n_ranks, self.where.stalled_after)
+        self.where.reset(new.schedule.n_ranks)
         self.bubbles.rows = []
         self._set_references()
         self._say(f"rebuilt: {new!r}")

@@ -56,6 +56,9 @@ class TimelineView(widgets.VBox):
         self.shown: Timeline | None = None
         self.draws = 0  # pictures (PNG) drawn
         self.live_draws = 0  # live (SVG) redraws
+        from pplab import viz  # matplotlib's import takes a second: pay it now, not in the first live redraw
+
+        self._colours = viz.kind_colours()
         super().__init__([self.picker, self.caption, self.live, self.image])
         self.picker.observe(self._picked, names="value")
         if timeline is not None or predicted is not None:
@@ -77,10 +80,9 @@ class TimelineView(widgets.VBox):
 
     def show_live(self, timeline: Timeline, predicted: Timeline | None = None, note: str = "") -> None:
         """Draw a step in progress (or any timeline, quickly) as SVG."""
-        from pplab import viz
         from pplab.widgets.svg import timeline_svg
 
-        self.live.value = timeline_svg(timeline, predicted, viz.kind_colours())
+        self.live.value = timeline_svg(timeline, predicted, self._colours)
         self.live.layout.display, self.image.layout.display = None, "none"
         self.live_draws += 1
         self._caption(timeline if len(timeline) else None, predicted, note)
@@ -296,11 +298,17 @@ class WhereView(widgets.VBox):
 
     def __init__(self, n_ranks: int, stalled_after: float = 2.0):
         self.html = widgets.HTML()
-        self.n_ranks, self.stalled_after = n_ranks, stalled_after
+        self.stalled_after = stalled_after
+        super().__init__([self.html])
+        self.reset(n_ranks)
+
+    def reset(self, n_ranks: int) -> None:
+        """Forget every rank's state (a new pipeline, maybe with another number of ranks)."""
+        self.n_ranks = n_ranks
         self.latest: dict[int, object] = {}  # rank -> its latest `Now`
         self.seen_at: dict[int, float] = {}  # rank -> when that `Now` reached this client
         self.states: dict[int, str] = {}  # rank -> "running", "waiting", "stalled", "done" or "idle"
-        super().__init__([self.html])
+        self.stalls: list[dict] = []  # every wait that lasted stalled_after or more, and how long
         self.render()
 
     def update(self, now, seen_at: float | None = None) -> None:
@@ -327,8 +335,17 @@ class WhereView(widgets.VBox):
             elif now.waits_for:
                 state = "stalled" if held >= self.stalled_after else "waiting"
                 style = RED if state == "stalled" else AMBER
+                if state == "stalled":
+                    self._log_stall(now, waits, held)
             else:
                 state, style = "running", ""
             self.states[rank] = state
             rows.append(([rank, now.doing, f"{held:.1f} s" if state != "done" else "", waits], style))
         self.html.value = table(["rank", "doing", "for", "waits for"], rows, "where each rank is")
+
+    def _log_stall(self, now, waits: str, held: float) -> None:
+        same = next((stall for stall in self.stalls if stall["note"] is now), None)
+        if same is not None:
+            same["seconds"] = held  # the same wait, longer
+        else:
+            self.stalls.append(dict(rank=now.rank, doing=now.doing, waits_for=waits, seconds=held, note=now))
