@@ -197,17 +197,18 @@ class Dashboard(widgets.VBox):
     def _build_controls(self) -> None:
         schedule = self.run.schedule
         names = list(SCHEDULE_NAMES) if schedule.name in SCHEDULE_NAMES else [schedule.name, *SCHEDULE_NAMES]
-        short = widgets.Layout(width="150px")
+        short, labelled = widgets.Layout(width="190px"), {"description_width": "initial"}
         self.schedule_name = widgets.Dropdown(options=names, value=schedule.name, description="schedule")
         self.microbatches = widgets.BoundedIntText(schedule.n_microbatches, min=1, max=256,
-                                                   description="microbatches", layout=short)
-        self.virtual = widgets.BoundedIntText(schedule.n_virtual, min=1, max=8, description="v",
-                                              layout=widgets.Layout(width="110px"))
+                                                   description="microbatches", layout=short, style=labelled)
+        self.virtual = widgets.BoundedIntText(schedule.n_virtual, min=1, max=8, description="stages per rank",
+                                              layout=short, style=labelled)
         self.implementation = widgets.Dropdown(options=IMPLEMENTATIONS, value="pplab",
                                                description="runtime", layout=widgets.Layout(width="180px"))
         self.timing = widgets.Checkbox(self.run.spec.timing is not None, description="timing mode",
                                        indent=False, layout=widgets.Layout(width="110px"))
-        self.step_count = widgets.BoundedIntText(5, min=1, max=10_000, description="steps", layout=short)
+        self.step_count = widgets.BoundedIntText(5, min=1, max=10_000, description="steps", layout=short,
+                                                 style=labelled)
         self.step_button = widgets.Button(description="run 1 step", icon="play")
         self.run_button = widgets.Button(description="run N steps", icon="forward")
         self.stop_button = widgets.Button(description="stop", icon="stop", disabled=True)

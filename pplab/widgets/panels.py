@@ -14,14 +14,18 @@ from collections.abc import Callable, Sequence
 import ipywidgets as widgets
 
 from pplab.trace import Timeline
-from pplab.widgets.render import AMBER, RED, png, table
+from pplab.widgets.render import AMBER, RED, show_png, table
 
 FULL_WIDTH = widgets.Layout(width="100%")
 
 
 def _image() -> widgets.Image:
-    # Scaled down to the panel's width, never up: a PNG keeps its own size on wide screens.
-    return widgets.Image(format="png", layout=widgets.Layout(max_width="100%", height="auto"))
+    # Natural size, scaled down to the panel's width on narrow screens (never up); hidden
+    # until it has a picture (an empty image shows as a broken one).
+    return widgets.Image(format="png", layout=widgets.Layout(max_width="100%", width="auto", height="auto",
+                                                             display="none"))
+
+
 
 
 def _percent(value: float | None) -> str:
@@ -73,8 +77,8 @@ class TimelineView(widgets.VBox):
             fig = viz.compare_timelines(predicted, timeline)
         else:
             fig = viz.plot_timeline(timeline if has_events else predicted)
-        self.image.value = png(fig)
-        self.image.layout.display, self.live.layout.display = None, "none"
+        show_png(self.image, fig)
+        self.live.layout.display = "none"
         self.draws += 1
         self._caption(timeline if has_events else None, predicted, note)
 
@@ -159,7 +163,7 @@ class BubblesView(widgets.VBox):
         note = f"<div style='font-size:11px;color:#555'>theory: {self.theory_note}</div>" if self.theory_note else ""
         self.table.value = table(header, rows, "bubble: idle time / step time") + note
         if self.rows and picture:
-            self.image.value = png(self._figure())
+            show_png(self.image, self._figure())
 
     def _figure(self):
         from matplotlib.figure import Figure
@@ -267,7 +271,7 @@ class MemoryView(widgets.VBox):
         from pplab import viz
 
         if len(timeline):
-            self.image.value = png(viz.plot_memory(timeline))
+            show_png(self.image, viz.plot_memory(timeline))
 
     def add_loss(self, loss: float, picture: bool = True) -> None:
         """Add one step's loss to the loss curve (drawn now, or by `draw_losses` later)."""
@@ -287,7 +291,7 @@ class MemoryView(widgets.VBox):
         ax.set_xlabel("step")
         ax.set_ylabel("loss")
         ax.spines[["top", "right"]].set_visible(False)
-        self.loss_image.value = png(fig)
+        show_png(self.loss_image, fig)
 
 
 # ---------------------------------------------------------------- where each rank is

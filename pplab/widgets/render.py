@@ -16,6 +16,13 @@ from typing import Iterable
 PNG_DPI = 90
 
 
+def show_png(image, fig, dpi: int = PNG_DPI) -> None:
+    """Put `fig` into an `ipywidgets.Image` at its own pixel width (front ends stretch it otherwise) and show it."""
+    image.value = png(fig, dpi)
+    image.width = str(round(fig.get_figwidth() * dpi))
+    image.layout.display = None
+
+
 def png(fig, dpi: int = PNG_DPI) -> bytes:
     """The figure as PNG bytes (object-API figures: nothing to close in pyplot)."""
     buffer = io.BytesIO()

@@ -12,7 +12,7 @@ import ipywidgets as widgets
 from pplab.schedules import SCHEDULE_NAMES, Kind, Schedule, build, theory
 from pplab.simulator import Costs, costs_from_timeline, simulate
 from pplab.trace import Timeline
-from pplab.widgets.render import RED, png, table
+from pplab.widgets.render import RED, show_png, table
 
 EVERY_STAGE = "every stage"
 FREE_BANDWIDTH = 1e12
@@ -118,7 +118,7 @@ class WhatIf(widgets.VBox):
             fig = viz.compare_timelines(self.timeline, self.measured, ("simulated, from the sliders", "measured"))
         else:
             fig = viz.plot_timeline(self.timeline, title=schedule.name)
-        self.image.value = png(fig)
+        show_png(self.image, fig)
         self.draws += 1
         rows = [(["simulated", f"{self.timeline.step_time():.4g} {self.unit}", f"{self.bubble:.1%}"], "")]
         theory_text = "n/a" if textbook.bubble_fraction is None else f"{textbook.bubble_fraction:.1%}"
