@@ -92,3 +92,13 @@ def test_changing_a_control_rebuilds_on_the_ranks_and_bad_sizes_are_said(lab2):
         assert dashboard.run is before and "runs one stage per rank" in dashboard.status.value
     finally:
         dashboard.run.close()
+
+
+def test_parity_differences_go_to_the_gradient_panel(lab2):
+    dashboard = lab2.pipeline(CONFIG, schedule="zb-h1", microbatches=2).dashboard()
+    try:
+        report = dashboard.check_parity()
+        assert report.passed and "matches one device" in dashboard.status.value
+        assert "max |diff| vs one device" in dashboard.gradients.table.value and dashboard.gradients.red == {}
+    finally:
+        dashboard.run.close()

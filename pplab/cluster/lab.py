@@ -52,29 +52,62 @@ atexit.register(_stop_running_labs)
 
 
 class _Progress:
-    """One status line that updates in place while the lab starts (plain print: works anywhere)."""
+    """The start's progress: a bar with a status line in a notebook, one line updated in place elsewhere.
 
-    def __init__(self, verbose: bool):
+    Either way the final line ("lab ready: ...") is printed, so logs and saved notebooks keep it.
+    """
+
+    def __init__(self, verbose: bool, phases: int = 0):
         self.verbose = verbose
         self.started = time.perf_counter()
         self._width = 0
         self._last_text = None
+        # The bar advances one notch per distinct status (starting, each engine up, ranks,
+        # process group), so `phases` is roughly how many of those a start goes through.
+        self._bar = _notebook_progress_bar(phases) if verbose and phases else None
 
     def elapsed(self) -> float:
         return time.perf_counter() - self.started
 
     def update(self, text: str) -> None:
-        if text != self._last_text:  # called in polling loops: print changes only
+        if text != self._last_text:  # called in polling loops: show changes only
             self._last_text = text
-            self._print(f"pplab: {text} ({self.elapsed():.1f} s)", end="")
+            line = f"pplab: {text} ({self.elapsed():.1f} s)"
+            if self._bar is not None:
+                bar, label = self._bar.children
+                bar.value = min(bar.value + 1, bar.max - 1)
+                label.value = line
+            else:
+                self._print(line, end="")
 
     def finish(self, text: str) -> None:
+        if self._bar is not None:
+            bar, label = self._bar.children
+            bar.value, bar.bar_style = bar.max, "success" if "ready" in text else "danger"
+            label.value = f"pplab: {text}"
         self._print(f"pplab: {text} in {self.elapsed():.1f} s", end="\n")
 
     def _print(self, line: str, end: str) -> None:
         if self.verbose:
             print("\r" + line.ljust(self._width), end=end, flush=True)
             self._width = 0 if end == "\n" else len(line)
+
+
+def _notebook_progress_bar(phases: int):
+    """A displayed progress bar and label when running in a Jupyter kernel, else None."""
+    if "ipykernel" not in sys.modules:  # not in a kernel: no widget front end to show it
+        return None
+    from ipykernel.zmqshell import ZMQInteractiveShell
+    from IPython import get_ipython
+
+    if not isinstance(get_ipython(), ZMQInteractiveShell):
+        return None
+    import ipywidgets as widgets
+    from IPython.display import display
+
+    box = widgets.HBox([widgets.IntProgress(0, min=0, max=phases), widgets.Label()])
+    display(box)
+    return box
 
 
 class Lab:
@@ -151,7 +184,8 @@ class Lab:
     def _bring_up(self, launch: Callable, what: str) -> None:
         """Get engines from the launcher, then make them ranks; on failure stop what started."""
         self._last_call = None  # a call of engines that are gone says nothing about new ones
-        progress = _Progress(self._verbose)
+        expected_ranks = self._requested["ranks"] or self.world_size or 1
+        progress = _Progress(self._verbose, phases=expected_ranks + 5)
         self._stopped = False
         _running_labs.add(self)
         try:

@@ -82,6 +82,24 @@ class Dashboard(widgets.VBox):
             self._stop_requested = True
             self._say("stopping after this step")
 
+    def check_parity(self):
+        """One more step, compared with one device: loss and every gradient; differences go to the gradient panel."""
+        from pplab.cluster import LabError
+
+        if self.running:
+            raise RuntimeError("the dashboard is running steps: call stop() first")
+        self._say("checking parity with one device")
+        try:
+            report = self.run.check_parity(self.batch)
+        except (LabError, ValueError) as error:
+            self._say(str(error).replace("\n", "<br>"), error=True)
+            return None
+        self.gradients.show(self.run.last.grad_stats, report, self._stage_of())
+        verdict = "matches one device" if report.passed else "DIFFERS from one device"
+        self._say(f"parity: {verdict} (loss {report.loss:.6f} vs {report.reference_loss:.6f}, "
+                  f"largest gradient difference {report.max_abs_diff:.1e})", error=not report.passed)
+        return report
+
     def _check_steps(self, steps: int) -> None:
         from pplab.arguments import check_positive_int
 
@@ -212,14 +230,18 @@ class Dashboard(widgets.VBox):
         self.step_button = widgets.Button(description="run 1 step", icon="play")
         self.run_button = widgets.Button(description="run N steps", icon="forward")
         self.stop_button = widgets.Button(description="stop", icon="stop", disabled=True)
+        self.parity_button = widgets.Button(description="check parity", icon="check",
+                                            tooltip="one step, every gradient compared with one device")
         self.progress = widgets.IntProgress(0, min=0, max=1, layout=widgets.Layout(width="220px"))
         self.status = widgets.HTML()
         self.controls = widgets.VBox([
             widgets.HBox([self.schedule_name, self.microbatches, self.virtual, self.implementation, self.timing]),
-            widgets.HBox([self.step_button, self.step_count, self.run_button, self.stop_button])])
+            widgets.HBox([self.step_button, self.step_count, self.run_button, self.stop_button,
+                          self.parity_button])])
         self.step_button.on_click(lambda _: self.start(1))
         self.run_button.on_click(lambda _: self.start(self.step_count.value))
         self.stop_button.on_click(lambda _: self.stop())
+        self.parity_button.on_click(lambda _: self.check_parity())
         for control in (self.schedule_name, self.microbatches, self.virtual, self.timing):
             control.observe(lambda _: self.rebuild(), names="value")
 
@@ -243,7 +265,7 @@ class Dashboard(widgets.VBox):
 
     def _enable_controls(self, enabled: bool) -> None:
         for control in (self.schedule_name, self.microbatches, self.virtual, self.timing,
-                        self.step_button, self.run_button, self.step_count):
+                        self.step_button, self.run_button, self.step_count, self.parity_button):
             control.disabled = not enabled
         self.stop_button.disabled = enabled
 
