@@ -54,7 +54,8 @@ atexit.register(_stop_running_labs)
 class _Progress:
     """The start's progress: a bar with a status line in a notebook, one line updated in place elsewhere.
 
-    Either way the final line ("lab ready: ...") is printed, so logs and saved notebooks keep it.
+    Either way the bar goes and the final line ("lab ready: ...") is printed, so logs and
+    saved notebooks keep it, once.
     """
 
     def __init__(self, verbose: bool, phases: int = 0):
@@ -82,9 +83,7 @@ class _Progress:
 
     def finish(self, text: str) -> None:
         if self._bar is not None:
-            bar, label = self._bar.children
-            bar.value, bar.bar_style = bar.max, "success" if "ready" in text else "danger"
-            label.value = f"pplab: {text}"
+            self._bar.close()  # the printed line below says it all, once
         self._print(f"pplab: {text} in {self.elapsed():.1f} s", end="\n")
 
     def _print(self, line: str, end: str) -> None:
