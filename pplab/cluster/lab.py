@@ -54,8 +54,8 @@ atexit.register(_stop_running_labs)
 class _Progress:
     """The start's progress: a bar with a status line in a notebook, one line updated in place elsewhere.
 
-    Either way the bar goes and the final line ("lab ready: ...") is printed, so logs and
-    saved notebooks keep it, once.
+    Either way the final line ("lab ready: ...") stays, once: in a notebook it replaces
+    the bar, as plain text, so saved notebooks keep it too.
     """
 
     def __init__(self, verbose: bool, phases: int = 0):
@@ -65,7 +65,7 @@ class _Progress:
         self._last_text = None
         # The bar advances one notch per distinct status (starting, each engine up, ranks,
         # process group), so `phases` is roughly how many of those a start goes through.
-        self._bar = _notebook_progress_bar(phases) if verbose and phases else None
+        self._bar, self._display = _notebook_progress_bar(phases) if verbose and phases else (None, None)
 
     def elapsed(self) -> float:
         return time.perf_counter() - self.started
@@ -82,9 +82,14 @@ class _Progress:
                 self._print(line, end="")
 
     def finish(self, text: str) -> None:
-        if self._bar is not None:
-            self._bar.close()  # the printed line below says it all, once
-        self._print(f"pplab: {text} in {self.elapsed():.1f} s", end="\n")
+        line = f"pplab: {text} in {self.elapsed():.1f} s"
+        if self._bar is not None:  # the bar's place takes the final line, as plain text
+            from IPython.display import Pretty
+
+            self._display.update(Pretty(line))
+            self._bar.close()
+        else:
+            self._print(line, end="\n")
 
     def _print(self, line: str, end: str) -> None:
         if self.verbose:
@@ -93,20 +98,19 @@ class _Progress:
 
 
 def _notebook_progress_bar(phases: int):
-    """A displayed progress bar and label when running in a Jupyter kernel, else None."""
+    """(progress bar and label, their display handle) when running in a Jupyter kernel, else (None, None)."""
     if "ipykernel" not in sys.modules:  # not in a kernel: no widget front end to show it
-        return None
+        return None, None
     from ipykernel.zmqshell import ZMQInteractiveShell
     from IPython import get_ipython
 
     if not isinstance(get_ipython(), ZMQInteractiveShell):
-        return None
+        return None, None
     import ipywidgets as widgets
     from IPython.display import display
 
     box = widgets.HBox([widgets.IntProgress(0, min=0, max=phases), widgets.Label()])
-    display(box)
-    return box
+    return box, display(box, display_id=True)
 
 
 class Lab:
