@@ -102,3 +102,18 @@ def test_parity_differences_go_to_the_gradient_panel(lab2):
         assert "max |diff| vs one device" in dashboard.gradients.table.value and dashboard.gradients.red == {}
     finally:
         dashboard.run.close()
+
+
+def test_an_error_is_raised_by_run_steps_and_shown_in_the_status_line(lab2):
+    import torch
+
+    run = lab2.pipeline(CONFIG, schedule="1f1b", microbatches=2)
+    try:
+        too_big = torch.full((4, 8), CONFIG.vocab_size)  # token ids outside the vocabulary
+        dashboard = run.dashboard(batch=(too_big, too_big))
+        with pytest.raises(ValueError, match="outside the vocabulary"):
+            dashboard.run_steps(1)
+        assert "outside the vocabulary" in dashboard.status.value and "#c00000" in dashboard.status.value
+        assert not dashboard.running and not dashboard.step_button.disabled
+    finally:
+        run.close()

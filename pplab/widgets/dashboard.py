@@ -60,7 +60,7 @@ class Dashboard(widgets.VBox):
         """Run `steps` steps now, updating every panel while they run; return their results."""
         self._check_steps(steps)
         done = len(self.results)
-        for _ in self._steps(steps):
+        for _ in self._steps(steps, raise_errors=True):
             time.sleep(POLL_SECONDS)
         return self.results[done:]
 
@@ -68,8 +68,8 @@ class Dashboard(widgets.VBox):
         """Run `steps` steps in the background on the kernel's event loop; `stop()` ends it after a step."""
         self._check_steps(steps)
 
-        async def run_in_background():
-            for _ in self._steps(steps):
+        async def run_in_background():  # nobody to raise to: errors show in the status line
+            for _ in self._steps(steps, raise_errors=False):
                 await asyncio.sleep(POLL_SECONDS)
 
         self._task = asyncio.get_event_loop().create_task(run_in_background())
@@ -110,7 +110,7 @@ class Dashboard(widgets.VBox):
             raise RuntimeError("the dashboard is already running steps in the background: call stop() "
                                "and wait for it")
 
-    def _steps(self, steps: int):
+    def _steps(self, steps: int, raise_errors: bool):
         """Run the steps, yielding whenever there is time to wait (the caller sleeps or awaits)."""
         from pplab.cluster import LabError
 
@@ -128,6 +128,8 @@ class Dashboard(widgets.VBox):
                 self._say(f"{steps} step{'s' if steps > 1 else ''} done")
         except (LabError, ValueError) as error:
             self._say(str(error).replace("\n", "<br>"), error=True)
+            if raise_errors:
+                raise
         finally:
             self.running = False
             self._enable_controls(True)
