@@ -568,3 +568,14 @@ def test_positions_in_errors_are_those_of_the_hand_written_compute_order():
         validate(Schedule.from_text(["0F0 0B0", "1B0 1F0"]))
     with pytest.raises(ScheduleError, match="already ran as 0B0 at position 1: use either B or the pair I and W"):
         validate(Schedule.from_text(["0F0 0B0 0I0 0W0", "1F0 1B0"]))
+
+
+def test_measured_costs_within_one_percent_count_as_the_same():
+    from pplab.simulator import Costs
+
+    schedule = build("1f1b", 2, 4)
+    noisy = theory(schedule, Costs(forward=[0.0501, 0.0500], backward=[0.1, 0.1002]))
+    assert noisy.bubble_fraction == pytest.approx(1 / 5, rel=1e-3)
+    uneven = theory(schedule, Costs(forward=[0.0525, 0.0500], backward=0.1))
+    assert uneven.bubble_fraction is None and "differs between stages (by more than 1%)" in uneven.conditions
+    assert "needs every stage to have the same costs" in uneven.conditions

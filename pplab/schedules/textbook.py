@@ -32,7 +32,10 @@ class Theory:
 
 
 _DEFAULT_COSTS = {Kind.F: 1.0, Kind.B: 2.0, Kind.I: 1.0, Kind.W: 1.0}
-_UNIFORM = "every stage has the same costs and communication takes no time"
+# Costs measured on real ranks differ by noise: within this relative spread they count as the same.
+SAME_COST_TOLERANCE = 0.01
+_UNIFORM = "every stage has the same costs (within 1%) and communication takes no time"
+_NEEDS_UNIFORM = "every stage to have the same costs (within 1%) and communication to take no time"
 
 _PEAK_FORMULAS = {
     "gpipe": "m on every rank",
@@ -116,7 +119,7 @@ def _bubble(schedule: Schedule, recognised: str | None, costs) -> tuple[float | 
     if recognised in ("gpipe", "1f1b"):
         formula = f"(p-1)/(m+p-1) = {p - 1}/{m + p - 1}"
         if why_not:
-            return None, formula, f"the formula needs {_UNIFORM}, but {why_not}"
+            return None, formula, f"the formula needs {_NEEDS_UNIFORM}, but {why_not}"
         return (p - 1) / (m + p - 1), formula, f"{_UNIFORM}; any ratio of F to B"
     if recognised == "interleaved-1f1b":
         formula = f"(p-1)/(v*m+p-1) = {p - 1}/{v * m + p - 1}"
@@ -126,7 +129,7 @@ def _bubble(schedule: Schedule, recognised: str | None, costs) -> tuple[float | 
                 f"here m={m}, p={p}; simulate it (pplab.simulate)"
             )
         if why_not:
-            return None, formula, f"the formula needs {_UNIFORM}, but {why_not}"
+            return None, formula, f"the formula needs {_NEEDS_UNIFORM}, but {why_not}"
         return (p - 1) / (v * m + p - 1), formula, f"{_UNIFORM}; m a multiple of p; F and B per stage"
     return _zb_h1_bubble(p, m, cost, why_not)
 
@@ -144,7 +147,7 @@ def _zb_h1_bubble(
     """
     formula = "(p-1)(F+I-W) / (m(F+I+W) + (p-1)(F+I-W))"
     if why_not:
-        return None, formula, f"the formula needs {_UNIFORM}, but {why_not}"
+        return None, formula, f"the formula needs {_NEEDS_UNIFORM}, but {why_not}"
     f, i, w = cost[Kind.F], cost[Kind.I], cost[Kind.W]
     if m < p:
         return None, formula, f"the formula needs n_microbatches >= n_ranks, here m={m} < p={p}"
@@ -162,11 +165,13 @@ def _uniform_costs(schedule: Schedule, costs) -> tuple[dict[Kind, float], str | 
         return _DEFAULT_COSTS, None
     stages = range(schedule.n_stages)
     used = {a.kind for acts in schedule.actions for a in acts if a.is_compute}
-    per_kind = {k: {costs.compute_time(k, s) for s in stages} for k in _DEFAULT_COSTS if k in used}
-    varying = [k.value for k, values in per_kind.items() if len(values) > 1]
+    per_kind = {k: [costs.compute_time(k, s) for s in stages] for k in _DEFAULT_COSTS if k in used}
+    varying = [k.value for k, values in per_kind.items()
+               if max(values) - min(values) > SAME_COST_TOLERANCE * max(values)]
     if varying:
-        return {}, f"the cost of {', '.join(varying)} differs between stages"
+        return {}, (f"the cost of {', '.join(varying)} differs between stages "
+                    f"(by more than {SAME_COST_TOLERANCE:.0%})")
     if any(costs.transfer_time(s) > 0 for s in stages):
         return {}, "the costs give messages a transfer time"
-    return {k: values.pop() for k, values in per_kind.items()}, None
+    return {k: sum(values) / len(values) for k, values in per_kind.items()}, None
 

@@ -22,8 +22,8 @@ FULL_WIDTH = widgets.Layout(width="100%")
 def _image() -> widgets.Image:
     # Natural size, scaled down to the panel's width on narrow screens (never up); hidden
     # until it has a picture (an empty image shows as a broken one).
-    return widgets.Image(format="png", layout=widgets.Layout(max_width="100%", width="auto", height="auto",
-                                                             display="none"))
+    return widgets.Image(format="png", layout=widgets.Layout(max_width="100%", height="auto",
+                                                             align_self="flex-start", display="none"))
 
 
 
@@ -108,12 +108,12 @@ class TimelineView(widgets.VBox):
     def _caption(self, timeline: Timeline | None, predicted: Timeline | None, note: str) -> None:
         self.shown = timeline
         parts = [note] if note else []
-        if timeline is not None:
-            parts.append(f"{timeline.label}: step {timeline.step_time():.3g} s, bubble "
-                         f"{timeline.bubble_fraction():.1%}")
-        if predicted is not None and len(predicted):
-            parts.append(f"{predicted.label}: step {predicted.step_time():.3g}, bubble "
-                         f"{predicted.bubble_fraction():.1%}")
+        for shown in (timeline, predicted):
+            if shown is not None and len(shown):
+                # The simulator's own label means cost units; measured or seconds-costed ones are seconds.
+                unit = " cost units" if shown.label == "simulated" else " s"
+                parts.append(f"{shown.label}: step {shown.step_time():.3g}{unit}, bubble "
+                             f"{shown.bubble_fraction():.1%}")
         self.caption.value = "<br>".join(parts)
 
     def _picked(self, change) -> None:
@@ -173,12 +173,15 @@ class BubblesView(widgets.VBox):
         ax = fig.add_subplot()
         steps = [r["step"] for r in self.rows]
         ax.plot(steps, [r["overall"] for r in self.rows], "o-", color="#0072B2", label="measured")
-        for value, colour, label in ((self.theory, "#E69F00", "theory"), (self.simulated, "#009E73", "simulation")):
+        # Theory dotted and thick over simulation dashed: where the two agree, both still show.
+        for value, colour, label, style, width in ((self.simulated, "#009E73", "simulation", "--", 1.5),
+                                                   (self.theory, "#E69F00", "theory", ":", 3.0)):
             if value is not None:
-                ax.axhline(value, color=colour, linestyle="--", label=label)
+                ax.axhline(value, color=colour, linestyle=style, linewidth=width, label=label)
         ax.set_ylim(0, max([r["overall"] for r in self.rows] + [self.theory or 0, self.simulated or 0, 0.05]) * 1.2)
         ax.yaxis.set_major_formatter(PercentFormatter(1.0))
-        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True, min_n_ticks=1))
+        ax.set_xlim(0.5, len(steps) + 0.5)
         ax.set_xlabel("step")
         ax.spines[["top", "right"]].set_visible(False)
         ax.legend(frameon=False, fontsize=8)
@@ -287,7 +290,9 @@ class MemoryView(widgets.VBox):
         fig = Figure(figsize=(5.5, 2.2), layout="constrained")
         ax = fig.add_subplot()
         ax.plot(range(1, len(self.losses) + 1), self.losses, "o-", color="#D55E00")
-        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True, min_n_ticks=1))
+        ax.set_xlim(0.5, len(self.losses) + 0.5)
+        ax.set_title("loss per step (a lab step applies no optimizer: flat unless weights change)", fontsize=9)
         ax.set_xlabel("step")
         ax.set_ylabel("loss")
         ax.spines[["top", "right"]].set_visible(False)
@@ -344,8 +349,13 @@ class WhereView(widgets.VBox):
             else:
                 state, style = "running", ""
             self.states[rank] = state
-            rows.append(([rank, now.doing, f"{held:.1f} s" if state != "done" else "", waits], style))
-        self.html.value = table(["rank", "doing", "for", "waits for"], rows, "where each rank is")
+            rows.append(([rank, _in_words(now.doing), f"{held:.1f} s" if state != "done" else "", waits], style))
+        last = ""
+        if self.stalls:
+            stall = self.stalls[-1]
+            last = (f"<div style='{RED};font-size:12px'>last stall: rank {stall['rank']} waited "
+                    f"{stall['seconds']:.1f} s in {_in_words(stall['doing'])}, for {stall['waits_for']}</div>")
+        self.html.value = table(["rank", "doing", "for", "waits for"], rows, "where each rank is") + last
 
     def _log_stall(self, now, waits: str, held: float) -> None:
         same = next((stall for stall in self.stalls if stall["note"] is now), None)
@@ -353,3 +363,12 @@ class WhereView(widgets.VBox):
             same["seconds"] = held  # the same wait, longer
         else:
             self.stalls.append(dict(rank=now.rank, doing=now.doing, waits_for=waits, seconds=held, note=now))
+
+
+def _in_words(doing: str) -> str:
+    """'1RECV_F0' as 'receive of the activation of microbatch 0 on stage 1 (1RECV_F0)'; batches joined."""
+    from pplab.schedules import Action
+
+    if doing in ("done", "idle"):
+        return doing
+    return "; ".join(f"{Action.parse(word).describe()} ({word})" for word in doing.split())

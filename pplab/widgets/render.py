@@ -37,7 +37,8 @@ def table(header: list[str], rows: Iterable[tuple[list, str]], caption: str = ""
         f"<tr style='{style}'>" + "".join(f"<td style='padding:0 8px'>{html.escape(str(c))}</td>" for c in cells)
         + "</tr>" for cells, style in rows)
     title = f"<caption style='text-align:left;font-weight:bold'>{html.escape(caption)}</caption>" if caption else ""
-    return f"<table style='border-collapse:collapse;font-size:12px'>{title}<tr>{head}</tr>{body}</table>"
+    return (f"<table style='border-collapse:collapse;font-size:12px;font-family:sans-serif'>"
+            f"{title}<tr>{head}</tr>{body}</table>")
 
 
 RED = "color:#c00000;font-weight:bold"

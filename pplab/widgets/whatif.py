@@ -16,8 +16,8 @@ from pplab.widgets.render import RED, show_png, table
 
 EVERY_STAGE = "every stage"
 FREE_BANDWIDTH = 1e12
-_SLIDER = dict(continuous_update=True, readout_format=".3g", style={"description_width": "110px"},
-               layout=widgets.Layout(width="360px"))
+_SLIDER = dict(continuous_update=True, readout_format=".3g", style={"description_width": "170px"},
+               layout=widgets.Layout(width="420px"))
 
 
 class WhatIf(widgets.VBox):
@@ -51,7 +51,7 @@ class WhatIf(widgets.VBox):
                                               **_int_style(self.custom))
         self.virtual = widgets.IntSlider(n_virtual, min=1, max=4, description="stages/rank v",
                                          **_int_style(self.custom))
-        self.stage = widgets.Dropdown(description="costs of", style={"description_width": "110px"})
+        self.stage = widgets.Dropdown(description="costs of", style={"description_width": "170px"})
         self.forward = widgets.FloatSlider(min=0, max=4 * biggest, step=biggest / 100,
                                            description=f"F ({self.unit})", **_SLIDER)
         self.backward = widgets.FloatSlider(min=0, max=8 * biggest, step=biggest / 100,
@@ -171,7 +171,7 @@ class WhatIf(widgets.VBox):
 
 
 def _int_style(custom) -> dict:
-    return dict(continuous_update=False, disabled=custom is not None, style={"description_width": "110px"})
+    return dict(continuous_update=False, disabled=custom is not None, style={"description_width": "130px"})
 
 
 def _per_stage_costs(costs: Costs, n_stages: int) -> dict[str, list[float]]:
