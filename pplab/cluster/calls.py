@@ -123,9 +123,13 @@ class RankCall:
                     yield from self.poll_events()  # what arrived before the failure still counts
                     raise
                 self._wait_a_little(None)
-            for result in self._per_rank:
-                result.wait_for_output(OUTPUT_DRAIN_SECONDS)  # the last events may trail the result
+            self.wait_for_events()
         yield from self.poll_events()
+
+    def wait_for_events(self, seconds: float = OUTPUT_DRAIN_SECONDS) -> None:
+        """After the ranks finished: wait (at most `seconds`) for events that trail their results."""
+        for result in self._per_rank:
+            result.wait_for_output(seconds)
 
     # -- waiting, and turning what went wrong into one clear error ---------------------------
 

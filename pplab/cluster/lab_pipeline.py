@@ -175,6 +175,15 @@ class LiveStep:
         self.events += [item for _, item in items if isinstance(item, Event)]
         return items
 
+    def wait(self, timeout: float) -> None:
+        """Block until every rank has finished, or `timeout` seconds (errors are left to `finished`)."""
+        from pplab.cluster.errors import LabError
+
+        try:
+            self.call.result(timeout=timeout)
+        except (LabError, TimeoutError):  # a failure is kept by the call; finished() raises it
+            pass
+
     def finished(self) -> bool:
         """True once every rank has finished; raises the call's error if a rank failed."""
         from pplab.cluster.errors import LabError
@@ -195,5 +204,6 @@ class LiveStep:
         """Wait for every rank; the merged step (also kept as `run.last`)."""
         if self._result is None:
             self._result = merge_steps(self.call.result())
+            self.call.wait_for_events()  # a rank's last published items may trail its result
             self.run.last = self._result
         return self._result

@@ -60,8 +60,8 @@ class Dashboard(widgets.VBox):
         """Run `steps` steps now, updating every panel while they run; return their results."""
         self._check_steps(steps)
         done = len(self.results)
-        for _ in self._steps(steps, raise_errors=True):
-            time.sleep(POLL_SECONDS)
+        for live in self._steps(steps, raise_errors=True):
+            live.wait(POLL_SECONDS)  # wakes as soon as the step ends
         return self.results[done:]
 
     def start(self, steps: int = 1) -> asyncio.Task:
@@ -146,7 +146,7 @@ class Dashboard(widgets.VBox):
             if redraw.ready():
                 self.timeline.show_live(live.timeline(f"step {number} (running)"), predicted,
                                         note=f"step {number}, running")
-            yield
+            yield live  # the caller waits on it (blocking) or sleeps (on the event loop)
         result = live.result()
         self._take(live.poll())
         self.results.append(result)
@@ -155,7 +155,7 @@ class Dashboard(widgets.VBox):
         self.shapes.show(result.shapes)
         self.gradients.show(result.grad_stats, stage_of=self._stage_of())
         self.memory.add_loss(result.loss, picture=False)
-        self._set_references()
+        self._set_references(picture=False)
 
     def _take(self, items) -> None:
         """Put what the ranks published into the 'where each rank is' panel, and redraw it
@@ -197,12 +197,13 @@ class Dashboard(widgets.VBox):
         predicted = simulate(self.run.schedule, costs)
         return Timeline(predicted.events, predicted.n_ranks, label=label)
 
-    def _set_references(self) -> None:
+    def _set_references(self, picture: bool = True) -> None:
         costs, _ = self._costs()
         textbook = theory(self.run.schedule, costs)
         simulated = simulate(self.run.schedule, costs).bubble_fraction()
         self.bubbles.set_reference(textbook.bubble_fraction, simulated,
-                                   "" if textbook.bubble_fraction is not None else textbook.conditions)
+                                   "" if textbook.bubble_fraction is not None else textbook.conditions,
+                                   picture=picture)
 
     def _stage_of(self):
         from pplab.partition import layer_ranges, stage_of_parameter

@@ -136,10 +136,11 @@ class BubblesView(widgets.VBox):
         super().__init__([self.table, self.image])
         self._render()
 
-    def set_reference(self, theory: float | None, simulated: float | None, theory_note: str = "") -> None:
+    def set_reference(self, theory: float | None, simulated: float | None, theory_note: str = "",
+                      picture: bool = True) -> None:
         """The numbers measured steps are compared with (theory is None where no formula holds)."""
         self.theory, self.simulated, self.theory_note = theory, simulated, theory_note
-        self._render()
+        self._render(picture)
 
     def add(self, timeline: Timeline, picture: bool = True) -> dict:
         """Add one finished step's measured bubble (overall and per rank); the plot waits if not `picture`."""
