@@ -9,7 +9,7 @@
                     matplotlib pictures are drawn once at the end (part of the run: counted)
      feed_only      k x `run.start_step(live_interval=LIVE_INTERVAL).result()`: ranks publish,
                     the client just waits (the ranks' share of the cost)
-     feed_and_poll  the dashboard's own loop (poll, sleep POLL_SECONDS) without any widget work
+     feed_and_poll  the dashboard's own loop (poll, wait up to POLL_SECONDS) without any widget work
    The result is the ratio of median per-step times, dashboard / plain (goal <= 1.05), with
    the final draw included, and without it: the draw is timed exactly by wrapping this
    dashboard's `_draw_pictures` (and a few other methods, for the breakdown of where the
@@ -121,7 +121,7 @@ def measure_mode(lab, mode: str, rounds: int, steps: int) -> dict:
                 live = run.start_step(live_interval=live_interval)
                 while not live.finished():
                     live.poll()
-                    time.sleep(poll_seconds)
+                    live.wait(poll_seconds)  # as the dashboard's blocking loop waits
                 live.result()
                 live.poll()
 

@@ -26,6 +26,9 @@ def test_a_multi_step_run_updates_the_panels_while_it_runs(lab2):
         assert [row["overall"] for row in dashboard.bubbles.rows] == \
             [r.timeline.bubble_fraction() for r in results]
         assert dashboard.memory.losses == [r.loss for r in results]
+        assert dashboard.memory.image.layout.display == "none"  # drawn when its tab opens
+        dashboard.tabs.selected_index = 3
+        assert dashboard.memory.image.layout.display is None and bytes(dashboard.memory.image.value[:4]) == b"\x89PNG"
         assert dashboard.where.states == {0: "done", 1: "done"}
         assert dashboard.gradients.red == {} and dashboard.shapes.flagged == []
         assert statistics.median(dashboard.latencies) < 0.5 and max(dashboard.latencies) < 1.0

@@ -48,10 +48,12 @@ class Dashboard(widgets.VBox):
         self.shapes = ShapesView()
         self.gradients = GradientsView()
         self.memory = MemoryView()
-        tabs = widgets.Tab(children=[self.bubbles, self.shapes, self.gradients, self.memory],
-                           titles=["bubbles", "activation shapes", "gradient flow", "memory and loss"])
+        self.tabs = widgets.Tab(children=[self.bubbles, self.shapes, self.gradients, self.memory],
+                                titles=["bubbles", "activation shapes", "gradient flow", "memory and loss"])
+        self._memory_stale = False  # its pictures wait until someone opens its tab
+        self.tabs.observe(lambda _: self._draw_memory_if_shown(), names="selected_index")
         super().__init__([self.controls, widgets.HBox([self.progress, self.status]), self.where,
-                          self.timeline, tabs])
+                          self.timeline, self.tabs])
         self._set_references()
 
     # -- running steps -----------------------------------------------------------------------
@@ -170,14 +172,22 @@ class Dashboard(widgets.VBox):
         self.latencies.extend(applied - put_at for put_at, _ in items)
 
     def _draw_pictures(self) -> None:
-        """The matplotlib pictures of the last step, drawn once a run is over."""
+        """The matplotlib pictures of the last step, drawn once a run is over (each takes
+        about 0.1-0.3 s of CPU the ranks would want during a run); the memory tab's only
+        when it is open."""
         if not self.results:
             return
-        last = self.results[-1]
         self.timeline.show(*self.timeline.history[-1], note=f"step {len(self.results)}")
         self.bubbles.draw_plot()
-        self.memory.show(last.timeline)
-        self.memory.draw_losses()
+        self._memory_stale = True
+        self._draw_memory_if_shown()
+
+    def _draw_memory_if_shown(self) -> None:
+        if self._memory_stale and self.tabs.selected_index == self.tabs.children.index(self.memory) \
+                and not self.running:
+            self.memory.show(self.results[-1].timeline)
+            self.memory.draw_losses()
+            self._memory_stale = False
 
     # -- predictions ---------------------------------------------------------------------------
 
