@@ -135,6 +135,8 @@ class Dashboard(widgets.VBox):
         finally:
             self.running = False
             self._enable_controls(True)
+            # Theory and simulation for the costs measured last: once per run, not per step.
+            self._set_references(picture=False)
             self._draw_pictures()
 
     def _one_step(self, index: int, steps: int):
@@ -157,7 +159,6 @@ class Dashboard(widgets.VBox):
         self.shapes.show(result.shapes)
         self.gradients.show(result.grad_stats, stage_of=self._stage_of())
         self.memory.add_loss(result.loss, picture=False)
-        self._set_references(picture=False)
 
     def _take(self, items) -> None:
         """Put what the ranks published into the 'where each rank is' panel, and redraw it
