@@ -26,6 +26,9 @@ from pplab.simulator import Costs
 from pplab.trace import Timeline
 
 
+IMPLEMENTATIONS = ("pplab", "torch")
+
+
 @dataclass
 class PipelineSpec:
     """What every rank must agree on to run a pipeline."""
@@ -38,20 +41,34 @@ class PipelineSpec:
     timeout: float = 30.0
     timing: Costs | None = None
     record: bool = True
+    impl: str = "pplab"  # the hand-written runtime, or "torch": torch.distributed.pipelining
+    torch_name: str | None = None  # with impl="torch": the schedule's name in pplab.torch_pp
 
     @classmethod
     def create(cls, config: LlamaConfig, schedule: str | Schedule, n_ranks: int,
-               microbatches: int | None = None, n_virtual: int = 1, **options) -> "PipelineSpec":
+               microbatches: int | None = None, n_virtual: int = 1, impl: str = "pplab",
+               **options) -> "PipelineSpec":
         """Build (or take) the schedule, validate it and check it fits the model, before any rank runs."""
-        if isinstance(schedule, str):
+        if impl not in IMPLEMENTATIONS:
+            raise ValueError(f"impl={impl!r}: choose one of {', '.join(map(repr, IMPLEMENTATIONS))}")
+        torch_name = None
+        if impl == "torch":
+            if not isinstance(schedule, str) or microbatches is None:
+                raise ValueError("impl='torch' runs torch's own schedules: give one by name (e.g. "
+                                 "schedule='1f1b') and microbatches=<count>")
+            from pplab.torch_pp import torch_schedule
+
+            torch_name, schedule = schedule, torch_schedule(schedule, n_ranks, microbatches, n_virtual)
+        elif isinstance(schedule, str):
             if microbatches is None:
                 raise ValueError(f"schedule={schedule!r} needs microbatches=<count>")
             schedule = build(schedule, n_ranks, microbatches, n_virtual)
         else:
             _check_matches(schedule, n_ranks, microbatches, n_virtual)
-        validate(schedule)
-        check_runnable(schedule)
-        spec = cls(config, schedule, **options)
+        if impl == "pplab":  # torch runs its own plan; pplab's runtime runs exactly this one
+            validate(schedule)
+            check_runnable(schedule)
+        spec = cls(config, schedule, impl=impl, torch_name=torch_name, **options)
         if not spec.timeout > 0:
             raise ValueError(f"timeout={spec.timeout!r}: give the seconds a rank may wait for a "
                              f"neighbour, > 0")
@@ -85,8 +102,14 @@ class RankPipeline:
         self.stages = {s: build_stage(spec.config, s, schedule.n_stages, spec.seed, self.device,
                                       spec.balance, spec.allow_empty)
                        for s in schedule.stages_of(rank)}
-        self.runtime = RankRuntime(schedule, rank, self.stages, self.device, spec.timeout,
-                                   spec.record, spec.timing, group)
+        if spec.impl == "torch":
+            from pplab.torch_pp import TorchRankRuntime
+
+            self.runtime = TorchRankRuntime(spec.torch_name, schedule, rank, self.stages, self.device,
+                                            spec.timing, group)
+        else:
+            self.runtime = RankRuntime(schedule, rank, self.stages, self.device, spec.timeout,
+                                       spec.record, spec.timing, group)
 
     def parameters(self):
         """All parameters of this rank's stages."""

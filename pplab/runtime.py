@@ -143,7 +143,7 @@ class RankRuntime:
         self.group = group
         self.last_stage = schedule.n_stages - 1
         self._saved_bytes: dict[tuple, int] = {}  # (stage, input shape, dtype) -> bytes saved
-        self._shared_clock: bool | None = None  # do all ranks read one clock? (asked once)
+        self._clock = StepClock(self.group, self.device)
 
     # --- one step ---------------------------------------------------------------------------
 
@@ -163,7 +163,7 @@ class RankRuntime:
         link = StageLink(self.schedule, self.rank, self.device, self.timeout,
                          handshake=activation_shapes is None, group=self.group, record=self.record)
         state, events, boundaries = _StepState(received=link.mailbox.received), [], []
-        origin = self._synchronised_origin()
+        origin = self._clock.origin()
         clock = lambda: monotonic_clock() - origin  # noqa: E731 - one clock for the whole step
         tell = _Teller(self.rank, watch, link.events, clock)
         actions = self.schedule.actions[self.rank]
@@ -182,7 +182,7 @@ class RankRuntime:
             tell.starting([action])
             started = clock()
             event_extra = self._compute(action, state, inputs, targets, boundaries)
-            self._pad_to_cost(action, started, clock)
+            pad_to_cost(self.timing, action, started, clock)
             if self.record:
                 events.append(Event(self.rank, action.kind.value, action.stage, action.microbatch,
                                     started, clock(), **event_extra))
@@ -232,36 +232,6 @@ class RankRuntime:
         if held:
             raise RuntimeError(f"rank {self.rank} still holds tensors after the step: {held}")
 
-    def _synchronised_origin(self) -> float:
-        """Time zero of the step, the same instant on every rank.
-
-        Ranks on one machine read one monotonic clock: they agree on the earliest of
-        their post-barrier readings, so their timelines line up exactly, however busy
-        the CPUs. Across machines the clocks differ: each rank's zero is its own exit
-        from the barrier, off by the barrier's skew (well under a millisecond on a LAN).
-        """
-        if not dist.is_initialized() or dist.get_world_size(self.group) == 1:
-            return monotonic_clock()
-        dist.barrier(group=self.group)
-        origin = monotonic_clock()
-        if self._shared_clock is None:
-            self._shared_clock = _ranks_share_a_clock(self.group)
-        if self._shared_clock:
-            earliest = torch.tensor([origin], dtype=torch.float64, device=self._collective_device())
-            dist.all_reduce(earliest, op=dist.ReduceOp.MIN, group=self.group)
-            origin = earliest.item()
-        return origin
-
-    def _collective_device(self) -> torch.device:
-        return self.device if dist.get_backend(self.group) == "nccl" else torch.device("cpu")
-
-    def _pad_to_cost(self, action: Action, started: float, clock) -> None:
-        """Timing mode: stretch a compute action to its cost, so the schedule's shape shows
-        even when ranks share fewer cores than there are ranks."""
-        if self.timing is not None:
-            remaining = self.timing.compute_time(action.kind, action.stage) - (clock() - started)
-            if remaining > 0:
-                time.sleep(remaining)
 
     # --- compute actions ----------------------------------------------------------------------
 
@@ -380,6 +350,44 @@ class RankRuntime:
 
     def _activation_dtype(self) -> torch.dtype:
         return next(iter(p.dtype for m in self.stages.values() for p in m.parameters()), torch.float32)
+
+
+def pad_to_cost(timing: Costs | None, action: Action, started: float, clock) -> None:
+    """Timing mode: stretch a compute action to its cost, so the schedule's shape shows
+    even when ranks share fewer cores than there are ranks."""
+    if timing is not None:
+        remaining = timing.compute_time(action.kind, action.stage) - (clock() - started)
+        if remaining > 0:
+            time.sleep(remaining)
+
+
+class StepClock:
+    """Time zero of each step, the same instant on every rank.
+
+    Ranks on one machine read one monotonic clock: they agree on the earliest of
+    their post-barrier readings, so their timelines line up exactly, however busy
+    the CPUs. Across machines the clocks differ: each rank's zero is its own exit
+    from the barrier, off by the barrier's skew (well under a millisecond on a LAN).
+    """
+
+    def __init__(self, group=None, device=torch.device("cpu")):
+        self.group, self.device = group, torch.device(device)
+        self._shared: bool | None = None  # do all ranks read one clock? (asked once)
+
+    def origin(self) -> float:
+        """A barrier, then this step's time zero (seconds of `monotonic_clock`)."""
+        if not dist.is_initialized() or dist.get_world_size(self.group) == 1:
+            return monotonic_clock()
+        dist.barrier(group=self.group)
+        origin = monotonic_clock()
+        if self._shared is None:
+            self._shared = _ranks_share_a_clock(self.group)
+        if self._shared:
+            on = self.device if dist.get_backend(self.group) == "nccl" else torch.device("cpu")
+            earliest = torch.tensor([origin], dtype=torch.float64, device=on)
+            dist.all_reduce(earliest, op=dist.ReduceOp.MIN, group=self.group)
+            origin = earliest.item()
+        return origin
 
 
 def _ranks_share_a_clock(group) -> bool:

@@ -155,7 +155,8 @@ class PipelineRun:
 
     def __repr__(self) -> str:
         s = self.schedule
-        return (f"<PipelineRun {s.name}: {s.n_ranks} ranks, {s.n_stages} stages, "
+        runtime = f"torch's {self.spec.torch_name}" if self.spec.impl == "torch" else s.name
+        return (f"<PipelineRun {runtime}: {s.n_ranks} ranks, {s.n_stages} stages, "
                 f"{s.n_microbatches} microbatches>")
 
 

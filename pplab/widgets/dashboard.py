@@ -27,7 +27,7 @@ POLL_SECONDS = 0.05  # how often the dashboard looks for what the ranks publishe
 LIVE_INTERVAL = 0.05  # how often a rank publishes what it has done
 LIVE_REDRAW_SECONDS = 0.2  # the live timeline's redraws, at most
 TIMING_COSTS = Costs(forward=0.05, backward=0.1)  # timing mode: the shape of a schedule, in seconds
-IMPLEMENTATIONS = ("pplab",)  # torch.distributed.pipelining joins with its own issue
+IMPLEMENTATIONS = ("pplab", "torch")  # the hand-written runtime, torch.distributed.pipelining
 
 
 class Dashboard(widgets.VBox):
@@ -227,15 +227,17 @@ class Dashboard(widgets.VBox):
     # -- controls ------------------------------------------------------------------------------
 
     def _build_controls(self) -> None:
-        schedule = self.run.schedule
-        names = list(SCHEDULE_NAMES) if schedule.name in SCHEDULE_NAMES else [schedule.name, *SCHEDULE_NAMES]
+        schedule, impl = self.run.schedule, self.run.spec.impl
+        current = self.run.spec.torch_name or schedule.name
+        names = _schedule_names(impl)
+        names = names if current in names else [current, *names]
         short, labelled = widgets.Layout(width="190px"), {"description_width": "initial"}
-        self.schedule_name = widgets.Dropdown(options=names, value=schedule.name, description="schedule")
+        self.schedule_name = widgets.Dropdown(options=names, value=current, description="schedule")
         self.microbatches = widgets.BoundedIntText(schedule.n_microbatches, min=1, max=256,
                                                    description="microbatches", layout=short, style=labelled)
         self.virtual = widgets.BoundedIntText(schedule.n_virtual, min=1, max=8, description="stages per rank",
                                               layout=short, style=labelled)
-        self.implementation = widgets.Dropdown(options=IMPLEMENTATIONS, value="pplab",
+        self.implementation = widgets.Dropdown(options=IMPLEMENTATIONS, value=impl,
                                                description="runtime", layout=widgets.Layout(width="180px"))
         self.timing = widgets.Checkbox(self.run.spec.timing is not None, description="timing mode",
                                        indent=False, layout=widgets.Layout(width="110px"))
@@ -258,6 +260,16 @@ class Dashboard(widgets.VBox):
         self.parity_button.on_click(lambda _: self.check_parity())
         for control in (self.schedule_name, self.microbatches, self.virtual, self.timing):
             control.observe(lambda _: self.rebuild(), names="value")
+        self.implementation.observe(lambda _: self._implementation_changed(), names="value")
+
+    def _implementation_changed(self) -> None:
+        """Another runtime knows other schedule names: offer them (keeping the schedule if it has it)."""
+        names = _schedule_names(self.implementation.value)
+        if self.schedule_name.value in names:
+            self.schedule_name.options = names  # keeps the value: rebuild below
+            self.rebuild()
+        else:
+            self.schedule_name.options = names  # sets the first name, which rebuilds
 
     def rebuild(self) -> None:
         """Build the pipeline the controls describe on the ranks (the old one is freed)."""
@@ -266,7 +278,8 @@ class Dashboard(widgets.VBox):
         lab, config = self.run.lab, self.run.config
         try:
             new = lab.pipeline(config, schedule=self.schedule_name.value, microbatches=self.microbatches.value,
-                               n_virtual=self.virtual.value, timing=TIMING_COSTS if self.timing.value else None)
+                               n_virtual=self.virtual.value, timing=TIMING_COSTS if self.timing.value else None,
+                               impl=self.implementation.value)
         except ValueError as error:  # sizes the schedule cannot take: say so, keep the old pipeline
             self._say(str(error), error=True)
             return
@@ -285,3 +298,12 @@ class Dashboard(widgets.VBox):
 
     def _say(self, text: str, error: bool = False) -> None:
         self.status.value = f"<span style='{RED if error else ''}'>{text}</span>"
+
+
+def _schedule_names(impl: str) -> list[str]:
+    """The schedule names a runtime knows."""
+    if impl == "torch":
+        from pplab.torch_pp import TORCH_SCHEDULES
+
+        return list(TORCH_SCHEDULES)
+    return list(SCHEDULE_NAMES)

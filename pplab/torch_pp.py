@@ -1,0 +1,189 @@
+"""The same stage modules under torch.distributed.pipelining, recorded in pplab's timeline.
+
+torch runs its own schedules (`ScheduleGPipe`, `Schedule1F1B`, the multi-stage ones) over
+`PipelineStage`s; pplab gives them its stage modules and records what torch executed by
+subclassing the stage (`RecordingStage`): each forward, backward (full or input-only) and
+weight-gradient pass is timed around torch's own method, padded to its cost in timing mode,
+and kept as an `Event` on the step clock the hand-written runtime uses. Nothing in torch is
+patched. `TorchRankRuntime.step` has the hand-written `RankRuntime.step`'s signature and
+result, so a pipeline switches with one argument (`impl="torch"`).
+
+Names: pplab's where the schedule is the same (`gpipe`, `1f1b`, `interleaved-1f1b`), torch's
+class names without `Schedule` for the rest. Floor 3: torch only, no Jupyter.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+from torch import nn
+
+from pplab.model import loss_fn
+from pplab.runtime import Boundary, Now, RankStep, StepClock, gradient_stats, gradients, pad_to_cost
+from pplab.schedules import Action, Kind, Schedule, build, from_torch
+from pplab.simulator import Costs
+from pplab.trace import Event
+
+# pplab name -> torch's schedule name (what torch's get_schedule_class takes)
+TORCH_SCHEDULES = {
+    "gpipe": "GPipe",
+    "1f1b": "1F1B",
+    "interleaved-1f1b": "Interleaved1F1B",
+    "LoopedBFS": "LoopedBFS",
+    "InterleavedZeroBubble": "InterleavedZeroBubble",
+    "ZBVZeroBubble": "ZBVZeroBubble",
+    "DualPipeV": "DualPipeV",
+}
+SAME_AS_PPLAB = ("gpipe", "1f1b", "interleaved-1f1b")  # built by pplab's own builders too
+V_SHAPED = ("ZBVZeroBubble", "DualPipeV")  # rank r holds stages r and 2p-1-r
+
+
+def torch_schedule(name: str, n_ranks: int, n_microbatches: int, n_virtual: int = 1) -> Schedule:
+    """The pplab schedule torch will run for `name` (checked on the client, torch's constraints included).
+
+    For the schedules pplab builds too, pplab's own (torch 2.13's static 1F1B plan numbers the
+    last rank's forwards wrongly, though torch executes them right); for the others, torch's plan.
+    """
+    if name not in TORCH_SCHEDULES:
+        raise ValueError(f"unknown torch schedule {name!r}: choose one of {', '.join(TORCH_SCHEDULES)}")
+    multi = name not in ("gpipe", "1f1b")
+    if multi and n_virtual < 2:
+        raise ValueError(f"torch's {name} runs several stages per rank: use n_virtual=2 or more")
+    if name in V_SHAPED and n_virtual != 2:
+        raise ValueError(f"torch's {name} places exactly 2 stages per rank (a V): use n_virtual=2, "
+                         f"got n_virtual={n_virtual}")
+    if not multi and n_virtual != 1:
+        raise ValueError(f"torch's {name} runs one stage per rank: use n_virtual=1, got n_virtual={n_virtual}")
+    # torch's planner applies torch's own constraints (e.g. 1F1B needs n_microbatches >= stages).
+    plan = from_torch(TORCH_SCHEDULES[name], n_ranks, n_microbatches, n_virtual)
+    if name in SAME_AS_PPLAB:
+        return build(name, n_ranks, n_microbatches, n_virtual)
+    return plan
+
+
+@functools.cache
+def recording_stage_class():
+    """A `PipelineStage` subclass that records F, B, I and W (made on first use: torch's
+    pipelining package is imported only by those who run it)."""
+    from torch.distributed.pipelining import PipelineStage
+
+    class RecordingStage(PipelineStage):
+        recorder: "_Recorder"
+
+        def forward_one_chunk(self, fwd_chunk_id, args, kwargs=None, save_forward_output=True):
+            with self.recorder.action(Kind.F, self.stage_index, fwd_chunk_id) as note:
+                output = super().forward_one_chunk(fwd_chunk_id, args, kwargs, save_forward_output)
+                note.update(shape=tuple(output.shape), dtype=str(output.dtype).removeprefix("torch."))
+            if not self.is_last:
+                self.recorder.boundaries.append(Boundary(self.stage_index, fwd_chunk_id, tuple(output.shape),
+                                                         note["dtype"], output.numel() * output.element_size()))
+            return output
+
+        def backward_one_chunk(self, bwd_chunk_id, loss=None, full_backward=True, last_backward=False):
+            with self.recorder.action(Kind.B if full_backward else Kind.I, self.stage_index, bwd_chunk_id):
+                return super().backward_one_chunk(bwd_chunk_id, loss, full_backward, last_backward)
+
+        def backward_weight_one_chunk(self, bwd_chunk_id, last_backward=False):
+            with self.recorder.action(Kind.W, self.stage_index, bwd_chunk_id):
+                return super().backward_weight_one_chunk(bwd_chunk_id, last_backward)
+
+    return RecordingStage
+
+
+class _Recorder:
+    """The events of one step on one rank, on the step's clock; tells a watcher as it goes."""
+
+    def __init__(self, rank: int, timing: Costs | None):
+        self.rank, self.timing = rank, timing
+        self.clock = None
+        self.watch = None
+        self.events: list[Event] = []
+        self.boundaries: list[Boundary] = []
+
+    def start(self, origin: float, watch) -> None:
+        from pplab.comm import monotonic_clock
+
+        self.clock = lambda: monotonic_clock() - origin  # noqa: E731 - one clock for the step
+        self.watch, self.events, self.boundaries = watch, [], []
+
+    def action(self, kind: Kind, stage: int, microbatch: int):
+        return _Timed(self, Action(stage, kind, microbatch))
+
+
+class _Timed:
+    """Context manager around one of torch's passes: announce, time, pad, record."""
+
+    def __init__(self, recorder: _Recorder, action: Action):
+        self.recorder, self.action, self.extra = recorder, action, {}
+
+    def __enter__(self) -> dict:
+        recorder = self.recorder
+        if recorder.watch is not None:
+            recorder.watch(Now(recorder.rank, str(self.action), recorder.clock()))
+        self.started = recorder.clock()
+        return self.extra
+
+    def __exit__(self, exc_type, *_) -> None:
+        if exc_type is not None:
+            return
+        recorder = self.recorder
+        pad_to_cost(recorder.timing, self.action, self.started, recorder.clock)
+        event = Event(recorder.rank, self.action.kind.value, self.action.stage, self.action.microbatch,
+                      self.started, recorder.clock(), **self.extra)
+        recorder.events.append(event)
+        if recorder.watch is not None:
+            recorder.watch(event)
+
+
+class TorchRankRuntime:
+    """One rank's stages under a torch.distributed.pipelining schedule; `step` as `RankRuntime.step`."""
+
+    def __init__(self, schedule_name: str, schedule: Schedule, rank: int, stages: dict[int, nn.Module],
+                 device="cpu", timing: Costs | None = None, group=None):
+        from torch.distributed.pipelining import schedules as torch_schedules
+
+        self.schedule, self.rank, self.stages = schedule, rank, stages
+        self.device = torch.device(device)
+        self.recorder = _Recorder(rank, timing)
+        stage_class = recording_stage_class()
+        self.torch_stages = []
+        for index in sorted(stages):
+            stage = stage_class(stages[index], index, schedule.n_stages, self.device, group=group)
+            stage.recorder = self.recorder
+            self.torch_stages.append(stage)
+        schedule_class = torch_schedules.get_schedule_class(TORCH_SCHEDULES[schedule_name])
+        single = issubclass(schedule_class, torch_schedules.PipelineScheduleSingle)
+        # scale_grads: torch divides every gradient by the number of microbatches, so they are
+        # those of the mean loss, as pplab's runtime and the single-device reference compute.
+        self.torch_schedule = schedule_class(self.torch_stages[0] if single else self.torch_stages,
+                                             schedule.n_microbatches, loss_fn=loss_fn, scale_grads=True)
+        self._clock = StepClock(group, self.device)
+
+    def step(self, inputs, targets, activation_shapes=None, return_grads: bool = False,
+             watch=None) -> RankStep:
+        """One step of torch's schedule on this rank (same arguments and result as RankRuntime.step)."""
+        first = 0 in self.stages
+        last = self.schedule.n_stages - 1 in self.stages
+        args = (_whole_batch(inputs, "inputs"),) if first else ()
+        target = _whole_batch(targets, "targets") if last else None
+        losses: list | None = [] if last else None
+        self.recorder.start(self._clock.origin(), watch)
+        self.torch_schedule.step(*[a.to(self.device) for a in args],
+                                 target=None if target is None else target.to(self.device), losses=losses,
+                                 return_outputs=False)
+        if watch is not None:
+            watch(Now(self.rank, "done", self.recorder.clock()))
+        microbatch_losses = {mb: float(loss.detach()) for mb, loss in enumerate(losses or [])}
+        return RankStep(self.rank, list(self.recorder.events), microbatch_losses,
+                        list(self.recorder.boundaries), gradient_stats(self.stages.values()),
+                        gradients(self.stages.values()) if return_grads else None)
+
+
+def _whole_batch(microbatches, what: str) -> torch.Tensor:
+    """torch's schedules take the whole batch and split it themselves: put the microbatches back together."""
+    shapes = {tuple(mb.shape) for mb in microbatches}
+    if len(shapes) != 1:
+        raise ValueError(f"torch's schedules split one batch into equal microbatches, but the {what} "
+                         f"have shapes {sorted(shapes)}: give microbatches of one shape")
+    return torch.cat(list(microbatches))

@@ -1,0 +1,95 @@
+"""pplab's stages under torch.distributed.pipelining's own schedules (real processes, gloo).
+
+Each world size starts its processes once and runs every schedule in them; every step must
+match one device (loss and every gradient), and the recorded timeline must hold each compute
+action of the schedule exactly once per rank.
+"""
+
+from collections import Counter
+
+import pytest
+
+import pplab
+from pplab.checks import check_gradient_flow, compare_with_reference
+from pplab.data import batches
+from pplab.launch import run_ranks
+from pplab.rank_pipeline import PipelineSpec, merge_steps, run_jobs_on_rank, split_for_ranks
+from pplab.schedules import from_torch
+from pplab.torch_pp import TORCH_SCHEDULES, torch_schedule
+
+CONFIG = pplab.LlamaConfig.tiny()
+FULL_NAMES = [name for name, _ in pplab.build_model(CONFIG).named_parameters()]
+MICROBATCH_SIZE, SEQ_LEN = 2, 16
+
+# (name, ranks, microbatches, stages per rank): m not a multiple of p where torch allows it.
+CASES = {
+    2: [("gpipe", 3, 1), ("1f1b", 3, 1), ("interleaved-1f1b", 4, 2), ("LoopedBFS", 3, 2),
+        ("InterleavedZeroBubble", 4, 2), ("ZBVZeroBubble", 3, 2), ("DualPipeV", 4, 2)],
+    4: [("gpipe", 5, 1), ("1f1b", 5, 1)],
+}
+
+
+@pytest.mark.parametrize("p", sorted(CASES))
+def test_torch_schedules_match_one_device_and_record_every_action_once(p):
+    specs, data, batch_of = [], [], {}
+    for name, m, v in CASES[p]:
+        spec = PipelineSpec.create(CONFIG, name, p, m, n_virtual=v, impl="torch")
+        batch = next(batches(MICROBATCH_SIZE * m, SEQ_LEN, seed=m))
+        specs.append((name, m, v, spec, batch))
+        data.append((spec, split_for_ranks(spec, batch)))
+    per_rank = run_ranks(p, run_jobs_on_rank, data, timeout=300)
+    for job, (name, m, v, spec, batch) in enumerate(specs):
+        label = f"torch {name} p={p} m={m} v={v}"
+        result = merge_steps([per_rank[rank][job] for rank in range(p)])
+        parity = compare_with_reference(result.loss, result.grads, pplab.reference_step(CONFIG, batch, m),
+                                         loss_rtol=1e-6, grad_atol=1e-5)
+        assert parity.passed, f"{label}: {parity}"
+        assert check_gradient_flow(result.grad_stats, FULL_NAMES).passed, label
+        # Every compute action torch plans, exactly once on its rank (torch splits DualPipeV's
+        # overlapped F+B into both; its static 1F1B plan misnumbers the last rank, so 1F1B is
+        # compared with pplab's, which torch executes).
+        plan = (spec.schedule if name in ("gpipe", "1f1b", "interleaved-1f1b")
+                else from_torch(TORCH_SCHEDULES[name], p, m, v)).compute_only()
+        for rank in range(p):
+            recorded = [(e.stage, e.kind, e.microbatch) for e in result.timeline.compute_events(rank)]
+            planned = [(a.stage, a.kind.value, a.microbatch) for a in plan.actions[rank]]
+            assert Counter(recorded) == Counter(planned), f"{label} rank {rank}"
+            if name != "DualPipeV":  # in the order torch executed them
+                assert recorded == planned, f"{label} rank {rank}"
+
+
+@pytest.mark.parametrize("args, message", [
+    (("pipedream", 2, 4, 1), "unknown torch schedule 'pipedream': choose one of gpipe, 1f1b"),
+    (("1f1b", 4, 2, 1), "Number of microbatches (2) must be greater than or equal to the number of stages (4)"),
+    (("ZBVZeroBubble", 2, 4, 3), "places exactly 2 stages per rank (a V): use n_virtual=2"),
+    (("interleaved-1f1b", 2, 4, 1), "runs several stages per rank: use n_virtual=2 or more"),
+    (("gpipe", 2, 4, 2), "runs one stage per rank: use n_virtual=1"),
+])
+def test_bad_torch_schedules_are_refused_on_the_client(args, message):
+    with pytest.raises(ValueError) as error:
+        torch_schedule(*args)
+    assert message in str(error.value)
+    name, p, m, v = args
+    with pytest.raises(ValueError):  # the same through the one entry point, before any rank exists
+        PipelineSpec.create(CONFIG, name, p, m, n_virtual=v, impl="torch")
+
+
+def test_impl_is_checked():
+    with pytest.raises(ValueError, match="impl='jax': choose one of 'pplab', 'torch'"):
+        PipelineSpec.create(CONFIG, "1f1b", 2, 4, impl="jax")
+
+
+def test_a_lab_pipeline_switches_to_torch_with_one_argument(lab2):
+    run = lab2.pipeline(CONFIG, schedule="1f1b", microbatches=4, impl="torch",
+                        timing=pplab.Costs(forward=0.02, backward=0.04))
+    try:
+        parity = run.check_parity()
+        assert parity.passed, str(parity)
+        assert run.check_gradient_flow().passed
+        assert [row[:3] for row in run.boundary_shapes().rows()] == \
+            [["0 -> 1", mb, (MICROBATCH_SIZE, 32, CONFIG.hidden_size)] for mb in range(4)]
+        timeline = run.last.timeline
+        assert all(e.duration >= 0.02 for e in timeline.events if e.kind == "F")  # timing mode pads torch's passes
+        assert run.simulate().n_ranks == 2
+    finally:
+        run.close()
