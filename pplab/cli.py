@@ -16,7 +16,10 @@ from pplab.reference import reference_step
 from pplab.schedules import theory
 from pplab.simulator import Costs, simulate
 
-DEMO_SCHEDULES = (("gpipe", 1), ("1f1b", 1), ("interleaved-1f1b", 2), ("zb-h1", 1))
+DEMO_SCHEDULES = {  # per runtime: (schedule, stages per rank)
+    "pplab": (("gpipe", 1), ("1f1b", 1), ("interleaved-1f1b", 2), ("zb-h1", 1)),
+    "torch": (("gpipe", 1), ("1f1b", 1), ("interleaved-1f1b", 2), ("ZBVZeroBubble", 2)),
+}
 
 
 def demo(args: argparse.Namespace) -> int:
@@ -30,16 +33,17 @@ def demo(args: argparse.Namespace) -> int:
         where = "ranks started by torchrun" if under_torchrun() else "local ranks (gloo)"
         print(f"pplab demo: tiny LLaMA ({sum(p.numel() for p in build_model(config).parameters()):,} "
               f"parameters, {config.num_hidden_layers} layers) on {args.ranks} {where}, "
-              f"{args.microbatches} microbatches, timing mode F={args.forward}s B={2 * args.forward}s")
+              f"{args.microbatches} microbatches, timing mode F={args.forward}s B={2 * args.forward}s, "
+              f"{'torch.distributed.pipelining' if args.impl == 'torch' else 'the hand-written runtime'}")
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     batch = next(batches(args.microbatch_size * args.microbatches, args.seq_len, seed=args.seed))
     jobs = []
-    for name, n_virtual in DEMO_SCHEDULES:
+    for name, n_virtual in DEMO_SCHEDULES[args.impl]:
         # An interleaved chunk holds 1/v of a stage's layers, so it costs 1/v as much.
         costs = Costs(forward=args.forward / n_virtual, backward=2 * args.forward / n_virtual)
         spec = PipelineSpec.create(config, name, args.ranks, args.microbatches, n_virtual,
-                                   seed=args.seed, timing=costs)
+                                   impl=args.impl, seed=args.seed, timing=costs)
         jobs.append((spec, split_for_ranks(spec, batch)))
     started = time.perf_counter()
     if under_torchrun():  # every process is one rank; rank 0 reports
@@ -53,18 +57,18 @@ def demo(args: argparse.Namespace) -> int:
     reference = reference_step(config, batch, args.microbatches, seed=args.seed)
     failures = 0
     for index, (spec, _) in enumerate(jobs):
-        name, costs = spec.schedule.name, spec.timing
+        name, costs = (f"torch-{spec.torch_name}" if spec.impl == "torch" else spec.schedule.name), spec.timing
         result = merge_steps([steps[index] for steps in rank_steps])
         parity = compare_with_reference(result.loss, result.grads, reference)
         flow = check_gradient_flow(result.grad_stats, reference.grads)
         failures += not (parity.passed and flow.passed)
         textbook = theory(spec.schedule, costs)
-        print(f"  {name:17s} loss {result.loss:.5f}  parity {'ok' if parity.passed else 'FAILED'} "
+        print(f"  {name:23s} loss {result.loss:.5f}  parity {'ok' if parity.passed else 'FAILED'} "
               f"(max |grad diff| {parity.max_abs_diff:.1e})  gradient flow {'ok' if flow.passed else 'FAILED'}  "
               f"bubble {result.timeline.bubble_fraction():.3f} (theory {_figure(textbook.bubble_fraction)})  "
               f"peak in-flight rank 0: {result.timeline.peak_inflight(0)}")
         if textbook.bubble_fraction is None:  # say why there is no textbook number
-            print(f"  {'':17s} theory n/a: {textbook.conditions}")
+            print(f"  {'':23s} theory n/a: {textbook.conditions}")
         viz.save(viz.compare_timelines(simulate(spec.schedule, costs), result.timeline), out / f"{name}.png")
         result.timeline.to_chrome_trace(out / f"{name}.trace.json")
     print("measured bubbles include each message's real cost (about a millisecond per hop here), "
@@ -99,6 +103,8 @@ def build_parser() -> argparse.ArgumentParser:
     run_demo.add_argument("--forward", type=float, default=0.05,
                           help="timing mode: seconds per forward (backward takes twice as long)")
     run_demo.add_argument("--seed", type=int, default=0)
+    run_demo.add_argument("--impl", choices=("pplab", "torch"), default="pplab",
+                          help="the hand-written runtime, or torch.distributed.pipelining's schedules")
     run_demo.add_argument("--out", default="pplab-demo", help="folder for pictures and traces")
     run_demo.set_defaults(handler=demo)
     run_cleanup = commands.add_parser("cleanup", help="stop lab clusters left by killed kernels")

@@ -106,7 +106,7 @@ class RankPipeline:
             from pplab.torch_pp import TorchRankRuntime
 
             self.runtime = TorchRankRuntime(spec.torch_name, schedule, rank, self.stages, self.device,
-                                            spec.timing, group)
+                                            spec.timing, group, spec.record)
         else:
             self.runtime = RankRuntime(schedule, rank, self.stages, self.device, spec.timeout,
                                        spec.record, spec.timing, group)

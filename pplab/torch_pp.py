@@ -140,13 +140,16 @@ class TorchRankRuntime:
     """One rank's stages under a torch.distributed.pipelining schedule; `step` as `RankRuntime.step`."""
 
     def __init__(self, schedule_name: str, schedule: Schedule, rank: int, stages: dict[int, nn.Module],
-                 device="cpu", timing: Costs | None = None, group=None):
+                 device="cpu", timing: Costs | None = None, group=None, record: bool = True):
+        """With `record=False` (and no timing mode) torch's own PipelineStage runs, untouched:
+        the baseline the recording's overhead is measured against."""
+        from torch.distributed.pipelining import PipelineStage
         from torch.distributed.pipelining import schedules as torch_schedules
 
         self.schedule, self.rank, self.stages = schedule, rank, stages
         self.device = torch.device(device)
         self.recorder = _Recorder(rank, timing)
-        stage_class = recording_stage_class()
+        stage_class = recording_stage_class() if record or timing is not None else PipelineStage
         self.torch_stages = []
         for index in sorted(stages):
             stage = stage_class(stages[index], index, schedule.n_stages, self.device, group=group)

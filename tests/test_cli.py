@@ -33,6 +33,18 @@ def test_demo_runs_every_schedule_checks_it_and_writes_pictures_and_traces(tmp_p
     assert "theory n/a: Megatron's formula needs n_microbatches a multiple of n_ranks" in done.stdout
 
 
+def test_demo_runs_torchs_schedules_with_impl_torch(tmp_path):
+    out = tmp_path / "demo"
+    done = subprocess.run([sys.executable, "-m", "pplab", "demo", "--ranks", "2", "--microbatches", "4",
+                           "--forward", "0.01", "--impl", "torch", "--out", str(out)],
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "torch.distributed.pipelining" in done.stdout
+    for name in ("torch-gpipe", "torch-1f1b", "torch-interleaved-1f1b", "torch-ZBVZeroBubble"):
+        assert (out / f"{name}.png").stat().st_size > 10_000, name
+    assert done.stdout.count("parity ok") == 4 and "FAILED" not in done.stdout
+
+
 ORPHAN_KERNEL = (
     "import os, signal, pplab\n"
     "lab = pplab.Lab(ranks=2, device='cpu', verbose=False)\n"
