@@ -5,7 +5,8 @@ torch runs its own schedules (`ScheduleGPipe`, `Schedule1F1B`, the multi-stage o
 subclassing the stage (`RecordingStage`): each forward, backward (full or input-only) and
 weight-gradient pass is timed around torch's own method, padded to its cost in timing mode,
 and kept as an `Event` on the step clock the hand-written runtime uses. Nothing in torch is
-patched. `TorchRankRuntime.step` has the hand-written `RankRuntime.step`'s signature and
+patched; the waits torch does for its receives are recorded too (`_Recorder`).
+`TorchRankRuntime.step` has the hand-written `RankRuntime.step`'s signature and
 result, so a pipeline switches with one argument (`impl="torch"`).
 
 Names: pplab's where the schedule is the same (`gpipe`, `1f1b`, `interleaved-1f1b`), torch's
@@ -88,27 +89,67 @@ def recording_stage_class():
             with self.recorder.action(Kind.W, self.stage_index, bwd_chunk_id):
                 return super().backward_weight_one_chunk(bwd_chunk_id, last_backward)
 
+        # torch waits for its receives in the schedule, not in the stage; the stage is asked
+        # for the receive ops first, so the wait is what lies between that and the compute.
+        def get_fwd_recv_ops(self, fwd_chunk_id):
+            ops = super().get_fwd_recv_ops(fwd_chunk_id)
+            if ops:
+                self.recorder.posted(Action(self.stage_index, Kind.RECV_F, fwd_chunk_id))
+            return ops
+
+        def get_bwd_recv_ops(self, bwd_chunk_id):
+            ops = super().get_bwd_recv_ops(bwd_chunk_id)
+            if ops:
+                self.recorder.posted(Action(self.stage_index, Kind.RECV_B, bwd_chunk_id))
+            return ops
+
     return RecordingStage
 
 
 class _Recorder:
-    """The events of one step on one rank, on the step's clock; tells a watcher as it goes."""
+    """The events of one step on one rank, on the step's clock; tells a watcher as it goes.
 
-    def __init__(self, rank: int, timing: Costs | None):
-        self.rank, self.timing = rank, timing
+    A receive's event is the wait torch did for it: from when its receive was posted (or the
+    rank's previous compute ended, if later) to when the compute that needs it began.
+    """
+
+    def __init__(self, rank: int, timing: Costs | None, schedule: Schedule):
+        self.rank, self.timing, self.schedule = rank, timing, schedule
         self.clock = None
         self.watch = None
         self.events: list[Event] = []
         self.boundaries: list[Boundary] = []
+        self.pending: dict[Action, float] = {}  # receive -> when torch posted it
+        self.last_end = 0.0  # end of this rank's latest compute
 
     def start(self, origin: float, watch) -> None:
         from pplab.comm import monotonic_clock
 
         self.clock = lambda: monotonic_clock() - origin  # noqa: E731 - one clock for the step
-        self.watch, self.events, self.boundaries = watch, [], []
+        self.watch, self.events, self.boundaries, self.pending, self.last_end = watch, [], [], {}, 0.0
 
     def action(self, kind: Kind, stage: int, microbatch: int):
         return _Timed(self, Action(stage, kind, microbatch))
+
+    def posted(self, receive: Action) -> None:
+        """torch asked for a receive's ops: it will wait for them before the compute that needs them."""
+        self.pending[receive] = self.clock()
+        if self.watch is not None:
+            sender = self.schedule.stage_to_rank(receive.peer_stage)
+            self.watch(Now(self.rank, str(receive), self.pending[receive], ((sender, str(receive.partner())),)))
+
+    def waited(self, compute: Action, started: float) -> None:
+        """Record the wait for the receive `compute` consumes, if torch posted one."""
+        kind = Kind.RECV_F if compute.kind == Kind.F else Kind.RECV_B
+        receive = Action(compute.stage, kind, compute.microbatch)
+        posted = self.pending.pop(receive, None)
+        if posted is None or compute.kind == Kind.W:
+            return
+        event = Event(self.rank, kind.value, compute.stage, compute.microbatch,
+                      min(max(posted, self.last_end), started), started)
+        self.events.append(event)
+        if self.watch is not None:
+            self.watch(event)
 
 
 class _Timed:
@@ -119,9 +160,10 @@ class _Timed:
 
     def __enter__(self) -> dict:
         recorder = self.recorder
-        if recorder.watch is not None:
-            recorder.watch(Now(recorder.rank, str(self.action), recorder.clock()))
         self.started = recorder.clock()
+        recorder.waited(self.action, self.started)
+        if recorder.watch is not None:
+            recorder.watch(Now(recorder.rank, str(self.action), self.started))
         return self.extra
 
     def __exit__(self, exc_type, *_) -> None:
@@ -132,6 +174,7 @@ class _Timed:
         event = Event(recorder.rank, self.action.kind.value, self.action.stage, self.action.microbatch,
                       self.started, recorder.clock(), **self.extra)
         recorder.events.append(event)
+        recorder.last_end = event.end
         if recorder.watch is not None:
             recorder.watch(event)
 
@@ -148,7 +191,7 @@ class TorchRankRuntime:
 
         self.schedule, self.rank, self.stages = schedule, rank, stages
         self.device = torch.device(device)
-        self.recorder = _Recorder(rank, timing)
+        self.recorder = _Recorder(rank, timing, schedule)
         stage_class = recording_stage_class() if record or timing is not None else PipelineStage
         self.torch_stages = []
         for index in sorted(stages):

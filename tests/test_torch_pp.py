@@ -56,6 +56,14 @@ def test_torch_schedules_match_one_device_and_record_every_action_once(p):
             assert Counter(recorded) == Counter(planned), f"{label} rank {rank}"
             if name != "DualPipeV":  # in the order torch executed them
                 assert recorded == planned, f"{label} rank {rank}"
+            # torch's waits for its receives: each ends where the compute needing it starts.
+            starts = {(e.stage, e.microbatch, e.kind): e.start for e in result.timeline.compute_events(rank)}
+            for wait in result.timeline.comm_events(rank):
+                consumer = "F" if wait.kind == "RECV_F" else ("I" if (wait.stage, wait.microbatch, "I") in starts else "B")
+                assert wait.end == starts[(wait.stage, wait.microbatch, consumer)], f"{label}: {wait}"
+        # The last rank cannot start before the first activation arrives: a wait it shows.
+        assert any(e.kind == "RECV_F" and e.microbatch == 0 and e.duration > 0
+                   for e in result.timeline.comm_events(spec.schedule.stage_to_rank(1))), label
 
 
 @pytest.mark.parametrize("args, message", [
