@@ -26,7 +26,7 @@ from pplab.simulator import Costs
 from pplab.trace import Timeline
 
 
-IMPLEMENTATIONS = ("pplab", "torch")
+IMPLEMENTATIONS = ("pplab", "torch")  # the hand-written runtime, torch.distributed.pipelining
 
 
 @dataclass

@@ -20,6 +20,7 @@ import functools
 import torch
 from torch import nn
 
+from pplab.comm import dtype_name, monotonic_clock
 from pplab.model import loss_fn
 from pplab.runtime import Boundary, Now, RankStep, StepClock, gradient_stats, gradients, pad_to_cost
 from pplab.schedules import Action, Kind, Schedule, build, from_torch
@@ -75,7 +76,7 @@ def recording_stage_class():
         def forward_one_chunk(self, fwd_chunk_id, args, kwargs=None, save_forward_output=True):
             with self.recorder.action(Kind.F, self.stage_index, fwd_chunk_id) as note:
                 output = super().forward_one_chunk(fwd_chunk_id, args, kwargs, save_forward_output)
-                note.update(shape=tuple(output.shape), dtype=str(output.dtype).removeprefix("torch."))
+                note.update(shape=tuple(output.shape), dtype=dtype_name(output))
             if not self.is_last:
                 self.recorder.boundaries.append(Boundary(self.stage_index, fwd_chunk_id, tuple(output.shape),
                                                          note["dtype"], output.numel() * output.element_size()))
@@ -123,8 +124,6 @@ class _Recorder:
         self.last_end = 0.0  # end of this rank's latest compute
 
     def start(self, origin: float, watch) -> None:
-        from pplab.comm import monotonic_clock
-
         self.clock = lambda: monotonic_clock() - origin  # noqa: E731 - one clock for the step
         self.watch, self.events, self.boundaries, self.pending, self.last_end = watch, [], [], {}, 0.0
 

@@ -327,7 +327,7 @@ def plot_memory(timeline: Timeline, title: str | None = None) -> Figure:
         highest = max([highest, *(v for _, v in values)])
         note = f"peak {timeline.peak_inflight(rank)}"
         if use_bytes:
-            note += f" ({_human_bytes(timeline.peak_inflight_bytes(rank))})"
+            note += f" ({human_bytes(timeline.peak_inflight_bytes(rank))})"
         ax.text(1.005, 0.5, note, transform=ax.transAxes, ha="left", va="center", fontsize=8)
         ax.set_ylabel(f"rank {rank}", rotation=0, ha="right", va="center")
         ax.spines[["top", "right"]].set_visible(False)
@@ -360,7 +360,8 @@ def _byte_unit(n: float) -> tuple[int, str]:
     return next(((size, name) for size, name in _BYTE_UNITS if n >= size), (1, "B"))
 
 
-def _human_bytes(n: float) -> str:
+def human_bytes(n: float) -> str:
+    """Bytes as a person reads them: "512 B", "6.0 MiB"."""
     size, name = _byte_unit(n)
     return f"{n:.0f} B" if size == 1 else f"{n / size:.1f} {name}"
 

@@ -16,6 +16,7 @@ import time
 
 import ipywidgets as widgets
 
+from pplab.rank_pipeline import IMPLEMENTATIONS
 from pplab.schedules import SCHEDULE_NAMES, theory
 from pplab.simulator import Costs, costs_from_timeline, simulate
 from pplab.trace import Timeline
@@ -27,7 +28,6 @@ POLL_SECONDS = 0.05  # how often the dashboard looks for what the ranks publishe
 LIVE_INTERVAL = 0.05  # how often a rank publishes what it has done
 LIVE_REDRAW_SECONDS = 0.2  # the live timeline's redraws, at most
 TIMING_COSTS = Costs(forward=0.05, backward=0.1)  # timing mode: the shape of a schedule, in seconds
-IMPLEMENTATIONS = ("pplab", "torch")  # the hand-written runtime, torch.distributed.pipelining
 
 
 class Dashboard(widgets.VBox):

@@ -32,15 +32,6 @@ def _percent(value: float | None) -> str:
     return "n/a" if value is None else f"{value:.1%}"
 
 
-def _human_bytes(n: int | None) -> str:
-    if n is None:
-        return "?"
-    for size, unit in ((1 << 30, "GiB"), (1 << 20, "MiB"), (1 << 10, "KiB")):
-        if n >= size:
-            return f"{n / size:.1f} {unit}"
-    return f"{n} B"
-
-
 # ---------------------------------------------------------------- timeline
 
 
@@ -204,6 +195,8 @@ class ShapesView(widgets.VBox):
 
     def show(self, boundaries: Sequence) -> None:
         """Show one step's boundary records (`StepResult.shapes`)."""
+        from pplab.viz import human_bytes
+
         self.flagged = []
         rows = []
         for b in sorted(boundaries, key=lambda b: (b.source, b.microbatch)):
@@ -213,7 +206,7 @@ class ShapesView(widgets.VBox):
                 self.flagged.append((b.source, b.microbatch))
             note = f"shape changed (was {usual})" if changed else ""
             rows.append(([f"stage {b.source} → {b.source + 1}", b.microbatch, tuple(b.shape), b.dtype,
-                          _human_bytes(b.bytes), note], RED if changed else ""))
+                          human_bytes(b.bytes), note], RED if changed else ""))
         caption = "activations that crossed each stage boundary"
         if self.flagged:
             caption += f": {len(self.flagged)} shape change(s), flagged red"
