@@ -3,17 +3,16 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import functools
+import json
 import os
+import sys
 import time
 from pathlib import Path
 
-from pplab.checks import check_gradient_flow, compare_with_reference
-from pplab.data import batches
-from pplab.launch import run_as_torchrun_rank, run_ranks, under_torchrun
-from pplab.model import LlamaConfig, build_model
-from pplab.rank_pipeline import PipelineSpec, merge_steps, run_jobs_on_rank, split_for_ranks
-from pplab.reference import reference_step
-from pplab.schedules import theory
+import pplab
+from pplab.schedules import SCHEDULE_NAMES, Kind, build, theory, validate
 from pplab.simulator import Costs, simulate
 
 DEMO_SCHEDULES = {  # per runtime: (schedule, stages per rank)
@@ -23,8 +22,17 @@ DEMO_SCHEDULES = {  # per runtime: (schedule, stages per rank)
 
 
 def demo(args: argparse.Namespace) -> int:
-    """Run every schedule on local ranks (CPU, gloo, embedded data): parity, bubble, pictures."""
-    from pplab import viz  # matplotlib only when drawing
+    """Run every schedule on local ranks (CPU, gloo, embedded data): parity, bubble, pictures, report."""
+    # torch and matplotlib only here: `pplab simulate` starts without them.
+    import torch
+
+    from pplab import viz
+    from pplab.checks import check_gradient_flow, compare_with_reference
+    from pplab.data import batches
+    from pplab.launch import run_as_torchrun_rank, run_ranks, under_torchrun
+    from pplab.model import LlamaConfig, build_model
+    from pplab.rank_pipeline import PipelineSpec, merge_steps, run_jobs_on_rank, split_for_ranks
+    from pplab.reference import reference_step
 
     config = LlamaConfig.tiny()
     if under_torchrun():  # torchrun decides the ranks; only rank 0 speaks
@@ -33,10 +41,9 @@ def demo(args: argparse.Namespace) -> int:
         where = "ranks started by torchrun" if under_torchrun() else "local ranks (gloo)"
         print(f"pplab demo: tiny LLaMA ({sum(p.numel() for p in build_model(config).parameters()):,} "
               f"parameters, {config.num_hidden_layers} layers) on {args.ranks} {where}, "
-              f"{args.microbatches} microbatches, timing mode F={args.forward}s B={2 * args.forward}s, "
+              f"{args.microbatches} microbatches, {args.steps} step{'s' if args.steps != 1 else ''} "
+              f"per schedule, timing mode F={args.forward}s B={2 * args.forward}s, "
               f"{'torch.distributed.pipelining' if args.impl == 'torch' else 'the hand-written runtime'}")
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
     batch = next(batches(args.microbatch_size * args.microbatches, args.seq_len, seed=args.seed))
     jobs = []
     for name, n_virtual in DEMO_SCHEDULES[args.impl]:
@@ -45,36 +52,196 @@ def demo(args: argparse.Namespace) -> int:
         spec = PipelineSpec.create(config, name, args.ranks, args.microbatches, n_virtual,
                                    impl=args.impl, seed=args.seed, timing=costs)
         jobs.append((spec, split_for_ranks(spec, batch)))
+    out = Path(args.out)  # made only once the arguments are known to be good
+    out.mkdir(parents=True, exist_ok=True)
+    run_steps = functools.partial(run_jobs_on_rank, steps=args.steps)  # per job, a list of steps
     started = time.perf_counter()
     if under_torchrun():  # every process is one rank; rank 0 reports
-        rank_steps = run_as_torchrun_rank(run_jobs_on_rank, jobs)
+        rank_steps = run_as_torchrun_rank(run_steps, jobs)
         if rank_steps is None:
             return 0
     else:
         print(f"starting {args.ranks} ranks and running {len(jobs)} schedules on them ...", flush=True)
-        rank_steps = run_ranks(args.ranks, run_jobs_on_rank, jobs, timeout=600)
+        rank_steps = run_ranks(args.ranks, run_steps, jobs, timeout=300 + 300 * args.steps)
     print(f"done in {time.perf_counter() - started:.1f} s")
     reference = reference_step(config, batch, args.microbatches, seed=args.seed)
-    failures = 0
+    failures, schedules = 0, []
     for index, (spec, _) in enumerate(jobs):
-        name, costs = (f"torch-{spec.torch_name}" if spec.impl == "torch" else spec.schedule.name), spec.timing
-        result = merge_steps([steps[index] for steps in rank_steps])
-        parity = compare_with_reference(result.loss, result.grads, reference)
-        flow = check_gradient_flow(result.grad_stats, reference.grads)
-        failures += not (parity.passed and flow.passed)
-        textbook = theory(spec.schedule, costs)
-        print(f"  {name:23s} loss {result.loss:.5f}  parity {'ok' if parity.passed else 'FAILED'} "
-              f"(max |grad diff| {parity.max_abs_diff:.1e})  gradient flow {'ok' if flow.passed else 'FAILED'}  "
-              f"bubble {result.timeline.bubble_fraction():.3f} (theory {_figure(textbook.bubble_fraction)})  "
-              f"peak in-flight rank 0: {result.timeline.peak_inflight(0)}")
+        name = f"torch-{spec.torch_name}" if spec.impl == "torch" else spec.schedule.name
+        costs = spec.timing
+        results = [merge_steps([steps[index][k] for steps in rank_steps]) for k in range(args.steps)]
+        # No optimizer: every step must give the first step's loss and the reference's gradients;
+        # a step that differs shows state left over from the one before (gradients not zeroed, ...).
+        parities = [compare_with_reference(r.loss, r.grads, reference) for r in results]
+        flows = [check_gradient_flow(r.grad_stats, reference.grads) for r in results]
+        losses = [r.loss for r in results]
+        repeatable = all(loss == losses[0] for loss in losses)
+        parity_ok, flow_ok = all(p.passed for p in parities), all(f.passed for f in flows)
+        failures += not (parity_ok and flow_ok and repeatable)
+        first, textbook = results[0], theory(spec.schedule, costs)
+        print(f"  {name:23s} loss {first.loss:.5f}  parity {'ok' if parity_ok else 'FAILED'} "
+              f"(max |grad diff| {max(p.max_abs_diff for p in parities):.1e})  "
+              f"gradient flow {'ok' if flow_ok else 'FAILED'}  "
+              f"bubble {first.timeline.bubble_fraction():.3f} (theory {_figure(textbook.bubble_fraction)})  "
+              f"peak in-flight rank 0: {first.timeline.peak_inflight(0)}")
         if textbook.bubble_fraction is None:  # say why there is no textbook number
             print(f"  {'':23s} theory n/a: {textbook.conditions}")
-        viz.save(viz.compare_timelines(simulate(spec.schedule, costs), result.timeline), out / f"{name}.png")
-        result.timeline.to_chrome_trace(out / f"{name}.trace.json")
+        if args.steps > 1:
+            off = [k + 1 for k, p in enumerate(parities) if not p.passed]
+            print(f"  {'':23s} {args.steps} steps: losses {'all equal' if repeatable else 'DIFFER: FAILED'}"
+                  f"{'' if repeatable else ' ' + str(losses)}, gradients "
+                  f"{'as the reference on every step' if not off else f'FAILED on step(s) {off}'}, "
+                  f"step times {', '.join(f'{r.timeline.step_time():.3f}' for r in results)} s")
+        viz.save(viz.compare_timelines(simulate(spec.schedule, costs), first.timeline), out / f"{name}.png")
+        first.timeline.to_chrome_trace(out / f"{name}.trace.json")
+        schedules.append(dict(
+            name=name, impl=spec.impl, ranks=spec.schedule.n_ranks, virtual=spec.schedule.n_virtual,
+            microbatches=spec.schedule.n_microbatches,
+            losses=losses, losses_equal=repeatable,
+            parity=dict(passed=parity_ok, max_abs_grad_diff=max(p.max_abs_diff for p in parities),
+                        max_abs_grad_diff_per_step=[p.max_abs_diff for p in parities],
+                        reference_loss=reference.loss),
+            gradient_flow=dict(passed=flow_ok),
+            bubble_fraction=dict(measured=first.timeline.bubble_fraction(),
+                                 measured_per_step=[r.timeline.bubble_fraction() for r in results],
+                                 theory=textbook.bubble_fraction, theory_conditions=textbook.conditions),
+            step_time_s=first.timeline.step_time(),
+            step_time_s_per_step=[r.timeline.step_time() for r in results],
+            peak_inflight=dict(measured=first.timeline.peak_inflight_per_rank(),
+                               theory=list(textbook.peak_inflight)),
+            files=dict(timeline=f"{name}.png", trace=f"{name}.trace.json"),
+        ))
+    report = dict(command="pplab demo", passed=not failures, pplab_version=pplab.__version__,
+                  torch_version=torch.__version__, arguments=_arguments(args), schedules=schedules)
+    (out / "report.json").write_text(json.dumps(report, indent=2) + "\n")
     print("measured bubbles include each message's real cost (about a millisecond per hop here), "
           "which the theory leaves out")
-    print(f"timelines (predicted vs measured) and Chrome traces (open in ui.perfetto.dev) in {out}/")
+    print(f"timelines (predicted vs measured) and Chrome traces (open in ui.perfetto.dev) in {out}/; "
+          f"the numbers in {out / 'report.json'}")
     return 1 if failures else 0
+
+
+def simulate_command(args: argparse.Namespace) -> int:
+    """Predict a schedule's timeline on a cost model: picture, Chrome trace and numbers; no processes."""
+    from pplab import viz  # matplotlib only when drawing
+
+    interleaved = args.schedule.lower() == "interleaved-1f1b"
+    n_virtual = args.virtual if args.virtual is not None else (2 if interleaved else 1)
+    if interleaved and n_virtual < 2:
+        raise ValueError(f"--virtual {n_virtual}: interleaved-1f1b runs 2 or more stages per rank; "
+                         f"give --virtual 2 or more, or simulate 1f1b for one stage per rank")
+    if args.schedule.lower() in SCHEDULE_NAMES and not interleaved and n_virtual != 1:
+        raise ValueError(f"--virtual {n_virtual}: {args.schedule.lower()} runs one stage per rank; leave "
+                         f"--virtual out, or simulate interleaved-1f1b for several stages per rank")
+    schedule = build(args.schedule, args.ranks, args.microbatches, n_virtual)
+    validate(schedule)
+    costs = _costs(args, schedule)
+    timeline = simulate(schedule, costs)
+    textbook = theory(schedule, costs)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    name = schedule.name
+    picture, trace, numbers = out / f"{name}.png", out / f"{name}.trace.json", out / f"{name}.json"
+    sizes = f"p={schedule.n_ranks}, m={schedule.n_microbatches}" + (
+        f", v={schedule.n_virtual}" if schedule.n_virtual > 1 else "")
+    viz.save(viz.plot_timeline(timeline, title=f"{name} predicted ({sizes}; {_describe(costs, schedule)})"),
+             picture)
+    timeline.to_chrome_trace(trace)
+    report = dict(
+        command="pplab simulate", pplab_version=pplab.__version__, arguments=_arguments(args),
+        schedule=schedule.name, ranks=schedule.n_ranks, microbatches=schedule.n_microbatches,
+        virtual=schedule.n_virtual, costs=dataclasses.asdict(costs),
+        cost_per_stage={kind.value: [costs.compute_time(kind, s) for s in range(schedule.n_stages)]
+                        for kind in _compute_kinds(schedule)},
+        step_time=timeline.step_time(), bubble_fraction=timeline.bubble_fraction(),
+        bubble_fraction_per_rank=[timeline.bubble_fraction(r) for r in range(schedule.n_ranks)],
+        peak_inflight=timeline.peak_inflight_per_rank(),
+        theory=dict(bubble_fraction=textbook.bubble_fraction, formula=textbook.bubble_formula,
+                    conditions=textbook.conditions, peak_inflight=list(textbook.peak_inflight),
+                    peak_inflight_formula=textbook.peak_inflight_formula),
+        files=dict(timeline=picture.name, trace=trace.name),
+    )
+    numbers.write_text(json.dumps(report, indent=2) + "\n")
+    print(f"pplab simulate: {name} on a cost model ({sizes}; {_describe(costs, schedule)})")
+    print(f"  step time {timeline.step_time():.4g} (cost units)  bubble {timeline.bubble_fraction():.3f} "
+          f"(theory {_figure(textbook.bubble_fraction)})  peak in-flight per rank "
+          f"{timeline.peak_inflight_per_rank()}")
+    if textbook.bubble_fraction is None:
+        print(f"  theory n/a: {textbook.conditions}")
+    print(f"  wrote {picture}, {trace} (open in ui.perfetto.dev) and {numbers}")
+    return 0
+
+
+def _costs(args: argparse.Namespace, schedule) -> Costs:
+    """The cost model the options describe; --weight only where the schedule runs W on its own."""
+    if args.weight is not None and Kind.W not in _compute_kinds(schedule):
+        raise ValueError(f"--weight given, but {schedule.name} runs the whole backward "
+                         f"(B) in one pass, so there is no weight-gradient pass to time; leave --weight "
+                         f"out, or simulate a zero-bubble schedule (zb-h1)")
+    if args.bandwidth is not None and args.activation_bytes is None:
+        raise ValueError(f"--bandwidth {args.bandwidth:g} needs the size of a message: give "
+                         f"--activation-bytes (bytes per activation crossing a stage boundary)")
+    for option in ("forward", "backward", "weight"):
+        value = getattr(args, option)
+        if isinstance(value, tuple) and len(value) != schedule.n_stages:
+            raise ValueError(f"--{option} has {len(value)} values but {schedule.name} on "
+                             f"{schedule.n_ranks} ranks has {schedule.n_stages} stages; give one value "
+                             f"per stage or a single number")
+    backward = args.backward if args.backward is not None else _times(2, args.forward)
+    if args.weight is not None:
+        for stage in range(schedule.n_stages):
+            weight, whole = _stage_value(args.weight, stage), _stage_value(backward, stage)
+            if weight > whole:
+                raise ValueError(f"--weight {weight:g} exceeds the whole backward {whole:g} on stage "
+                                 f"{stage} (--backward, default twice --forward): W is part of the "
+                                 f"backward, the input-gradient pass I the rest; give a smaller --weight "
+                                 f"or a larger --backward")
+    return Costs(forward=args.forward, backward=backward, weight_grad=args.weight, latency=args.latency,
+                 bandwidth=args.bandwidth, activation_bytes=args.activation_bytes)
+
+
+def _times(factor: float, value):
+    """factor * value, for one number or one per stage."""
+    return tuple(factor * v for v in value) if isinstance(value, tuple) else factor * value
+
+
+def _compute_kinds(schedule) -> list[Kind]:
+    """The compute kinds (F, B or F, I, W) the schedule runs, in that order."""
+    used = {a.kind for actions in schedule.actions for a in actions}
+    return [kind for kind in (Kind.F, Kind.B, Kind.I, Kind.W) if kind in used]
+
+
+def _stage_value(value, stage: int) -> float:
+    """A duration option's value on one stage."""
+    return value[stage] if isinstance(value, tuple) else value
+
+
+def _describe(costs: Costs, schedule) -> str:
+    """The costs in one short phrase, as the schedule uses them."""
+    def show(value):
+        return "/".join(f"{v:g}" for v in value) if isinstance(value, tuple) else f"{value:g}"
+
+    if Kind.W in _compute_kinds(schedule):
+        halves = [costs.compute_time(kind, s) for s in range(schedule.n_stages) for kind in (Kind.I, Kind.W)]
+        input_grad, weight_grad = halves[0::2], halves[1::2]
+        backward = f"I={show(_one_or_all(input_grad))} W={show(_one_or_all(weight_grad))}"
+    else:
+        backward = f"B={show(costs.backward)}"
+    link = f", latency {costs.latency:g}" if costs.latency else ""
+    if costs.bandwidth is not None:
+        link += f", bandwidth {costs.bandwidth:g} B/unit"
+    return f"F={show(costs.forward)} {backward}{link}"
+
+
+def _one_or_all(values: list[float]):
+    """One number when every stage has the same, else a tuple."""
+    return values[0] if len(set(values)) == 1 else tuple(values)
+
+
+def _arguments(args: argparse.Namespace) -> dict:
+    """The command's arguments as JSON can hold them."""
+    return {key: list(value) if isinstance(value, tuple) else value
+            for key, value in vars(args).items() if key != "handler"}
 
 
 def _figure(value: float | None) -> str:
@@ -91,22 +258,86 @@ def cleanup(args: argparse.Namespace) -> int:
     return 0
 
 
+def _positive_int(text: str) -> int:
+    """An option's whole number >= 1, or argparse's error naming the value."""
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1 or str(value) != text.strip().lstrip("+"):
+        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number >= 1")
+    return value
+
+
+def _number(text: str, positive: bool = False) -> float:
+    """An option's finite number >= 0 (> 0 when `positive`), or argparse's error naming the value."""
+    try:
+        value = float(text)
+    except ValueError:
+        value = float("nan")
+    if not (value > 0 if positive else value >= 0) or value == float("inf"):
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number {'> 0' if positive else '>= 0'}")
+    return value
+
+
+def _per_stage(text: str) -> float | tuple[float, ...]:
+    """One duration for every stage ("1.5"), or one per stage separated by commas ("1,1,2,1")."""
+    parts = text.split(",")
+    try:
+        values = tuple(_number(part.strip()) for part in parts)
+    except argparse.ArgumentTypeError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a duration >= 0, nor one per stage "
+                                         f"separated by commas (e.g. 1 or 1,1,2,1)") from None
+    return values[0] if len(values) == 1 else values
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The command-line interface."""
     parser = argparse.ArgumentParser(prog="pplab", description=__doc__)
     commands = parser.add_subparsers(dest="command", required=True)
     run_demo = commands.add_parser("demo", help="every schedule on local ranks, checked and drawn (CPU)")
-    run_demo.add_argument("--ranks", type=int, default=4)
-    run_demo.add_argument("--microbatches", type=int, default=8)
-    run_demo.add_argument("--microbatch-size", type=int, default=2)
-    run_demo.add_argument("--seq-len", type=int, default=32)
-    run_demo.add_argument("--forward", type=float, default=0.05,
+    run_demo.add_argument("--ranks", type=_positive_int, default=4)
+    run_demo.add_argument("--microbatches", type=_positive_int, default=8)
+    run_demo.add_argument("--microbatch-size", type=_positive_int, default=2)
+    run_demo.add_argument("--seq-len", type=_positive_int, default=32)
+    run_demo.add_argument("--forward", type=_number, default=0.05,
                           help="timing mode: seconds per forward (backward takes twice as long)")
+    run_demo.add_argument("--steps", type=_positive_int, default=1,
+                          help="steps of each schedule on the same ranks (no optimizer: each must "
+                               "repeat the first)")
     run_demo.add_argument("--seed", type=int, default=0)
     run_demo.add_argument("--impl", choices=("pplab", "torch"), default="pplab",
                           help="the hand-written runtime, or torch.distributed.pipelining's schedules")
-    run_demo.add_argument("--out", default="pplab-demo", help="folder for pictures and traces")
+    run_demo.add_argument("--out", default="pplab-demo",
+                          help="folder for pictures, traces and report.json")
     run_demo.set_defaults(handler=demo)
+    run_simulate = commands.add_parser(
+        "simulate", help="predict a schedule's timeline on a cost model (no processes)",
+        description="Build a schedule, run it on a cost model and write the predicted timeline "
+                    "(PNG), a Chrome trace and the numbers (JSON). Durations are in cost units: "
+                    "give seconds to compare with a measured run. Each duration is one number, "
+                    "or one per stage separated by commas.")
+    run_simulate.add_argument("schedule", metavar="SCHEDULE", help=f"one of {', '.join(SCHEDULE_NAMES)}")
+    run_simulate.add_argument("--ranks", type=_positive_int, required=True)
+    run_simulate.add_argument("--microbatches", type=_positive_int, required=True)
+    run_simulate.add_argument("--virtual", type=_positive_int, default=None,
+                              help="stages per rank (interleaved-1f1b: default 2; others: 1)")
+    run_simulate.add_argument("--forward", type=_per_stage, default=1.0,
+                              help="forward F of one stage (an interleaved chunk is a stage; default 1)")
+    run_simulate.add_argument("--backward", type=_per_stage, default=None,
+                              help="whole backward B (default twice the forward)")
+    run_simulate.add_argument("--weight", type=_per_stage, default=None,
+                              help="zero-bubble schedules: the weight-gradient pass W, part of the "
+                                   "backward (the input-gradient pass I is the rest; default half)")
+    run_simulate.add_argument("--latency", type=_number, default=0.0,
+                              help="time a message between ranks takes (default 0)")
+    run_simulate.add_argument("--bandwidth", type=functools.partial(_number, positive=True), default=None,
+                              help="bytes per cost unit of a link (needs --activation-bytes)")
+    run_simulate.add_argument("--activation-bytes", type=_positive_int, default=None,
+                              help="bytes of an activation (or its gradient) crossing a stage boundary")
+    run_simulate.add_argument("--out", default="pplab-simulate",
+                              help="folder for the picture, the trace and the JSON (default pplab-simulate)")
+    run_simulate.set_defaults(handler=simulate_command)
     run_cleanup = commands.add_parser("cleanup", help="stop lab clusters left by killed kernels")
     run_cleanup.add_argument("--force", action="store_true", help="also stop labs of running kernels")
     run_cleanup.set_defaults(handler=cleanup)
@@ -114,6 +345,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Entry point of the `pplab` command."""
-    args = build_parser().parse_args(argv)
-    return args.handler(args)
+    """Entry point of the `pplab` command: 0 when all went well, 1 when a check failed, 2 for bad input."""
+    args = build_parser().parse_args(argv)  # argparse itself exits 2 on malformed options
+    try:
+        return args.handler(args)
+    except ValueError as error:  # what pplab raises for values it cannot use: one line, as argparse would
+        print(f"pplab {args.command}: error: {error}", file=sys.stderr)
+        return 2

@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from pplab.arguments import check_positive_int
 from pplab.data import Batch
 from pplab.model import IGNORE_INDEX, LlamaConfig
 from pplab.partition import build_stage, layer_ranges
@@ -212,15 +213,22 @@ def merge_steps(rank_steps: Sequence[RankStep], label: str = "measured") -> Step
 
 
 def run_jobs_on_rank(rank: int, world_size: int, jobs: Sequence[tuple[PipelineSpec, list[dict]]],
-                     return_grads: bool = True, device="cpu") -> list[RankStep]:
-    """For each (spec, per-rank data) job, build this rank's stages and run one step.
+                     return_grads: bool = True, device="cpu", steps: int | None = None) -> list:
+    """For each (spec, per-rank data) job, build this rank's stages and run one step (or `steps` steps).
 
     The entry point for plain processes (`pplab.launch.run_ranks`) and torchrun scripts.
+    Without `steps`, one RankStep per job; with `steps=n`, per job a list of n RankSteps
+    on the same stages (gradients zeroed before each): with no optimizer every step must
+    repeat the first, so anything one step leaks into the next shows.
     """
-    steps = []
+    if steps is not None:
+        check_positive_int("steps", steps, example=2)
+    results = []
     for spec, data in jobs:
         if spec.schedule.n_ranks != world_size:
             raise ValueError(f"the schedule is for {spec.schedule.n_ranks} ranks but "
                              f"world_size={world_size}")
-        steps.append(RankPipeline(spec, rank, device).step(data[rank], return_grads=return_grads))
-    return steps
+        pipeline = RankPipeline(spec, rank, device)
+        job_steps = [pipeline.step(data[rank], return_grads=return_grads) for _ in range(steps or 1)]
+        results.append(job_steps if steps is not None else job_steps[0])
+    return results

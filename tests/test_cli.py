@@ -9,8 +9,13 @@ from pathlib import Path
 
 import psutil
 import pytest
+import torch
 
+import pplab
 from pplab.cluster import records
+from pplab.schedules import build
+from pplab.simulator import Costs, simulate
+from pplab.trace import Timeline
 
 
 def test_demo_runs_every_schedule_checks_it_and_writes_pictures_and_traces(tmp_path):
@@ -43,6 +48,107 @@ def test_demo_runs_torchs_schedules_with_impl_torch(tmp_path):
     for name in ("torch-gpipe", "torch-1f1b", "torch-interleaved-1f1b", "torch-ZBVZeroBubble"):
         assert (out / f"{name}.png").stat().st_size > 10_000, name
     assert done.stdout.count("parity ok") == 4 and "FAILED" not in done.stdout
+
+
+
+def test_demo_runs_several_steps_and_writes_a_json_report(tmp_path):
+    out = tmp_path / "demo"
+    done = subprocess.run([sys.executable, "-m", "pplab", "demo", "--ranks", "2", "--steps", "2",
+                           "--microbatches", "2", "--forward", "0.01", "--out", str(out)],
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stdout + done.stderr
+    report = json.loads((out / "report.json").read_text())
+    assert report["passed"] is True
+    assert report["pplab_version"] == pplab.__version__ and report["torch_version"] == torch.__version__
+    assert report["arguments"]["steps"] == 2 and report["arguments"]["ranks"] == 2
+    names = [entry["name"] for entry in report["schedules"]]
+    assert names == ["gpipe", "1f1b", "interleaved-1f1b", "zb-h1"]
+    for entry in report["schedules"]:
+        assert entry["impl"] == "pplab" and entry["ranks"] == 2 and entry["microbatches"] == 2
+        # No optimizer: the second step must repeat the first exactly, and both match one device.
+        first, second = entry["losses"]
+        assert first == second, entry["name"]
+        assert abs(first - entry["parity"]["reference_loss"]) <= 1e-6 * abs(first)
+        assert entry["parity"]["passed"] and len(entry["parity"]["max_abs_grad_diff_per_step"]) == 2
+        assert entry["gradient_flow"]["passed"]
+        assert 0 < entry["bubble_fraction"]["measured"] < 1
+        assert len(entry["step_time_s_per_step"]) == 2 and entry["step_time_s"] > 0
+        assert len(entry["peak_inflight"]["measured"]) == 2
+        assert (out / entry["files"]["timeline"]).stat().st_size > 10_000
+    by_name = {entry["name"]: entry for entry in report["schedules"]}
+    assert by_name["gpipe"]["bubble_fraction"]["theory"] == pytest.approx(1 / 3)  # (p-1)/(m+p-1)
+    assert by_name["gpipe"]["peak_inflight"]["measured"] == [2, 2]  # GPipe holds all m on every rank
+    assert done.stdout.count("2 steps: losses all equal, gradients as the reference on every step") == 4
+
+
+def run_simulate(*arguments: str) -> subprocess.CompletedProcess:
+    """`pplab simulate ...` as a user types it."""
+    return subprocess.run([sys.executable, "-m", "pplab", "simulate", *arguments],
+                          capture_output=True, text=True, timeout=120)
+
+
+def test_simulate_writes_the_predicted_timeline_trace_and_numbers(tmp_path):
+    done = run_simulate("zb-h1", "--ranks", "4", "--microbatches", "8", "--out", str(tmp_path))
+    assert done.returncode == 0, done.stdout + done.stderr
+    expected = simulate(build("zb-h1", 4, 8), Costs(forward=1.0, backward=2.0))
+    numbers = json.loads((tmp_path / "zb-h1.json").read_text())
+    assert numbers["step_time"] == expected.step_time() == 27  # 8 * (F+I+W) + (p-1) * F
+    assert numbers["bubble_fraction"] == pytest.approx(expected.bubble_fraction())
+    assert numbers["theory"]["bubble_fraction"] == pytest.approx(1 / 9)
+    assert numbers["peak_inflight"] == expected.peak_inflight_per_rank() == [4, 4, 4, 4]
+    assert numbers["cost_per_stage"] == {"F": [1.0] * 4, "I": [1.0] * 4, "W": [1.0] * 4}
+    assert (tmp_path / "zb-h1.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert (tmp_path / "zb-h1.png").stat().st_size > 10_000
+    traced = Timeline.from_chrome_trace(tmp_path / "zb-h1.trace.json")
+    assert traced.step_time() == pytest.approx(27, rel=1e-6) and traced.n_ranks == 4
+    assert "step time 27" in done.stdout and "(theory 0.111)" in done.stdout
+
+
+def test_simulate_maps_weight_and_latency_onto_the_cost_model(tmp_path):
+    done = run_simulate("zb-h1", "--ranks", "2", "--microbatches", "4", "--forward", "1,2",
+                        "--weight", "0.5", "--latency", "0.25", "--out", str(tmp_path))
+    assert done.returncode == 0, done.stdout + done.stderr
+    costs = Costs(forward=(1.0, 2.0), backward=(2.0, 4.0), weight_grad=0.5, latency=0.25)
+    numbers = json.loads((tmp_path / "zb-h1.json").read_text())
+    assert numbers["step_time"] == simulate(build("zb-h1", 2, 4), costs).step_time()
+    assert numbers["cost_per_stage"] == {"F": [1.0, 2.0], "I": [1.5, 3.5], "W": [0.5, 0.5]}
+    assert numbers["theory"]["bubble_fraction"] is None  # no closed form with a latency
+    assert "theory n/a" in done.stdout
+
+
+@pytest.mark.parametrize("arguments, message", [
+    (("zb-h2", "--ranks", "4", "--microbatches", "8"),
+     "unknown schedule 'zb-h2': known schedules are gpipe, 1f1b, interleaved-1f1b, zb-h1"),
+    (("1f1b", "--ranks", "0", "--microbatches", "8"), "argument --ranks: '0' is not a whole number >= 1"),
+    (("1f1b", "--ranks", "2", "--microbatches", "-3"), "argument --microbatches: '-3'"),
+    (("interleaved-1f1b", "--ranks", "2", "--microbatches", "4", "--virtual", "1"),
+     "--virtual 1: interleaved-1f1b runs 2 or more stages per rank"),
+    (("1f1b", "--ranks", "2", "--microbatches", "4", "--weight", "1"), "--weight given, but 1f1b runs"),
+    (("zb-h1", "--ranks", "2", "--microbatches", "4", "--weight", "3"),
+     "--weight 3 exceeds the whole backward 2"),
+    (("gpipe", "--ranks", "2", "--microbatches", "4", "--forward", "1,2,3"),
+     "--forward has 3 values but gpipe on 2 ranks has 2 stages"),
+])
+def test_simulate_refuses_bad_arguments_with_one_clear_line(tmp_path, arguments, message):
+    done = run_simulate(*arguments, "--out", str(tmp_path / "out"))
+    assert done.returncode == 2, done.stdout + done.stderr
+    assert f"pplab simulate: error: {message}" in done.stderr
+    assert "Traceback" not in done.stderr and done.stdout == ""
+    assert not (tmp_path / "out").exists()  # nothing written for a command that failed
+
+
+
+@pytest.mark.parametrize("arguments, message", [
+    (("--steps", "0"), "argument --steps: '0' is not a whole number >= 1"),
+    (("--ranks", "9"), "n_stages=9 is more than n_layers=8"),  # the tiny model has 8 layers: refused before any rank starts
+])
+def test_demo_refuses_bad_arguments_with_one_clear_line(tmp_path, arguments, message):
+    done = subprocess.run([sys.executable, "-m", "pplab", "demo", *arguments, "--out", str(tmp_path / "out")],
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2, done.stdout + done.stderr
+    assert "pplab demo: error: " in done.stderr and message in done.stderr
+    assert "Traceback" not in done.stderr and "starting" not in done.stdout
+    assert not (tmp_path / "out").exists()
 
 
 ORPHAN_KERNEL = (
