@@ -117,34 +117,55 @@ def pad_sequences(sequences: Sequence[Sequence[int]], seq_len: int, pad_id: int 
     return inputs, targets
 
 
+SPLITS = ("all", "train", "heldout")
+HELDOUT_FRACTION = 0.1  # the corpus' last tenth is held out for evaluation
+
+
 def batches(batch_size: int, seq_len: int, seed: int = 0, text: str | None = None,
             path: str | Path | None = None, tokenizer: CharTokenizer | None = None,
-            steps: int | None = None) -> Iterator[Batch]:
+            steps: int | None = None, split: str = "all", start: int = 0) -> Iterator[Batch]:
     """Random (input_ids, target_ids) windows of a corpus, int64 [batch_size, seq_len].
 
-    The corpus is the embedded one, or `text`, or the text file at `path`.
-    The stream is a pure function of `seed`; it is endless unless `steps` is given.
-    A corpus shorter than one window is padded, with targets set to IGNORE_INDEX.
+    The corpus is the embedded one, or `text`, or the text file at `path`; `split`
+    takes all of it, its first nine tenths ("train") or its last tenth ("heldout"),
+    so that an evaluation never sees training text. The stream is a pure function
+    of `seed`; `start` skips that many batches (a training run's data position, so
+    that a resumed run sees what the uninterrupted one would). It is endless unless
+    `steps` is given. A corpus shorter than one window is padded, with targets set
+    to IGNORE_INDEX.
     """
     check_positive_int("batch_size", batch_size)
     check_positive_int("seq_len", seq_len)
     if steps is not None:
         check_positive_int("steps", steps)
+    if not isinstance(start, int) or start < 0:
+        raise ValueError(f"start={start!r}: give the number of batches to skip, >= 0")
+    if split not in SPLITS:
+        raise ValueError(f"split={split!r}: choose one of {', '.join(map(repr, SPLITS))}")
     if text is not None and path is not None:
         raise ValueError("give the corpus as text= or as path=, not both")
     tokenizer = tokenizer or CharTokenizer()
     corpus = load_text(path) if path is not None else default_corpus() if text is None else text
-    tokens = torch.tensor(tokenizer.encode(corpus), dtype=torch.int64)
+    tokens = _split_tokens(torch.tensor(tokenizer.encode(corpus), dtype=torch.int64), split)
     if len(tokens) < 2:
-        raise ValueError(f"the corpus has {len(tokens)} token(s); next-token training needs at least 2")
+        raise ValueError(f"the corpus ({split}) has {len(tokens)} token(s); next-token training "
+                         f"needs at least 2")
     generator = torch.Generator().manual_seed(seed)
     n_starts = max(1, len(tokens) - seq_len)  # windows of seq_len + 1 tokens
+    for _ in range(start):  # the same draws as the skipped batches, without building them
+        torch.randint(n_starts, (batch_size,), generator=generator)
     step = 0
     while steps is None or step < steps:
         starts = torch.randint(n_starts, (batch_size,), generator=generator).tolist()
         windows = [tokens[s:s + seq_len + 1].tolist() for s in starts]
         yield pad_sequences(windows, seq_len, tokenizer.pad_id)
         step += 1
+
+
+def _split_tokens(tokens: torch.Tensor, split: str) -> torch.Tensor:
+    """All tokens, the training part or the held-out part."""
+    cut = len(tokens) - int(len(tokens) * HELDOUT_FRACTION)
+    return {"all": tokens, "train": tokens[:cut], "heldout": tokens[cut:]}[split]
 
 
 def packed_batches(texts: Iterable[str], encode: Callable[[str], list[int]], batch_size: int,

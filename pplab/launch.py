@@ -73,6 +73,11 @@ def run_ranks(world_size: int, fn, *args, backend: str = "gloo", timeout: float 
     try:
         return _collect(processes, results, timeout, grace)
     finally:
+        # A rank that reported is returning: let it exit on its own (a killed process leaks
+        # its semaphores), then stop whatever is still running.
+        deadline = time.monotonic() + 2.0
+        for process in processes:
+            process.join(max(0.0, deadline - time.monotonic()))
         for process in processes:
             if process.is_alive():
                 process.kill()

@@ -238,6 +238,24 @@ class LlamaModel(nn.Module):
         return x
 
 
+@torch.no_grad()
+def generate(model: LlamaModel, prompt_ids: list[int], max_new_tokens: int) -> list[int]:
+    """Greedy continuation of `prompt_ids` by a full model: the prompt and the new token ids."""
+    if not (model.is_first and model.is_last):
+        raise ValueError("generate needs the full model (embedding and LM head); load one with "
+                         "pplab.checkpoint.load_model(...)")
+    check_positive_int("max_new_tokens", max_new_tokens)
+    if not prompt_ids:
+        raise ValueError("give a prompt of at least one token id")
+    ids = list(prompt_ids)
+    device = next(model.parameters()).device
+    window = model.config.max_position_embeddings
+    for _ in range(max_new_tokens):  # no KV cache: the tiny model recomputes the window each time
+        logits = model(torch.tensor([ids[-window:]], dtype=torch.int64, device=device))
+        ids.append(int(logits[0, -1].argmax()))
+    return ids
+
+
 def check_token_ids(input_ids: torch.Tensor) -> None:
     """Reject anything but an int64 or int32 [batch, seq] tensor of token ids (what nn.Embedding takes)."""
     if input_ids.dim() != 2 or input_ids.dtype not in TOKEN_ID_DTYPES:

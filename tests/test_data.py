@@ -137,3 +137,25 @@ def test_hf_batches_on_a_local_dataset_and_tokenizer(tmp_path, monkeypatch):
         assert vocab["<unk>"] not in x.tolist() and int(x.max()) < len(vocab)
     again = list(hf_batches(str(corpus), str(tmp_path / "tokenizer"), batch_size=2, seq_len=7, seed=3))
     assert all(torch.equal(a[0], b[0]) for a, b in zip(got, again))
+
+
+def test_a_stream_resumed_at_a_position_continues_where_it_was():
+    stream = list(batches(4, 16, seed=3, split="train", steps=5))
+    resumed = next(batches(4, 16, seed=3, split="train", start=3))
+    assert all(torch.equal(a, b) for a, b in zip(stream[3], resumed))
+
+
+def test_held_out_text_is_not_training_text():
+    from pplab.data import HELDOUT_FRACTION, default_corpus
+
+    corpus = default_corpus()
+    cut = len(corpus) - int(len(corpus) * HELDOUT_FRACTION)
+    heldout = next(batches(8, 32, split="heldout"))[0]
+    train = next(batches(8, 32, split="train"))[0]
+    tokenizer = CharTokenizer()
+    for row in heldout:
+        assert tokenizer.decode(row.tolist()) in corpus[cut - 1:]
+    for row in train:
+        assert tokenizer.decode(row.tolist()) in corpus[:cut]
+    with pytest.raises(ValueError, match="split='test'"):
+        next(batches(8, 32, split="test"))

@@ -1,0 +1,343 @@
+"""Training a pipelined model: the same loop on lab engines, under torchrun, or in local processes.
+
+Every rank runs `RankTrainer.train` together. A step is one pipeline step (either
+implementation) followed by what a pipeline must do across its ranks:
+
+- the loss is known on the last stage only: it is broadcast, so every rank reports it;
+- gradient clipping uses the *global* norm. Each rank computes the norm of each of its
+  parameters' gradients, the ranks sum them into one vector ordered like the full
+  model's parameters (each slot filled by its one owner, so the sum is exact), and the
+  total is computed from that vector exactly as `torch.nn.utils.clip_grad_norm_` does on
+  one device. Clipping each stage by its own norm, as some walkthroughs do, scales the
+  stages differently and is not the single-device update;
+- AdamW and the LR schedule (linear warm-up, then cosine decay to `min_lr`) step locally.
+
+The data is a pure function of (seed, position): every rank draws the same global batch
+and keeps its share, and a resumed run continues at the saved position. Evaluation runs
+the stages forward only, microbatch by microbatch, on held-out text.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from datetime import timedelta
+from functools import partial
+
+import torch
+import torch.distributed as dist
+
+import pplab
+from pplab.arguments import check_positive_int
+from pplab.checkpoint import Checkpointer, rank_module, resolve
+from pplab.data import batches
+from pplab.model import LlamaModel, loss_fn
+from pplab.partition import layer_ranges
+from pplab.rank_pipeline import PipelineSpec, RankPipeline, split_for_ranks
+from pplab.reference import as_microbatches
+
+
+@dataclass(frozen=True)
+class TrainOptions:
+    """How to train: what every rank must agree on (small and picklable)."""
+
+    steps: int = 200            # the run's length: the LR reaches min_lr at this step
+    batch_size: int = 8         # sequences per step, cut into the schedule's microbatches
+    seq_len: int = 64
+    lr: float = 3e-3
+    min_lr: float = 3e-4
+    warmup: int = 20
+    weight_decay: float = 0.1   # on matrices only (not norms), as LLaMA recipes do
+    betas: tuple[float, float] = (0.9, 0.95)
+    clip: float | None = 1.0    # the largest global gradient norm; None: no clipping
+    data_seed: int = 0
+    eval_every: int = 50        # steps between held-out evaluations (0: never)
+    eval_batches: int = 2
+    checkpoint_dir: str | None = None
+    checkpoint_every: int = 0   # steps between checkpoints (0: only at the end of `train`)
+    keep: int = 3               # complete checkpoints kept, newest first
+    async_save: bool = False    # write checkpoints in the background (torch.distributed.checkpoint.async_save)
+    resume: str | None = None   # "latest" (in checkpoint_dir) or a checkpoint's path
+
+    def check(self, n_microbatches: int) -> None:
+        """Raise a ValueError naming the first option that cannot work, before any rank blocks."""
+        for name in ("steps", "batch_size", "seq_len", "eval_batches", "keep"):
+            check_positive_int(f"TrainOptions.{name}", getattr(self, name))
+        for name in ("warmup", "eval_every", "checkpoint_every", "data_seed"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+                raise ValueError(f"TrainOptions.{name}={value!r}: give an integer >= 0")
+        if self.batch_size % n_microbatches:
+            raise ValueError(f"TrainOptions.batch_size={self.batch_size} does not split into "
+                             f"{n_microbatches} microbatches; use a multiple of {n_microbatches}")
+        if not 0 < self.min_lr <= self.lr:
+            raise ValueError(f"lr={self.lr}, min_lr={self.min_lr}: need 0 < min_lr <= lr")
+        if self.clip is not None and not self.clip > 0:
+            raise ValueError(f"TrainOptions.clip={self.clip!r}: give a norm > 0, or None for no clipping")
+        if (self.checkpoint_every or self.resume == "latest") and self.checkpoint_dir is None:
+            raise ValueError("checkpoint_every and resume='latest' need checkpoint_dir=<a directory>")
+        if self.resume not in (None, "latest"):
+            resolve(self.resume)  # a clear error now if there is nothing to resume from
+
+
+def lr_factor(options: TrainOptions, step_index: int) -> float:
+    """The LR of step `step_index` (0-based) as a fraction of options.lr: warm-up, then cosine."""
+    if step_index < options.warmup:
+        return (step_index + 1) / options.warmup
+    progress = min(1.0, (step_index - options.warmup) / max(1, options.steps - options.warmup))
+    cosine = 0.5 * (1 + math.cos(math.pi * progress))
+    return (options.min_lr + (options.lr - options.min_lr) * cosine) / options.lr
+
+
+def make_optimizer(named_parameters, options: TrainOptions):
+    """AdamW (decay on matrices only) and its LR schedule; the same for a stage and the full model."""
+    named = list(named_parameters)
+    groups = [{"params": [p for _, p in named if p.dim() >= 2], "weight_decay": options.weight_decay},
+              {"params": [p for _, p in named if p.dim() < 2], "weight_decay": 0.0}]
+    optimizer = torch.optim.AdamW([g for g in groups if g["params"]], lr=options.lr,
+                                  betas=options.betas, foreach=False)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, partial(lr_factor, options))
+    return optimizer, scheduler
+
+
+@dataclass
+class TrainRecord:
+    """One step as every rank saw it."""
+
+    step: int
+    loss: float
+    lr: float                   # the LR this step used
+    grad_norm: float            # global, before clipping
+    seconds: float
+    eval_loss: float | None = None
+    checkpoint: str | None = None
+
+
+@dataclass
+class TrainHistory:
+    """The records of a `train` call, and where it left off."""
+
+    records: list[TrainRecord] = field(default_factory=list)
+    resumed_from: str | None = None
+
+    @property
+    def losses(self) -> list[float]:
+        """The training loss of each step."""
+        return [r.loss for r in self.records]
+
+    @property
+    def eval_losses(self) -> list[tuple[int, float]]:
+        """(step, held-out loss) of each evaluation."""
+        return [(r.step, r.eval_loss) for r in self.records if r.eval_loss is not None]
+
+
+class RankTrainer:
+    """One rank's optimizer, schedule and checkpoints around its `RankPipeline`."""
+
+    def __init__(self, pipeline: RankPipeline, options: TrainOptions, group=None,
+                 checkpoint_group=None):
+        spec, schedule = pipeline.spec, pipeline.spec.schedule
+        options.check(schedule.n_microbatches)
+        _check_every_rank_has_parameters(spec)
+        self.pipeline, self.options, self.group = pipeline, options, group
+        self.rank = pipeline.rank
+        self.module = rank_module(pipeline.stages)
+        self.optimizer, self.scheduler = make_optimizer(self.module.named_parameters(), options)
+        with torch.device("meta"):
+            names = [name for name, _ in LlamaModel(spec.config).named_parameters()]
+        self.slot = {name: index for index, name in enumerate(names)}  # the full model's order
+        self.step = 0            # steps done
+        self.data_position = 0   # batches consumed
+        self.checkpointer = None
+        if options.checkpoint_dir is not None:
+            self.checkpointer = Checkpointer(options.checkpoint_dir, self.rank, options.keep,
+                                             options.async_save, checkpoint_group)
+        self.resumed_from = None
+        if options.resume is not None:
+            self.load(options.checkpoint_dir if options.resume == "latest" else options.resume)
+
+    # --- one step -----------------------------------------------------------------------
+
+    def train_step(self) -> TrainRecord:
+        """One optimizer step on the next batch."""
+        started = time.perf_counter()
+        batch = next(batches(self.options.batch_size, self.options.seq_len, self.options.data_seed,
+                             split="train", start=self.data_position))
+        lr = self.optimizer.param_groups[0]["lr"]
+        rank_step = self.pipeline.step(split_for_ranks(self.pipeline.spec, batch)[self.rank])
+        grad_norm = self.clip_gradients()
+        self.optimizer.step()
+        self.scheduler.step()
+        self.step += 1
+        self.data_position += 1
+        loss = self._from_last_stage(rank_step.microbatch_losses)
+        return TrainRecord(self.step, loss, lr, grad_norm, time.perf_counter() - started)
+
+    def clip_gradients(self) -> float:
+        """The global gradient norm (what one device would compute); gradients clipped to options.clip."""
+        parameters = [p for p in self.module.parameters() if p.grad is not None]
+        device = self.pipeline.device
+        norms = torch.zeros(len(self.slot), dtype=torch.float32, device=device)
+        for name, p in self.module.named_parameters():
+            if p.grad is not None:
+                norms[self.slot[name]] = torch.linalg.vector_norm(p.grad, 2.0)
+        if dist.is_initialized():
+            dist.all_reduce(norms, group=self.group)  # each slot has one owner: an exact sum
+        total = torch.linalg.vector_norm(norms, 2.0)
+        if not torch.isfinite(total):
+            raise FloatingPointError(f"step {self.step + 1}: the global gradient norm is {float(total)}; "
+                                     f"lower the learning rate (lr={self.options.lr}) or check the data")
+        if self.options.clip is not None:
+            torch.nn.utils.clip_grads_with_norm_(parameters, self.options.clip, total, foreach=False)
+        return float(total)
+
+    def _from_last_stage(self, microbatch_losses: dict[int, float]) -> float:
+        """The step's mean loss, known on the last stage's rank, given to every rank."""
+        schedule = self.pipeline.spec.schedule
+        owner = schedule.stage_to_rank(schedule.n_stages - 1)
+        mean = sum(microbatch_losses[mb] for mb in sorted(microbatch_losses)) / max(1, len(microbatch_losses))
+        if not dist.is_initialized():
+            return mean
+        value = torch.tensor([mean if self.rank == owner else 0.0], dtype=torch.float64,
+                             device=self.pipeline.device)
+        dist.broadcast(value, src=dist.get_global_rank(self.group, owner) if self.group else owner,
+                       group=self.group)
+        return float(value)
+
+    # --- evaluation -----------------------------------------------------------------------
+
+    @torch.no_grad()
+    def evaluate(self) -> float:
+        """The mean loss on `eval_batches` held-out batches (the same ones every time), forward only."""
+        losses = []
+        for batch in batches(self.options.batch_size, self.options.seq_len, self.options.data_seed,
+                             split="heldout", steps=self.options.eval_batches):
+            losses.append(self._forward_only(batch))
+        return sum(losses) / len(losses)
+
+    def _forward_only(self, batch) -> float:
+        """Every microbatch through the stages in order, activations sent to the next stage's rank."""
+        spec, schedule = self.pipeline.spec, self.pipeline.spec.schedule
+        stages, device = self.pipeline.stages, self.pipeline.device
+        timeout = timedelta(seconds=spec.timeout)
+        losses, sends = {}, []
+        for mb, (input_ids, target_ids) in enumerate(as_microbatches(batch, schedule.n_microbatches)):
+            x = None
+            for stage in range(schedule.n_stages):
+                if schedule.stage_to_rank(stage) != self.rank:
+                    continue
+                if stage == 0:
+                    x = input_ids.to(device)
+                elif schedule.stage_to_rank(stage - 1) != self.rank:
+                    x = torch.empty((*input_ids.shape, spec.config.hidden_size), device=device,
+                                    dtype=next(stages[stage].parameters()).dtype)
+                    self._peer(dist.irecv, x, schedule.stage_to_rank(stage - 1)).wait(timeout)
+                x = stages[stage](x)
+                if stage == schedule.n_stages - 1:
+                    losses[mb] = float(loss_fn(x, target_ids.to(device)))
+                elif schedule.stage_to_rank(stage + 1) != self.rank:
+                    sends.append(self._peer(dist.isend, x, schedule.stage_to_rank(stage + 1)))
+        for send in sends:
+            send.wait(timeout)
+        return self._from_last_stage(losses)
+
+    def _peer(self, operation, tensor, rank: int):
+        if self.group is None:
+            return operation(tensor, rank)
+        return operation(tensor, group=self.group, group_dst=rank) if operation is dist.isend else \
+            operation(tensor, group=self.group, group_src=rank)
+
+    # --- the loop ---------------------------------------------------------------------------
+
+    def train(self, until: int | None = None,
+              on_step: Callable[[TrainRecord], None] | None = None) -> TrainHistory:
+        """Steps until step `until` (default: options.steps), evaluating and saving as configured."""
+        until = self.options.steps if until is None else until
+        if not isinstance(until, int) or until < self.step:
+            raise ValueError(f"until={until!r}: this run has done {self.step} steps; give a step >= "
+                             f"{self.step}")
+        history = TrainHistory(resumed_from=self.resumed_from)
+        while self.step < until:
+            record = self.train_step()
+            every = self.options.eval_every
+            if every and (self.step % every == 0 or self.step == until):
+                record.eval_loss = self.evaluate()
+            every = self.options.checkpoint_every
+            if self.checkpointer and (self.step == until or (every and self.step % every == 0)):
+                record.checkpoint = str(self.save())
+            history.records.append(record)
+            if on_step is not None:
+                on_step(record)
+        if self.checkpointer:
+            self.checkpointer.finish()
+        return history
+
+    # --- checkpoints ----------------------------------------------------------------------
+
+    def save(self):
+        """A checkpoint of this step under options.checkpoint_dir (every rank calls it)."""
+        if self.checkpointer is None:
+            raise ValueError("this run has no checkpoint_dir: give TrainOptions(checkpoint_dir=...)")
+        spec = self.pipeline.spec
+        manifest = {"pplab": pplab.__version__, "torch": torch.__version__,
+                    "config": asdict(spec.config), "n_stages": spec.schedule.n_stages,
+                    "schedule": spec.torch_name or spec.schedule.name, "impl": spec.impl,
+                    "world_size": spec.schedule.n_ranks,
+                    "options": {k: v for k, v in asdict(self.options).items()
+                                if k in ("batch_size", "seq_len", "data_seed", "steps")}}
+        train_state = {"step": self.step, "data_position": self.data_position}
+        return self.checkpointer.save(self.step, self.module, self.optimizer, self.scheduler,
+                                      train_state, manifest)
+
+    def load(self, path) -> None:
+        """Continue from a checkpoint (any layout of the same model)."""
+        checkpointer = self.checkpointer or Checkpointer(path, self.rank)
+        state = checkpointer.load(path, self.module, self.optimizer, self.scheduler,
+                                  self.pipeline.spec.config)
+        self.step, self.data_position = int(state["step"]), int(state["data_position"])
+        self.resumed_from = state["path"]
+
+
+def _check_every_rank_has_parameters(spec: PipelineSpec) -> None:
+    """AdamW needs parameters: a rank of pass-through stages only cannot train (same answer on every rank)."""
+    schedule = spec.schedule
+    ranges = layer_ranges(spec.config.num_hidden_layers, schedule.n_stages, spec.balance, spec.allow_empty)
+    for rank in range(schedule.n_ranks):
+        stages = schedule.stages_of(rank)
+        if not any(ranges[s][1] > ranges[s][0] or s in (0, schedule.n_stages - 1) for s in stages):
+            raise ValueError(f"rank {rank} holds only empty stages {stages} (no parameters), which "
+                             f"cannot be trained; use a balance that gives it layers")
+
+
+def train_on_rank(rank: int, world_size: int, spec: PipelineSpec, options: TrainOptions,
+                  until: int | None = None, progress: bool = True, device="cpu") -> TrainHistory:
+    """Build this rank's stages and train them: the entry point for torchrun and local processes.
+
+    Rank 0 shows a progress bar (tqdm) when `progress` is true.
+    """
+    if spec.schedule.n_ranks != world_size:
+        raise ValueError(f"the schedule is for {spec.schedule.n_ranks} ranks but world_size={world_size}")
+    checkpoint_group = None
+    if options.async_save and dist.is_initialized():  # the background writer's own group
+        checkpoint_group = dist.new_group(backend="gloo")
+    trainer = RankTrainer(RankPipeline(spec, rank, device), options, checkpoint_group=checkpoint_group)
+    bar = None
+    if progress and rank == 0:
+        from tqdm import tqdm
+
+        bar = tqdm(total=options.steps if until is None else until, initial=trainer.step,
+                   desc="training", unit="step")
+
+    def show(record: TrainRecord) -> None:
+        if bar is not None:
+            extra = {} if record.eval_loss is None else {"eval": f"{record.eval_loss:.3f}"}
+            bar.set_postfix(loss=f"{record.loss:.3f}", lr=f"{record.lr:.1e}", **extra, refresh=False)
+            bar.update(1)
+
+    try:
+        return trainer.train(until, on_step=show)
+    finally:
+        if bar is not None:
+            bar.close()

@@ -1,0 +1,107 @@
+"""Training on real ranks (gloo, CPU) against a single-device training loop written here."""
+
+import pytest
+import torch
+
+from pplab.data import CharTokenizer, batches, split_microbatches
+from pplab.launch import run_ranks
+from pplab.model import LlamaConfig, build_model, generate, loss_fn
+from pplab.partition import layer_ranges, stage_of_parameter
+from pplab.rank_pipeline import PipelineSpec
+from pplab.train import TrainOptions, lr_factor, make_optimizer, train_on_rank
+
+CONFIG = LlamaConfig.tiny()
+OPTIONS = TrainOptions(steps=6, batch_size=8, seq_len=32, warmup=2, eval_every=3, clip=0.5)
+
+
+def single_device_losses(options: TrainOptions, n_microbatches: int, per_stage: int = 0) -> list[float]:
+    """The same training on one device, clipped with torch's own clip_grad_norm_.
+
+    With `per_stage` > 0, the parameters of each of that many stages are clipped by
+    their own norm: what per-stage clipping on a pipeline does.
+    """
+    model = build_model(CONFIG, 0)
+    clip_groups = [list(model.parameters())]
+    if per_stage:
+        ranges = layer_ranges(CONFIG.num_hidden_layers, per_stage)
+        clip_groups = [[p for name, p in model.named_parameters() if stage_of_parameter(name, ranges) == s]
+                       for s in range(per_stage)]
+    optimizer, scheduler = make_optimizer(model.named_parameters(), options)
+    losses = []
+    for step in range(options.steps):
+        batch = next(batches(options.batch_size, options.seq_len, options.data_seed, split="train",
+                             start=step))
+        model.zero_grad(set_to_none=True)
+        microbatch_losses = []
+        for input_ids, target_ids in split_microbatches(batch, n_microbatches):
+            loss = loss_fn(model(input_ids), target_ids)
+            (loss / n_microbatches).backward()
+            microbatch_losses.append(loss.item())
+        for group in clip_groups:
+            torch.nn.utils.clip_grad_norm_(group, options.clip)
+        optimizer.step()
+        scheduler.step()
+        losses.append(sum(microbatch_losses) / n_microbatches)
+    return losses
+
+
+@pytest.fixture(scope="module")
+def reference_losses():
+    return single_device_losses(OPTIONS, 4)
+
+
+@pytest.mark.parametrize("schedule, impl, n_virtual", [("1f1b", "pplab", 1), ("zb-h1", "pplab", 1),
+                                                       ("interleaved-1f1b", "pplab", 2),
+                                                       ("1f1b", "torch", 1)])
+def test_pipeline_training_equals_one_device_to_the_last_bit(reference_losses, schedule, impl, n_virtual):
+    spec = PipelineSpec.create(CONFIG, schedule, 2, 4, n_virtual, impl=impl)
+    histories = run_ranks(2, train_on_rank, spec, OPTIONS, None, False, timeout=180)
+    assert histories[0].losses == reference_losses
+    assert histories[1].losses == histories[0].losses  # the loss is known on every rank
+    assert any(r.grad_norm > OPTIONS.clip for r in histories[0].records)  # clipping did act
+    evaluations = histories[0].eval_losses
+    assert [step for step, _ in evaluations] == [3, 6] and evaluations[1][1] < evaluations[0][1]
+
+
+def test_per_stage_clipping_is_not_the_single_device_update(reference_losses):
+    # Two stages, each clipped by its own norm, as a per-rank clip_grad_norm_ does.
+    per_stage = single_device_losses(OPTIONS, 4, per_stage=2)
+    assert per_stage[0] == reference_losses[0]  # the first loss precedes any update
+    assert max(abs(a - b) for a, b in zip(per_stage[1:], reference_losses[1:])) > 1e-4
+
+
+def test_learning_rate_warms_up_then_decays_to_min_lr():
+    options = TrainOptions(steps=100, warmup=10, lr=1e-3, min_lr=1e-4)
+    lrs = [options.lr * lr_factor(options, i) for i in range(100)]
+    assert lrs[0] == pytest.approx(1e-4) and lrs[9] == pytest.approx(1e-3)
+    assert all(a >= b for a, b in zip(lrs[10:], lrs[11:]))
+    assert lrs[-1] == pytest.approx(1e-4, rel=0.01)
+
+
+@pytest.mark.parametrize("options, message", [
+    (dict(batch_size=6), "batch_size=6 does not split into 4"),
+    (dict(resume="latest"), "need checkpoint_dir"),
+    (dict(min_lr=1.0, lr=0.1), "min_lr <= lr"),
+    (dict(clip=0.0), "clip=0.0"),
+    (dict(steps=0), "steps"),
+    (dict(resume="/nonexistent/run"), "does not exist"),
+])
+def test_bad_options_are_refused_before_any_rank_starts(options, message):
+    with pytest.raises(ValueError, match=message):
+        TrainOptions(**options).check(4)
+
+
+@pytest.mark.slow
+def test_the_embedded_corpus_trains_visibly_and_generates_corpus_like_text(tmp_path):
+    options = TrainOptions(steps=150, batch_size=16, seq_len=64, eval_every=50,
+                           checkpoint_dir=str(tmp_path))
+    spec = PipelineSpec.create(CONFIG, "1f1b", 2, 4)
+    history = run_ranks(2, train_on_rank, spec, options, None, False, timeout=400)[0]
+    (_, first), *_, (_, last) = history.eval_losses
+    assert last < 0.5 * history.records[0].loss and last < first
+    from pplab.checkpoint import load_model
+
+    tokenizer = CharTokenizer()
+    text = tokenizer.decode(generate(load_model(tmp_path), tokenizer.encode("the "), 40))
+    words = set(text.replace(".", " ").split())
+    assert words & {"the", "sat", "on", "ran", "to", "mat", "barn", "cat", "dog", "red", "blue"}, text
