@@ -249,6 +249,57 @@ def _figure(value: float | None) -> str:
     return "n/a" if value is None else f"{value:.3f}"
 
 
+def train_command(args: argparse.Namespace) -> int:
+    """Train the tiny model on local ranks or under torchrun (the same loop as a lab's `run.train`)."""
+    from pplab.launch import run_as_torchrun_rank, run_ranks, under_torchrun
+    from pplab.model import LlamaConfig
+    from pplab.rank_pipeline import PipelineSpec
+    from pplab.train import TrainOptions, train_on_rank
+
+    ranks = int(os.environ["WORLD_SIZE"]) if under_torchrun() else args.ranks
+    options = TrainOptions(
+        steps=args.steps, batch_size=args.batch_size, seq_len=args.seq_len, lr=args.lr,
+        min_lr=args.min_lr if args.min_lr is not None else args.lr / 10, warmup=args.warmup,
+        clip=args.clip or None, data_seed=args.data_seed, eval_every=args.eval_every,
+        checkpoint_dir=args.checkpoint_dir, checkpoint_every=args.checkpoint_every, keep=args.keep,
+        async_save=args.async_save, resume=args.resume)
+    spec = PipelineSpec.create(LlamaConfig.tiny(), args.schedule, ranks, args.microbatches,
+                               args.virtual, impl=args.impl, seed=args.seed)
+    options.check(spec.schedule.n_microbatches)  # bad options fail here, before any rank starts
+    speaker = os.environ.get("RANK", "0") == "0"
+    if speaker:
+        where = "ranks started by torchrun" if under_torchrun() else "local ranks (gloo)"
+        print(f"pplab train: {args.schedule} ({args.impl}) on {ranks} {where}, {args.microbatches} "
+              f"microbatches, {options.steps} steps"
+              + (f", resuming from {options.resume}" if options.resume else ""), flush=True)
+    started = time.perf_counter()
+    if under_torchrun():
+        histories = run_as_torchrun_rank(train_on_rank, spec, options, None, True)
+        if histories is None:
+            return 0
+    else:
+        histories = run_ranks(ranks, train_on_rank, spec, options, None, True, timeout=args.timeout)
+    history = histories[0]
+    records = history.records
+    if records:
+        evaluations = ", ".join(f"{step}: {loss:.3f}" for step, loss in history.eval_losses)
+        print(f"done in {time.perf_counter() - started:.1f} s: loss {records[0].loss:.3f} (step "
+              f"{records[0].step}) -> {records[-1].loss:.3f} (step {records[-1].step})"
+              + (f"; held-out loss {evaluations}" if evaluations else ""))
+    else:
+        print(f"nothing to do: the checkpoint is at step {options.steps} already")
+    saved = [r.checkpoint for r in records if r.checkpoint]
+    if saved:
+        print(f"last checkpoint: {saved[-1]}")
+    if args.report:
+        report = {"pplab": pplab.__version__, "arguments": _arguments(args),
+                  "resumed_from": history.resumed_from,
+                  "records": [dataclasses.asdict(r) for r in records]}
+        Path(args.report).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.report).write_text(json.dumps(report, indent=1))
+    return 0
+
+
 def cleanup(args: argparse.Namespace) -> int:
     """Stop lab clusters left behind by killed kernels (all labs with --force)."""
     from pplab.cluster import cleanup as stop_orphans
@@ -338,6 +389,38 @@ def build_parser() -> argparse.ArgumentParser:
     run_simulate.add_argument("--out", default="pplab-simulate",
                               help="folder for the picture, the trace and the JSON (default pplab-simulate)")
     run_simulate.set_defaults(handler=simulate_command)
+    run_train = commands.add_parser(
+        "train", help="train the tiny model on the embedded corpus, with checkpoints (local ranks or torchrun)",
+        description="Train the tiny LLaMA-style model on the embedded corpus: AdamW, warm-up then "
+                    "cosine, global-norm clipping, held-out evaluation, distributed checkpoints. "
+                    "Runs --ranks local processes, or one rank per process under torchrun "
+                    "(torchrun --standalone --nproc_per_node=N -m pplab train ...).")
+    run_train.add_argument("--ranks", type=_positive_int, default=2, help="local ranks (torchrun decides its own)")
+    run_train.add_argument("--schedule", default="1f1b", help=f"one of {', '.join(SCHEDULE_NAMES)} "
+                           f"(with --impl torch: a torch schedule name)")
+    run_train.add_argument("--impl", choices=("pplab", "torch"), default="pplab")
+    run_train.add_argument("--microbatches", type=_positive_int, default=4)
+    run_train.add_argument("--virtual", type=_positive_int, default=1, help="stages per rank")
+    run_train.add_argument("--steps", type=_positive_int, default=200, help="the run's length (LR horizon)")
+    run_train.add_argument("--batch-size", type=_positive_int, default=16)
+    run_train.add_argument("--seq-len", type=_positive_int, default=64)
+    run_train.add_argument("--lr", type=functools.partial(_number, positive=True), default=3e-3)
+    run_train.add_argument("--min-lr", type=functools.partial(_number, positive=True), default=None,
+                           help="the LR at the end (default lr / 10)")
+    run_train.add_argument("--warmup", type=int, default=20)
+    run_train.add_argument("--clip", type=_number, default=1.0, help="max global gradient norm (0: none)")
+    run_train.add_argument("--seed", type=int, default=0, help="model initialisation")
+    run_train.add_argument("--data-seed", type=int, default=0)
+    run_train.add_argument("--eval-every", type=int, default=50, help="steps between held-out evaluations")
+    run_train.add_argument("--checkpoint-dir", default=None)
+    run_train.add_argument("--checkpoint-every", type=int, default=0, help="0: only at the end")
+    run_train.add_argument("--keep", type=_positive_int, default=3, help="complete checkpoints kept")
+    run_train.add_argument("--async-save", action="store_true", help="write checkpoints in the background")
+    run_train.add_argument("--resume", default=None, help="'latest' (in --checkpoint-dir) or a checkpoint path")
+    run_train.add_argument("--timeout", type=functools.partial(_number, positive=True), default=3600,
+                           help="local ranks: seconds the whole run may take")
+    run_train.add_argument("--report", default=None, help="write every step's record as JSON to this file")
+    run_train.set_defaults(handler=train_command)
     run_cleanup = commands.add_parser("cleanup", help="stop lab clusters left by killed kernels")
     run_cleanup.add_argument("--force", action="store_true", help="also stop labs of running kernels")
     run_cleanup.set_defaults(handler=cleanup)

@@ -159,6 +159,57 @@ ORPHAN_KERNEL = (
 )
 
 
+def run_train(*arguments: str, torchrun: bool = False, cwd=None) -> subprocess.CompletedProcess:
+    """`pplab train ...` as a user types it: local ranks, or two ranks under torchrun."""
+    launcher = ([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"]
+                if torchrun else [sys.executable])
+    return subprocess.run([*launcher, "-m", "pplab", "train", *arguments], capture_output=True,
+                          text=True, timeout=300, cwd=cwd)
+
+
+def reported_losses(path: Path) -> dict[int, float]:
+    return {r["step"]: r["loss"] for r in json.loads(path.read_text())["records"]}
+
+
+def test_train_command_checkpoints_and_resumes_to_the_uninterrupted_losses(tmp_path):
+    whole = run_train("--steps", "6", "--eval-every", "3", "--report", str(tmp_path / "whole.json"))
+    assert whole.returncode == 0, whole.stderr
+    assert "held-out loss 3: " in whole.stdout
+    saved = run_train("--steps", "6", "--checkpoint-dir", str(tmp_path / "run"), "--checkpoint-every", "3",
+                      "--keep", "2")
+    assert saved.returncode == 0, saved.stderr
+    assert "last checkpoint: " in saved.stdout
+    import shutil
+
+    shutil.rmtree(tmp_path / "run" / "step-00000006")  # as if the run had stopped after step 3
+    resumed = run_train("--steps", "6", "--checkpoint-dir", str(tmp_path / "run"), "--resume", "latest",
+                        "--report", str(tmp_path / "resumed.json"))
+    assert resumed.returncode == 0, resumed.stderr
+    assert "resuming from latest" in resumed.stdout
+    whole_losses, resumed_losses = reported_losses(tmp_path / "whole.json"), reported_losses(tmp_path / "resumed.json")
+    assert sorted(resumed_losses) == [4, 5, 6]
+    assert all(resumed_losses[step] == whole_losses[step] for step in resumed_losses)
+
+
+def test_train_command_under_torchrun_is_the_same_run(tmp_path):
+    local = run_train("--steps", "3", "--schedule", "gpipe", "--report", str(tmp_path / "local.json"))
+    launched = run_train("--steps", "3", "--schedule", "gpipe", "--report", str(tmp_path / "torchrun.json"),
+                         torchrun=True)
+    assert local.returncode == 0 and launched.returncode == 0, launched.stderr[-2000:]
+    assert "ranks started by torchrun" in launched.stdout
+    assert reported_losses(tmp_path / "torchrun.json") == reported_losses(tmp_path / "local.json")
+
+
+@pytest.mark.parametrize("arguments, message", [
+    (["--batch-size", "6"], "batch_size=6 does not split into 4 microbatches"),
+    (["--resume", "latest"], "need checkpoint_dir"),
+    (["--schedule", "2f2b"], "2f2b"),
+])
+def test_train_command_refuses_bad_arguments_with_one_clear_line(tmp_path, arguments, message):
+    done = run_train(*arguments, cwd=tmp_path)
+    assert done.returncode == 2 and message in done.stderr and "Traceback" not in done.stderr, done.stderr
+
+
 def alive(processes: list[psutil.Process]) -> list[psutil.Process]:
     """The processes still running (a zombie has exited)."""
     _, still = psutil.wait_procs(processes, timeout=10)
