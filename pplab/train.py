@@ -148,6 +148,7 @@ class RankTrainer:
         with torch.device("meta"):
             names = [name for name, _ in LlamaModel(spec.config).named_parameters()]
         self.slot = {name: index for index, name in enumerate(names)}  # the full model's order
+        self.last_events: list = []
         self.step = 0            # steps done
         self.data_position = 0   # batches consumed
         self.checkpointer = None
@@ -167,6 +168,7 @@ class RankTrainer:
                              split="train", start=self.data_position))
         lr = self.optimizer.param_groups[0]["lr"]
         rank_step = self.pipeline.step(split_for_ranks(self.pipeline.spec, batch)[self.rank])
+        self.last_events = rank_step.events  # for live views: what this rank did in the step
         grad_norm = self.clip_gradients()
         self.optimizer.step()
         self.scheduler.step()

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import statistics
 from os import PathLike
-from typing import Mapping
+from typing import Mapping, Sequence
 
 from matplotlib.axes import Axes
 from matplotlib.collections import PatchCollection
@@ -398,3 +398,35 @@ def plot_bubbles(results: Mapping[str, tuple[float | Timeline, float | None]], t
 
 def _bubble_of(value: float | Timeline) -> float:
     return value.bubble_fraction() if isinstance(value, Timeline) else float(value)
+
+
+# ---------------------------------------------------------------- training
+
+
+def plot_training(records: Sequence, title: str | None = None) -> Figure:
+    """Training loss per step, held-out loss at each evaluation, and the learning rate (right axis).
+
+    `records` are `pplab.train.TrainRecord`s (anything with step, loss, lr, eval_loss).
+    """
+    fig = _new_figure(7.0, 3.0)
+    ax = fig.add_subplot()
+    steps = [r.step for r in records]
+    ax.plot(steps, [r.loss for r in records], color="#4878a8", lw=1.2, label="training loss")
+    evaluations = [(r.step, r.eval_loss) for r in records if r.eval_loss is not None]
+    if evaluations:
+        ax.plot(*zip(*evaluations), "o-", color="#c0504d", ms=4, lw=1.2, label="held-out loss")
+    ax.set_xlabel("step")
+    ax.set_ylabel("loss")
+    ax.grid(alpha=0.3)
+    lr_axis = ax.twinx()
+    lr_axis.plot(steps, [r.lr for r in records], color="#999999", lw=1, ls="--", label="learning rate")
+    lr_axis.set_ylabel("learning rate", color="#777777")
+    lr_axis.tick_params(axis="y", colors="#777777", labelsize=8)
+    lr_axis.ticklabel_format(axis="y", style="sci", scilimits=(0, 0))
+    handles = ax.get_legend_handles_labels()[0] + lr_axis.get_legend_handles_labels()[0]
+    ax.legend(handles=handles, loc="upper right", frameon=False, fontsize=8)
+    if records:
+        last = records[-1]
+        ax.set_title(title or f"step {last.step}: loss {last.loss:.3f}"
+                     + (f", held-out {evaluations[-1][1]:.3f}" if evaluations else ""), fontsize=10)
+    return fig

@@ -75,3 +75,25 @@ def test_a_pipeline_stepped_after_a_restart_says_to_build_it_again(lab2):
                                            r"call lab.pipeline\(...\) again"):
         run.step()
     assert lab2.state == "running"  # refused on the client: no rank was called
+
+
+def test_training_on_a_lab_is_the_training_of_plain_processes_and_reshards(lab2, tmp_path):
+    from pplab.launch import run_ranks
+    from pplab.rank_pipeline import PipelineSpec
+    from pplab.train import TrainOptions, train_on_rank
+
+    options = dict(steps=6, batch_size=8, seq_len=32, warmup=2, eval_every=3)
+    spec = PipelineSpec.create(CONFIG, "interleaved-1f1b", 2, 4, 2)
+    plain = run_ranks(2, train_on_rank, spec, TrainOptions(**options), None, False, timeout=120)[0]
+
+    run = lab2.pipeline(CONFIG, "interleaved-1f1b", microbatches=4, n_virtual=2)
+    first = run.train(until=4, show=False, checkpoint_dir=str(tmp_path), checkpoint_every=2, **options)
+    rest = run.train(show=False, checkpoint_dir=str(tmp_path), checkpoint_every=2, **options)  # goes on
+    assert first.losses + rest.losses == plain.losses
+    assert set(plain.eval_losses) <= set(run.history.eval_losses)  # and one where the first call stopped
+    run.close()
+    # 4 stages saved; 2 stages resume from step 4 and take the same step 5.
+    fewer = lab2.pipeline(CONFIG, "1f1b", microbatches=4)
+    resumed = fewer.train(until=5, show=False, resume=str(tmp_path / "step-00000004"), **options)
+    assert resumed.losses == plain.losses[4:5]
+    fewer.close()

@@ -108,3 +108,17 @@ def test_what_if_starts_from_the_costs_a_measured_run_shows():
     assert costs.forward == pytest.approx((0.01, 0.03)) and costs.backward == pytest.approx((0.02, 0.06))
     panel = WhatIf("1f1b", n_ranks=2, n_microbatches=4, measured=measured)
     assert panel.unit == "s" and panel.timeline.step_time() == pytest.approx(measured.step_time())
+
+
+def test_training_view_follows_the_records_and_shows_the_latest_step():
+    from pplab.train import TrainRecord
+    from pplab.widgets import TrainingView
+
+    view = TrainingView(total_steps=10, redraw_seconds=3600)  # only the first add redraws by itself
+    timeline = simulate(build("1f1b", 2, 4), Costs(forward=1, backward=2))
+    for step in range(1, 5):
+        view.add(TrainRecord(step, 5.0 - step, 1e-3, 1.5, 0.02, eval_loss=4.2 if step == 4 else None), timeline)
+    assert view.progress.value == 4 and view.draws == 1
+    view.redraw()
+    assert view.draws == 2 and "step 4/10" in view.status.value and "held-out 4.200" in view.status.value
+    assert view.curves.value and view.steps.shown is timeline

@@ -15,6 +15,7 @@ import uuid
 from collections.abc import Sequence
 
 import torch
+import torch.distributed as dist
 
 from pplab.arguments import check_positive_seconds
 from pplab.checks import (BoundaryTable, GradientFlowReport, ParityReport, check_gradient_flow,
@@ -28,10 +29,12 @@ from pplab.runtime import RankStep
 from pplab.schedules import Schedule
 from pplab.simulator import Costs, simulate
 from pplab.trace import Timeline
+from pplab.train import RankTrainer, TrainHistory, TrainOptions
 
 # --- engine side ----------------------------------------------------------------------------
 
 _pipelines: dict[str, RankPipeline] = {}
+_trainers: dict[str, RankTrainer] = {}
 
 
 def build_on_rank(run_id: str, spec: PipelineSpec) -> dict:
@@ -43,6 +46,13 @@ def build_on_rank(run_id: str, spec: PipelineSpec) -> dict:
             "parameters": sum(p.numel() for p in pipeline.parameters())}
 
 
+def _pipeline(run_id: str) -> RankPipeline:
+    if run_id not in _pipelines:
+        raise LookupError(f"pipeline {run_id} is not built on rank {engine.rank_context().rank} (was "
+                          f"the lab restarted?): call lab.pipeline(...) again")
+    return _pipelines[run_id]
+
+
 def step_on_rank(run_id: str, per_rank_data: list[dict], return_grads: bool,
                  live_interval: float | None = None) -> RankStep:
     """Run one step of the pipeline `run_id` with this rank's share of the data.
@@ -51,19 +61,35 @@ def step_on_rank(run_id: str, per_rank_data: list[dict], return_grads: bool,
     while the step runs (see `engine.Feed`), for live views.
     """
     context = engine.rank_context()
-    if run_id not in _pipelines:
-        raise LookupError(f"pipeline {run_id} is not built on rank {context.rank} (was the lab "
-                          f"restarted?): call lab.pipeline(...) again")
-    pipeline, data = _pipelines[run_id], per_rank_data[context.rank]
+    pipeline, data = _pipeline(run_id), per_rank_data[context.rank]
     if live_interval is None:
         return pipeline.step(data, return_grads=return_grads)
     with engine.Feed(live_interval) as feed:
         return pipeline.step(data, return_grads=return_grads, watch=feed.put)
 
 
+def train_on_rank(run_id: str, options: TrainOptions, until: int | None,
+                  live_interval: float) -> TrainHistory:
+    """Train the pipeline `run_id` (the loop of `pplab.train`), publishing each step as it ends.
+
+    The rank keeps its trainer (optimizer, LR schedule, step) between calls with the
+    same options, so a second call goes on where the first stopped; other options
+    start a new optimizer on the stages' current weights.
+    """
+    pipeline = _pipeline(run_id)
+    trainer = _trainers.get(run_id)
+    if trainer is None or trainer.options != options:
+        # An async save writes from a thread: give it a process group of its own.
+        group = dist.new_group(backend="gloo") if options.async_save else None
+        trainer = _trainers[run_id] = RankTrainer(pipeline, options, checkpoint_group=group)
+    with engine.Feed(live_interval) as feed:
+        return trainer.train(until, on_step=lambda record: feed.put((record, trainer.last_events)))
+
+
 def drop_on_rank(run_id: str) -> None:
-    """Forget the pipeline `run_id` (frees its stages)."""
+    """Forget the pipeline `run_id` (frees its stages and its trainer)."""
     _pipelines.pop(run_id, None)
+    _trainers.pop(run_id, None)
 
 
 # --- client side ----------------------------------------------------------------------------
@@ -77,6 +103,7 @@ class PipelineRun:
         self.spec = PipelineSpec.create(config, schedule, lab.world_size, microbatches, n_virtual, **options)
         self.run_id = f"run-{uuid.uuid4().hex[:8]}"  # unique even with two clients on one cluster
         self.last: StepResult | None = None
+        self.history = TrainHistory()  # every step that `train` ran, across calls
         # Every wait between ranks is bounded by spec.timeout; timing mode adds the step's own length.
         padded = simulate(self.spec.schedule, self.spec.timing).step_time() if self.spec.timing else 0.0
         self._call_timeout = self.spec.timeout + 120.0 + 2 * padded
@@ -114,6 +141,55 @@ class PipelineRun:
         call = self.lab.run_async(step_on_rank, self.run_id, data, return_grads, live_interval,
                                   timeout=self._call_timeout)
         return LiveStep(self, call)
+
+    def train(self, steps: int | None = None, until: int | None = None, show: bool = True,
+              live_interval: float = 0.25, **options) -> TrainHistory:
+        """Train on every rank (AdamW, warm-up + cosine, global-norm clipping; see pplab.train).
+
+        `steps` is the run's length (the LR schedule's horizon); `until` stops earlier (a
+        later call with the same options goes on). Other keywords are `TrainOptions`
+        fields (batch_size, lr, eval_every, checkpoint_dir, checkpoint_every, resume, ...).
+        In a notebook a `TrainingView` shows progress, loss curves and the latest step;
+        elsewhere a progress bar. The records are also kept in `run.history`.
+        """
+        if steps is not None:
+            options["steps"] = steps
+        train_options = TrainOptions(**options)
+        train_options.check(self.schedule.n_microbatches)  # before any rank starts
+        if self.lab.rank_processes != self._built_on:
+            raise RuntimeError(f"{self!r} was built on engines that lab.restart() replaced: "
+                               f"call lab.pipeline(...) again")
+        check_positive_seconds("live_interval", live_interval)
+        call = self.lab.run_async(train_on_rank, self.run_id, train_options, until, live_interval)
+        view = _training_display(train_options.steps if until is None else until,
+                                 self.history.records[-1].step if self.history.records else 0, show)
+        by_step: dict[int, list] = {}
+
+        def show_arrived() -> None:
+            for event in call.poll_events():
+                for _, (record, events) in event.payload:
+                    by_step.setdefault(record.step, []).append((event.rank, record, events))
+                    if len(by_step[record.step]) == self.lab.world_size:  # every rank is past it
+                        ranks = sorted(by_step.pop(record.step), key=lambda item: item[0])
+                        timeline = Timeline([e for _, _, es in ranks for e in es], self.lab.world_size,
+                                            label=f"step {record.step}")
+                        view.add(ranks[0][1], timeline)
+
+        try:
+            while True:
+                show_arrived()
+                try:  # raises at once when a rank failed or died
+                    history = call.result(timeout=0.1)[0]
+                    break
+                except TimeoutError:
+                    continue
+            call.wait_for_events()  # a rank's last records may trail its result
+            show_arrived()
+        finally:
+            view.close()
+        self.history.records += history.records
+        self.history.resumed_from = history.resumed_from or self.history.resumed_from
+        return history
 
     def dashboard(self, batch: Batch | Sequence[Batch] | None = None, **options):
         """A live dashboard of this pipeline (pplab.widgets.Dashboard): display it, then run steps."""
@@ -158,6 +234,55 @@ class PipelineRun:
         runtime = f"torch's {self.spec.torch_name}" if self.spec.impl == "torch" else s.name
         return (f"<PipelineRun {runtime}: {s.n_ranks} ranks, {s.n_stages} stages, "
                 f"{s.n_microbatches} microbatches>")
+
+
+def _training_display(total_steps: int, first_step: int, show: bool):
+    """A TrainingView in a notebook, a tqdm bar in a terminal, or nothing."""
+    if show:
+        try:
+            from IPython import get_ipython
+
+            in_notebook = get_ipython() is not None and "IPKernelApp" in get_ipython().config
+        except ImportError:
+            in_notebook = False
+        if in_notebook:
+            from IPython.display import display
+
+            from pplab.widgets.training import TrainingView
+
+            view = TrainingView(total_steps, first_step)
+            display(view)
+            return _ViewDisplay(view)
+        return _BarDisplay(total_steps, first_step)
+    return _ViewDisplay(None)
+
+
+class _ViewDisplay:
+    def __init__(self, view):
+        self.view = view
+
+    def add(self, record, timeline) -> None:
+        if self.view is not None:
+            self.view.add(record, timeline)
+
+    def close(self) -> None:
+        if self.view is not None:
+            self.view.redraw()
+
+
+class _BarDisplay:
+    def __init__(self, total_steps: int, first_step: int):
+        from tqdm import tqdm
+
+        self.bar = tqdm(total=total_steps, initial=first_step, desc="training", unit="step")
+
+    def add(self, record, timeline) -> None:
+        extra = {} if record.eval_loss is None else {"eval": f"{record.eval_loss:.3f}"}
+        self.bar.set_postfix(loss=f"{record.loss:.3f}", **extra, refresh=False)
+        self.bar.update(record.step - self.bar.n)
+
+    def close(self) -> None:
+        self.bar.close()
 
 
 class LiveStep:

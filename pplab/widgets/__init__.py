@@ -3,12 +3,15 @@
 `Dashboard(run)` (or `run.dashboard()`) follows a lab pipeline while its ranks
 work. Each panel also works alone, on static or simulated timelines:
 `TimelineView`, `BubblesView`, `ShapesView`, `GradientsView`, `MemoryView`,
-`WhereView`, and `WhatIf`, the simulator under sliders.
+`WhereView`, `WhatIf`, the simulator under sliders, and `TrainingView`, a training run's
+progress, loss curves and latest step.
 """
 
 from pplab.widgets.panels import (BubblesView, GradientsView, MemoryView, ShapesView, TimelineView,
                                   WhereView)
 from pplab.widgets.whatif import WhatIf
+from pplab.widgets.training import TrainingView
 from pplab.widgets.dashboard import Dashboard
 
-__all__ = ["Dashboard", "TimelineView", "BubblesView", "ShapesView", "GradientsView", "MemoryView", "WhereView", "WhatIf"]
+__all__ = ["Dashboard", "TimelineView", "BubblesView", "ShapesView", "GradientsView", "MemoryView", "WhereView", "WhatIf",
+           "TrainingView"]

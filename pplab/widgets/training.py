@@ -1,0 +1,56 @@
+"""A training run, live: progress, loss curves and the latest step's timeline on every rank.
+
+`TrainingView` is what `PipelineRun.train(...)` displays in a notebook. It takes the
+records the ranks publish while they train (`add`), keeps them in plain attributes
+(`records`, `timeline`), and redraws at most once per `redraw_seconds`.
+"""
+
+from __future__ import annotations
+
+import ipywidgets as widgets
+
+from pplab.trace import Timeline
+from pplab.widgets.panels import TimelineView, _image
+from pplab.widgets.render import Throttle, show_png
+
+
+class TrainingView(widgets.VBox):
+    """Progress bar, loss and held-out loss over steps, and the timeline of the latest step."""
+
+    def __init__(self, total_steps: int, first_step: int = 0, redraw_seconds: float = 1.0):
+        self.progress = widgets.IntProgress(value=first_step, min=0, max=total_steps, description="training",
+                                            layout=widgets.Layout(width="60%"))
+        self.status = widgets.HTML()
+        self.curves = _image()
+        self.steps = TimelineView()
+        self.records: list = []
+        self.timeline: Timeline | None = None
+        self.draws = 0
+        self._throttle = Throttle(redraw_seconds)
+        super().__init__([widgets.HBox([self.progress, self.status]), self.curves, self.steps])
+
+    def add(self, record, timeline: Timeline | None = None) -> None:
+        """One finished step (a TrainRecord) and, when the ranks sent it, that step's timeline."""
+        self.records.append(record)
+        if timeline is not None:
+            self.timeline = timeline
+        self.progress.value = record.step
+        if self._throttle.ready():
+            self.redraw()
+
+    def redraw(self) -> None:
+        """Draw what has arrived (also called once at the end, so the last step is shown)."""
+        if not self.records:
+            return
+        from pplab import viz
+
+        last = self.records[-1]
+        held_out = [r.eval_loss for r in self.records if r.eval_loss is not None]
+        self.status.value = (f"step {last.step}/{self.progress.max} · loss {last.loss:.3f}"
+                             + (f" · held-out {held_out[-1]:.3f}" if held_out else "")
+                             + f" · lr {last.lr:.1e} · grad norm {last.grad_norm:.2f} · "
+                             f"{last.seconds * 1000:.0f} ms/step")
+        show_png(self.curves, viz.plot_training(self.records))
+        if self.timeline is not None:
+            self.steps.show(self.timeline)
+        self.draws += 1
