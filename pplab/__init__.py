@@ -16,6 +16,7 @@ _EXPORTS = {
     "LlamaConfig": "pplab.model",
     "LlamaModel": "pplab.model",
     "build_model": "pplab.model",
+    "generate": "pplab.model",
     "build_stage": "pplab.partition",
     "layer_ranges": "pplab.partition",
     "stages_of_rank": "pplab.partition",
@@ -24,10 +25,12 @@ _EXPORTS = {
     "Costs": "pplab.simulator",
     "Event": "pplab.trace",
     "Timeline": "pplab.trace",
+    "TrainOptions": "pplab.train",
+    "load_model": "pplab.checkpoint",
     "Lab": "pplab.cluster",  # floor 4: engines as ranks, from Jupyter
     "cleanup": "pplab.cluster",
 }
-_MODULES = ("data", "schedules", "trace", "viz")
+_MODULES = ("data", "schedules", "trace", "viz", "checkpoint", "train")
 
 # Older spellings, kept working but not advertised: the schedule API lives in `pplab.schedules`.
 _ALIASES = {
@@ -44,13 +47,15 @@ _SUBPACKAGES = ("cluster",)
 __all__ = [*_EXPORTS, *_MODULES]
 
 if _TYPE_CHECKING:  # what static checkers and editors see
-    from pplab import data, schedules, trace, viz
+    from pplab import checkpoint, data, schedules, train, trace, viz
+    from pplab.checkpoint import load_model
     from pplab.cluster import Lab, cleanup
-    from pplab.model import LlamaConfig, LlamaModel, build_model
+    from pplab.model import LlamaConfig, LlamaModel, build_model, generate
     from pplab.partition import build_stage, layer_ranges, stages_of_rank
     from pplab.reference import reference_step
     from pplab.simulator import Costs, simulate
     from pplab.trace import Event, Timeline
+    from pplab.train import TrainOptions
 
 
 def __getattr__(name: str):

@@ -11,6 +11,7 @@ boundary, gradient statistics.
 
 from __future__ import annotations
 
+import dataclasses
 import uuid
 from collections.abc import Sequence
 
@@ -72,13 +73,16 @@ def train_on_rank(run_id: str, options: TrainOptions, until: int | None,
                   live_interval: float) -> TrainHistory:
     """Train the pipeline `run_id` (the loop of `pplab.train`), publishing each step as it ends.
 
-    The rank keeps its trainer (optimizer, LR schedule, step) between calls with the
-    same options, so a second call goes on where the first stopped; other options
-    start a new optimizer on the stages' current weights.
+    The rank keeps its trainer (optimizer, LR schedule, step) between calls, so a call
+    with the same options (whatever the last one resumed from) goes on where the last
+    stopped. A call that resumes from a checkpoint, or changes the options, starts a
+    new trainer: loaded from the checkpoint, or a fresh optimizer on the current weights.
     """
     pipeline = _pipeline(run_id)
     trainer = _trainers.get(run_id)
-    if trainer is None or trainer.options != options:
+    goes_on = (trainer is not None and options.resume is None
+               and dataclasses.replace(trainer.options, resume=None) == options)
+    if not goes_on:
         # An async save writes from a thread: give it a process group of its own.
         group = dist.new_group(backend="gloo") if options.async_save else None
         trainer = _trainers[run_id] = RankTrainer(pipeline, options, checkpoint_group=group)
