@@ -1,0 +1,487 @@
+"""Checkpoint cost next to one training step: sync vs async save, load, resume to the first step.
+
+On 2 ranks (plain gloo processes on CPU), 1f1b with 4 microbatches, a LLaMA-style model a
+little wider than `LlamaConfig.tiny()` by default (hidden 128, 8 layers: a checkpoint of
+about 20 MB with AdamW's two moments) so that a save is more than fixed overhead.
+
+1. Steady state, in ONE `run_ranks` launch: one `RankTrainer` per rank, warmed up, then
+   interleaved repeats of
+     plain step      `trainer.train(until=step + 1)` with no checkpointer (a pure step)
+     sync save       `trainer.save()` through a sync `Checkpointer`, written and committed
+     async save      `trainer.save()` through an async `Checkpointer` (its own gloo group, as
+                     `train_on_rank` makes it): the time until `save()` returns (what the
+                     training loop is blocked for), then `finish()` at once: the time until
+                     the checkpoint is committed
+     async + step    another async save, then a step while it is being written (the step's
+                     real slowdown), then `finish()` (what is left to wait for)
+     load            `trainer.load()` of the sync checkpoint just saved (same state)
+     plain step      a second plain sample, after the saves
+   Sync and async-commit swap places every other repeat. Every operation starts after a
+   barrier; its time is the slowest rank's. Medians over the repeats.
+2. Resume to first step: fresh `run_ranks` launches, alternated, from the moment the launch is
+   called (process start: spawn, imports, process group) to the end of the first step on the
+   slowest rank, with `TrainOptions(resume=<the last sync checkpoint>)` vs a fresh start
+   without resume. The resumed run's first loss is checked against the loss the steady-state
+   run had at the same step (resume must continue exactly).
+
+Ratios: sync save / step, async blocking / step, step during an async write / plain step,
+load / step, async blocking / sync save, and the whole cost of an async save to the loop
+(blocking + the step's slowdown + the wait left at finish) / sync save.
+
+Checkpoints go to a temporary directory (under --dir if given) that is removed at the end.
+Timings on the 2-core machine are noisy: compare the ratios measured in one run, not the
+absolute times across runs.
+
+Run: python bench/bench_checkpoint.py [--repeats 10] [--warmup 1] [--launches 4]
+     [--hidden-size 128] [--layers 8] [--dir DIR] [--quick]
+Writes bench/results/checkpoint.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import platform
+import shutil
+import statistics
+import subprocess
+import tempfile
+import time
+from dataclasses import asdict, replace
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+import pplab
+from pplab.checkpoint import Checkpointer
+from pplab.launch import run_ranks
+from pplab.rank_pipeline import PipelineSpec, RankPipeline
+from pplab.train import RankTrainer, TrainOptions
+
+RESULTS = Path(__file__).parent / "results" / "checkpoint.json"
+RANKS, MICROBATCHES, SCHEDULE = 2, 4, "1f1b"
+TIMEOUT = 600.0
+
+
+def make_config(hidden_size: int, layers: int, heads: int) -> pplab.LlamaConfig:
+    """tiny() with another width and depth; the MLP keeps tiny's 11/4 ratio (64 -> 176)."""
+    intermediate = -(-hidden_size * 11 // 4 // 8) * 8
+    return pplab.LlamaConfig.tiny(hidden_size=hidden_size, intermediate_size=intermediate,
+                                  num_hidden_layers=layers, num_attention_heads=heads,
+                                  num_key_value_heads=max(1, heads // 2))
+
+
+def _timed(fn):
+    """(seconds, result) of fn() on this rank, started after a barrier so every rank starts together."""
+    dist.barrier()
+    started = time.perf_counter()
+    result = fn()
+    return time.perf_counter() - started, result
+
+
+def _directory_bytes(path: Path) -> int:
+    """The size of every file under `path`."""
+    return sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
+
+
+def rank_steady(rank, world_size, spec, options, roots, warmup, repeats):
+    """One rank of the steady-state run: interleaved steps, saves and loads; its times per kind."""
+    async_group = dist.new_group(backend="gloo")  # the background writer's own group (as train_on_rank)
+    trainer = RankTrainer(RankPipeline(spec, rank), options)
+    sync = Checkpointer(roots["sync"], rank, options.keep)
+    async_commit = Checkpointer(roots["async_commit"], rank, options.keep, async_save=True, group=async_group)
+    async_overlap = Checkpointer(roots["async_overlap"], rank, options.keep, async_save=True,
+                                 group=async_group)
+
+    def step():
+        trainer.checkpointer = None  # train() would save (and finish a pending save) at its end
+        return trainer.train(until=trainer.step + 1)
+
+    def save_with(checkpointer):
+        trainer.checkpointer = checkpointer
+        try:
+            return trainer.save()
+        finally:
+            trainer.checkpointer = None
+
+    times = {k: [] for k in ("step_plain", "sync_save", "async_blocking", "async_commit",
+                             "async_overlap_blocking", "step_during_async", "async_finish_wait_after_step",
+                             "async_overlap_commit", "load")}
+    last = {}
+    for repeat in range(warmup + repeats):
+        sample = {k: [] for k in times}
+
+        def sync_save():
+            seconds, path = _timed(lambda: save_with(sync))
+            sample["sync_save"].append(seconds)
+            return path
+
+        def async_save_commit():
+            dist.barrier()
+            started = time.perf_counter()
+            save_with(async_commit)
+            sample["async_blocking"].append(time.perf_counter() - started)
+            async_commit.finish()
+            sample["async_commit"].append(time.perf_counter() - started)
+
+        seconds, _ = _timed(step)
+        sample["step_plain"].append(seconds)
+        if repeat % 2 == 0:
+            path = sync_save()
+            async_save_commit()
+        else:
+            async_save_commit()
+            path = sync_save()
+        seconds, _ = _timed(lambda: trainer.load(path))
+        sample["load"].append(seconds)
+        saved_step = trainer.step
+
+        dist.barrier()
+        started = time.perf_counter()
+        save_with(async_overlap)
+        blocked = time.perf_counter()
+        history = step()  # runs while the checkpoint is written in the background
+        stepped = time.perf_counter()
+        async_overlap.finish()
+        done = time.perf_counter()
+        sample["async_overlap_blocking"].append(blocked - started)
+        sample["step_during_async"].append(stepped - blocked)
+        sample["async_finish_wait_after_step"].append(done - stepped)
+        sample["async_overlap_commit"].append(done - started)
+
+        seconds, _ = _timed(step)
+        sample["step_plain"].append(seconds)
+        if repeat >= warmup:  # the first repeats warm allocators, gloo connections, DCP's imports
+            for k, values in sample.items():
+                times[k].extend(values)
+        last = dict(checkpoint=str(path), checkpoint_step=saved_step,
+                    next_step=history.records[0].step, next_loss=history.losses[0],
+                    checkpoint_bytes=_directory_bytes(Path(path)) if rank == 0 else None)
+    dist.barrier()
+    return dict(times=times, last=last)
+
+
+class TimedLoadTrainer(RankTrainer):
+    """A RankTrainer that times its own load (called from __init__ when options.resume is set)."""
+
+    load_seconds = 0.0
+
+    def load(self, path) -> None:
+        started = time.perf_counter()
+        super().load(path)
+        self.load_seconds = time.perf_counter() - started
+
+
+def rank_first_step(rank, world_size, spec, options):
+    """From the rank function's start: build the trainer (loading when resuming), one step; wall clocks."""
+    entered = time.time()
+    trainer = TimedLoadTrainer(RankPipeline(spec, rank), options)
+    built = time.time()
+    history = trainer.train(until=trainer.step + 1)
+    ended = time.time()
+    return dict(entered=entered, built=built, ended=ended, load=trainer.load_seconds, step=trainer.step,
+                loss=history.losses[0])
+
+
+def first_step(spec, options) -> dict:
+    """One fresh launch: seconds from calling run_ranks to the slowest rank's first step end."""
+    launched = time.time()
+    per_rank = run_ranks(RANKS, rank_first_step, spec, options, timeout=TIMEOUT)
+    return dict(total_s=max(r["ended"] for r in per_rank) - launched,
+                processes_and_group_s=max(r["entered"] for r in per_rank) - launched,
+                build_and_load_s=max(r["built"] - r["entered"] for r in per_rank),
+                first_step_s=max(r["ended"] - r["built"] for r in per_rank),
+                load_s=max(r["load"] for r in per_rank),
+                # What resume can change: from the process group being up to the first step's end.
+                in_process_s=max(r["ended"] - r["entered"] for r in per_rank),
+                step=per_rank[0]["step"], loss=per_rank[0]["loss"])
+
+
+def parameter_count(config: pplab.LlamaConfig) -> int:
+    """The full model's parameter count (built on the meta device: no memory)."""
+    with torch.device("meta"):
+        return sum(p.numel() for p in pplab.LlamaModel(config).parameters())
+
+
+def median(values):
+    """statistics.median of any iterable."""
+    return statistics.median(values)
+
+
+def measure(args) -> dict:
+    config = make_config(args.hidden_size, args.layers, args.heads)
+    spec = PipelineSpec.create(config, SCHEDULE, RANKS, MICROBATCHES, record=False)
+    base = TrainOptions(steps=1000, batch_size=args.batch_size, seq_len=args.seq_len, eval_every=0,
+                        keep=args.keep)
+    base.check(MICROBATCHES)
+    workdir = Path(tempfile.mkdtemp(prefix="pplab-bench-ckpt-", dir=args.dir))
+    try:
+        roots = {k: str(workdir / k) for k in ("sync", "async_commit", "async_overlap")}
+        started = time.perf_counter()
+        per_rank = run_ranks(RANKS, rank_steady, spec, replace(base, checkpoint_dir=roots["sync"]),
+                             roots, args.warmup, args.repeats, timeout=TIMEOUT)
+        steady_wall = time.perf_counter() - started
+        n = len(per_rank[0]["times"]["sync_save"])
+        slowest = {k: [max(r["times"][k][i] for r in per_rank) for i in range(len(per_rank[0]["times"][k]))]
+                   for k in per_rank[0]["times"]}
+        last = per_rank[0]["last"]
+
+        started = time.perf_counter()
+        fresh, resumed = [], []
+        resume_options = replace(base, resume=last["checkpoint"])
+        first_step(spec, base)  # not counted: the first launch after the steady run reads files cold-ish
+        for launch in range(args.launches):  # alternated, the order swapped every other launch
+            order = [(fresh, base), (resumed, resume_options)]
+            for runs, options in (order if launch % 2 == 0 else order[::-1]):
+                runs.append(first_step(spec, options))
+        launches_wall = time.perf_counter() - started
+        fs_type = subprocess.run(["stat", "-f", "-c", "%T", str(workdir)], capture_output=True,
+                                 text=True).stdout.strip() or "unknown"
+    finally:
+        shutil.rmtree(workdir, ignore_errors=True)
+
+    med = {k: median(v) for k, v in slowest.items()}
+    step = med["step_plain"]
+    async_blocking_all = slowest["async_blocking"] + slowest["async_overlap_blocking"]
+    # Per repeat: the step during the write over the mean of that repeat's two plain steps.
+    plain_pairs = list(zip(slowest["step_plain"][0::2], slowest["step_plain"][1::2]))
+    paired_slowdown = median(d / ((a + b) / 2) for d, (a, b) in zip(slowest["step_during_async"], plain_pairs))
+    # What an async save costs the training loop in all: blocked in save(), the step's slowdown,
+    # and the wait left when the next save (or finish) comes right after one step.
+    async_loop_cost = [b + (d - (a + c) / 2) + w for b, d, (a, c), w in
+                       zip(slowest["async_overlap_blocking"], slowest["step_during_async"], plain_pairs,
+                           slowest["async_finish_wait_after_step"])]
+    plain = [(a + b) / 2 for a, b in plain_pairs]
+
+    def per_repeat(kind: str, over=None) -> list[float]:
+        """kind / (the same repeat's mean plain step, or its `over`), one value per sample."""
+        denominators = plain if over is None else slowest[over]
+        return [x / denominators[i] for i, x in enumerate(slowest[kind])]
+
+    def paired(*kinds: str, over=None) -> float:
+        """Median of the per-repeat ratios: robust to the machine getting busier during the run."""
+        return median([x for kind in kinds for x in per_repeat(kind, over)])
+
+    resume_med = {k: median([r[k] for r in resumed]) for k in resumed[0] if k.endswith("_s")}
+    fresh_med = {k: median([r[k] for r in fresh]) for k in fresh[0] if k.endswith("_s")}
+    resume_losses = sorted({r["loss"] for r in resumed})
+    ratios = dict(
+        sync_save_over_step=med["sync_save"] / step,
+        async_blocking_over_step=median(async_blocking_all) / step,
+        async_commit_over_step=med["async_commit"] / step,
+        async_step_slowdown=med["step_during_async"] / step,
+        load_over_step=med["load"] / step,
+        async_blocking_over_sync_save=median(async_blocking_all) / med["sync_save"],
+        async_commit_over_sync_save=med["async_commit"] / med["sync_save"],
+        async_loop_cost_over_sync_save=median(async_loop_cost) / med["sync_save"],
+        resume_over_fresh_first_step=resume_med["total_s"] / fresh_med["total_s"],
+    )
+    ratios_paired = dict(
+        sync_save_over_step=paired("sync_save"),
+        async_blocking_over_step=paired("async_blocking", "async_overlap_blocking"),
+        async_commit_over_step=paired("async_commit"),
+        async_step_slowdown=paired_slowdown,
+        load_over_step=paired("load"),
+        async_blocking_over_sync_save=paired("async_blocking", "async_overlap_blocking", over="sync_save"),
+        async_commit_over_sync_save=paired("async_commit", over="sync_save"),
+        async_loop_cost_over_sync_save=median(c / s for c, s in zip(async_loop_cost, slowest["sync_save"])),
+        resume_minus_fresh_s=median(r["total_s"] - f["total_s"] for r, f in zip(resumed, fresh)),
+        resume_minus_fresh_in_process_s=median(r["in_process_s"] - f["in_process_s"]
+                                               for r, f in zip(resumed, fresh)),
+        # (step during the write + wait left) / (plain step + the write alone, after save() returned):
+        # below 1, running the write beside the step saved time; at or above 1, it did not overlap.
+        overlapped_over_one_after_another=median(
+            (d + w) / (q + c - b) for d, w, q, c, b in
+            zip(slowest["step_during_async"], slowest["async_finish_wait_after_step"], plain,
+                slowest["async_commit"], slowest["async_blocking"])),
+    )
+    return dict(
+        config=asdict(config), parameters=parameter_count(config),
+        batch_size=args.batch_size, seq_len=args.seq_len, keep=args.keep,
+        checkpoint_bytes=last["checkpoint_bytes"], checkpoint_filesystem=fs_type,
+        warmup_repeats=args.warmup, repeats=n, launches_each=args.launches,
+        median_s=dict(**med, async_blocking_all=median(async_blocking_all),
+                      async_loop_cost=median(async_loop_cost)),
+        min_s={k: min(v) for k, v in slowest.items()},
+        samples_s=slowest,
+        ratios=ratios,
+        ratios_paired_per_repeat=ratios_paired,
+        resume_to_first_step=dict(
+            fresh_median_s=fresh_med, resume_median_s=resume_med,
+            resume_minus_fresh_s=resume_med["total_s"] - fresh_med["total_s"],
+            load_in_resume_median_s=resume_med["load_s"],
+            resume_minus_fresh_paired_median_s=ratios_paired["resume_minus_fresh_s"],
+            in_process_resume_minus_fresh_s=resume_med["in_process_s"] - fresh_med["in_process_s"],
+            in_process_resume_minus_fresh_paired_median_s=ratios_paired["resume_minus_fresh_in_process_s"],
+            fresh_runs=fresh, resume_runs=resumed,
+            resumed_from_step=last["checkpoint_step"], resumed_first_step=resumed[0]["step"],
+            resumed_first_loss=resume_losses, steady_run_loss_at_that_step=last["next_loss"],
+            resume_loss_matches=resume_losses == [last["next_loss"]]
+            and resumed[0]["step"] == last["next_step"],
+            fresh_first_step=fresh[0]["step"]),
+        wall_s=dict(steady=steady_wall, launches=launches_wall),
+    )
+
+
+def notes(row: dict, loadavg_before: float) -> list[str]:
+    """What the numbers say, written from this run's numbers (not a fixed verdict)."""
+    r, p, med = row["ratios"], row["ratios_paired_per_repeat"], row["median_s"]
+    out = []
+    if loadavg_before > 0.5:
+        out.append(f"the machine was not idle (1-min load average {loadavg_before:.2f} before the run, "
+                   f"on {os.cpu_count()} cores): absolute times drift; the paired per-repeat ratios "
+                   f"(each quantity over the plain steps of its own repeat) are the ones to read")
+    mb = row["checkpoint_bytes"] / 1e6
+    out.append(f"checkpoint {mb:.1f} MB (model + AdamW moments + scheduler/RNG) on {row['checkpoint_filesystem']}; "
+               f"a sync save is {p['sync_save_over_step']:.2f}x a step and writes {mb / med['sync_save']:.0f} MB/s "
+               f"end to end (state dict, DCP planning collectives, files, barriers, rename, keep-{row['keep']} "
+               f"pruning)")
+    if p["async_blocking_over_sync_save"] < 1:
+        out.append(f"async save blocks the loop for {p['async_blocking_over_sync_save']:.2f}x the sync save time "
+                   f"({p['async_blocking_over_step']:.2f}x a step): save() only builds the state dict and copies "
+                   f"it (staging), the write and the commit happen later")
+    else:
+        out.append(f"async save's blocking time is NOT below sync save's ({p['async_blocking_over_sync_save']:.2f}x): "
+                   f"on CPU, async_save still builds the state dict and copies every tensor (staging) in the "
+                   f"caller, and writing a few MB to the page cache costs about as much as that copy, so "
+                   f"there is little left to hide")
+    if p["async_commit_over_sync_save"] > 1:
+        out.append(f"with no step beside it, an async save takes {p['async_commit_over_sync_save']:.2f}x a sync "
+                   f"save to be committed (the staging copy and a new writer thread on top of the same write)")
+    else:
+        out.append(f"with no step beside it, an async save is committed in {p['async_commit_over_sync_save']:.2f}x "
+                   f"a sync save's time")
+    overlap = p["overlapped_over_one_after_another"]
+    out.append(f"a step that runs while an async save is written takes {p['async_step_slowdown']:.2f}x a plain "
+               f"step (paired; ratio of medians {r['async_step_slowdown']:.2f}x); that step plus the wait left "
+               f"at finish is {overlap:.2f}x a plain step followed by the write alone, i.e. "
+               + ("the write partly overlaps the step" if overlap < 0.9 else
+                  "the write hardly overlaps the step: together they take about as long as one after the other"
+                  if overlap <= 1.1 else
+                  "the write does not overlap the step: they take turns, and the turns cost extra")
+               + ". DCP's writer is a Python thread in each rank (the GIL, serialisation, file writes, its "
+               f"own collectives) and the 2 ranks' main threads already keep both cores busy, so the write "
+               f"competes with the step; a pipeline step also waits for its slowest rank at every hop")
+    verdict = ("an async save saves the loop time here" if p["async_loop_cost_over_sync_save"] < 0.85 else
+               "about the same as a sync save, no gain here" if p["async_loop_cost_over_sync_save"] <= 1.15 else
+               "an async save costs the loop MORE than a sync one here")
+    out.append(f"everything an async save costs the loop (blocking + the overlapped step's slowdown + the wait "
+               f"left at finish) is {p['async_loop_cost_over_sync_save']:.2f}x a sync save: {verdict}. Where "
+               f"the ranks leave CPU cores idle (GPU training) the background write can overlap; that is "
+               f"not measured on this machine")
+    out.append(f"load is {p['load_over_step']:.2f}x a step; it reads a checkpoint just written, from the page "
+               f"cache (a cold read from disk would be slower)")
+    resume = row["resume_to_first_step"]
+    f, s = resume["fresh_median_s"], resume["resume_median_s"]
+    spread = max(x["processes_and_group_s"] for x in resume["fresh_runs"] + resume["resume_runs"]) - \
+        min(x["processes_and_group_s"] for x in resume["fresh_runs"] + resume["resume_runs"])
+    out.append(f"resume to first step, whole launch: {s['total_s']:.2f} s vs fresh {f['total_s']:.2f} s (median of "
+               f"paired differences {resume['resume_minus_fresh_paired_median_s']:+.2f} s). Process start (spawn, "
+               f"imports, process group, the same for both) dominates and varied by {spread:.1f} s across "
+               f"launches, more than resuming adds, so the sign of the whole-launch difference is noise")
+    out.append(f"what resume adds, in process (process group up -> first step done): {s['in_process_s']:.2f} s vs "
+               f"{f['in_process_s']:.2f} s (paired {resume['in_process_resume_minus_fresh_paired_median_s']:+.2f} s); "
+               f"the load itself takes {resume['load_in_resume_median_s']:.2f} s in a fresh process. The resumed "
+               f"first loss {'equals' if resume['resume_loss_matches'] else 'DIFFERS from'} the uninterrupted "
+               f"run's at the same step")
+    return out
+
+
+def load() -> str:
+    try:
+        return subprocess.run(["uptime"], capture_output=True, text=True, timeout=5).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        return "unknown"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--repeats", type=int, default=10, help="interleaved repeats in the steady-state run")
+    parser.add_argument("--warmup", type=int, default=1, help="repeats run first and not counted")
+    parser.add_argument("--launches", type=int, default=4, help="fresh and resumed launches, each")
+    parser.add_argument("--hidden-size", type=int, default=128, help="model width (tiny: 64)")
+    parser.add_argument("--layers", type=int, default=8, help="decoder layers (tiny: 8)")
+    parser.add_argument("--heads", type=int, default=4, help="attention heads (KV heads: half)")
+    parser.add_argument("--batch-size", type=int, default=8, help="sequences per step (4 microbatches)")
+    parser.add_argument("--seq-len", type=int, default=64)
+    parser.add_argument("--keep", type=int, default=3, help="checkpoints kept per directory")
+    parser.add_argument("--dir", default=None, help="where the temporary checkpoint directory goes")
+    parser.add_argument("--quick", action="store_true", help="2 repeats, 1 launch each, tiny model")
+    parser.add_argument("--output", default=str(RESULTS))
+    args = parser.parse_args()
+    if args.quick:
+        args.repeats, args.launches, args.hidden_size = 2, 1, 64
+    for name in ("repeats", "launches"):
+        if getattr(args, name) < 1:
+            parser.error(f"--{name}={getattr(args, name)}: give at least 1")
+
+    results = dict(
+        benchmark="checkpoint cost vs one training step: sync vs async save, load, resume to first step",
+        date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        torch_version=torch.__version__, pplab_version=pplab.__version__,
+        python=platform.python_version(), cpu_count=os.cpu_count(), ranks=RANKS, schedule=SCHEDULE,
+        microbatches=MICROBATCHES, backend="gloo", device="cpu", load_before=load())
+    started = time.perf_counter()
+    load_before = os.getloadavg()
+    row = measure(args)
+    results.update(row)
+    results["loadavg_1_5_15_before_after"] = [load_before, os.getloadavg()]
+    results["load_after"] = load()
+    results["total_wall_s"] = time.perf_counter() - started
+    results["notes"] = notes(row, load_before[0])
+
+    med, r, p = row["median_s"], row["ratios"], row["ratios_paired_per_repeat"]
+    print(f"model hidden={args.hidden_size} layers={args.layers} ({row['parameters'] / 1e6:.2f} M parameters), "
+          f"checkpoint {row['checkpoint_bytes'] / 1e6:.1f} MB, {RANKS} ranks, {SCHEDULE} x {MICROBATCHES} "
+          f"microbatches, {row['repeats']} repeats (slowest rank)")
+    wait = [w / s for w, s in zip(row["samples_s"]["async_finish_wait_after_step"],
+                                  row["samples_s"]["step_plain"][0::2])]
+    table = [("plain step", med["step_plain"], 1.0, 1.0),
+             ("sync save (committed)", med["sync_save"], r["sync_save_over_step"], p["sync_save_over_step"]),
+             ("async save: blocking in save()", med["async_blocking_all"], r["async_blocking_over_step"],
+              p["async_blocking_over_step"]),
+             ("async save: until committed", med["async_commit"], r["async_commit_over_step"],
+              p["async_commit_over_step"]),
+             ("step during async write", med["step_during_async"], r["async_step_slowdown"],
+              p["async_step_slowdown"]),
+             ("async: wait left after that step", med["async_finish_wait_after_step"],
+              med["async_finish_wait_after_step"] / med["step_plain"], statistics.median(wait)),
+             ("async: whole cost to the loop", med["async_loop_cost"], med["async_loop_cost"] / med["step_plain"],
+              None),
+             ("load", med["load"], r["load_over_step"], p["load_over_step"])]
+    print(f"  {'':34s} {'median':>11s}  {'/ step':>7s}  {'paired':>7s}")
+    for name, seconds, ratio, paired in table:
+        print(f"  {name:34s} {seconds * 1000:8.1f} ms  {ratio:7.2f}  "
+              f"{'' if paired is None else f'{paired:7.2f}'}")
+    print(f"  vs sync save (paired): async blocking {p['async_blocking_over_sync_save']:.2f}, async until "
+          f"committed {p['async_commit_over_sync_save']:.2f}, async whole cost to the loop "
+          f"{p['async_loop_cost_over_sync_save']:.2f}")
+    resume = row["resume_to_first_step"]
+    f, s = resume["fresh_median_s"], resume["resume_median_s"]
+    print(f"resume to first step ({args.launches} launches each, alternated, after 1 uncounted; from the "
+          f"run_ranks call to the slowest rank's first step end, medians):")
+    print(f"  {'':8s} {'total':>8s} {'procs+pg':>9s} {'in process':>11s} {'build(+load)':>13s} {'of it load':>11s} "
+          f"{'1st step':>9s}")
+    for name, m in (("fresh", f), ("resume", s)):
+        print(f"  {name:8s} {m['total_s']:7.2f}s {m['processes_and_group_s']:8.2f}s {m['in_process_s']:10.2f}s "
+              f"{m['build_and_load_s']:12.2f}s {m['load_s']:10.2f}s {m['first_step_s']:8.2f}s")
+    print(f"  resume - fresh: whole launch {resume['resume_minus_fresh_s']:+.2f} s (medians), "
+          f"{resume['resume_minus_fresh_paired_median_s']:+.2f} s (paired); in process "
+          f"{resume['in_process_resume_minus_fresh_s']:+.2f} s (medians), "
+          f"{resume['in_process_resume_minus_fresh_paired_median_s']:+.2f} s (paired); resumed at "
+          f"step {resume['resumed_first_step']}, first loss "
+          f"{'matches' if resume['resume_loss_matches'] else 'DOES NOT match'} the uninterrupted run")
+    print("notes:")
+    for line in results["notes"]:
+        print(f"  - {line}")
+    output = Path(args.output)
+    output.parent.mkdir(parents=True, exist_ok=True)
+    output.write_text(json.dumps(results, indent=2) + "\n")
+    print(f"wrote {output} ({results['total_wall_s']:.0f} s)")
+
+
+if __name__ == "__main__":
+    main()
