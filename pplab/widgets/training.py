@@ -19,7 +19,7 @@ class TrainingView(widgets.VBox):
 
     def __init__(self, total_steps: int, first_step: int = 0, redraw_seconds: float = 1.0):
         self.progress = widgets.IntProgress(value=first_step, min=0, max=total_steps, description="training",
-                                            layout=widgets.Layout(width="60%"))
+                                            layout=widgets.Layout(width="40%"))
         self.status = widgets.HTML()
         self.curves = _image()
         self.steps = TimelineView()
