@@ -313,6 +313,25 @@ def _check_every_rank_has_parameters(spec: PipelineSpec) -> None:
                              f"cannot be trained; use a balance that gives it layers")
 
 
+class ProgressBar:
+    """A terminal progress bar (tqdm) of a training run: steps, loss, LR, held-out loss."""
+
+    def __init__(self, total_steps: int, first_step: int = 0):
+        from tqdm import tqdm
+
+        self.bar = tqdm(total=total_steps, initial=first_step, desc="training", unit="step")
+
+    def add(self, record: TrainRecord, timeline=None) -> None:
+        """Show one finished step (`timeline` is ignored: a terminal has no picture)."""
+        extra = {} if record.eval_loss is None else {"eval": f"{record.eval_loss:.3f}"}
+        self.bar.set_postfix(loss=f"{record.loss:.3f}", lr=f"{record.lr:.1e}", **extra, refresh=False)
+        self.bar.update(record.step - self.bar.n)
+
+    def close(self) -> None:
+        """Leave the bar as it ended."""
+        self.bar.close()
+
+
 def train_on_rank(rank: int, world_size: int, spec: PipelineSpec, options: TrainOptions,
                   until: int | None = None, progress: bool = True, device="cpu") -> TrainHistory:
     """Build this rank's stages and train them: the entry point for torchrun and local processes.
@@ -325,21 +344,9 @@ def train_on_rank(rank: int, world_size: int, spec: PipelineSpec, options: Train
     if options.async_save and dist.is_initialized():  # the background writer's own group
         checkpoint_group = dist.new_group(backend="gloo")
     trainer = RankTrainer(RankPipeline(spec, rank, device), options, checkpoint_group=checkpoint_group)
-    bar = None
-    if progress and rank == 0:
-        from tqdm import tqdm
-
-        bar = tqdm(total=options.steps if until is None else until, initial=trainer.step,
-                   desc="training", unit="step")
-
-    def show(record: TrainRecord) -> None:
-        if bar is not None:
-            extra = {} if record.eval_loss is None else {"eval": f"{record.eval_loss:.3f}"}
-            bar.set_postfix(loss=f"{record.loss:.3f}", lr=f"{record.lr:.1e}", **extra, refresh=False)
-            bar.update(1)
-
+    bar = ProgressBar(options.steps if until is None else until, trainer.step) if progress and rank == 0 else None
     try:
-        return trainer.train(until, on_step=show)
+        return trainer.train(until, on_step=bar.add if bar else None)
     finally:
         if bar is not None:
             bar.close()

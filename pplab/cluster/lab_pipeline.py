@@ -30,7 +30,7 @@ from pplab.runtime import RankStep
 from pplab.schedules import Schedule
 from pplab.simulator import Costs, simulate
 from pplab.trace import Timeline
-from pplab.train import RankTrainer, TrainHistory, TrainOptions
+from pplab.train import ProgressBar, RankTrainer, TrainHistory, TrainOptions
 
 # --- engine side ----------------------------------------------------------------------------
 
@@ -114,6 +114,12 @@ class PipelineRun:
         self.placement = lab.run(build_on_rank, self.run_id, self.spec, timeout=self._call_timeout)
         self._built_on = lab.rank_processes
 
+    def _check_engines(self) -> None:
+        """The stages live on the engines that built them: after lab.restart() they are gone."""
+        if self.lab.rank_processes != self._built_on:
+            raise RuntimeError(f"{self!r} was built on engines that lab.restart() replaced: "
+                               f"call lab.pipeline(...) again")
+
     @property
     def schedule(self) -> Schedule:
         """The (validated) schedule every rank follows."""
@@ -135,9 +141,7 @@ class PipelineRun:
     def start_step(self, batch: Batch | Sequence[Batch] | None = None, return_grads: bool = False,
                    live_interval: float | None = None) -> "LiveStep":
         """Start one step on every rank and return at once; with `live_interval`, watch it as it runs."""
-        if self.lab.rank_processes != self._built_on:
-            raise RuntimeError(f"{self!r} was built on engines that lab.restart() replaced: "
-                               f"call lab.pipeline(...) again")
+        self._check_engines()
         if live_interval is not None:
             check_positive_seconds("live_interval", live_interval)
         batch = self.default_batch() if batch is None else batch
@@ -160,9 +164,7 @@ class PipelineRun:
             options["steps"] = steps
         train_options = TrainOptions(**options)
         train_options.check(self.schedule.n_microbatches)  # before any rank starts
-        if self.lab.rank_processes != self._built_on:
-            raise RuntimeError(f"{self!r} was built on engines that lab.restart() replaced: "
-                               f"call lab.pipeline(...) again")
+        self._check_engines()
         check_positive_seconds("live_interval", live_interval)
         call = self.lab.run_async(train_on_rank, self.run_id, train_options, until, live_interval)
         view = _training_display(train_options.steps if until is None else until,
@@ -257,7 +259,7 @@ def _training_display(total_steps: int, first_step: int, show: bool):
             view = TrainingView(total_steps, first_step)
             display(view)
             return _ViewDisplay(view)
-        return _BarDisplay(total_steps, first_step)
+        return ProgressBar(total_steps, first_step)
     return _ViewDisplay(None)
 
 
@@ -272,21 +274,6 @@ class _ViewDisplay:
     def close(self) -> None:
         if self.view is not None:
             self.view.redraw()
-
-
-class _BarDisplay:
-    def __init__(self, total_steps: int, first_step: int):
-        from tqdm import tqdm
-
-        self.bar = tqdm(total=total_steps, initial=first_step, desc="training", unit="step")
-
-    def add(self, record, timeline) -> None:
-        extra = {} if record.eval_loss is None else {"eval": f"{record.eval_loss:.3f}"}
-        self.bar.set_postfix(loss=f"{record.loss:.3f}", **extra, refresh=False)
-        self.bar.update(record.step - self.bar.n)
-
-    def close(self) -> None:
-        self.bar.close()
 
 
 class LiveStep:
