@@ -27,10 +27,11 @@ _EXPORTS = {
     "Timeline": "pplab.trace",
     "TrainOptions": "pplab.train",
     "load_model": "pplab.checkpoint",
+    "Mesh": "pplab.mesh",
     "Lab": "pplab.cluster",  # floor 4: engines as ranks, from Jupyter
     "cleanup": "pplab.cluster",
 }
-_MODULES = ("data", "schedules", "trace", "viz", "checkpoint", "train")
+_MODULES = ("data", "schedules", "trace", "viz", "checkpoint", "train", "mesh")
 
 # Older spellings, kept working but not advertised: the schedule API lives in `pplab.schedules`.
 _ALIASES = {
@@ -47,9 +48,10 @@ _SUBPACKAGES = ("cluster",)
 __all__ = [*_EXPORTS, *_MODULES]
 
 if _TYPE_CHECKING:  # what static checkers and editors see
-    from pplab import checkpoint, data, schedules, train, trace, viz
+    from pplab import checkpoint, data, mesh, schedules, train, trace, viz
     from pplab.checkpoint import load_model
     from pplab.cluster import Lab, cleanup
+    from pplab.mesh import Mesh
     from pplab.model import LlamaConfig, LlamaModel, build_model, generate
     from pplab.partition import build_stage, layer_ranges, stages_of_rank
     from pplab.reference import reference_step

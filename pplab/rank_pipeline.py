@@ -12,12 +12,14 @@ ranks' reports into one `StepResult`.
 from __future__ import annotations
 
 from collections.abc import Sequence
+import dataclasses
 from dataclasses import dataclass, field
 
 import torch
 
 from pplab.arguments import check_positive_int
 from pplab.data import Batch
+from pplab.mesh import CollectiveLog, Mesh, MeshPlace, parallelize_stage
 from pplab.model import IGNORE_INDEX, LlamaConfig
 from pplab.partition import build_stage, layer_ranges
 from pplab.reference import as_microbatches
@@ -44,14 +46,23 @@ class PipelineSpec:
     record: bool = True
     impl: str = "pplab"  # the hand-written runtime, or "torch": torch.distributed.pipelining
     torch_name: str | None = None  # with impl="torch": the schedule's name in pplab.torch_pp
+    mesh: Mesh | None = None  # PP as one dimension of a mesh with FSDP (dp) and TP (tp)
 
     @classmethod
     def create(cls, config: LlamaConfig, schedule: str | Schedule, n_ranks: int,
                microbatches: int | None = None, n_virtual: int = 1, impl: str = "pplab",
-               **options) -> "PipelineSpec":
-        """Build (or take) the schedule, validate it and check it fits the model, before any rank runs."""
+               mesh: Mesh | dict | None = None, **options) -> "PipelineSpec":
+        """Build (or take) the schedule, validate it and check it fits the model, before any rank runs.
+
+        With a `mesh` (e.g. {"pp": 2, "dp": 2}), the `n_ranks` ranks form that mesh and the
+        schedule is one pipeline's, over the mesh's pp ranks.
+        """
         if impl not in IMPLEMENTATIONS:
             raise ValueError(f"impl={impl!r}: choose one of {', '.join(map(repr, IMPLEMENTATIONS))}")
+        if mesh is not None:
+            mesh = Mesh.of(mesh)
+            mesh.check(config, n_ranks, impl)
+            n_ranks = mesh.pp
         torch_name = None
         if impl == "torch":
             if not isinstance(schedule, str) or microbatches is None:
@@ -69,7 +80,13 @@ class PipelineSpec:
         if impl == "pplab":  # torch runs its own plan; pplab's runtime runs exactly this one
             validate(schedule)
             check_runnable(schedule)
-        spec = cls(config, schedule, impl=impl, torch_name=torch_name, **options)
+        if mesh is not None and mesh.activation_checkpointing and any(
+                action.kind.value in ("I", "W") for actions in schedule.actions for action in actions):
+            raise ValueError(f"activation checkpointing with {schedule.name!r}: its backward is split into "
+                             f"I and W, and each would recompute the checkpointed blocks (torch's "
+                             f"checkpoint recomputes once per forward); use a schedule with whole "
+                             f"backwards (gpipe, 1f1b, interleaved-1f1b) or leave checkpointing out")
+        spec = cls(config, schedule, impl=impl, torch_name=torch_name, mesh=mesh, **options)
         if not spec.timeout > 0:
             raise ValueError(f"timeout={spec.timeout!r}: give the seconds a rank may wait for a "
                              f"neighbour, > 0")
@@ -80,6 +97,20 @@ class PipelineSpec:
         # Raises a clear error now if the stages cannot be cut (e.g. more stages than layers).
         layer_ranges(config.num_hidden_layers, schedule.n_stages, spec.balance, spec.allow_empty)
         return spec
+
+    @property
+    def world_size(self) -> int:
+        """How many ranks run it: the schedule's, times the mesh's dp and tp."""
+        return self.mesh.world_size if self.mesh else self.schedule.n_ranks
+
+    @property
+    def replicas(self) -> int:
+        """How many pipelines take different data: the mesh's dp (1 without a mesh)."""
+        return self.mesh.dp if self.mesh else 1
+
+    def pp_rank(self, rank: int) -> int:
+        """The schedule rank (position in its pipeline) of global rank `rank`."""
+        return self.mesh.coordinates(rank)["pp"] if self.mesh else rank
 
 
 def _check_matches(schedule: Schedule, n_ranks: int, microbatches, n_virtual: int) -> None:
@@ -98,17 +129,23 @@ class RankPipeline:
     """One rank's stages and runtime, kept between steps."""
 
     def __init__(self, spec: PipelineSpec, rank: int, device="cpu", group=None):
+        """On a mesh every rank must build its pipeline at the same time (it makes the mesh's groups)."""
         self.spec, self.rank, self.device = spec, rank, torch.device(device)
         schedule = spec.schedule
+        self.place = MeshPlace(spec.mesh, rank, self.device) if spec.mesh else None
+        collectives = CollectiveLog(rank) if spec.mesh and spec.record else None
         self.stages = {s: build_stage(spec.config, s, schedule.n_stages, spec.seed, self.device,
                                       spec.balance, spec.allow_empty)
-                       for s in schedule.stages_of(rank)}
+                       for s in schedule.stages_of(spec.pp_rank(rank))}
+        if self.place:
+            for stage in self.stages.values():
+                parallelize_stage(stage, self.place.device_mesh, spec.mesh, collectives)
         if spec.impl == "torch":
             from pplab.torch_pp import TorchRankRuntime
 
             self.runtime = TorchRankRuntime(spec.torch_name, schedule, rank, self.stages, self.device,
-                                            spec.timing, group, spec.record)
-        else:
+                                            spec.timing, group, spec.record, self.place, collectives)
+        else:  # (a mesh here has pp only: Mesh.check refuses dp and tp without torch's schedules)
             self.runtime = RankRuntime(schedule, rank, self.stages, self.device, spec.timeout,
                                        spec.record, spec.timing, group)
 
@@ -130,8 +167,14 @@ class RankPipeline:
         """One step on this rank with the data `split_for_ranks` prepared for it (`watch`: see RankRuntime.step)."""
         if zero_grad:
             self.zero_grad()
-        return self.runtime.step(data.get("inputs"), data.get("targets"),
-                                 data.get("activation_shapes"), return_grads, watch)
+        result = self.runtime.step(data.get("inputs"), data.get("targets"),
+                                   data.get("activation_shapes"), return_grads, watch)
+        if self.place and self.spec.mesh.dp > 1:  # number the microbatches of the whole batch
+            first = self.place.first_microbatch(self.spec.schedule.n_microbatches)
+            result.microbatch_losses = {first + mb: loss for mb, loss in result.microbatch_losses.items()}
+            result.boundaries = [dataclasses.replace(b, microbatch=first + b.microbatch)
+                                 for b in result.boundaries]
+        return result
 
 
 def split_for_ranks(spec: PipelineSpec, batch: Batch | Sequence[Batch],
@@ -144,19 +187,27 @@ def split_for_ranks(spec: PipelineSpec, batch: Batch | Sequence[Batch],
     they learn each shape from a header.
     """
     schedule = spec.schedule
-    microbatches = as_microbatches(batch, schedule.n_microbatches)
+    m, replicas = schedule.n_microbatches, spec.replicas
+    if replicas > 1 and isinstance(batch, tuple) and len(batch) == 2 and isinstance(batch[0], torch.Tensor) \
+            and batch[0].shape[0] % (m * replicas):
+        raise ValueError(f"a batch of {batch[0].shape[0]} sequences does not split into dp={replicas} "
+                         f"pipelines x {m} microbatches: give a batch size that is a multiple of "
+                         f"{m * replicas}")
+    microbatches = as_microbatches(batch, m * replicas)
     for index, (input_ids, target_ids) in enumerate(microbatches):
         check_microbatch(spec.config, index, input_ids, target_ids)
     fixed = len({tuple(ids.shape) for ids, _ in microbatches}) == 1 and handshake is not True
     activation_shapes = ([(*ids.shape, spec.config.hidden_size) for ids, _ in microbatches]
                          if fixed else None)
     per_rank = []
-    for rank in range(schedule.n_ranks):
-        stages = schedule.stages_of(rank)
+    for rank in range(spec.world_size):
+        stages = schedule.stages_of(spec.pp_rank(rank))
+        replica = spec.mesh.coordinates(rank)["dp"] if spec.mesh else 0
+        share = microbatches[replica * m:(replica + 1) * m]  # each dp replica its own microbatches
         per_rank.append(dict(
-            inputs=[ids for ids, _ in microbatches] if 0 in stages else None,
-            targets=[t for _, t in microbatches] if schedule.n_stages - 1 in stages else None,
-            activation_shapes=activation_shapes))
+            inputs=[ids for ids, _ in share] if 0 in stages else None,
+            targets=[t for _, t in share] if schedule.n_stages - 1 in stages else None,
+            activation_shapes=activation_shapes and activation_shapes[replica * m:(replica + 1) * m]))
     return per_rank
 
 
@@ -207,7 +258,9 @@ def merge_steps(rank_steps: Sequence[RankStep], label: str = "measured") -> Step
         grad_stats.update(rank_step.grad_stats)
         grads.update(rank_step.grads or {})
     timeline = Timeline([e for r in rank_steps for e in r.events], n_ranks=len(rank_steps), label=label)
-    shapes = sorted((b for r in rank_steps for b in r.boundaries), key=lambda b: (b.source, b.microbatch))
+    # On a mesh, the TP ranks of a stage send the same activations: each boundary counts once.
+    unique = {(b.source, b.microbatch): b for r in rank_steps for b in r.boundaries}
+    shapes = [unique[key] for key in sorted(unique)]
     return StepResult(sum(ordered) / len(ordered), ordered, timeline, shapes, grad_stats,
                       grads or None, list(rank_steps))
 
@@ -225,8 +278,8 @@ def run_jobs_on_rank(rank: int, world_size: int, jobs: Sequence[tuple[PipelineSp
         check_positive_int("steps", steps, example=2)
     results = []
     for spec, data in jobs:
-        if spec.schedule.n_ranks != world_size:
-            raise ValueError(f"the schedule is for {spec.schedule.n_ranks} ranks but "
+        if spec.world_size != world_size:
+            raise ValueError(f"the pipeline is for {spec.world_size} ranks but "
                              f"world_size={world_size}")
         pipeline = RankPipeline(spec, rank, device)
         job_steps = [pipeline.step(data[rank], return_grads=return_grads) for _ in range(steps or 1)]

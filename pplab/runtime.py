@@ -15,6 +15,8 @@ boundary a network hop has, so every stage's backward stays its own action.
 from __future__ import annotations
 
 import contextlib
+import logging
+import sys
 import time
 from dataclasses import dataclass, field
 from typing import Callable
@@ -106,24 +108,49 @@ class _StepState:
 
 
 class SavedBytes:
-    """Counts the bytes autograd saves for backward in a forward, parameters excluded."""
+    """Counts the bytes autograd saves for backward in a forward of `module`, parameters excluded.
 
-    def __init__(self, parameters):
-        self.parameter_storages = {p.untyped_storage().data_ptr() for p in parameters}
+    Which storages are parameters is asked again when an unknown one shows up: FSDP
+    gathers a block's weights into new storage just before the block runs.
+    `current` is the count a forward is taking now: a block under activation checkpointing
+    saves nothing through autograd's hooks but keeps its input, and adds it here (`keep`).
+    """
+
+    current: "SavedBytes | None" = None
+
+    def __init__(self, module: nn.Module):
+        self.module = module
+        self.parameter_storages = self._parameter_storages()
         self.seen: set[int] = set()
         self.bytes = 0
 
+    def _parameter_storages(self) -> set[int]:
+        return {local_tensor(p).untyped_storage().data_ptr() for p in self.module.parameters()}
+
     def pack(self, tensor: torch.Tensor) -> torch.Tensor:
-        storage = tensor.untyped_storage()
-        pointer = storage.data_ptr()
-        if pointer not in self.parameter_storages and pointer not in self.seen:
-            self.seen.add(pointer)
-            self.bytes += storage.nbytes()
+        self.keep(tensor)
         return tensor
 
+    def keep(self, tensor: torch.Tensor) -> None:
+        """Count `tensor`'s storage once, unless a parameter owns it."""
+        storage = local_tensor(tensor).untyped_storage()
+        pointer = storage.data_ptr()
+        if pointer in self.seen or pointer in self.parameter_storages:
+            return
+        self.parameter_storages = self._parameter_storages()
+        if pointer not in self.parameter_storages:
+            self.seen.add(pointer)
+            self.bytes += storage.nbytes()
+
+    @contextlib.contextmanager
     def hooks(self):
-        """The context manager that routes saved tensors through `pack`."""
-        return torch.autograd.graph.saved_tensors_hooks(self.pack, lambda tensor: tensor)
+        """While open, saved tensors go through `pack` and `SavedBytes.current` is this count."""
+        previous, SavedBytes.current = SavedBytes.current, self
+        try:
+            with torch.autograd.graph.saved_tensors_hooks(self.pack, lambda tensor: tensor):
+                yield self
+        finally:
+            SavedBytes.current = previous
 
 
 class RankRuntime:
@@ -260,7 +287,7 @@ class RankRuntime:
         # What a forward saves depends only on the stage and its input's shape: measure it
         # on the first such forward (hooks cost time on every saved tensor), then reuse it.
         shape_key = (stage, tuple(x.shape), x.dtype)
-        saved = SavedBytes(module.parameters()) if self.record and shape_key not in self._saved_bytes else None
+        saved = SavedBytes(module) if self.record and shape_key not in self._saved_bytes else None
         with saved.hooks() if saved else contextlib.nullcontext():
             out = module(x)
             if stage == self.last_stage:
@@ -420,12 +447,40 @@ def check_runnable(schedule: Schedule) -> None:
                     f"pplab.schedules.add_communication(schedule)")
 
 
+def is_dtensor(tensor: torch.Tensor) -> bool:
+    """True for a DTensor (FSDP's and TP's sharded tensors), without importing DTensor's package
+    (slow to import): if nobody imported it, no tensor is one."""
+    package = sys.modules.get("torch.distributed.tensor")
+    return package is not None and isinstance(tensor, package.DTensor)
+
+
+def local_tensor(tensor: torch.Tensor) -> torch.Tensor:
+    """The part of `tensor` this rank stores: a DTensor's local shard, or the tensor itself."""
+    return tensor.to_local() if is_dtensor(tensor) else tensor
+
+
+def full_tensor(tensor: torch.Tensor) -> torch.Tensor:
+    """The whole of a (possibly sharded) tensor. For a DTensor (FSDP, TP) this is a collective:
+    every rank of its mesh must ask for it, in the same order."""
+    if not is_dtensor(tensor):
+        return tensor
+    # Gathering a 2-D (dp x tp) shard warns that it takes two all-gathers: true, and fine here.
+    redistribute = logging.getLogger("torch.distributed.tensor._redistribute")
+    level = redistribute.level
+    redistribute.setLevel(logging.ERROR)
+    try:
+        return tensor.full_tensor()
+    finally:
+        redistribute.setLevel(level)
+
+
 def gradient_stats(modules) -> dict[str, dict]:
-    """Per parameter: gradient norm, whether it is finite, whether any entry is non-zero."""
+    """Per parameter: gradient norm, whether it is finite, whether any entry is non-zero
+    (of the whole gradient, when it is sharded)."""
     stats = {}
     for module in modules:
         for name, param in module.named_parameters():
-            grad = param.grad
+            grad = None if param.grad is None else full_tensor(param.grad)
             stats[name] = dict(present=grad is not None,
                                norm=float(grad.norm()) if grad is not None else 0.0,
                                finite=bool(torch.isfinite(grad).all()) if grad is not None else False,
@@ -434,7 +489,7 @@ def gradient_stats(modules) -> dict[str, dict]:
 
 
 def gradients(modules) -> dict[str, torch.Tensor]:
-    """Every parameter's gradient by name, on the CPU (for parity checks)."""
-    return {name: param.grad.detach().cpu().clone()
+    """Every parameter's whole gradient by name, on the CPU (for parity checks)."""
+    return {name: full_tensor(param.grad).detach().cpu().clone()
             for module in modules for name, param in module.named_parameters()
             if param.grad is not None}

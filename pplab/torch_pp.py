@@ -15,6 +15,7 @@ class names without `Schedule` for the rest. Floor 3: torch only, no Jupyter.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 
 import torch
@@ -22,7 +23,8 @@ from torch import nn
 
 from pplab.comm import dtype_name, monotonic_clock
 from pplab.model import loss_fn
-from pplab.runtime import Boundary, Now, RankStep, StepClock, gradient_stats, gradients, pad_to_cost
+from pplab.runtime import (Boundary, Now, RankStep, SavedBytes, StepClock, gradient_stats, gradients,
+                           pad_to_cost)
 from pplab.schedules import Action, Kind, Schedule, build, from_torch
 from pplab.simulator import Costs
 from pplab.trace import Event
@@ -72,11 +74,20 @@ def recording_stage_class():
 
     class RecordingStage(PipelineStage):
         recorder: "_Recorder"
+        saved_bytes: dict  # input shapes -> bytes a forward saves for backward
 
         def forward_one_chunk(self, fwd_chunk_id, args, kwargs=None, save_forward_output=True):
             with self.recorder.action(Kind.F, self.stage_index, fwd_chunk_id) as note:
-                output = super().forward_one_chunk(fwd_chunk_id, args, kwargs, save_forward_output)
-                note.update(shape=tuple(output.shape), dtype=dtype_name(output))
+                # What a forward saves depends on the input's shape only: measure it once per shape
+                # (the hooks cost time on every saved tensor), as the hand-written runtime does.
+                shape_key = tuple((tuple(a.shape), a.dtype) for a in args if isinstance(a, torch.Tensor))
+                saved = SavedBytes(self.submod) if shape_key not in self.saved_bytes else None
+                with saved.hooks() if saved else contextlib.nullcontext():
+                    output = super().forward_one_chunk(fwd_chunk_id, args, kwargs, save_forward_output)
+                if saved:
+                    self.saved_bytes[shape_key] = saved.bytes
+                note.update(shape=tuple(output.shape), dtype=dtype_name(output),
+                            bytes=self.saved_bytes[shape_key])
             if not self.is_last:
                 self.recorder.boundaries.append(Boundary(self.stage_index, fwd_chunk_id, tuple(output.shape),
                                                          note["dtype"], output.numel() * output.element_size()))
@@ -114,8 +125,9 @@ class _Recorder:
     rank's previous compute ended, if later) to when the compute that needs it began.
     """
 
-    def __init__(self, rank: int, timing: Costs | None, schedule: Schedule):
+    def __init__(self, rank: int, timing: Costs | None, schedule: Schedule, global_rank=None):
         self.rank, self.timing, self.schedule = rank, timing, schedule
+        self.global_rank = global_rank or (lambda pp_rank: pp_rank)  # a peer's rank, from its schedule rank
         self.clock = None
         self.watch = None
         self.events: list[Event] = []
@@ -134,7 +146,7 @@ class _Recorder:
         """torch asked for a receive's ops: it will wait for them before the compute that needs them."""
         self.pending[receive] = self.clock()
         if self.watch is not None:
-            sender = self.schedule.stage_to_rank(receive.peer_stage)
+            sender = self.global_rank(self.schedule.stage_to_rank(receive.peer_stage))
             self.watch(Now(self.rank, str(receive), self.pending[receive], ((sender, str(receive.partner())),)))
 
     def waited(self, compute: Action, started: float) -> None:
@@ -182,20 +194,27 @@ class TorchRankRuntime:
     """One rank's stages under a torch.distributed.pipelining schedule; `step` as `RankRuntime.step`."""
 
     def __init__(self, schedule_name: str, schedule: Schedule, rank: int, stages: dict[int, nn.Module],
-                 device="cpu", timing: Costs | None = None, group=None, record: bool = True):
+                 device="cpu", timing: Costs | None = None, group=None, record: bool = True,
+                 place=None, collectives=None):
         """With `record=False` (and no timing mode) torch's own PipelineStage runs, untouched:
-        the baseline the recording's overhead is measured against."""
+        the baseline the recording's overhead is measured against.
+
+        On a mesh (`place`, a `pplab.mesh.MeshPlace`), `rank` is the global rank, the stages talk
+        over the pipeline's own group, and `collectives` (a `CollectiveLog`) records dp and tp.
+        """
         from torch.distributed.pipelining import PipelineStage
         from torch.distributed.pipelining import schedules as torch_schedules
 
         self.schedule, self.rank, self.stages = schedule, rank, stages
         self.device = torch.device(device)
-        self.recorder = _Recorder(rank, timing, schedule)
+        self.place, self.collectives = place, collectives
+        self.recorder = _Recorder(rank, timing, schedule, place.global_rank if place else None)
         stage_class = recording_stage_class() if record or timing is not None else PipelineStage
+        stage_group = place.pp_group if place else group
         self.torch_stages = []
         for index in sorted(stages):
-            stage = stage_class(stages[index], index, schedule.n_stages, self.device, group=group)
-            stage.recorder = self.recorder
+            stage = stage_class(stages[index], index, schedule.n_stages, self.device, group=stage_group)
+            stage.recorder, stage.saved_bytes = self.recorder, {}
             self.torch_stages.append(stage)
         schedule_class = torch_schedules.get_schedule_class(TORCH_SCHEDULES[schedule_name])
         single = issubclass(schedule_class, torch_schedules.PipelineScheduleSingle)
@@ -214,13 +233,22 @@ class TorchRankRuntime:
         target = _whole_batch(targets, "targets") if last else None
         losses: list | None = [] if last else None
         self.recorder.start(self._clock.origin(), watch)
-        self.torch_schedule.step(*[a.to(self.device) for a in args],
-                                 target=None if target is None else target.to(self.device), losses=losses,
-                                 return_outputs=False)
+        tensor_parallel = contextlib.nullcontext()
+        if self.collectives is not None:
+            self.collectives.start(self.recorder.clock, watch)
+            if self.place.mesh.tp > 1:
+                tensor_parallel = self.collectives.tensor_parallel_mode()
+        try:
+            with tensor_parallel:
+                self.torch_schedule.step(*[a.to(self.device) for a in args],
+                                         target=None if target is None else target.to(self.device),
+                                         losses=losses, return_outputs=False)
+        finally:
+            collective_events = self.collectives.stop() if self.collectives is not None else []
         if watch is not None:
             watch(Now(self.rank, "done", self.recorder.clock()))
         microbatch_losses = {mb: float(loss.detach()) for mb, loss in enumerate(losses or [])}
-        return RankStep(self.rank, list(self.recorder.events), microbatch_losses,
+        return RankStep(self.rank, [*self.recorder.events, *collective_events], microbatch_losses,
                         list(self.recorder.boundaries), gradient_stats(self.stages.values()),
                         gradients(self.stages.values()) if return_grads else None)
 

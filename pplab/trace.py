@@ -29,15 +29,18 @@ from dataclasses import dataclass, field, replace
 from os import PathLike
 from typing import Iterable, Sequence
 
-COMM_KINDS = frozenset({"SEND_F", "RECV_F", "SEND_B", "RECV_B"})
+COLLECTIVE_KINDS = frozenset({"ALL_GATHER", "REDUCE_SCATTER", "ALL_REDUCE"})
+"""Collectives of the other mesh dimensions: FSDP's all-gathers and reduce-scatters, TP's all-reduces."""
+COMM_KINDS = frozenset({"SEND_F", "RECV_F", "SEND_B", "RECV_B"}) | COLLECTIVE_KINDS
 """Communication kinds; every other kind (F, B, I, W, OPT, ...) is compute."""
 
 # Chrome trace tracks (thread ids) inside each rank's process. Sends and
 # receives get their own tracks because they may overlap each other in time;
 # overlapping ones go on further lanes (tid + _LANE_STRIDE * lane), since a
 # trace viewer nests the slices of one track and cannot show partial overlaps.
-_COMPUTE_TRACK, _SEND_TRACK, _RECV_TRACK = 0, 1, 2
-_TRACK_NAMES = {_COMPUTE_TRACK: "compute", _SEND_TRACK: "send", _RECV_TRACK: "recv"}
+_COMPUTE_TRACK, _SEND_TRACK, _RECV_TRACK, _COLLECTIVE_TRACK = 0, 1, 2, 3
+_TRACK_NAMES = {_COMPUTE_TRACK: "compute", _SEND_TRACK: "send", _RECV_TRACK: "recv",
+                _COLLECTIVE_TRACK: "collectives"}
 _LANE_STRIDE = 10
 
 
@@ -153,7 +156,7 @@ class Timeline:
         return [e for e in self.events if e.is_compute and (rank is None or e.rank == rank)]
 
     def comm_events(self, rank: int | None = None) -> list[Event]:
-        """Send and receive events, of one rank or of all."""
+        """Send, receive and collective events, of one rank or of all."""
         return [e for e in self.events if e.is_comm and (rank is None or e.rank == rank)]
 
     # -- clock
@@ -366,6 +369,8 @@ def _track_of(event: Event) -> int:
         return _SEND_TRACK
     if event.kind.startswith("RECV"):
         return _RECV_TRACK
+    if event.kind in COLLECTIVE_KINDS:
+        return _COLLECTIVE_TRACK
     return _COMPUTE_TRACK
 
 

@@ -39,6 +39,9 @@ _KIND_STYLE = {
     "SEND_B": ("#CC79A7", "", "send"),
     "RECV_F": ("#F0E442", "", "receive (waiting on the wire)"),
     "RECV_B": ("#F0E442", "", "receive (waiting on the wire)"),
+    "ALL_GATHER": ("#0072B2", "", "all-gather (FSDP)"),
+    "REDUCE_SCATTER": ("#0072B2", "xx", "reduce-scatter (FSDP)"),
+    "ALL_REDUCE": ("#444444", "", "all-reduce (TP)"),
 }
 _SHADING_LABEL = "lighter = later virtual stage"
 _OTHER_COLOUR = "#999999"  # free-form kinds, like an optimizer step "OPT"
@@ -101,12 +104,16 @@ def save(fig: Figure, path: str | PathLike, dpi: int = 150) -> None:
 # ---------------------------------------------------------------- timeline
 
 
-def plot_timeline(timeline: Timeline, ax: Axes | None = None, title: str | None = None) -> Figure:
-    """Gantt chart of a timeline: one row per rank, idle time hatched, bubble in the title."""
+def plot_timeline(timeline: Timeline, ax: Axes | None = None, title: str | None = None,
+                  rank_labels: Sequence[str] | None = None) -> Figure:
+    """Gantt chart of a timeline: one row per rank, idle time hatched, bubble in the title.
+
+    `rank_labels` names the rows (e.g. each rank's mesh coordinates); default "rank r".
+    """
     if ax is None:
         fig = _new_figure(_timeline_width(timeline), _timeline_height(timeline.n_ranks))
         ax = fig.add_subplot()
-    handles = _draw_timeline(ax, timeline, title)
+    handles = _draw_timeline(ax, timeline, title, rank_labels=rank_labels)
     if ax.figure.get_layout_engine() is not None and len(ax.figure.axes) == 1:
         ax.figure.legend(handles=handles, loc="outside lower center", ncol=len(handles), frameon=False, fontsize=8)
     else:
@@ -139,7 +146,8 @@ def compare_timelines(predicted: Timeline, measured: Timeline, titles: tuple[str
     return fig
 
 
-def _draw_timeline(ax: Axes, timeline: Timeline, title: str | None, until: float | None = None) -> list[Patch]:
+def _draw_timeline(ax: Axes, timeline: Timeline, title: str | None, until: float | None = None,
+                   rank_labels: Sequence[str] | None = None) -> list[Patch]:
     """Draw the rows, boxes and labels of a timeline on `ax` (its x axis reaching at least
     `until`); return legend handles."""
     n_ranks = max(timeline.n_ranks, 1)
@@ -151,7 +159,10 @@ def _draw_timeline(ax: Axes, timeline: Timeline, title: str | None, until: float
 
     ax.set_xlim(t0 - 0.01 * span, x_end + 0.01 * span)
     ax.set_ylim(n_ranks, 0)  # rank 0 on top
-    ax.set_yticks([r + 0.5 for r in range(n_ranks)], [f"rank {r}" for r in range(n_ranks)])
+    if rank_labels is not None and len(rank_labels) != n_ranks:
+        raise ValueError(f"rank_labels has {len(rank_labels)} names but the timeline has {n_ranks} ranks")
+    labels = list(rank_labels) if rank_labels is not None else [f"rank {r}" for r in range(n_ranks)]
+    ax.set_yticks([r + 0.5 for r in range(n_ranks)], labels)
     ax.tick_params(axis="y", length=0)
     ax.set_xlabel("time (cost units)" if timeline.label == "simulated" else "time (s)")
     for side in ("top", "right", "left"):

@@ -23,6 +23,7 @@ from pplab.checks import (BoundaryTable, GradientFlowReport, ParityReport, check
                           compare_with_reference)
 from pplab.cluster import engine
 from pplab.data import Batch, batches
+from pplab.mesh import Mesh, MemoryTable, memory_held, optimizer_state_bytes
 from pplab.model import LlamaConfig, LlamaModel
 from pplab.rank_pipeline import PipelineSpec, RankPipeline, StepResult, merge_steps, split_for_ranks
 from pplab.reference import reference_step
@@ -44,7 +45,8 @@ def build_on_rank(run_id: str, spec: PipelineSpec) -> dict:
     pipeline = RankPipeline(spec, context.rank, context.device)
     _pipelines[run_id] = pipeline
     return {"rank": context.rank, "stages": sorted(pipeline.stages),
-            "parameters": sum(p.numel() for p in pipeline.parameters())}
+            "parameters": sum(p.numel() for p in pipeline.parameters()),
+            "coordinates": pipeline.place.coordinates if pipeline.place else None}
 
 
 def _pipeline(run_id: str) -> RankPipeline:
@@ -90,6 +92,13 @@ def train_on_rank(run_id: str, options: TrainOptions, until: int | None,
         return trainer.train(until, on_step=lambda record: feed.put((record, trainer.last_events)))
 
 
+def memory_on_rank(run_id: str) -> dict:
+    """The bytes this rank holds for its stages (see pplab.mesh.memory_held), AdamW's state measured."""
+    stages = _pipeline(run_id).stages.values()
+    return {**memory_held(stages), "optimizer": optimizer_state_bytes(stages),
+            "rank": engine.rank_context().rank}
+
+
 def drop_on_rank(run_id: str) -> None:
     """Forget the pipeline `run_id` (frees its stages and its trainer)."""
     _pipelines.pop(run_id, None)
@@ -130,9 +139,33 @@ class PipelineRun:
         """The model configuration."""
         return self.spec.config
 
+    @property
+    def mesh(self) -> Mesh | None:
+        """The mesh the ranks form (None for a pipeline alone); print it for the rank layout."""
+        return self.spec.mesh
+
+    @property
+    def rank_labels(self) -> list[str]:
+        """A name per rank for pictures: 'rank 3 · pp1 dp1' on a mesh, 'rank 3' otherwise."""
+        mesh = self.spec.mesh
+        return [mesh.label(r) if mesh else f"rank {r}" for r in range(self.spec.world_size)]
+
     def default_batch(self, microbatch_size: int = 2, seq_len: int = 32, seed: int = 0) -> Batch:
-        """A batch of the embedded corpus that splits into this run's microbatches."""
-        return next(batches(microbatch_size * self.schedule.n_microbatches, seq_len, seed=seed))
+        """A batch of the embedded corpus that splits into this run's microbatches (of every dp replica)."""
+        size = microbatch_size * self.schedule.n_microbatches * self.spec.replicas
+        return next(batches(size, seq_len, seed=seed))
+
+    def memory(self) -> MemoryTable:
+        """Per rank, the bytes of parameters, gradients and AdamW state it holds, vs unsharded.
+
+        Gradients are those the last step left (a step is run first if there was none); the
+        optimizer state is measured with a real AdamW that steps with lr=0 and is dropped.
+        """
+        self._check_engines()
+        if self.last is None:
+            self.step()
+        rows = self.lab.run(memory_on_rank, self.run_id, timeout=self._call_timeout)
+        return MemoryTable(sorted(rows, key=lambda row: row["rank"]), self.rank_labels)
 
     def step(self, batch: Batch | Sequence[Batch] | None = None, return_grads: bool = False) -> StepResult:
         """One step (forward and backward of every microbatch) on every rank."""
@@ -160,6 +193,10 @@ class PipelineRun:
         In a notebook a `TrainingView` shows progress, loss curves and the latest step;
         elsewhere a progress bar. The records are also kept in `run.history`.
         """
+        if self.spec.mesh is not None and self.spec.world_size != self.schedule.n_ranks:
+            raise ValueError("run.train runs a pipeline alone: its gradient clipping and checkpoints "
+                             "do not know FSDP's and TP's sharded tensors yet; build the pipeline "
+                             "without dp and tp to train it")
         if steps is not None:
             options["steps"] = steps
         train_options = TrainOptions(**options)
@@ -201,6 +238,10 @@ class PipelineRun:
         """A live dashboard of this pipeline (pplab.widgets.Dashboard): display it, then run steps."""
         from pplab.widgets import Dashboard
 
+        if self.spec.world_size != self.schedule.n_ranks:
+            raise ValueError("the live dashboard draws one row per pipeline rank; on a mesh with dp or "
+                             "tp, step the run and draw its timeline with pplab.viz.plot_timeline("
+                             "result.timeline, rank_labels=run.rank_labels)")
         return Dashboard(self, batch, **options)
 
     def check_parity(self, batch: Batch | Sequence[Batch] | None = None, loss_rtol: float = 1e-6,
@@ -209,7 +250,8 @@ class PipelineRun:
         batch = self.default_batch() if batch is None else batch
         result = self.step(batch, return_grads=True)
         reference = reference_step(self.config, batch, None if isinstance(batch, list)
-                                   else self.schedule.n_microbatches, seed=self.spec.seed)
+                                   else self.schedule.n_microbatches * self.spec.replicas,
+                                   seed=self.spec.seed)
         return compare_with_reference(result.loss, result.grads, reference, loss_rtol, grad_atol)
 
     def check_gradient_flow(self, batch: Batch | Sequence[Batch] | None = None) -> GradientFlowReport:
@@ -238,8 +280,10 @@ class PipelineRun:
     def __repr__(self) -> str:
         s = self.schedule
         runtime = f"torch's {self.spec.torch_name}" if self.spec.impl == "torch" else s.name
-        return (f"<PipelineRun {runtime}: {s.n_ranks} ranks, {s.n_stages} stages, "
-                f"{s.n_microbatches} microbatches>")
+        mesh = self.spec.mesh
+        where = (f"{mesh.world_size} ranks as pp={mesh.pp} x dp={mesh.dp} x tp={mesh.tp}" if mesh
+                 else f"{s.n_ranks} ranks")
+        return f"<PipelineRun {runtime}: {where}, {s.n_stages} stages, {s.n_microbatches} microbatches>"
 
 
 def _training_display(total_steps: int, first_step: int, show: bool):
@@ -315,7 +359,7 @@ class LiveStep:
 
     def timeline(self, label: str = "running") -> Timeline:
         """The events that have arrived, as a (growing) timeline."""
-        return Timeline(list(self.events), self.run.schedule.n_ranks, label=label)
+        return Timeline(list(self.events), self.run.spec.world_size, label=label)
 
     def result(self) -> StepResult:
         """Wait for every rank; the merged step (also kept as `run.last`)."""
