@@ -23,7 +23,7 @@ class _ShownAsText:
         return str(self)
 
 
-def _html_table(header: list[str], rows: Iterable[list], caption: str | list[str]) -> str:
+def html_table(header: list[str], rows: Iterable[list], caption: str | list[str]) -> str:
     """A table whose caption is one line, or several (each on its own line)."""
     lines = [caption] if isinstance(caption, str) else caption
     head = "".join(f"<th>{html.escape(str(h))}</th>" for h in header)
@@ -60,7 +60,7 @@ class GradientFlowReport(_ShownAsText):
     def _repr_html_(self) -> str:
         rows = [[name, f"{self.norms.get(name, 0.0):.3e}", self.failures.get(name, "ok")]
                 for name in sorted(self.norms)]
-        return _html_table(["parameter", "grad norm", "status"], rows, str(self).splitlines()[0])
+        return html_table(["parameter", "grad norm", "status"], rows, str(self).splitlines()[0])
 
 
 def check_gradient_flow(grad_stats: dict[str, dict], expected_names: Iterable[str] = ()) -> GradientFlowReport:
@@ -131,7 +131,7 @@ class ParityReport(_ShownAsText):
         rows = [[name, f"{a:.2e}", f"{r:.2e}", "FAIL" if a > self.grad_atol else "ok"]
                 for name, (a, r) in sorted(self.grad_diffs.items())]
         rows += [[name, "", "", "no gradient from the pipeline"] for name in self.missing]
-        return _html_table(["parameter", "max abs diff", "max rel diff", ""], rows,
+        return html_table(["parameter", "max abs diff", "max rel diff", ""], rows,
                            [line.strip() for line in self._summary()])
 
 
@@ -169,5 +169,5 @@ class BoundaryTable(_ShownAsText):
         return "\n".join("  ".join(c.ljust(w) for c, w in zip(row, widths)) for row in table)
 
     def _repr_html_(self) -> str:
-        return _html_table(["boundary", "microbatch", "shape", "dtype", "bytes"], self.rows(),
+        return html_table(["boundary", "microbatch", "shape", "dtype", "bytes"], self.rows(),
                            "activations that crossed each stage boundary")

@@ -31,6 +31,7 @@ import torch.distributed as dist
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from pplab.arguments import check_positive_int
+from pplab.checks import html_table
 from pplab.model import LlamaConfig, LlamaModel
 from pplab.runtime import SavedBytes, local_tensor
 from pplab.trace import Event
@@ -69,11 +70,12 @@ class Mesh:
         if not isinstance(mesh, Mapping):
             raise ValueError(f"mesh={mesh!r}: give sizes by name, e.g. mesh={{'pp': 2, 'dp': 2}}, "
                              f"or a pplab.mesh.Mesh")
-        options = {f.name for f in fields(cls)}
-        unknown = sorted(set(mesh) - options)
+        options = [f.name for f in fields(cls)]
+        unknown = sorted(set(mesh) - set(options))
         if unknown:
             raise ValueError(f"mesh has unknown dimensions {unknown}: use {', '.join(MESH_DIMS)} "
-                             f"(pipeline, FSDP data parallel, tensor parallel)")
+                             f"(pipeline, FSDP data parallel, tensor parallel) and the options "
+                             f"{', '.join(options[len(MESH_DIMS):])}")
         if "pp" not in mesh:
             raise ValueError(f"mesh={dict(mesh)} has no 'pp' dimension: say how many pipeline "
                              f"stages (ranks) a pipeline has, e.g. {{'pp': 2, **{dict(mesh)}}}")
@@ -99,6 +101,9 @@ class Mesh:
 
     def rank_of(self, pp: int, dp: int = 0, tp: int = 0) -> int:
         """The global rank at coordinate (pp, dp, tp)."""
+        for name, index in (("pp", pp), ("dp", dp), ("tp", tp)):
+            if not isinstance(index, int) or not 0 <= index < self.sizes[name]:
+                raise ValueError(f"{name}={index!r} is outside this mesh: use 0..{self.sizes[name] - 1}")
         return (pp * self.dp + dp) * self.tp + tp
 
     def label(self, rank: int) -> str:
@@ -137,10 +142,7 @@ class Mesh:
         return "\n".join(lines)
 
     def _repr_html_(self) -> str:
-        head = "".join(f"<th>{h}</th>" for h in ("rank", "pp", "dp", "tp"))
-        body = "".join("<tr>" + "".join(f"<td>{c}</td>" for c in row) + "</tr>" for row in self.table())
-        caption = str(self).splitlines()[0]
-        return f'<table><caption style="text-align: left">{caption}</caption><tr>{head}</tr>{body}</table>'
+        return html_table(["rank", "pp", "dp", "tp"], self.table(), str(self).splitlines()[0])
 
 
 def _divisors_of_all(config: LlamaConfig) -> list[int]:
@@ -159,7 +161,8 @@ class MeshPlace:
 
         if dist.get_world_size() != mesh.world_size:
             raise ValueError(f"the mesh spans {mesh.world_size} ranks but the process group has "
-                             f"{dist.get_world_size()}")
+                             f"{dist.get_world_size()}: start {mesh.world_size} ranks, or give a mesh "
+                             f"whose sizes multiply to {dist.get_world_size()}")
         self.mesh, self.rank = mesh, rank
         self.coordinates = mesh.coordinates(rank)
         self.device_mesh = init_device_mesh(torch.device(device).type, tuple(mesh.sizes.values()),
@@ -285,10 +288,12 @@ class CollectiveLog:
 
     FSDP's all-gathers and reduce-scatters come through FSDP's custom-communication hooks;
     TP's all-reduces through a dispatch mode (`tensor_parallel_mode`) around the step.
-    Recorded collectives complete before the rank goes on (on CPU, gloo overlaps little
-    anyway), so each event's length is that collective's whole time. A collective's bytes
-    are those of its full buffer: the gathered parameters, the gradients before scattering,
-    the all-reduced activation.
+    With gloo (CPU) a recorded collective completes before the rank goes on, so each event's
+    length is that collective's whole time (gloo overlaps little anyway). With NCCL a
+    collective runs on a GPU stream and the host only launches it: there the events show
+    when it was issued, not how long the GPU spent on it. A collective's bytes are those of
+    its full buffer: the gathered parameters, the gradients before scattering, the
+    all-reduced activation.
     """
 
     def __init__(self, rank: int):
@@ -370,7 +375,9 @@ class _TensorParallelCollectives(TorchDispatchMode):
         if kind is None:
             return func(*args, **kwargs)
         tensor = args[0]
-        with self.log.timed(kind, tensor.numel() * tensor.element_size()):
+        # An all-gather's buffer is its output: group_size (its second argument) inputs.
+        buffer = tensor.numel() * tensor.element_size() * (args[1] if kind == "ALL_GATHER" else 1)
+        with self.log.timed(kind, buffer):
             # Wait here, so the event is the collective's time (the later wait finds it done).
             return torch.ops._c10d_functional.wait_tensor(func(*args, **kwargs))
 
@@ -379,7 +386,7 @@ class _TensorParallelCollectives(TorchDispatchMode):
 
 
 def _bytes(tensors) -> int:
-    return sum(local_tensor(t).numel() * local_tensor(t).element_size() for t in tensors)
+    return sum(local.numel() * local.element_size() for local in map(local_tensor, tensors))
 
 
 def memory_held(modules, optimizer: torch.optim.Optimizer | None = None) -> dict[str, int]:
@@ -425,14 +432,15 @@ class MemoryTable:
         return row["parameters"] + row["gradients"] + row["optimizer"]
 
     def unsharded(self, rank: int) -> int:
-        """What the rank would hold with its stages unsharded: fp32 parameters and gradients,
-        and AdamW's two moments per parameter."""
+        """What the rank would hold with its stages unsharded: parameters and gradients, and
+        AdamW's two moments per parameter (all as large as the parameters)."""
         return 4 * self.rows[rank]["unsharded_parameters"]
 
     def table(self) -> list[list[str]]:
         """One row of text per rank."""
         return [[self.labels[r], _mib(row["parameters"]), _mib(row["gradients"]), _mib(row["optimizer"]),
-                 _mib(self.held(r)), _mib(self.unsharded(r)), f"{self.held(r) / self.unsharded(r):.0%}"]
+                 _mib(self.held(r)), _mib(self.unsharded(r)),
+                 f"{self.held(r) / self.unsharded(r):.0%}" if self.unsharded(r) else "-"]
                 for r, row in enumerate(self.rows)]
 
     HEADER = ["rank", "parameters", "gradients", "optimizer", "held", "unsharded", "held / unsharded"]
@@ -446,20 +454,22 @@ class MemoryTable:
         return str(self)
 
     def _repr_html_(self) -> str:
-        head = "".join(f"<th>{h}</th>" for h in self.HEADER)
-        body = "".join("<tr>" + "".join(f"<td>{c}</td>" for c in row) + "</tr>" for row in self.table())
-        return (f'<table><caption style="text-align: left">bytes each rank holds for its stages '
-                f"(parameters, gradients, AdamW state) vs the same stages unsharded</caption>"
-                f"<tr>{head}</tr>{body}</table>")
+        return html_table(self.HEADER, self.table(), "bytes each rank holds for its stages (parameters, "
+                          "gradients, AdamW state) vs the same stages unsharded")
 
 
 # --- what a step communicates, measured and in theory ----------------------------------------------
 
 
 def communicated_bytes(rank_steps, schedule, mesh: Mesh | None = None) -> list[dict[str, int]]:
-    """Per rank (`rank_steps` ordered by rank), the bytes its step sent in each dimension: pp
-    (activations on, gradients back), dp (FSDP's all-gathers and reduce-scatters) and tp
-    (all-reduces). A collective counts its full buffer (see `CollectiveLog`)."""
+    """Per rank (`rank_steps` ordered by rank), the bytes its step moved in each dimension: pp
+    (the activations it sent on and the gradients it sent back), dp (FSDP's all-gathers and
+    reduce-scatters) and tp (all-reduces: the only collective TP issues in `apply_tensor_parallel`).
+
+    A collective counts its full buffer (see `CollectiveLog`), the volume the formulas in
+    bench/bench_mesh.py predict; what crosses the wire depends on the algorithm (a ring
+    all-gather sends (n-1)/n of its buffer from each rank, a ring all-reduce 2(n-1)/n).
+    """
     mesh = mesh or Mesh(pp=schedule.n_ranks)
     per_rank = []
     for step in rank_steps:
@@ -478,20 +488,22 @@ def communicated_bytes(rank_steps, schedule, mesh: Mesh | None = None) -> list[d
     return per_rank
 
 
-def all_gathers_per_unit(schedule, pp_rank: int, reshard_after_forward: bool) -> int:
-    """How often torch's schedules all-gather each FSDP unit (block or root) of a rank in a step.
+def all_gathers_per_unit(schedule, stage: int, reshard_after_forward: bool) -> int:
+    """How often torch's schedules all-gather each FSDP unit (block or root) of `stage` in a step.
 
     A unit starts the step sharded, and a forward or backward that finds it sharded gathers
     it. After a backward it stays gathered (the schedules reshard once, after the step's last
     backward); after a forward only with `reshard_after_forward=False`. So False gathers once
-    per step, and True once more for every action that directly follows a forward.
+    per step, and True once more for every action that directly follows a forward. (Split
+    backwards, I and W, are not covered: refused.)
     """
-    count = 0
-    for stage in schedule.stages_of(pp_rank):
-        sharded = True
-        for action in schedule.actions[pp_rank]:
-            if action.stage != stage or action.kind.value not in ("F", "B", "I"):
-                continue
-            count += sharded
-            sharded = reshard_after_forward and action.kind.value == "F"
+    actions = [a for a in schedule.actions[schedule.stage_to_rank(stage)]
+               if a.stage == stage and a.is_compute]
+    if any(a.kind.value not in ("F", "B") for a in actions):
+        raise ValueError(f"{schedule.name!r} splits backwards into I and W: this count covers "
+                         f"schedules with whole backwards (F and B) only")
+    count, sharded = 0, True
+    for action in actions:
+        count += sharded
+        sharded = reshard_after_forward and action.kind.value == "F"
     return count

@@ -174,6 +174,8 @@ class RankPipeline:
             result.microbatch_losses = {first + mb: loss for mb, loss in result.microbatch_losses.items()}
             result.boundaries = [dataclasses.replace(b, microbatch=first + b.microbatch)
                                  for b in result.boundaries]
+            result.events = [e if e.microbatch is None else dataclasses.replace(e, microbatch=first + e.microbatch)
+                             for e in result.events]
         return result
 
 
@@ -188,11 +190,15 @@ def split_for_ranks(spec: PipelineSpec, batch: Batch | Sequence[Batch],
     """
     schedule = spec.schedule
     m, replicas = schedule.n_microbatches, spec.replicas
-    if replicas > 1 and isinstance(batch, tuple) and len(batch) == 2 and isinstance(batch[0], torch.Tensor) \
-            and batch[0].shape[0] % (m * replicas):
-        raise ValueError(f"a batch of {batch[0].shape[0]} sequences does not split into dp={replicas} "
-                         f"pipelines x {m} microbatches: give a batch size that is a multiple of "
-                         f"{m * replicas}")
+    if replicas > 1:  # say it in terms of the mesh
+        whole = isinstance(batch, tuple) and len(batch) == 2 and isinstance(batch[0], torch.Tensor)
+        if whole and batch[0].shape[0] % (m * replicas):
+            raise ValueError(f"a batch of {batch[0].shape[0]} sequences does not split into dp={replicas} "
+                             f"pipelines x {m} microbatches: give a batch size that is a multiple of "
+                             f"{m * replicas}")
+        if not whole and len(batch) != m * replicas:
+            raise ValueError(f"{len(batch)} microbatches were given, but dp={replicas} pipelines of {m} "
+                             f"microbatches take {m * replicas}: give that many, or one whole batch")
     microbatches = as_microbatches(batch, m * replicas)
     for index, (input_ids, target_ids) in enumerate(microbatches):
         check_microbatch(spec.config, index, input_ids, target_ids)

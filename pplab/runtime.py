@@ -110,8 +110,8 @@ class _StepState:
 class SavedBytes:
     """Counts the bytes autograd saves for backward in a forward of `module`, parameters excluded.
 
-    Which storages are parameters is asked again when an unknown one shows up: FSDP
-    gathers a block's weights into new storage just before the block runs.
+    Which storages are parameters is asked anew for each saved tensor: FSDP gathers a
+    block's weights into fresh storage just before the block runs, and frees it after.
     `current` is the count a forward is taking now: a block under activation checkpointing
     saves nothing through autograd's hooks but keeps its input, and adds it here (`keep`).
     """
@@ -120,12 +120,8 @@ class SavedBytes:
 
     def __init__(self, module: nn.Module):
         self.module = module
-        self.parameter_storages = self._parameter_storages()
         self.seen: set[int] = set()
         self.bytes = 0
-
-    def _parameter_storages(self) -> set[int]:
-        return {local_tensor(p).untyped_storage().data_ptr() for p in self.module.parameters()}
 
     def pack(self, tensor: torch.Tensor) -> torch.Tensor:
         self.keep(tensor)
@@ -135,12 +131,12 @@ class SavedBytes:
         """Count `tensor`'s storage once, unless a parameter owns it."""
         storage = local_tensor(tensor).untyped_storage()
         pointer = storage.data_ptr()
-        if pointer in self.seen or pointer in self.parameter_storages:
+        if pointer in self.seen:
             return
-        self.parameter_storages = self._parameter_storages()
-        if pointer not in self.parameter_storages:
-            self.seen.add(pointer)
-            self.bytes += storage.nbytes()
+        if any(local_tensor(p).untyped_storage().data_ptr() == pointer for p in self.module.parameters()):
+            return
+        self.seen.add(pointer)
+        self.bytes += storage.nbytes()
 
     @contextlib.contextmanager
     def hooks(self):
@@ -221,8 +217,7 @@ class RankRuntime:
         self._check_all_released(state)
         events.extend(link.events)
         return RankStep(self.rank, events, state.losses, boundaries,
-                        gradient_stats(self.stages.values()),
-                        gradients(self.stages.values()) if return_grads else None)
+                        *gradient_report(self.stages.values(), return_grads))
 
     def _waits_for(self, batch: list[Action]) -> tuple[tuple[int, str], ...]:
         """(peer rank, the peer's send) for every receive in a batch: whom the rank waits on."""
@@ -474,13 +469,13 @@ def full_tensor(tensor: torch.Tensor) -> torch.Tensor:
         redistribute.setLevel(level)
 
 
-def gradient_stats(modules) -> dict[str, dict]:
-    """Per parameter: gradient norm, whether it is finite, whether any entry is non-zero
-    (of the whole gradient, when it is sharded)."""
+def gradient_stats(modules, grads: dict[str, torch.Tensor] | None = None) -> dict[str, dict]:
+    """Per parameter: gradient norm, whether it is finite, whether any entry is non-zero (of the
+    whole gradient when it is sharded; pass `grads` from `gradients` not to gather it twice)."""
     stats = {}
     for module in modules:
         for name, param in module.named_parameters():
-            grad = None if param.grad is None else full_tensor(param.grad)
+            grad = None if param.grad is None else grads[name] if grads is not None else full_tensor(param.grad)
             stats[name] = dict(present=grad is not None,
                                norm=float(grad.norm()) if grad is not None else 0.0,
                                finite=bool(torch.isfinite(grad).all()) if grad is not None else False,
@@ -493,3 +488,9 @@ def gradients(modules) -> dict[str, torch.Tensor]:
     return {name: full_tensor(param.grad).detach().cpu().clone()
             for module in modules for name, param in module.named_parameters()
             if param.grad is not None}
+
+
+def gradient_report(modules, return_grads: bool) -> tuple[dict[str, dict], dict[str, torch.Tensor] | None]:
+    """(gradient_stats, gradients or None): a sharded gradient is gathered once for both."""
+    grads = gradients(modules) if return_grads else None
+    return gradient_stats(modules, grads), grads

@@ -23,8 +23,7 @@ from torch import nn
 
 from pplab.comm import dtype_name, monotonic_clock
 from pplab.model import loss_fn
-from pplab.runtime import (Boundary, Now, RankStep, SavedBytes, StepClock, gradient_stats, gradients,
-                           pad_to_cost)
+from pplab.runtime import Boundary, Now, RankStep, SavedBytes, StepClock, gradient_report, pad_to_cost
 from pplab.schedules import Action, Kind, Schedule, build, from_torch
 from pplab.simulator import Costs
 from pplab.trace import Event
@@ -79,7 +78,8 @@ def recording_stage_class():
         def forward_one_chunk(self, fwd_chunk_id, args, kwargs=None, save_forward_output=True):
             with self.recorder.action(Kind.F, self.stage_index, fwd_chunk_id) as note:
                 # What a forward saves depends on the input's shape only: measure it once per shape
-                # (the hooks cost time on every saved tensor), as the hand-written runtime does.
+                # (the hooks cost time on every saved tensor). The loss is computed by torch outside
+                # the stage, so on the last stage its saved tensors are not counted here.
                 shape_key = tuple((tuple(a.shape), a.dtype) for a in args if isinstance(a, torch.Tensor))
                 saved = SavedBytes(self.submod) if shape_key not in self.saved_bytes else None
                 with saved.hooks() if saved else contextlib.nullcontext():
@@ -249,8 +249,7 @@ class TorchRankRuntime:
             watch(Now(self.rank, "done", self.recorder.clock()))
         microbatch_losses = {mb: float(loss.detach()) for mb, loss in enumerate(losses or [])}
         return RankStep(self.rank, [*self.recorder.events, *collective_events], microbatch_losses,
-                        list(self.recorder.boundaries), gradient_stats(self.stages.values()),
-                        gradients(self.stages.values()) if return_grads else None)
+                        list(self.recorder.boundaries), *gradient_report(self.stages.values(), return_grads))
 
 
 def _whole_batch(microbatches, what: str) -> torch.Tensor:

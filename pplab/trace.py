@@ -34,8 +34,8 @@ COLLECTIVE_KINDS = frozenset({"ALL_GATHER", "REDUCE_SCATTER", "ALL_REDUCE"})
 COMM_KINDS = frozenset({"SEND_F", "RECV_F", "SEND_B", "RECV_B"}) | COLLECTIVE_KINDS
 """Communication kinds; every other kind (F, B, I, W, OPT, ...) is compute."""
 
-# Chrome trace tracks (thread ids) inside each rank's process. Sends and
-# receives get their own tracks because they may overlap each other in time;
+# Chrome trace tracks (thread ids) inside each rank's process. Sends, receives
+# and collectives get their own tracks because they may overlap each other in time;
 # overlapping ones go on further lanes (tid + _LANE_STRIDE * lane), since a
 # trace viewer nests the slices of one track and cannot show partial overlaps.
 _COMPUTE_TRACK, _SEND_TRACK, _RECV_TRACK, _COLLECTIVE_TRACK = 0, 1, 2, 3
@@ -81,7 +81,7 @@ class Event:
 
     @property
     def is_comm(self) -> bool:
-        """True for sends and receives."""
+        """True for sends, receives and collectives (FSDP's, TP's)."""
         return self.kind in COMM_KINDS
 
     @property
@@ -212,7 +212,7 @@ class Timeline:
         return _union_length((e.start, e.end) for e in self.compute_events(rank))
 
     def comm_time(self, rank: int) -> float:
-        """Time the rank had a send or receive under way."""
+        """Time the rank had a send, a receive or a collective under way."""
         return _union_length((e.start, e.end) for e in self.comm_events(rank))
 
     def idle_time(self, rank: int) -> float:

@@ -139,6 +139,7 @@ class RankTrainer:
     def __init__(self, pipeline: RankPipeline, options: TrainOptions, group=None,
                  checkpoint_group=None):
         spec, schedule = pipeline.spec, pipeline.spec.schedule
+        check_trainable(spec)
         options.check(schedule.n_microbatches)
         _check_every_rank_has_parameters(spec)
         self.pipeline, self.options, self.group = pipeline, options, group
@@ -332,12 +333,22 @@ class ProgressBar:
         self.bar.close()
 
 
+def check_trainable(spec: PipelineSpec) -> None:
+    """Training takes a pipeline alone (or a pp-only mesh): refuse dp and tp with a clear error."""
+    mesh = spec.mesh
+    if mesh is not None and (mesh.dp > 1 or mesh.tp > 1):
+        raise ValueError(f"training runs a pipeline alone, but this one has dp={mesh.dp} and tp={mesh.tp}: "
+                         f"its gradient clipping and checkpoints do not know FSDP's and TP's sharded "
+                         f"tensors yet; train a pipeline without dp and tp (e.g. mesh={{'pp': {mesh.pp}}})")
+
+
 def train_on_rank(rank: int, world_size: int, spec: PipelineSpec, options: TrainOptions,
                   until: int | None = None, progress: bool = True, device="cpu") -> TrainHistory:
     """Build this rank's stages and train them: the entry point for torchrun and local processes.
 
     Rank 0 shows a progress bar (tqdm) when `progress` is true.
     """
+    check_trainable(spec)
     if spec.schedule.n_ranks != world_size:
         raise ValueError(f"the schedule is for {spec.schedule.n_ranks} ranks but world_size={world_size}")
     checkpoint_group = None

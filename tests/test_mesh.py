@@ -108,6 +108,10 @@ def test_all_gather_theory():
     # rank 3 of 4: F0 B0 F1 B1 ..: the first forward, then every backward.
     assert all_gathers_per_unit(one_f_one_b, 3, True) == 1 + 8
     assert all_gathers_per_unit(build("1f1b", 2, 4), 0, True) == MICROBATCHES + 1
+    interleaved = build("interleaved-1f1b", 2, 4, 2)  # rank 0 holds stages 0 and 2: counted apart
+    assert all_gathers_per_unit(interleaved, 0, False) == all_gathers_per_unit(interleaved, 2, False) == 1
+    with pytest.raises(ValueError, match="'zb-h1' splits backwards into I and W"):
+        all_gathers_per_unit(build("zb-h1", 2, 4), 0, True)
 
 
 def test_activation_checkpointing_keeps_fewer_bytes_and_still_matches():
@@ -185,9 +189,9 @@ def test_a_mesh_on_a_lab(lab_factory):
     table = run.memory()
     assert all(0.45 < table.held(r) / table.unsharded(r) <= 0.55 for r in range(4)), str(table)
     assert run.rank_labels[3] == "rank 3 · pp1 dp1"
-    with pytest.raises(ValueError, match="run.train runs a pipeline alone"):
+    with pytest.raises(ValueError, match="training runs a pipeline alone, but this one has dp=2 and tp=1"):
         run.train(steps=2)
-    with pytest.raises(ValueError, match="live dashboard draws one row per pipeline rank"):
+    with pytest.raises(ValueError, match="live dashboard draws one row per pipeline rank, but this mesh has dp=2"):
         run.dashboard()
 
 

@@ -31,7 +31,7 @@ from pplab.runtime import RankStep
 from pplab.schedules import Schedule
 from pplab.simulator import Costs, simulate
 from pplab.trace import Timeline
-from pplab.train import ProgressBar, RankTrainer, TrainHistory, TrainOptions
+from pplab.train import ProgressBar, RankTrainer, TrainHistory, TrainOptions, check_trainable
 
 # --- engine side ----------------------------------------------------------------------------
 
@@ -193,10 +193,7 @@ class PipelineRun:
         In a notebook a `TrainingView` shows progress, loss curves and the latest step;
         elsewhere a progress bar. The records are also kept in `run.history`.
         """
-        if self.spec.mesh is not None and self.spec.world_size != self.schedule.n_ranks:
-            raise ValueError("run.train runs a pipeline alone: its gradient clipping and checkpoints "
-                             "do not know FSDP's and TP's sharded tensors yet; build the pipeline "
-                             "without dp and tp to train it")
+        check_trainable(self.spec)  # before any rank starts
         if steps is not None:
             options["steps"] = steps
         train_options = TrainOptions(**options)
@@ -239,9 +236,9 @@ class PipelineRun:
         from pplab.widgets import Dashboard
 
         if self.spec.world_size != self.schedule.n_ranks:
-            raise ValueError("the live dashboard draws one row per pipeline rank; on a mesh with dp or "
-                             "tp, step the run and draw its timeline with pplab.viz.plot_timeline("
-                             "result.timeline, rank_labels=run.rank_labels)")
+            raise ValueError(f"the live dashboard draws one row per pipeline rank, but this mesh has "
+                             f"dp={self.mesh.dp} and tp={self.mesh.tp}: step the run and draw its timeline "
+                             f"with pplab.viz.plot_timeline(result.timeline, rank_labels=run.rank_labels)")
         return Dashboard(self, batch, **options)
 
     def check_parity(self, batch: Batch | Sequence[Batch] | None = None, loss_rtol: float = 1e-6,
