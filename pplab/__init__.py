@@ -28,6 +28,8 @@ _EXPORTS = {
     "TrainOptions": "pplab.train",
     "load_model": "pplab.checkpoint",
     "Mesh": "pplab.mesh",
+    "profile": "pplab.prediction",
+    "predict": "pplab.prediction",
     "Lab": "pplab.cluster",  # floor 4: engines as ranks, from Jupyter
     "cleanup": "pplab.cluster",
 }
@@ -54,6 +56,7 @@ if _TYPE_CHECKING:  # what static checkers and editors see
     from pplab.mesh import Mesh
     from pplab.model import LlamaConfig, LlamaModel, build_model, generate
     from pplab.partition import build_stage, layer_ranges, stages_of_rank
+    from pplab.prediction import predict, profile
     from pplab.reference import reference_step
     from pplab.simulator import Costs, simulate
     from pplab.trace import Event, Timeline

@@ -101,7 +101,8 @@ class _StepState:
 
     inputs: dict[Key, torch.Tensor] = field(default_factory=dict)      # what each forward consumed
     outputs: dict[Key, torch.Tensor] = field(default_factory=dict)     # hidden states, or scaled loss
-    output_grads: dict[Key, torch.Tensor] = field(default_factory=dict)  # kept from I for its W
+    output_grads: dict[Key, torch.Tensor] = field(default_factory=dict)  # first stage: kept from I for its W
+    weight_work: dict[Key, list] = field(default_factory=dict)  # what I kept for W: graph parts and their grads
     input_grads: dict[Key, torch.Tensor] = field(default_factory=dict)   # to send (or hand) upstream
     received: dict[Action, torch.Tensor] = field(default_factory=dict)   # the link's mailbox
     losses: dict[int, float] = field(default_factory=dict)
@@ -250,7 +251,8 @@ class RankRuntime:
     def _check_all_released(self, state: _StepState) -> None:
         """A valid schedule consumes every tensor it keeps: anything left is a leak (a bug)."""
         held = {name: sorted(map(str, getattr(state, name))) for name in
-                ("inputs", "outputs", "output_grads", "input_grads", "received") if getattr(state, name)}
+                ("inputs", "outputs", "output_grads", "weight_work", "input_grads", "received")
+                if getattr(state, name)}
         if held:
             raise RuntimeError(f"rank {self.rank} still holds tensors after the step: {held}")
 
@@ -318,25 +320,25 @@ class RankRuntime:
         self._keep_input_grad(key, state, state.inputs.pop(key).grad)
 
     def _input_grad(self, key: Key, state: _StepState) -> None:
-        """Zero-bubble I: the gradient of the stage input only; W follows later."""
-        output, grad = state.outputs[key], self._output_grad(key, state)
-        state.output_grads[key] = grad
-        x = state.inputs[key]
-        if key[0] > 0:
-            (input_grad,) = torch.autograd.grad(output, [x], grad, retain_graph=True)
-            self._keep_input_grad(key, state, input_grad)
+        """Zero-bubble I: the gradient of the stage input only, keeping what W will need."""
+        grad = self._output_grad(key, state)
+        if key[0] == 0:  # the input is token ids: no input gradient, W does the whole backward
+            state.output_grads[key] = grad
+            return
+        input_grad, state.weight_work[key] = input_gradient(state.outputs.pop(key), grad, state.inputs[key],
+                                                            self._weights(key[0]))
+        self._keep_input_grad(key, state, input_grad)
 
     def _weight_grad(self, key: Key, state: _StepState) -> None:
         """Zero-bubble W: the parameter gradients, accumulated into `.grad` like B does."""
-        output, grad = state.outputs.pop(key), state.output_grads.pop(key)
         state.inputs.pop(key)
-        params = [p for p in self.stages[key[0]].parameters() if p.requires_grad]
-        if not params:
-            return
-        grads = torch.autograd.grad(output, params, grad, allow_unused=True)
-        for param, param_grad in zip(params, grads):
-            if param_grad is not None:
-                param.grad = param_grad if param.grad is None else param.grad + param_grad
+        if key[0] > 0:
+            weight_gradients(self._weights(key[0]), state.weight_work.pop(key))
+        else:
+            state.outputs.pop(key).backward(state.output_grads.pop(key))
+
+    def _weights(self, stage: int) -> list[torch.Tensor]:
+        return [p for p in self.stages[stage].parameters() if p.requires_grad]
 
     def _keep_input_grad(self, key: Key, state: _StepState, input_grad) -> None:
         if key[0] > 0:
@@ -372,6 +374,30 @@ class RankRuntime:
 
     def _activation_dtype(self) -> torch.dtype:
         return next(iter(p.dtype for m in self.stages.values() for p in m.parameters()), torch.float32)
+
+
+def input_gradient(output: torch.Tensor, output_grad: torch.Tensor | None, x: torch.Tensor,
+                   weights: list[torch.Tensor]) -> tuple[torch.Tensor, list]:
+    """The zero-bubble split's I: the gradient of the stage input `x`, and what W needs.
+
+    torch's `stage_backward_input` runs autograd from the output to the input, with hooks on
+    the graph nodes where the weights' branches leave that path: they keep the gradient that
+    arrives there (e.g. a linear layer's output gradient). `weight_gradients` then starts from
+    those nodes and runs only the weights' branches, so nothing of the input-gradient chain
+    is computed twice. (The output's graph is released here: W does not need it.)
+    """
+    from torch.distributed.pipelining._backward import stage_backward_input  # slow import: on use
+
+    input_grads, weight_work = stage_backward_input(
+        [output], None if output_grad is None else [output_grad], [x], weights)
+    return input_grads[0], weight_work
+
+
+def weight_gradients(weights: list[torch.Tensor], weight_work: list) -> None:
+    """The zero-bubble split's W: accumulate the weights' gradients from what I kept."""
+    from torch.distributed.pipelining._backward import stage_backward_weight
+
+    stage_backward_weight(weights, weight_work)
 
 
 def pad_to_cost(timing: Costs | None, action: Action, started: float, clock) -> None:

@@ -244,3 +244,54 @@ def test_a_watcher_is_told_each_start_and_each_event_as_the_step_goes():
         receives = [n for n in starts if "RECV" in n.doing]
         peer = 1 - rank
         assert receives and all(w[0] == peer and "SEND" in w[1] for n in receives for w in n.waits_for)
+
+
+def _matmuls_per_backward_action(rank, world_size, specs, data):
+    """Per schedule: the matrix products each backward action (B, I, W) of this rank ran."""
+    from collections import Counter
+
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from pplab.rank_pipeline import RankPipeline
+    from pplab.runtime import RankRuntime
+
+    class Matmuls(TorchDispatchMode):
+        def __init__(self, counts):
+            super().__init__()
+            self.counts = counts
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if func.__name__.split(".")[0] in ("mm", "addmm", "bmm", "_scaled_dot_product_flash_attention_for_cpu_backward"):
+                self.counts[func.__name__.split(".")[0]] += 1
+            return func(*args, **(kwargs or {}))
+
+    counted = {}
+    for name, spec in specs.items():
+        counts = {kind: Counter() for kind in ("B", "I", "W")}
+        pipeline = RankPipeline(spec, rank)
+        runtime: RankRuntime = pipeline.runtime
+        for kind, method in (("B", "_backward"), ("I", "_input_grad"), ("W", "_weight_grad")):
+            original = getattr(runtime, method)
+
+            def counting(*args, _original=original, _kind=kind):
+                with Matmuls(counts[_kind]):
+                    return _original(*args)
+            setattr(runtime, method, counting)
+        pipeline.step(data[name][rank])
+        counted[name] = counts
+    return counted
+
+
+def test_zero_bubble_w_computes_only_weight_gradients():
+    """I + W run exactly the matrix products of B: W recomputes nothing of the input-gradient chain."""
+    m = 3
+    specs = {name: PipelineSpec.create(CONFIG, name, 2, m) for name in ("1f1b", "zb-h1")}
+    batch = next(batches(MICROBATCH_SIZE * m, SEQ_LEN))
+    data = {name: split_for_ranks(spec, batch) for name, spec in specs.items()}
+    per_rank = run_ranks(2, _matmuls_per_backward_action, specs, data, timeout=120)
+    last = per_rank[1]  # stage 1 has an input gradient to compute (stage 0's input is token ids)
+    full, split = last["1f1b"]["B"], last["zb-h1"]["I"] + last["zb-h1"]["W"]
+    assert sum(full.values()) > 0 and split == full, (full, last["zb-h1"])
+    # and W did weight work only: one product per linear weight and microbatch, none for inputs
+    linears_per_layer, layers = 7, CONFIG.num_hidden_layers // 2
+    assert last["zb-h1"]["W"]["mm"] == m * (linears_per_layer * layers + 1)  # + the LM head

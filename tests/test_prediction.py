@@ -1,0 +1,87 @@
+"""Predict before you run: per-stage costs and bytes measured on one device, predictions from them."""
+
+import pytest
+
+import pplab
+from pplab.data import batches
+from pplab.launch import run_ranks
+from pplab.prediction import Profile, StageProfile, predict, profile
+from pplab.rank_pipeline import PipelineSpec, merge_steps, run_jobs_on_rank, split_for_ranks
+from pplab.schedules import build, theory
+from pplab.simulator import Costs
+
+CONFIG = pplab.LlamaConfig.tiny()
+MICROBATCH_SIZE, SEQ_LEN = 2, 32
+
+
+@pytest.fixture(scope="module")
+def two_stages() -> Profile:
+    return profile(CONFIG, MICROBATCH_SIZE, SEQ_LEN, 2, repeats=3, show=False)
+
+
+def test_profile_measures_positive_costs_and_the_tensors_bytes(two_stages):
+    first, last = two_stages.stages
+    for stage in (first, last):
+        assert stage.forward > 0 and stage.backward > 0 and stage.weight_grad > 0
+        assert stage.activation_bytes > 0
+    assert first.input_grad == 0  # token ids have no gradient: W is the whole backward
+    assert last.input_grad > 0
+    assert first.output_bytes == MICROBATCH_SIZE * SEQ_LEN * CONFIG.hidden_size * 4 and last.output_bytes == 0
+    for index, stage in enumerate(two_stages.stages):
+        module = pplab.build_stage(CONFIG, index, 2)
+        assert stage.parameter_bytes == sum(p.numel() * 4 for p in module.parameters())
+        assert stage.static_bytes == 4 * stage.parameter_bytes  # parameters, gradients, AdamW's two moments
+    assert "(I+W)/B" in str(two_stages) and "<table>" in two_stages._repr_html_()
+
+
+def uniform(n_stages: int, activation_bytes: int = 1000) -> Profile:
+    stage = StageProfile(forward=1.0, backward=2.0, input_grad=1.0, weight_grad=1.0, parameter_bytes=10,
+                         activation_bytes=activation_bytes, output_bytes=100)
+    return Profile((stage,) * n_stages, MICROBATCH_SIZE, SEQ_LEN)
+
+
+@pytest.mark.parametrize("name", ["gpipe", "1f1b", "zb-h1"])
+def test_uniform_costs_give_the_textbook_bubble_and_activation_peaks(name):
+    p, m = 4, 8
+    schedule = build(name, p, m)
+    prediction = predict(schedule, uniform(p))
+    expected = theory(schedule, Costs(forward=1.0, backward=2.0))
+    assert prediction.bubble == pytest.approx(expected.bubble_fraction)
+    held = [m] * p if name == "gpipe" else [min(p - r, m) for r in range(p)]
+    if name != "zb-h1":  # ZB-H1 holds what 1F1B holds until its W passes release it
+        assert list(prediction.peak_activation_bytes) == [1000 * n for n in held]
+    assert list(prediction.static_bytes) == [40] * p
+    assert list(prediction.peak_bytes) == [s + a for s, a in zip(prediction.static_bytes,
+                                                                 prediction.peak_activation_bytes)]
+
+
+def test_predict_takes_costs_and_a_profile_for_the_bytes():
+    schedule = build("1f1b", 2, 4)
+    plain = predict(schedule, Costs(forward=1.0, backward=2.0))
+    assert plain.step_time == pytest.approx((4 + 1) * 3.0) and set(plain.peak_activation_bytes) == {0}
+    with_bytes = predict(schedule, Costs(forward=1.0, backward=2.0), memory=uniform(2))
+    assert with_bytes.peak_activation_bytes == (2000, 1000)
+    with pytest.raises(ValueError, match="the profile has 3 stages but the schedule '1f1b' has 2"):
+        predict(schedule, uniform(3))
+
+
+def test_profile_refuses_bad_sizes_before_measuring():
+    with pytest.raises(ValueError, match="n_stages=9 is more than n_layers=8"):
+        profile(CONFIG, 2, 32, 9, show=False)
+    with pytest.raises(ValueError, match="seq_len=512 exceeds max_position_embeddings=256"):
+        profile(CONFIG, 2, 512, 2, show=False)
+
+
+def test_measured_activation_peaks_land_on_the_prediction(two_stages):
+    """Real mode (no padding), 2 ranks: each rank's peak of held activation bytes within 5 %."""
+    m = 4
+    specs = [PipelineSpec.create(CONFIG, name, 2, m) for name in ("gpipe", "1f1b")]
+    batch = next(batches(MICROBATCH_SIZE * m, SEQ_LEN))
+    per_rank = run_ranks(2, run_jobs_on_rank, [(spec, split_for_ranks(spec, batch)) for spec in specs],
+                         False, timeout=120)
+    for job, spec in enumerate(specs):
+        measured = merge_steps([per_rank[rank][job] for rank in range(2)]).timeline
+        predicted = predict(spec.schedule, two_stages)
+        for rank in range(2):
+            assert measured.peak_inflight_bytes(rank) == pytest.approx(predicted.peak_activation_bytes[rank],
+                                                                       rel=0.05), (spec.schedule.name, rank)
