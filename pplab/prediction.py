@@ -57,12 +57,25 @@ class Profile:
     stages: tuple[StageProfile, ...]
     microbatch_size: int
     seq_len: int
-    latency: float = 0.0  # seconds a hop costs beyond compute (measure it: see bench/bench_predict.py)
+    latency: float = 0.0  # seconds from posting a message to its arrival (see `with_link`)
+    send_cost: float = 0.0  # seconds the sender spends posting a message
 
     def costs(self, split_backward: bool) -> Costs:
-        """The simulator's costs: whole backwards (B) or split ones (I and W), with the latency."""
+        """The simulator's costs: whole backwards (B) or split ones (I and W), with the link.
+
+        The simulator's sends cost their rank nothing; a real send takes `send_cost` of the
+        sender's time, so it is added to the compute that makes the message: every forward
+        but the last stage's, every backward (or I) but the first stage's.
+        """
+        last = len(self.stages) - 1
         per_stage = {name: [getattr(s, name) for s in self.stages]
                      for name in ("forward", "backward", "input_grad", "weight_grad")}
+        for index in range(last + 1):
+            if index < last:
+                per_stage["forward"][index] += self.send_cost
+            if index > 0:
+                per_stage["backward"][index] += self.send_cost
+                per_stage["input_grad"][index] += self.send_cost
         activation_bytes = [s.output_bytes for s in self.stages]
         if split_backward:
             return Costs(forward=per_stage["forward"], input_grad=per_stage["input_grad"],
@@ -76,9 +89,11 @@ class Profile:
         kinds = {a.kind.value for actions in schedule.actions for a in actions}
         return self.costs(split_backward="I" in kinds)
 
-    def with_latency(self, latency: float) -> "Profile":
-        """The same profile with a measured hop cost."""
-        return replace(self, latency=latency)
+    def with_link(self, hop: dict) -> "Profile":
+        """The same profile with a measured link (what `hop_costs_on_rank` returns): a message
+        arrives one hop after it is posted; posting takes the sender `send` seconds."""
+        send = min(hop["send"], hop["pplab"])
+        return replace(self, latency=hop["pplab"] - send, send_cost=send)
 
     def table(self) -> list[list[str]]:
         """One row of text per stage."""
@@ -330,7 +345,20 @@ def hop_costs_on_rank(rank: int, world_size: int, nbytes: int, repeats: int = 20
             dist.irecv(inbox, peer).wait()
             dist.isend(tensor, peer).wait()
 
-    samples = {"pplab": [], "bare": []}
+    def pplab_send():
+        """Only the posting of a send (the receiver takes it after the clock stops)."""
+        started = time.perf_counter()
+        if rank == 0:
+            link.exchange([Action(0, Kind.SEND_F, 0)], {Action(0, Kind.SEND_F, 0): tensor}, {}, monotonic_clock)
+        posted = time.perf_counter() - started
+        if rank == 1:
+            link.exchange([Action(1, Kind.RECV_F, 0)], {}, shapes, monotonic_clock)
+        link.finish()
+        link.events.clear()
+        link.mailbox.received.clear()
+        return posted
+
+    samples = {"pplab": [], "bare": [], "send": []}
     for index in range(repeats + 10):  # the first 10 warm up
         order = (("pplab", pplab_round_trip), ("bare", bare_round_trip))
         for name, round_trip in order if index % 2 else order[::-1]:
@@ -339,5 +367,9 @@ def hop_costs_on_rank(rank: int, world_size: int, nbytes: int, repeats: int = 20
             round_trip()
             if index >= 10:
                 samples[name].append((time.perf_counter() - started) / 2)
-    return {"pplab": statistics.median(samples["pplab"]), "bare": statistics.median(samples["bare"]),
-            "samples": samples}
+        dist.barrier()
+        posted = pplab_send()
+        if index >= 10:
+            samples["send"].append(posted)
+    medians = {name: statistics.median(values) for name, values in samples.items()}
+    return {**medians, "send": medians["send"] if rank == 0 else None, "samples": samples}

@@ -168,6 +168,8 @@ class RankRuntime:
         self.last_stage = schedule.n_stages - 1
         self._saved_bytes: dict[tuple, int] = {}  # (stage, input shape, dtype) -> bytes saved
         self._clock = StepClock(self.group, self.device)
+        if any(a.kind == Kind.I for acts in schedule.actions for a in acts):
+            _split_backward()  # import it now: a step should not pay for it (0.7 s on a busy CPU)
 
     # --- one step ---------------------------------------------------------------------------
 
@@ -386,8 +388,7 @@ def input_gradient(output: torch.Tensor, output_grad: torch.Tensor | None, x: to
     those nodes and runs only the weights' branches, so nothing of the input-gradient chain
     is computed twice. (The output's graph is released here: W does not need it.)
     """
-    from torch.distributed.pipelining._backward import stage_backward_input  # slow import: on use
-
+    stage_backward_input, _ = _split_backward()
     input_grads, weight_work = stage_backward_input(
         [output], None if output_grad is None else [output_grad], [x], weights)
     return input_grads[0], weight_work
@@ -395,9 +396,16 @@ def input_gradient(output: torch.Tensor, output_grad: torch.Tensor | None, x: to
 
 def weight_gradients(weights: list[torch.Tensor], weight_work: list) -> None:
     """The zero-bubble split's W: accumulate the weights' gradients from what I kept."""
-    from torch.distributed.pipelining._backward import stage_backward_weight
-
+    _, stage_backward_weight = _split_backward()
     stage_backward_weight(weights, weight_work)
+
+
+def _split_backward():
+    """torch's (stage_backward_input, stage_backward_weight), imported on first use: the import
+    of torch's pipelining package is slow, and only zero-bubble schedules need them."""
+    from torch.distributed.pipelining._backward import stage_backward_input, stage_backward_weight
+
+    return stage_backward_input, stage_backward_weight
 
 
 def pad_to_cost(timing: Costs | None, action: Action, started: float, clock) -> None:
