@@ -200,8 +200,9 @@ def _profile_stage(config, index, n_stages, balance, microbatch_size, seq_len, d
     del out
 
     times = {"forward": [], "backward": [], "input_grad": [], "weight_grad": []}
+    # Gradients are not zeroed between repeats: in a step every microbatch but the first adds
+    # its gradients to the ones already there, and that addition is part of its backward.
     for repeat in range(repeats + 1):  # the first is a warm-up
-        stage.zero_grad(set_to_none=True)
         took = {}
         started = _now(device)
         inputs, out = forward()
@@ -209,7 +210,6 @@ def _profile_stage(config, index, n_stages, balance, microbatch_size, seq_len, d
         started = _now(device)
         out.backward(output_grad)
         took["backward"] = _now(device) - started
-        stage.zero_grad(set_to_none=True)
         inputs, out = forward()
         started = _now(device)
         if first:  # no input gradient: I has nothing to do, W is the whole backward (as in the runtime)
