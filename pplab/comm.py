@@ -124,11 +124,14 @@ class StageLink:
         receives; return the time on `clock` at which everything was posted."""
         # Sends that have left no longer need their tensors kept alive.
         self.mailbox.pending_sends = [p for p in self.mailbox.pending_sends if not p[1].is_completed()]
-        ops = [dist.P2POp(dist.isend if action.kind in _SENDS else dist.irecv, tensor,
-                          self.peer_rank(action), self.group,
-                          message_tag(action, self.schedule.n_stages, header))
-               for action, tensor, header in posts]
-        works = dist.batch_isend_irecv(ops)
+        ops = [(dist.isend if action.kind in _SENDS else dist.irecv, tensor, self.peer_rank(action),
+                message_tag(action, self.schedule.n_stages, header)) for action, tensor, header in posts]
+        if len(ops) == 1:  # one message: no batch to coalesce, skip the batching machinery
+            function, tensor, peer, tag = ops[0]
+            works = [function(tensor, peer, group=self.group, tag=tag)]
+        else:
+            works = dist.batch_isend_irecv([dist.P2POp(function, tensor, peer, self.group, tag)
+                                            for function, tensor, peer, tag in ops])
         posted = clock()
         if len(works) != len(ops):
             # Backends that coalesce a batch (NCCL) return one work for all of it.

@@ -200,7 +200,7 @@ class RankRuntime:
                 batch = [action]
                 while position + len(batch) < len(actions) and actions[position + len(batch)].is_comm:
                     batch.append(actions[position + len(batch)])
-                tell.starting(batch, self._waits_for(batch))
+                tell.starting(batch, self._waits_for(batch) if watch is not None else ())
                 self._exchange(link, batch, state, activation_shapes, clock)
                 tell.messages()
                 position += len(batch)
