@@ -16,11 +16,24 @@ from pplab.reference import ReferenceResult
 from pplab.runtime import Boundary
 
 
-class _ShownAsText:
+class ShownAsText:
     """Reports read the same in a terminal, in a repr and (as a table) in a notebook."""
 
     def __repr__(self) -> str:
         return str(self)
+
+
+def text_table(header: list[str], rows: Iterable[list], right: bool = False) -> str:
+    """Rows as aligned plain-text columns under `header` (left-aligned, or right for numbers)."""
+    table = [header, *[[str(c) for c in row] for row in rows]]
+    widths = [max(len(row[i]) for row in table) for i in range(len(header))]
+    return "\n".join("  ".join(c.rjust(w) if right else c.ljust(w) for c, w in zip(row, widths))
+                     for row in table)
+
+
+def mib(nbytes: float) -> str:
+    """Bytes in MiB, for tables: '2.95 MiB'."""
+    return f"{nbytes / 2**20:.2f} MiB"
 
 
 def html_table(header: list[str], rows: Iterable[list], caption: str | list[str]) -> str:
@@ -38,7 +51,7 @@ def html_table(header: list[str], rows: Iterable[list], caption: str | list[str]
 
 
 @dataclass(repr=False)
-class GradientFlowReport(_ShownAsText):
+class GradientFlowReport(ShownAsText):
     """Which parameters got a finite, not-all-zero gradient, and which did not (and why)."""
 
     failures: dict[str, str]
@@ -83,7 +96,7 @@ def check_gradient_flow(grad_stats: dict[str, dict], expected_names: Iterable[st
 
 
 @dataclass(repr=False)
-class ParityReport(_ShownAsText):
+class ParityReport(ShownAsText):
     """Loss and per-parameter gradient differences between a pipeline and the reference."""
 
     loss: float
@@ -152,7 +165,7 @@ def compare_with_reference(loss: float, grads: dict[str, torch.Tensor], referenc
 
 
 @dataclass(repr=False)
-class BoundaryTable(_ShownAsText):
+class BoundaryTable(ShownAsText):
     """What crossed each stage boundary, per microbatch."""
 
     boundaries: list[Boundary]
@@ -162,12 +175,10 @@ class BoundaryTable(_ShownAsText):
         return [[f"{b.source} -> {b.source + 1}", b.microbatch, tuple(b.shape), b.dtype, b.bytes]
                 for b in sorted(self.boundaries, key=lambda b: (b.source, b.microbatch))]
 
+    HEADER = ["boundary", "microbatch", "shape", "dtype", "bytes"]
+
     def __str__(self) -> str:
-        header = ["boundary", "microbatch", "shape", "dtype", "bytes"]
-        table = [header] + [[str(c) for c in row] for row in self.rows()]
-        widths = [max(len(row[i]) for row in table) for i in range(len(header))]
-        return "\n".join("  ".join(c.ljust(w) for c, w in zip(row, widths)) for row in table)
+        return text_table(self.HEADER, self.rows())
 
     def _repr_html_(self) -> str:
-        return html_table(["boundary", "microbatch", "shape", "dtype", "bytes"], self.rows(),
-                           "activations that crossed each stage boundary")
+        return html_table(self.HEADER, self.rows(), "activations that crossed each stage boundary")

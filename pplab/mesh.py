@@ -31,7 +31,7 @@ import torch.distributed as dist
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from pplab.arguments import check_positive_int
-from pplab.checks import html_table
+from pplab.checks import ShownAsText, html_table, mib, text_table
 from pplab.model import LlamaConfig, LlamaModel
 from pplab.runtime import SavedBytes, local_tensor
 from pplab.trace import Event
@@ -136,10 +136,8 @@ class Mesh:
         return [[rank, *self.coordinates(rank).values()] for rank in range(self.world_size)]
 
     def __str__(self) -> str:
-        lines = [f"mesh pp={self.pp} x dp={self.dp} x tp={self.tp} ({self.world_size} ranks, "
-                 f"tp varies fastest)", "rank  pp  dp  tp"]
-        lines += [f"{r:>4}  {pp:>2}  {dp:>2}  {tp:>2}" for r, pp, dp, tp in self.table()]
-        return "\n".join(lines)
+        return (f"mesh pp={self.pp} x dp={self.dp} x tp={self.tp} ({self.world_size} ranks, tp varies "
+                f"fastest)\n" + text_table(["rank", "pp", "dp", "tp"], self.table(), right=True))
 
     def _repr_html_(self) -> str:
         return html_table(["rank", "pp", "dp", "tp"], self.table(), str(self).splitlines()[0])
@@ -416,11 +414,7 @@ def optimizer_state_bytes(modules) -> int:
 
 
 
-def _mib(nbytes: float) -> str:
-    return f"{nbytes / 2**20:.2f} MiB"
-
-
-class MemoryTable:
+class MemoryTable(ShownAsText):
     """Per rank: what it holds (parameters, gradients, AdamW state) against the same stage unsharded."""
 
     def __init__(self, rows: list[dict], labels: list[str]):
@@ -438,20 +432,15 @@ class MemoryTable:
 
     def table(self) -> list[list[str]]:
         """One row of text per rank."""
-        return [[self.labels[r], _mib(row["parameters"]), _mib(row["gradients"]), _mib(row["optimizer"]),
-                 _mib(self.held(r)), _mib(self.unsharded(r)),
+        return [[self.labels[r], mib(row["parameters"]), mib(row["gradients"]), mib(row["optimizer"]),
+                 mib(self.held(r)), mib(self.unsharded(r)),
                  f"{self.held(r) / self.unsharded(r):.0%}" if self.unsharded(r) else "-"]
                 for r, row in enumerate(self.rows)]
 
     HEADER = ["rank", "parameters", "gradients", "optimizer", "held", "unsharded", "held / unsharded"]
 
     def __str__(self) -> str:
-        table = [self.HEADER, *self.table()]
-        widths = [max(len(row[i]) for row in table) for i in range(len(self.HEADER))]
-        return "\n".join("  ".join(c.rjust(w) for c, w in zip(row, widths)) for row in table)
-
-    def __repr__(self) -> str:
-        return str(self)
+        return text_table(self.HEADER, self.table(), right=True)
 
     def _repr_html_(self) -> str:
         return html_table(self.HEADER, self.table(), "bytes each rank holds for its stages (parameters, "

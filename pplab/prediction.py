@@ -24,6 +24,7 @@ from dataclasses import dataclass, replace
 import torch
 
 from pplab.arguments import check_positive_int
+from pplab.checks import ShownAsText, html_table, mib, text_table
 from pplab.model import LlamaConfig, loss_fn
 from pplab.partition import build_stage, layer_ranges
 from pplab.runtime import SavedBytes, input_gradient, weight_gradients
@@ -50,8 +51,8 @@ class StageProfile:
         return 4 * self.parameter_bytes
 
 
-@dataclass(frozen=True)
-class Profile:
+@dataclass(frozen=True, repr=False)
+class Profile(ShownAsText):
     """Per-stage costs and bytes of a model cut into stages, measured on one device."""
 
     stages: tuple[StageProfile, ...]
@@ -100,29 +101,18 @@ class Profile:
         return [[str(index), *(f"{getattr(s, name) * 1e3:.2f}" for name in
                                ("forward", "backward", "input_grad", "weight_grad")),
                  f"{(s.input_grad + s.weight_grad) / s.backward:.2f}",
-                 _mib(s.activation_bytes), _mib(s.output_bytes), _mib(s.static_bytes)]
+                 mib(s.activation_bytes), mib(s.output_bytes), mib(s.static_bytes)]
                 for index, s in enumerate(self.stages)]
 
     HEADER = ["stage", "F ms", "B ms", "I ms", "W ms", "(I+W)/B", "saved / mb", "message", "static"]
 
     def __str__(self) -> str:
-        rows = [self.HEADER, *self.table()]
-        widths = [max(len(row[i]) for row in rows) for i in range(len(self.HEADER))]
-        return "\n".join("  ".join(c.rjust(w) for c, w in zip(row, widths)) for row in rows)
-
-    def __repr__(self) -> str:
-        return str(self)
+        return text_table(self.HEADER, self.table(), right=True)
 
     def _repr_html_(self) -> str:
-        from pplab.checks import html_table
-
         return html_table(self.HEADER, self.table(),
                           f"measured per stage, microbatch {self.microbatch_size} x {self.seq_len} "
                           f"(median of repeats; static = parameters, gradients, AdamW state)")
-
-
-def _mib(nbytes: float) -> str:
-    return f"{nbytes / 2**20:.2f} MiB"
 
 
 def profile(config: LlamaConfig, microbatch_size: int, seq_len: int, n_stages: int,
@@ -144,7 +134,9 @@ def profile(config: LlamaConfig, microbatch_size: int, seq_len: int, n_stages: i
     previous_threads = torch.get_num_threads()
     if threads is not None:
         torch.set_num_threads(threads)
-    bar = _progress(n_stages, show)
+    from tqdm.auto import tqdm
+
+    bar = tqdm(total=n_stages, desc="profiling stages", unit="stage", disable=not show)
     try:
         stages = []
         for index in range(n_stages):
@@ -155,22 +147,6 @@ def profile(config: LlamaConfig, microbatch_size: int, seq_len: int, n_stages: i
         bar.close()
         torch.set_num_threads(previous_threads)
     return Profile(tuple(stages), microbatch_size, seq_len)
-
-
-class _NoBar:
-    def update(self, n: int) -> None:
-        pass
-
-    def close(self) -> None:
-        pass
-
-
-def _progress(n_stages: int, show: bool):
-    if not show:
-        return _NoBar()
-    from tqdm.auto import tqdm
-
-    return tqdm(total=n_stages, desc="profiling stages", unit="stage")
 
 
 def _profile_stage(config, index, n_stages, balance, microbatch_size, seq_len, device, repeats,
@@ -240,8 +216,8 @@ def _now(device: torch.device) -> float:
 # --- prediction ---------------------------------------------------------------------------------
 
 
-@dataclass(frozen=True)
-class Prediction:
+@dataclass(frozen=True, repr=False)
+class Prediction(ShownAsText):
     """What a schedule will do on measured costs: step time, bubble, peak memory per rank."""
 
     step_time: float  # seconds: the simulated timeline's first start to last end
@@ -262,9 +238,6 @@ class Prediction:
                   f"{act / 2**20:.2f}" for r, (peak, static, act) in
                   enumerate(zip(self.peak_bytes, self.static_bytes, self.peak_activation_bytes))]
         return "\n".join(lines)
-
-    def __repr__(self) -> str:
-        return str(self)
 
 
 def predict(schedule: Schedule, costs: Costs | Profile, memory: Profile | None = None) -> Prediction:

@@ -150,6 +150,24 @@ class SavedBytes:
             SavedBytes.current = previous
 
 
+class ForwardBytes:
+    """What a forward saves for backward, measured once per key (a stage and its input's shape:
+    the hooks cost time on every saved tensor) and remembered."""
+
+    def __init__(self):
+        self.known: dict = {}
+
+    @contextlib.contextmanager
+    def measure(self, key, module: nn.Module):
+        """Around a forward of `module`: measure it if `key` is new (then `known[key]` holds it)."""
+        if key in self.known:
+            yield
+            return
+        with SavedBytes(module).hooks() as saved:
+            yield
+        self.known[key] = saved.bytes
+
+
 class RankRuntime:
     """Runs one rank's action list of a schedule with that rank's stage modules."""
 
@@ -166,7 +184,7 @@ class RankRuntime:
         self.device, self.timeout, self.record, self.timing = torch.device(device), timeout, record, timing
         self.group = group
         self.last_stage = schedule.n_stages - 1
-        self._saved_bytes: dict[tuple, int] = {}  # (stage, input shape, dtype) -> bytes saved
+        self._forward_bytes = ForwardBytes()  # keyed by (stage, input shape, dtype)
         self._clock = StepClock(self.group, self.device)
         if any(a.kind == Kind.I for acts in schedule.actions for a in acts):
             _split_backward()  # import it now: a step should not pay for it (0.7 s on a busy CPU)
@@ -283,17 +301,12 @@ class RankRuntime:
             x = self._received(state, need.action) if need.action.is_comm else state.inputs.pop(key)
             x.requires_grad_(True)  # a fresh leaf: its .grad is what goes upstream
         state.inputs[key] = x
-        # What a forward saves depends only on the stage and its input's shape: measure it
-        # on the first such forward (hooks cost time on every saved tensor), then reuse it.
         shape_key = (stage, tuple(x.shape), x.dtype)
-        saved = SavedBytes(module) if self.record and shape_key not in self._saved_bytes else None
-        with saved.hooks() if saved else contextlib.nullcontext():
+        with self._forward_bytes.measure(shape_key, module) if self.record else contextlib.nullcontext():
             out = module(x)
             if stage == self.last_stage:
                 loss = loss_fn(out, targets[microbatch].to(self.device))
-        if saved:
-            self._saved_bytes[shape_key] = saved.bytes
-        extra = dict(bytes=self._saved_bytes.get(shape_key), shape=tuple(out.shape),
+        extra = dict(bytes=self._forward_bytes.known.get(shape_key), shape=tuple(out.shape),
                      dtype=dtype_name(out)) if self.record else {}
         if stage == self.last_stage:
             state.losses[microbatch] = loss.item()

@@ -23,7 +23,7 @@ from torch import nn
 
 from pplab.comm import dtype_name, monotonic_clock
 from pplab.model import loss_fn
-from pplab.runtime import Boundary, Now, RankStep, SavedBytes, StepClock, gradient_report, pad_to_cost
+from pplab.runtime import Boundary, ForwardBytes, Now, RankStep, StepClock, gradient_report, pad_to_cost
 from pplab.schedules import Action, Kind, Schedule, build, from_torch
 from pplab.simulator import Costs
 from pplab.trace import Event
@@ -73,21 +73,17 @@ def recording_stage_class():
 
     class RecordingStage(PipelineStage):
         recorder: "_Recorder"
-        saved_bytes: dict  # input shapes -> bytes a forward saves for backward
+        forward_bytes: ForwardBytes  # keyed by the input shapes
 
         def forward_one_chunk(self, fwd_chunk_id, args, kwargs=None, save_forward_output=True):
             with self.recorder.action(Kind.F, self.stage_index, fwd_chunk_id) as note:
-                # What a forward saves depends on the input's shape only: measure it once per shape
-                # (the hooks cost time on every saved tensor). The loss is computed by torch outside
-                # the stage, so on the last stage its saved tensors are not counted here.
+                # torch computes the loss outside the stage: on the last stage its saved
+                # tensors are not counted here (pplab's runtime counts them).
                 shape_key = tuple((tuple(a.shape), a.dtype) for a in args if isinstance(a, torch.Tensor))
-                saved = SavedBytes(self.submod) if shape_key not in self.saved_bytes else None
-                with saved.hooks() if saved else contextlib.nullcontext():
+                with self.forward_bytes.measure(shape_key, self.submod):
                     output = super().forward_one_chunk(fwd_chunk_id, args, kwargs, save_forward_output)
-                if saved:
-                    self.saved_bytes[shape_key] = saved.bytes
                 note.update(shape=tuple(output.shape), dtype=dtype_name(output),
-                            bytes=self.saved_bytes[shape_key])
+                            bytes=self.forward_bytes.known[shape_key])
             if not self.is_last:
                 self.recorder.boundaries.append(Boundary(self.stage_index, fwd_chunk_id, tuple(output.shape),
                                                          note["dtype"], output.numel() * output.element_size()))
@@ -214,7 +210,7 @@ class TorchRankRuntime:
         self.torch_stages = []
         for index in sorted(stages):
             stage = stage_class(stages[index], index, schedule.n_stages, self.device, group=stage_group)
-            stage.recorder, stage.saved_bytes = self.recorder, {}
+            stage.recorder, stage.forward_bytes = self.recorder, ForwardBytes()
             self.torch_stages.append(stage)
         schedule_class = torch_schedules.get_schedule_class(TORCH_SCHEDULES[schedule_name])
         single = issubclass(schedule_class, torch_schedules.PipelineScheduleSingle)
