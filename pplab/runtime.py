@@ -185,6 +185,7 @@ class RankRuntime:
         self.group = group
         self.last_stage = schedule.n_stages - 1
         self._forward_bytes = ForwardBytes()  # keyed by (stage, input shape, dtype)
+        self._upcoming_receives = _upcoming_receives(schedule.actions[rank])
         self._clock = StepClock(self.group, self.device)
         if any(a.kind == Kind.I for acts in schedule.actions for a in acts):
             _split_backward()  # import it now: a step should not pay for it (0.7 s on a busy CPU)
@@ -211,6 +212,7 @@ class RankRuntime:
         clock = lambda: monotonic_clock() - origin  # noqa: E731 - one clock for the whole step
         tell = _Teller(self.rank, watch, link.events, clock)
         actions = self.schedule.actions[self.rank]
+        upcoming = self._upcoming_receives
         position = 0
         while position < len(actions):
             action = actions[position]
@@ -223,6 +225,7 @@ class RankRuntime:
                 tell.messages()
                 position += len(batch)
                 continue
+            self._prepost(link, upcoming[position], state, activation_shapes)
             tell.starting([action])
             started = clock()
             event_extra = self._compute(action, state, inputs, targets, boundaries)
@@ -363,19 +366,33 @@ class RankRuntime:
 
     def _exchange(self, link: StageLink, batch: list[Action], state: _StepState,
                   activation_shapes, clock) -> None:
-        outgoing, expected = {}, {}
+        outgoing = {}
         for action in batch:
             key = (action.stage, action.microbatch)
             if action.kind == Kind.SEND_F:
                 outgoing[action] = state.outputs[key].detach()
             elif action.kind == Kind.SEND_B:
                 outgoing[action] = state.input_grads.pop(key)
-            elif action.kind == Kind.RECV_B:
+        link.exchange(batch, outgoing, self._known_shapes(batch, state, activation_shapes), clock)
+
+    def _prepost(self, link: StageLink, receives: list[Action], state: _StepState, activation_shapes) -> None:
+        """Post the next batch's receives before this compute, those whose shapes are known by now."""
+        if receives:
+            link.prepost(receives, self._known_shapes(receives, state, activation_shapes))
+
+    def _known_shapes(self, receives: list[Action], state: _StepState,
+                      activation_shapes) -> dict[Action, tuple[torch.dtype, tuple[int, ...]]]:
+        """(dtype, shape) of each receive known here: a gradient once its forward has run; an
+        activation when the caller gave the shapes (else the shape handshake tells it)."""
+        shapes = {}
+        for action in receives:
+            key = (action.stage, action.microbatch)
+            if action.kind == Kind.RECV_B and key in state.outputs:
                 output = state.outputs[key]
-                expected[action] = (output.dtype, tuple(output.shape))
+                shapes[action] = (output.dtype, tuple(output.shape))
             elif action.kind == Kind.RECV_F and activation_shapes is not None:
-                expected[action] = (self._activation_dtype(), activation_shapes[action.microbatch])
-        link.exchange(batch, outgoing, expected, clock)
+                shapes[action] = (self._activation_dtype(), activation_shapes[action.microbatch])
+        return shapes
 
     def _received(self, state: _StepState, action: Action) -> torch.Tensor:
         try:
@@ -389,6 +406,20 @@ class RankRuntime:
 
     def _activation_dtype(self) -> torch.dtype:
         return next(iter(p.dtype for m in self.stages.values() for p in m.parameters()), torch.float32)
+
+
+def _upcoming_receives(actions: list[Action]) -> list[list[Action]]:
+    """For each compute position, the receives of the first batch of comm actions after it."""
+    upcoming: list[list[Action]] = [[] for _ in actions]
+    batch: list[Action] = []  # the comm batch starting at or after `position`
+    for position in range(len(actions) - 1, -1, -1):
+        action = actions[position]
+        if action.is_comm:
+            continues = position + 1 < len(actions) and actions[position + 1].is_comm
+            batch = [action] + (batch if continues else [])
+        else:
+            upcoming[position] = [a for a in batch if not a.is_send]
+    return upcoming
 
 
 def input_gradient(output: torch.Tensor, output_grad: torch.Tensor | None, x: torch.Tensor,

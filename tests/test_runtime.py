@@ -295,3 +295,15 @@ def test_zero_bubble_w_computes_only_weight_gradients():
     # and W did weight work only: one product per linear weight and microbatch, none for inputs
     linears_per_layer, layers = 7, CONFIG.num_hidden_layers // 2
     assert last["zb-h1"]["W"]["mm"] == m * (linears_per_layer * layers + 1)  # + the LM head
+
+
+def test_receives_are_posted_one_compute_ahead():
+    """Before each compute, the runtime posts the receives of the next comm batch (gloo moves
+    a message only once its receive is posted): rank 1 of 1F1B posts microbatch 1's
+    activation while it still runs microbatch 0."""
+    from pplab.runtime import _upcoming_receives
+    actions = build("1f1b", 2, 3).actions[1]
+    upcoming = {str(a): [str(r) for r in receives]
+                for a, receives in zip(actions, _upcoming_receives(actions)) if a.is_compute}
+    assert upcoming == {"1F0": ["1RECV_F1"], "1B0": ["1RECV_F1"], "1F1": ["1RECV_F2"],
+                        "1B1": ["1RECV_F2"], "1F2": [], "1B2": []}
