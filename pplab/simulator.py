@@ -31,7 +31,9 @@ from collections import defaultdict
 from dataclasses import dataclass
 from typing import Sequence, Union
 
-from pplab.schedules import Action, DeadlockError, Dependencies, Kind, Schedule, ScheduleError
+from pplab.schedules import (COMM_KINDS, COMPUTE_KINDS, Action, DeadlockError, Dependencies, Kind, Schedule,
+                             ScheduleError)
+from pplab.schedules.compiled import KINDS, SEND_B, SEND_F, Compiled, compile_schedule, no_cyclic_gc
 from pplab.trace import Event, Timeline
 
 PerStage = Union[float, Sequence[float]]
@@ -210,7 +212,108 @@ def simulate(schedule: Schedule, costs: Costs | None = None) -> Timeline:
     """Execute `schedule` on the cost model and return the predicted timeline."""
     costs = Costs() if costs is None else costs
     costs.check_stages(schedule.n_stages)
-    return _Simulation(schedule, costs).run()
+    with no_cyclic_gc():
+        compiled = compile_schedule(schedule)
+        if compiled is None:  # no integer form: mixed B and I/W on a stage, or stray actions
+            return _Simulation(schedule, costs).run()
+        return _simulate_compiled(compiled, costs)
+
+
+def _simulate_compiled(compiled: Compiled, costs: Costs) -> Timeline:
+    """`_Simulation` on the integer form: the same rule, the same arithmetic in the same order
+    (so the same floats), about ten times faster. Read `_Simulation` first: it is the spec."""
+    schedule = compiled.schedule
+    n_stages, m, n_ranks = schedule.n_stages, schedule.n_microbatches, schedule.n_ranks
+    duration, transfer, hop = _cost_tables(costs, n_stages)
+    steps = compiled.steps
+    needs = compiled.first_two_needs
+    ready: list[float | None] = [None] * (len(KINDS) * n_stages * m)
+    waiting: dict[int, list[int]] = {}
+    next_index, free_at = [0] * n_ranks, [0.0] * n_ranks
+    rows = []
+    append = rows.append
+    runnable = list(range(n_ranks))
+    send_f, send_b = SEND_F, SEND_B
+    while runnable:
+        rank = runnable.pop()
+        rank_steps, free = steps[rank], free_at[rank]
+        position = next_index[rank]
+        for position in range(position, len(rank_steps)):
+            index, key, microbatch, kind, stage = rank_steps[position]
+            base, boundary, second_base, second_boundary = needs[key]
+            if base < 0:
+                inputs_at = 0.0
+            else:
+                at = ready[base + microbatch]
+                if at is None:
+                    waiting.setdefault(base + microbatch, []).append(rank)
+                    break  # woken when what it waits for is recorded
+                # Data that crosses ranks with no send/receive in the lists still takes its time.
+                at += transfer[boundary]
+                inputs_at = at if at > 0.0 else 0.0  # max(0.0, at), ties as max() breaks them
+                if second_base >= 0:
+                    at = ready[second_base + microbatch]
+                    if at is None:
+                        waiting.setdefault(second_base + microbatch, []).append(rank)
+                        break
+                    at += transfer[second_boundary]
+                    inputs_at = at if at > inputs_at else inputs_at
+            start = inputs_at if inputs_at > free else free
+            if kind < send_f:
+                end = free = start + duration[key]
+            elif kind == send_f or kind == send_b:  # non-blocking: the rank goes on at once
+                end = start + hop[key]
+            else:  # blocking: the event shows only the waiting that overlapped the transfer
+                sent_at, posted = inputs_at - hop[key], free
+                end = free = start
+                start = sent_at if sent_at > posted else posted
+                start = end if end < start else start  # min(), ties as min() breaks them
+            append((index, start, end))
+            ready[index] = end
+            if index in waiting:
+                runnable += waiting.pop(index)
+        else:
+            position = len(rank_steps)  # the rank ran to its end
+        next_index[rank], free_at[rank] = position, free
+    stuck = any(next_index[rank] < len(steps[rank]) for rank in range(n_ranks))
+    repeated = len(ready) - ready.count(None) != len(rows)  # an action recorded twice
+    if stuck or repeated:
+        _Simulation(schedule, costs).run()  # it names the repeated action, or what each stuck rank waits for
+    return Timeline.from_rows(rows, n_ranks, _event_maker(compiled, costs), label="simulated")
+
+
+def _cost_tables(costs: Costs, n_stages: int) -> tuple[list[float], list[float], list[float]]:
+    """Per key (kind * n_stages + stage): compute durations and message times; per boundary
+    (and -1 for none): transfer times. Kept on the Costs, which a search reuses thousands of times."""
+    tables = costs.__dict__.setdefault("_tables", {})
+    if n_stages not in tables:
+        transfer = [costs.transfer_time(b) for b in range(n_stages)] + [0.0]  # [-1]: no transfer
+        duration = [costs.compute_time(kind, stage) if kind in COMPUTE_KINDS else 0.0
+                    for kind in KINDS for stage in range(n_stages)]
+        # A send's or receive's message crosses the boundary after its stage (SEND_F, RECV_B)
+        # or before it (SEND_B, RECV_F).
+        hop = [transfer[stage if kind in (Kind.SEND_F, Kind.RECV_B) else stage - 1] if kind in COMM_KINDS else 0.0
+               for kind in KINDS for stage in range(n_stages)]
+        tables[n_stages] = (duration, transfer, hop)
+    return tables[n_stages]
+
+
+def _event_maker(compiled: Compiled, costs: Costs):
+    """What turns an (index, start, end) row of `_simulate_compiled` into its Event."""
+    n_stages, m = compiled.schedule.n_stages, compiled.schedule.n_microbatches
+    rank_of_stage = compiled.rank_of_stage
+
+    def make(row) -> Event:
+        index, start, end = row
+        key, microbatch = divmod(index, m)
+        kind, stage = divmod(key, n_stages)
+        rank = rank_of_stage[stage]
+        if kind < SEND_F:
+            return Event(rank, KINDS[kind].value, stage, microbatch, start, end)
+        boundary = stage if KINDS[kind] in (Kind.SEND_F, Kind.RECV_B) else stage - 1
+        return Event(rank, KINDS[kind].value, stage, microbatch, start, end, costs.message_bytes(boundary))
+
+    return make
 
 
 class _Simulation:

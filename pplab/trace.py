@@ -25,9 +25,10 @@ from __future__ import annotations
 
 import json
 import math
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 from os import PathLike
-from typing import Iterable, Sequence
+from operator import itemgetter
+from typing import Callable, Iterable, Sequence
 
 COLLECTIVE_KINDS = frozenset({"ALL_GATHER", "REDUCE_SCATTER", "ALL_REDUCE"})
 """Collectives of the other mesh dimensions: FSDP's all-gathers and reduce-scatters, TP's all-reduces."""
@@ -124,26 +125,62 @@ def _union_length(intervals: Iterable[tuple[float, float]]) -> float:
 # ---------------------------------------------------------------- timeline
 
 
-@dataclass
 class Timeline:
-    """The events of all ranks on one clock, with the metrics of a pipeline step."""
+    """The events of all ranks on one clock, with the metrics of a pipeline step.
 
-    events: list[Event] = field(default_factory=list)
-    n_ranks: int | None = None
-    label: str = ""
+    A timeline made `from_rows` (the simulator's) builds its `Event` objects only when
+    they are first read: a search that asks thousands of simulations for their step time
+    never pays for them.
+    """
 
-    def __post_init__(self):
-        self.events = sorted(self.events, key=_sort_key)
-        highest_rank = max((e.rank for e in self.events), default=-1)
+    def __init__(self, events: Iterable[Event] = (), n_ranks: int | None = None, label: str = ""):
+        self._events: list[Event] | None = sorted(events, key=_sort_key)
+        self._rows: list[tuple] | None = None
+        self._bounds: tuple[float, float] | None = None
+        self.n_ranks, self.label = n_ranks, label
+        highest_rank = max((e.rank for e in self._events), default=-1)
         if self.n_ranks is None:
             self.n_ranks = highest_rank + 1
         if highest_rank >= self.n_ranks:
             raise ValueError(f"an event is on rank {highest_rank} but the timeline has n_ranks={self.n_ranks}")
-        if any(e.rank < 0 for e in self.events):
+        if any(e.rank < 0 for e in self._events):
             raise ValueError("event ranks must be >= 0")
 
+    @classmethod
+    def from_rows(cls, rows: list[tuple], n_ranks: int, make_event: Callable[[tuple], Event],
+                  label: str = "") -> Timeline:
+        """A timeline of rows (rank, ..., start, end: the start and end last but one and last)
+        whose events `make_event(row)` makes when they are first read. The rows must make
+        valid events with ranks in 0..n_ranks-1."""
+        timeline = cls((), n_ranks, label)
+        timeline._events, timeline._rows, timeline._make_event = None, rows, make_event
+        if rows:
+            timeline._bounds = (min(map(itemgetter(-2), rows)), max(map(itemgetter(-1), rows)))
+        return timeline
+
+    @property
+    def events(self) -> list[Event]:
+        """Every event, sorted by rank, then time."""
+        if self._events is None:
+            self._events = sorted(map(self._make_event, self._rows), key=_sort_key)
+            self._rows = self._make_event = None
+        return self._events
+
+    def __getstate__(self) -> dict:
+        self.events  # noqa: B018 - a pickle carries events, not the simulator's row maker
+        return self.__dict__
+
+    def __eq__(self, other) -> bool:
+        if not isinstance(other, Timeline):
+            return NotImplemented
+        return (self.events, self.n_ranks, self.label) == (other.events, other.n_ranks, other.label)
+
+    def __repr__(self) -> str:
+        count = len(self._rows) if self._events is None else len(self._events)
+        return f"Timeline({count} events, n_ranks={self.n_ranks}, label={self.label!r})"
+
     def __len__(self) -> int:
-        return len(self.events)
+        return len(self._rows) if self._events is None else len(self._events)
 
     # -- selections
 
@@ -164,11 +201,15 @@ class Timeline:
     @property
     def start(self) -> float:
         """Earliest start over all ranks (0.0 when empty)."""
+        if self._bounds is not None:
+            return self._bounds[0]
         return min((e.start for e in self.events), default=0.0)
 
     @property
     def end(self) -> float:
         """Latest end over all ranks (0.0 when empty)."""
+        if self._bounds is not None:
+            return self._bounds[1]
         return max((e.end for e in self.events), default=0.0)
 
     def shift(self, seconds: float) -> Timeline:

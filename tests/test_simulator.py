@@ -6,7 +6,7 @@ import pytest
 
 from pplab.schedules import Schedule, ScheduleError, build, theory
 from pplab.simulator import Costs, DeadlockError, simulate
-from pplab.trace import Timeline
+from pplab.trace import Event, Timeline
 
 # ---------------------------------------------------------------- agreement with the theory
 
@@ -180,3 +180,15 @@ def test_backward_is_input_grad_plus_weight_grad():
     with pytest.raises(ValueError, match=r"input_grad \+ weight_grad = 3 on stage 0 but backward=2: .* "
                                          r"give backward=3 or leave backward out"):
         simulate(build("zb-h1", 2, 2), Costs(backward=2.0, input_grad=1.0, weight_grad=2.0))
+
+
+def test_a_simulated_timeline_makes_its_events_when_read_and_pickles_with_them():
+    import pickle
+
+    timeline = simulate(build("1f1b", 3, 5), Costs(latency=0.1))
+    assert timeline._events is None and len(timeline) == sum(map(len, build("1f1b", 3, 5).actions))
+    step = timeline.step_time()  # from the rows' bounds, no events made
+    assert timeline._events is None
+    copy = pickle.loads(pickle.dumps(timeline))
+    assert copy == timeline and copy.step_time() == step
+    assert timeline.events[0] == Event(0, "F", 0, 0, 0.0, 1.0)

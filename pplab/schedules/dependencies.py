@@ -49,14 +49,17 @@ class Need:
 class Dependencies:
     """What every action of one schedule needs (see the module docstring for the rule)."""
 
-    def __init__(self, schedule: Schedule, with_communication: bool | None = None):
+    def __init__(self, schedule: Schedule, with_communication: bool | None = None,
+                 present: set[Action] | None = None):
         """``with_communication`` overrides what the lists say (the communication pass asks
-        what a compute action would need once the sends and receives are in)."""
+        what a compute action would need once the sends and receives are in). ``present``
+        replaces the schedule's actions where the rule asks whether an action exists (the
+        integer form asks for one microbatch and applies the answer to all)."""
         self.schedule = schedule
         self.with_communication = (schedule.has_communication if with_communication is None
                                    else with_communication)
         self.last_stage = schedule.n_stages - 1
-        self._present = {a for acts in schedule.actions for a in acts}
+        self._present = {a for acts in schedule.actions for a in acts} if present is None else present
 
     def needs(self, action: Action) -> tuple[Need, ...]:
         """What ``action`` waits for, in the order it is checked."""

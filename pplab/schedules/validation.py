@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 from pplab.schedules.actions import Action, Kind
+from pplab.schedules.compiled import (B, F, I, RECV_B, RECV_F, SEND_B, SEND_F, W, Compiled, compile_schedule,
+                                      no_cyclic_gc)
 from pplab.schedules.dependencies import Dependencies, Need
 from pplab.schedules.schedule import DeadlockError, Schedule, ScheduleError
 
@@ -30,6 +32,10 @@ def validate(schedule: Schedule, blocking_sends: bool = False) -> None:
        schedule without any communication action is run as if data moved
        instantly.
     """
+    if not blocking_sends:
+        with no_cyclic_gc():
+            if _sound(compile_schedule(schedule)):
+                return  # nothing to explain; a fault anywhere takes the readable path below
     if schedule.has_communication:
         # First the compute order alone, with positions as a hand-written compute order
         # reads (from_text inserts the messages), then with its messages.
@@ -38,6 +44,81 @@ def validate(schedule: Schedule, blocking_sends: bool = False) -> None:
     _check_sends_meet_receives(schedule)
     _check_every_pass_present(schedule)
     _check_runs_to_the_end(schedule, blocking_sends)
+
+
+# ---------------------------------------------------------------- 0. the verdict, fast
+
+
+def _sound(compiled: Compiled | None) -> bool:
+    """Rules 1-4 (buffered sends) on the integer form: True exactly when `validate` passes.
+
+    Only the verdict: where this says no, the readable checks below find and explain the fault.
+    Rule 1 on the lists with messages implies it on the compute order alone (a sublist with
+    the same in-rank needs), so that pass is not repeated here. Of rule 2 only the neighbour
+    test is left: a missing partner breaks another rule already (a receive without its send
+    never runs, rule 4; a send without its receive leaves the receiving compute without its
+    input, rule 1, that compute being there by rule 3).
+    """
+    if compiled is None:
+        return False
+    schedule, rank_of_stage = compiled.schedule, compiled.rank_of_stage
+    n_stages, m = schedule.n_stages, schedule.n_microbatches
+    # Per key (kind * n_stages + stage): the bases of the needs on the same rank; None where
+    # the key cannot stand in a sound schedule (a need outside the pipeline, a message to a
+    # missing neighbour or to the same rank).
+    local_needs = [None if template is None else tuple(base for base, _, local in template if local)
+                   for template in compiled.needs]
+    for kind in (SEND_F, RECV_F, SEND_B, RECV_B):
+        for stage in range(n_stages):
+            peer = stage + (1 if kind in (SEND_F, RECV_B) else -1)
+            if not 0 <= peer < n_stages or rank_of_stage[peer] == rank_of_stage[stage]:
+                local_needs[kind * n_stages + stage] = None
+    seen = bytearray(8 * n_stages * m)
+    # 1. each action in its place: its rank, once, what it needs from its rank earlier
+    for rank, rank_steps in enumerate(compiled.steps):
+        for index, key, microbatch, _, stage in rank_steps:
+            bases = local_needs[key]
+            if bases is None or rank_of_stage[stage] != rank or seen[index]:
+                return False
+            for base in bases:
+                if not seen[base + microbatch]:
+                    return False
+            seen[index] = 1
+    # 3. every pass present: F, and B or both I and W (never B and I), for every stage and microbatch
+    per_kind = n_stages * m
+    block = lambda kind: int.from_bytes(seen[kind * per_kind:(kind + 1) * per_kind], "big")  # noqa: E731
+    every = int.from_bytes(b"\x01" * per_kind, "big")
+    forwards, backwards, input_grads = block(F), block(B), block(I)
+    if forwards != every or backwards | (input_grads & block(W)) != every or backwards & input_grads:
+        return False
+    # 4. no deadlock: run every rank in order, a rank waiting on its first remote need
+    return _runs_to_the_end(compiled)
+
+
+def _runs_to_the_end(compiled: Compiled) -> bool:
+    needs, steps = compiled.needs, compiled.steps
+    remote = [next((base for base, _, local in template or () if not local), -1) for template in needs]
+    done = bytearray(8 * compiled.schedule.n_stages * compiled.schedule.n_microbatches)
+    next_index = [0] * len(steps)
+    waiting: dict[int, list[int]] = {}
+    runnable = list(range(len(steps)))
+    while runnable:
+        rank = runnable.pop()
+        rank_steps = steps[rank]
+        position = next_index[rank]
+        for position in range(position, len(rank_steps)):
+            index, key, microbatch, _, _ = rank_steps[position]
+            base = remote[key]
+            if base >= 0 and not done[base + microbatch]:
+                waiting.setdefault(base + microbatch, []).append(rank)
+                break
+            done[index] = 1
+            if index in waiting:
+                runnable += waiting.pop(index)
+        else:
+            position = len(rank_steps)
+        next_index[rank] = position
+    return all(next_index[rank] == len(rank_steps) for rank, rank_steps in enumerate(steps))
 
 
 # ---------------------------------------------------------------- 1. each action in its place
