@@ -30,6 +30,8 @@ _EXPORTS = {
     "Mesh": "pplab.mesh",
     "profile": "pplab.prediction",
     "predict": "pplab.prediction",
+    "search": "pplab.schedule_search",  # floor 2: it runs the simulator, so it sits beside it
+    "search_balance": "pplab.schedule_search",
     "Lab": "pplab.cluster",  # floor 4: engines as ranks, from Jupyter
     "cleanup": "pplab.cluster",
 }
@@ -58,6 +60,7 @@ if _TYPE_CHECKING:  # what static checkers and editors see
     from pplab.partition import build_stage, layer_ranges, stages_of_rank
     from pplab.prediction import predict, profile
     from pplab.reference import reference_step
+    from pplab.schedule_search import search, search_balance
     from pplab.simulator import Costs, simulate
     from pplab.trace import Event, Timeline
     from pplab.train import TrainOptions

@@ -1,0 +1,490 @@
+"""Find the schedule: the fastest schedule, and stage balance, the simulator knows under a memory limit.
+
+Textbook schedules assume equal stages; real ones are not (the first holds the embedding, the
+last the LM head), and a schedule made for the measured costs can beat the hand-made ones.
+`search` tries, on pplab's simulator and the given costs:
+
+1. every built-in schedule that fits the sizes: pplab's (GPipe, 1F1B, ZB-H1, interleaved
+   1F1B) and, where torch is installed, torch's plans (GPipe, 1F1B, Interleaved1F1B,
+   LoopedBFS, InterleavedZeroBubble, ZBVZeroBubble, DualPipeV);
+2. list schedules built on the same cost model, in time order (the zero-bubble paper's
+   heuristic): whenever a rank is idle it starts a backward (B, or I) whose gradient is
+   there, else a forward whose input is there and whose activations fit under a cap, else a
+   W it held back, which fills what would have been a bubble. Variants: each cap from one
+   microbatch up to the limit, backward-first or forward-first, B whole or split into I and W.
+
+Each candidate must pass `validate`; the fastest whose simulated peak fits the limit wins.
+Since the built-ins are candidates, the result is never slower than any of them that fits.
+
+Memory is the activations a rank holds (a forward's, until its B, or its W, ends): counted
+in microbatches of the rank's share of the model (a stage of a rank with v stages counts
+1/v), or in bytes when `saved_bytes` gives each stage's bytes per microbatch.
+
+`search_balance` chooses, from per-layer costs, how many layers each stage gets.
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+import math
+import time
+from dataclasses import dataclass, field
+from typing import Sequence
+
+from pplab.schedules import SCHEDULE_NAMES, Action, Kind, Schedule, ScheduleError, add_communication, build, validate
+from pplab.simulator import Costs, simulate
+from pplab.trace import Timeline
+
+TORCH_PLANS = (("GPipe", 1), ("1F1B", 1), ("Interleaved1F1B", 2), ("LoopedBFS", 2),
+               ("InterleavedZeroBubble", 2), ("ZBVZeroBubble", 2), ("DualPipeV", 2))
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """One schedule the search tried: its simulated step time and peak memory, or why not."""
+
+    name: str
+    step_time: float | None = None
+    peak: float | None = None  # the rank holding most, in the search's memory unit
+    fits: bool = False
+    builtin: bool = False
+    note: str = ""  # why it was not run (invalid, cannot be planned, ...)
+    schedule: Schedule | None = field(default=None, repr=False, compare=False)
+
+
+@dataclass(frozen=True, repr=False)
+class Found:
+    """The search's answer: the schedule, its simulated step time and memory, and what it tried."""
+
+    schedule: Schedule
+    step_time: float
+    peak_memory: tuple[float, ...]  # per rank, in `unit`
+    memory_limit: float | None
+    unit: str  # "microbatches" or "bytes"
+    tried: tuple[Candidate, ...]
+    seconds: float
+
+    @property
+    def best_builtin(self) -> Candidate | None:
+        """The fastest built-in schedule that fits the limit."""
+        fitting = [c for c in self.tried if c.builtin and c.fits]
+        return min(fitting, key=lambda c: c.step_time, default=None)
+
+    def __str__(self) -> str:
+        best = self.best_builtin
+        limit = "no limit" if self.memory_limit is None else f"limit {_amount(self.memory_limit, self.unit)}"
+        lines = [f"found {self.schedule.name}: step {self.step_time:.4g}, peak "
+                 f"{_amount(max(self.peak_memory), self.unit)} per rank ({limit})"]
+        if best is not None:
+            gain = 1 - self.step_time / best.step_time
+            lines.append(f"best built-in that fits: {best.name}, step {best.step_time:.4g} "
+                         f"({gain:.1%} {'faster' if gain >= 0 else 'slower'} found)")
+        fitting = sum(c.fits for c in self.tried)
+        lines.append(f"tried {len(self.tried)} schedules ({fitting} fit) in {self.seconds:.2f} s")
+        return "\n".join(lines)
+
+    def _repr_pretty_(self, printer, cycle) -> None:
+        printer.text(str(self))
+
+    def table(self, top: int = 10) -> str:
+        """The fastest `top` candidates that fit and every built-in, as text."""
+        rows = sorted((c for c in self.tried if c.step_time is not None), key=lambda c: c.step_time)
+        shown = [c for c in rows if c.fits][:top] + [c for c in rows if c.builtin and c not in rows[:top]]
+        lines = [f"{'schedule':40s} {'step':>10s} {'peak':>12s}  fits"]
+        for c in sorted(set(shown), key=lambda c: c.step_time):
+            lines.append(f"{c.name:40s} {c.step_time:10.4g} {_amount(c.peak, self.unit):>12s}  "
+                         f"{'yes' if c.fits else 'no'}")
+        return "\n".join(lines)
+
+
+def _amount(value: float | None, unit: str) -> str:
+    if value is None:
+        return "-"
+    if unit == "bytes":
+        return f"{value / 2**20:.2f} MiB"
+    return f"{value:g} mb"
+
+
+# ---------------------------------------------------------------- the search
+
+
+def search(n_ranks: int, n_microbatches: int, costs: Costs, memory_limit: float | None = None,
+           saved_bytes: Sequence[int] | None = None, n_virtual: int | None = None,
+           split_backward: bool = True, include_torch: bool = True, show: bool | None = None) -> Found:
+    """The fastest schedule the search finds for these sizes and costs under `memory_limit`.
+
+    `costs` are per stage: with sequences of n_ranks * v values the stages are those v per
+    rank; with single numbers `n_virtual` (default 1) says how many stages a rank runs.
+    `memory_limit` is per rank, in microbatches of the rank's share of the activations, or in
+    bytes when `saved_bytes` (one value per stage) is given; None for no limit.
+    `split_backward=False` keeps to whole backwards (B), for where I + W costs more than B
+    (small layers, whose per-call overheads the split pays twice). A progress bar
+    shows when the search is long (`show=None`), always (True) or never (False).
+    """
+    started = time.perf_counter()
+    v = _virtual_stages(costs, n_ranks, n_virtual)
+    _check_sizes(n_ranks, n_microbatches, memory_limit, saved_bytes, v)
+    costs.check_stages(n_ranks * v)
+    weights = _weights(n_ranks, v, saved_bytes)
+    unit = "bytes" if saved_bytes is not None else "microbatches"
+    candidates = list(_builtins(n_ranks, n_microbatches, v, include_torch))
+    candidates += list(_list_schedules(n_ranks, n_microbatches, v, costs, weights, memory_limit, unit,
+                                       (False, True) if split_backward else (False,)))
+    if not split_backward:
+        candidates = [c for c in candidates if c[1] is None or not _splits(c[1])]
+    tried = []
+    actions = 6 * n_ranks * v * n_microbatches  # about, per candidate, messages included
+    progress = _progress(len(candidates), show if show is not None else len(candidates) * actions > 2_000_000)
+    for name, schedule, builtin, note in candidates:
+        tried.append(_evaluate(name, schedule, builtin, note, costs, weights, memory_limit))
+        progress.update()
+    progress.close()
+    fitting = [c for c in tried if c.fits]
+    if not fitting:
+        measured = [c for c in tried if c.peak is not None]
+        smallest = min(measured, key=lambda c: c.peak)
+        raise ValueError(f"no schedule fits memory_limit={memory_limit:g} {unit} per rank: the smallest "
+                         f"budget that works is {smallest.peak:g} {unit} ({smallest.name}); "
+                         f"give memory_limit >= {smallest.peak:g}")
+    best = min(fitting, key=lambda c: (c.step_time, not c.builtin))  # a tie goes to the built-in
+    schedule = best.schedule if best.schedule.has_communication else add_communication(best.schedule)
+    validate(schedule)
+    timeline = simulate(schedule, costs)
+    if timeline.step_time() != best.step_time:  # the messages must not change the prediction
+        raise RuntimeError(f"{best.name}: {timeline.step_time()} with its messages, {best.step_time} without")
+    return Found(schedule, best.step_time, _peaks(timeline, schedule, weights), memory_limit, unit,
+                 tuple(tried), time.perf_counter() - started)
+
+
+def _virtual_stages(costs: Costs, n_ranks: int, n_virtual: int | None) -> int:
+    lengths = {len(value) for value in (costs.forward, costs.backward, costs.input_grad, costs.weight_grad)
+               if isinstance(value, tuple)}
+    if len(lengths) > 1:
+        raise ValueError(f"costs give per-stage values of different lengths {sorted(lengths)}: "
+                         f"give every one for the same number of stages")
+    if lengths:
+        (n_stages,) = lengths
+        if n_stages % n_ranks:
+            raise ValueError(f"costs are for {n_stages} stages, which do not spread over n_ranks={n_ranks}: "
+                             f"give n_ranks * v values (v stages per rank)")
+        if n_virtual is not None and n_virtual != n_stages // n_ranks:
+            raise ValueError(f"n_virtual={n_virtual} but the costs are for {n_stages} stages = "
+                             f"{n_stages // n_ranks} per rank over {n_ranks} ranks")
+        return n_stages // n_ranks
+    return 1 if n_virtual is None else n_virtual
+
+
+def _check_sizes(n_ranks, n_microbatches, memory_limit, saved_bytes, v) -> None:
+    for name, value in (("n_ranks", n_ranks), ("n_microbatches", n_microbatches), ("n_virtual", v)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"{name}={value!r} must be a positive integer")
+    if memory_limit is not None and (isinstance(memory_limit, bool) or not isinstance(memory_limit, (int, float))
+                                     or not memory_limit > 0 or math.isinf(memory_limit)):
+        raise ValueError(f"memory_limit={memory_limit!r} must be a number > 0 (or None for no limit)")
+    if saved_bytes is not None and len(saved_bytes) != n_ranks * v:
+        raise ValueError(f"saved_bytes has {len(saved_bytes)} values but there are {n_ranks * v} stages: "
+                         f"give each stage's activation bytes per microbatch")
+
+
+def _weights(n_ranks: int, v: int, saved_bytes: Sequence[int] | None) -> tuple[float, ...]:
+    """What one microbatch's activations of each stage count against the limit."""
+    if saved_bytes is not None:
+        return tuple(float(b) for b in saved_bytes)
+    return tuple(1.0 / v for _ in range(n_ranks * v))
+
+
+def _progress(total: int, show: bool):
+    if show:
+        from tqdm.auto import tqdm
+
+        return tqdm(total=total, desc="schedules tried", leave=False)
+
+    class Silent:
+        def update(self, n=1): pass
+        def close(self): pass
+
+    return Silent()
+
+
+def _evaluate(name, schedule, builtin, note, costs, weights, memory_limit) -> Candidate:
+    """Validate, simulate, measure the peak; a candidate that fails says why."""
+    if schedule is None:
+        return Candidate(name, builtin=builtin, note=note)
+    try:
+        validate(schedule)
+    except ScheduleError as error:
+        return Candidate(name, builtin=builtin, note=f"invalid: {error}")
+    timeline = simulate(schedule, costs)
+    peak = max(_peaks(timeline, schedule, weights))
+    fits = memory_limit is None or peak <= memory_limit * (1 + 1e-9)
+    return Candidate(name, timeline.step_time(), peak, fits, builtin, note, schedule)
+
+
+def _peaks(timeline: Timeline, schedule: Schedule, weights) -> tuple[float, ...]:
+    """Per rank, the most activations held at once: a forward holds its stage's weight from its
+    start until its B, or its W, ends (`Timeline.inflight` counts the same way)."""
+    changes = [[] for _ in range(schedule.n_ranks)]
+    for e in timeline.compute_events():
+        if e.kind == "F":
+            changes[e.rank].append((e.start, 1, weights[e.stage]))
+        elif e.kind in ("B", "W"):
+            changes[e.rank].append((e.end, 0, -weights[e.stage]))  # releases sort before holds
+    peaks = []
+    for rank_changes in changes:
+        held = peak = 0.0
+        for _, _, delta in sorted(rank_changes):
+            held += delta
+            peak = max(peak, held)
+        peaks.append(round(peak, 9))
+    return tuple(peaks)
+
+
+# ---------------------------------------------------------------- the candidates
+
+
+def _builtins(p: int, m: int, v: int, include_torch: bool):
+    """(name, schedule or None, builtin, note) for every built-in schedule of these sizes."""
+    for name in SCHEDULE_NAMES:
+        if (name == "interleaved-1f1b") != (v > 1):
+            continue
+        try:
+            yield f"pplab {name}", build(name, p, m, v), True, ""
+        except ValueError as error:
+            yield f"pplab {name}", None, True, f"cannot build: {error}"
+    if not include_torch:
+        return
+    try:
+        from pplab.schedules import from_torch
+        import torch  # noqa: F401 - only to know whether torch's plans can be asked for
+    except ImportError:
+        return
+    for name, torch_v in TORCH_PLANS:
+        if torch_v != v:
+            continue
+        try:
+            yield f"torch {name}", from_torch(name, p, m, v), True, ""
+        except ValueError as error:
+            yield f"torch {name}", None, True, f"cannot plan: {error}"
+
+
+def _splits(schedule: Schedule) -> bool:
+    """True when the schedule splits backwards into I and W."""
+    return any(a.kind == Kind.I for actions in schedule.actions for a in actions)
+
+
+def _list_schedules(p: int, m: int, v: int, costs: Costs, weights, memory_limit, unit: str, splits):
+    """List schedules for every cap up to the limit, backward- or forward-first, B or I+W."""
+    smallest = max(weights)  # one microbatch of the heaviest stage: the least a cap can be
+    most = sum(weights[s] for s in range(0, p * v, p)) * m  # all a rank could ever hold
+    top = most if memory_limit is None else max(smallest, min(memory_limit, most))
+    # Caps of 1, 2, ... heaviest-stage microbatches up to twice the stages, then sparser up to
+    # the top: the smallest caps also say how little memory the search can make do with.
+    count = int(top / smallest + 1e-9)
+    ks = set(range(1, min(count, 2 * p * v) + 1)) | set(range(2 * p * v, count + 1, p * v))
+    caps = sorted({smallest * k for k in ks} | {top})
+    for split, backward_first, cap in itertools.product(splits, (True, False), caps):
+        orders = list_schedule(p, m, v, costs, weights, cap, split, backward_first)
+        label = (f"list {'I+W' if split else 'B'} {'backward' if backward_first else 'forward'}-first "
+                 f"cap {_amount(cap, unit)}")
+        if orders is None:
+            yield label, None, False, "the cap leaves a rank unable to go on"
+            continue
+        # Compute order only: the simulator moves its data after the same message times as a
+        # schedule with sends and receives would (they cost no rank time), at half the actions.
+        yield label, Schedule(orders, p, m, p * v, v, label), False, ""
+
+
+def list_schedule(p: int, m: int, v: int, costs: Costs, weights, cap: float, split: bool,
+                  backward_first: bool) -> list[list[Action]] | None:
+    """Per rank compute orders from a list schedule in time order on the cost model (stage s on
+    rank s % p); None when the cap leaves a rank unable to go on.
+
+    At every moment something finishes or arrives, each idle rank starts, in this order of
+    preference: a backward (B, or I) whose output gradient is there (with `backward_first`),
+    a forward whose input is there if its activations fit under `cap`, a backward, and, with
+    `split`, a W it held back. Each stage runs its forwards, and its backwards, in microbatch order.
+    """
+    n_stages = p * v
+    last = n_stages - 1
+    hop = [costs.transfer_time(s) if p > 1 else 0.0 for s in range(n_stages)]
+    backward_kind = Kind.I if split else Kind.B
+    forward_done = [[None] * m for _ in range(n_stages)]  # when each forward ended
+    grad_done = [[None] * m for _ in range(n_stages)]  # when each B or I ended
+    next_forward, next_backward = [0] * n_stages, [0] * n_stages
+    held_back = [[] for _ in range(p)]  # (stage, microbatch) whose W waits
+    held = [0.0] * p
+    busy_until = [0.0] * p
+    orders = [[] for _ in range(p)]
+    moments, now = [0.0], 0.0
+    remaining = n_stages * m * (3 if split else 2)
+
+    def forward_ready(stage: int, mb: int) -> float | None:
+        if stage == 0:
+            return 0.0
+        done = forward_done[stage - 1][mb]
+        return None if done is None else done + hop[stage - 1]
+
+    def backward_ready(stage: int, mb: int) -> float | None:
+        own = forward_done[stage][mb]
+        if own is None:
+            return None
+        if stage == last:
+            return own
+        done = grad_done[stage + 1][mb]
+        return None if done is None else max(own, done + hop[stage])
+
+    def start(rank: int, action: Action, duration: float) -> float:
+        """Put `action` on `rank` now; return when it ends."""
+        nonlocal remaining
+        orders[rank].append(action)
+        end = busy_until[rank] = now + duration
+        heapq.heappush(moments, end)  # the rank is free again, its output is there on this rank
+        if action.kind == Kind.F and action.stage < last:  # ... and reaches the next stage
+            heapq.heappush(moments, end + hop[action.stage])
+        elif action.kind != Kind.W and action.stage > 0:  # the gradient reaches the previous stage
+            heapq.heappush(moments, end + hop[action.stage - 1])
+        remaining -= 1
+        return end
+
+    while remaining:
+        if not moments:
+            return None  # nothing will ever happen again: a rank is stuck under the cap
+        now = heapq.heappop(moments)
+        while moments and moments[0] <= now:
+            heapq.heappop(moments)
+        for rank in range(p):
+            if busy_until[rank] > now:
+                continue
+            stages = range(rank, n_stages, p)
+            backwards = [(t, s) for s in stages if next_backward[s] < m
+                         for t in [backward_ready(s, next_backward[s])] if t is not None and t <= now]
+            forwards = [(t, s) for s in stages if next_forward[s] < m and held[rank] + weights[s] <= cap * (1 + 1e-9)
+                        for t in [forward_ready(s, next_forward[s])] if t is not None and t <= now]
+            if backwards and (backward_first or not forwards):
+                _, stage = min(backwards, key=lambda ts: (ts[0], -ts[1]))
+                mb = next_backward[stage]
+                next_backward[stage] += 1
+                end = start(rank, Action(stage, backward_kind, mb), costs.compute_time(backward_kind, stage))
+                grad_done[stage][mb] = end
+                if split:
+                    held_back[rank].append((stage, mb))
+                else:
+                    held[rank] -= weights[stage]  # released when B ends; nothing else starts before
+            elif forwards:
+                _, stage = min(forwards, key=lambda ts: (ts[0], ts[1]))
+                mb = next_forward[stage]
+                next_forward[stage] += 1
+                held[rank] += weights[stage]
+                forward_done[stage][mb] = start(rank, Action(stage, Kind.F, mb), costs.compute_time(Kind.F, stage))
+            elif held_back[rank]:
+                stage, mb = held_back[rank].pop(0)
+                start(rank, Action(stage, Kind.W, mb), costs.compute_time(Kind.W, stage))
+                held[rank] -= weights[stage]
+    return orders
+
+
+# ---------------------------------------------------------------- stage balance
+
+
+@dataclass(frozen=True, repr=False)
+class Balanced:
+    """The layers per stage that the search found fastest, with the schedule for them."""
+
+    balance: tuple[int, ...]
+    found: Found
+    even: Found  # the default split (extras on early stages), searched the same way
+    tried: tuple[tuple[tuple[int, ...], float], ...]  # (balance, best step time) for each tried
+
+    def __str__(self) -> str:
+        gain = 1 - self.found.step_time / self.even.step_time
+        return (f"balance {list(self.balance)}: step {self.found.step_time:.4g} with {self.found.schedule.name} "
+                f"({gain:.1%} faster than the even split {list(self.even_balance)} at "
+                f"{self.even.step_time:.4g}); {len(self.tried)} balances tried")
+
+    @property
+    def even_balance(self) -> tuple[int, ...]:
+        n_layers, n_stages = sum(self.balance), len(self.balance)
+        base, extra = divmod(n_layers, n_stages)
+        return tuple(base + (1 if s < extra else 0) for s in range(n_stages))
+
+    def _repr_pretty_(self, printer, cycle) -> None:
+        printer.text(str(self))
+
+
+def stage_costs(layer_costs: Costs, balance: Sequence[int]) -> Costs:
+    """Per-stage costs from per-layer ones: each stage sums its layers' F, B, I, W; its message
+    is the one leaving its last layer. The first layer's costs include the embedding, the
+    last's the final norm, LM head and loss (as `pplab.profile` with one layer per stage gives)."""
+    bounds = list(itertools.accumulate(balance, initial=0))
+
+    def summed(values):  # a stage's cost: its layers' added up
+        if values is None:
+            return None
+        if not isinstance(values, tuple):
+            return [values * count for count in balance]
+        return [sum(values[a:b]) for a, b in zip(bounds, bounds[1:])]
+
+    def last_of(values):  # a stage's message: its last layer's
+        if not isinstance(values, tuple):
+            return values
+        return [values[b - 1] for b in bounds[1:]]
+
+    forward = summed(layer_costs.forward)
+    if layer_costs.input_grad is not None and layer_costs.weight_grad is not None:
+        return Costs(forward=forward, input_grad=summed(layer_costs.input_grad),
+                     weight_grad=summed(layer_costs.weight_grad), latency=layer_costs.latency,
+                     bandwidth=layer_costs.bandwidth, activation_bytes=last_of(layer_costs.activation_bytes))
+    return Costs(forward=forward, backward=summed(layer_costs.backward), latency=layer_costs.latency,
+                 bandwidth=layer_costs.bandwidth, activation_bytes=last_of(layer_costs.activation_bytes))
+
+
+def search_balance(layer_costs: Costs, n_ranks: int, n_microbatches: int, memory_limit: float | None = None,
+                   saved_bytes: Sequence[int] | None = None, n_virtual: int = 1, split_backward: bool = True,
+                   include_torch: bool = True, most: int = 64) -> Balanced:
+    """The layers per stage (and schedule) with the least simulated step time.
+
+    `layer_costs` has one value per layer for F and B (or I and W): measure them with
+    `pplab.profile(config, ..., n_stages=config.num_hidden_layers)`, whose first and last
+    "stages" carry the embedding and the LM head. Every split into n_ranks * n_virtual runs
+    of layers is tried when there are at most `most`; otherwise the `most` with the smallest
+    heaviest stage. `saved_bytes` per layer makes the limit one of bytes; the other options
+    are `search`'s.
+    """
+    forward = layer_costs.forward
+    if not isinstance(forward, tuple):
+        raise ValueError("search_balance needs per-layer costs: give forward (and backward, or input_grad and "
+                         "weight_grad) as one value per layer")
+    n_layers, n_stages = len(forward), n_ranks * n_virtual
+    if n_stages > n_layers:
+        raise ValueError(f"{n_stages} stages cannot each take one of {n_layers} layers: use fewer ranks or "
+                         f"virtual stages")
+    splits = [tuple(b - a for a, b in zip((0,) + cuts, cuts + (n_layers,)))
+              for cuts in itertools.combinations(range(1, n_layers), n_stages - 1)]
+    per_layer = [layer_costs.compute_time(Kind.F, i) + layer_costs.compute_time(Kind.B, i) for i in range(n_layers)]
+    heaviest = lambda split: max(sum(per_layer[a:a + n]) for a, n in  # noqa: E731
+                                 zip(itertools.accumulate(split, initial=0), split))
+    even = _even(n_layers, n_stages)
+    chosen = sorted(splits, key=heaviest)[:most]
+    if even not in chosen:
+        chosen.append(even)
+    results = {}
+    for split in chosen:
+        stage_saved = None if saved_bytes is None else [sum(saved_bytes[a:a + n]) for a, n in
+                                                        zip(itertools.accumulate(split, initial=0), split)]
+        try:
+            results[split] = search(n_ranks, n_microbatches, stage_costs(layer_costs, split), memory_limit,
+                                    stage_saved, n_virtual, split_backward, include_torch, show=False)
+        except ValueError:
+            continue  # nothing fits under the limit with this split
+    if even not in results:
+        raise ValueError(f"no schedule fits memory_limit={memory_limit} with the even split {list(even)}: "
+                         f"raise the limit")
+    best = min(results, key=lambda split: (results[split].step_time, split != even))
+    return Balanced(best, results[best], results[even],
+                    tuple((split, found.step_time) for split, found in results.items()))
+
+
+def _even(n_layers: int, n_stages: int) -> tuple[int, ...]:
+    base, extra = divmod(n_layers, n_stages)
+    return tuple(base + (1 if s < extra else 0) for s in range(n_stages))

@@ -1,0 +1,121 @@
+"""The schedule search: the textbook optimum on uniform costs, schedules and balances that beat
+the built-ins where stages or links differ, the memory limit kept, exact parity on real ranks."""
+
+import random
+
+import pytest
+
+import pplab
+from pplab.checks import compare_with_reference
+from pplab.data import batches
+from pplab.launch import run_ranks
+from pplab.rank_pipeline import PipelineSpec, merge_steps, run_jobs_on_rank, split_for_ranks
+from pplab.schedule_search import list_schedule, search, search_balance, stage_costs
+from pplab.schedules import Schedule, add_communication, validate
+from pplab.simulator import Costs, simulate
+
+SLOW_LINK = Costs(forward=1.0, input_grad=1.0, weight_grad=1.0, latency=1.5)
+# Per layer: layer 0 carries the embedding, layer 7 the final norm, LM head and loss.
+HEAVY_HEAD_LAYERS = Costs(forward=[1.5] + [1.0] * 6 + [4.0], backward=[3.0] + [2.0] * 6 + [8.0])
+
+
+@pytest.mark.parametrize("p, m", [(2, 4), (3, 6), (4, 8), (4, 13)])
+def test_uniform_costs_reproduce_the_textbook_optimum(p, m):
+    # Whole backwards under 1F1B's memory: 1F1B's (m + p - 1)(F + B), which no schedule beats
+    # (the last rank's first input comes after p - 1 forwards, its last gradient goes back
+    # through p - 1 backwards).
+    whole = search(p, m, Costs(forward=1.0, backward=2.0), memory_limit=p, split_backward=False,
+                   include_torch=False)
+    assert whole.step_time == pytest.approx((m + p - 1) * 3.0)
+    # Split backwards (F = I = W): ZB-H1's m(F + I + W) + (p - 1)(F + I - W), the same bound.
+    split = search(p, m, Costs(forward=1.0, input_grad=1.0, weight_grad=1.0), memory_limit=p, include_torch=False)
+    assert split.step_time == pytest.approx(m * 3.0 + (p - 1) * 1.0)
+    for found in (whole, split):
+        validate(found.schedule)
+        assert max(found.peak_memory) <= p
+
+
+def test_a_slow_link_yields_a_schedule_faster_than_every_builtin_that_fits():
+    found = search(4, 8, SLOW_LINK, memory_limit=4)
+    builtins = [c for c in found.tried if c.builtin and c.fits]
+    assert {"pplab 1f1b", "pplab zb-h1"} <= {c.name for c in builtins}
+    assert {"pplab gpipe", "torch GPipe", "torch 1F1B"} <= {c.name for c in found.tried}  # tried, too big or invalid
+    assert all(found.step_time < c.step_time for c in builtins), found.table()
+    assert simulate(found.schedule, SLOW_LINK).step_time() == found.step_time
+    validate(found.schedule)
+    assert found.schedule.has_communication
+
+
+def test_a_heavy_last_stage_yields_a_balance_faster_than_every_builtin():
+    result = search_balance(HEAVY_HEAD_LAYERS, 2, 8, memory_limit=2)
+    assert sum(result.balance) == 8 and result.balance != result.even_balance == (4, 4)
+    builtins = [c for c in result.even.tried if c.builtin and c.fits]
+    assert builtins and all(result.found.step_time < c.step_time for c in builtins)
+    # The stages the balance makes cost what their layers cost together.
+    stages = stage_costs(HEAVY_HEAD_LAYERS, result.balance)
+    assert sum(stages.forward) == pytest.approx(sum(HEAVY_HEAD_LAYERS.forward))
+    assert simulate(result.found.schedule, stages).step_time() == result.found.step_time
+
+
+@pytest.mark.parametrize("limit", [1, 2, 3, 4, 6])
+def test_the_memory_limit_is_never_exceeded_in_simulation(limit):
+    found = search(4, 8, SLOW_LINK, memory_limit=limit)
+    assert max(found.peak_memory) <= limit
+    assert all(c.peak <= limit for c in found.tried if c.fits)
+    # The same limit in bytes: stage 3's activations weigh three times the others'.
+    saved = [100, 100, 100, 300]
+    in_bytes = search(4, 8, SLOW_LINK, memory_limit=300 * limit, saved_bytes=saved)
+    assert max(in_bytes.peak_memory) <= 300 * limit and in_bytes.unit == "bytes"
+
+
+def test_a_budget_nothing_fits_names_the_smallest_that_works():
+    with pytest.raises(ValueError, match=r"smallest budget that works is 1 microbatches .*memory_limit >= 1"):
+        search(4, 8, SLOW_LINK, memory_limit=0.5)
+    assert max(search(4, 8, SLOW_LINK, memory_limit=1).peak_memory) == 1
+
+
+@pytest.mark.parametrize("arguments, message", [
+    (dict(n_ranks=0), "n_ranks=0 must be a positive integer"),
+    (dict(memory_limit=0), "memory_limit=0 must be a number > 0"),
+    (dict(costs=Costs(forward=[1, 1, 1])), "costs are for 3 stages, which do not spread over n_ranks=2"),
+    (dict(saved_bytes=[1, 2, 3]), "saved_bytes has 3 values but there are 2 stages"),
+    (dict(n_virtual=2, costs=Costs(forward=[1, 1])), "n_virtual=2 but the costs are for 2 stages"),
+])
+def test_bad_input_is_refused_naming_the_value(arguments, message):
+    given = dict(n_ranks=2, n_microbatches=4, costs=Costs(), memory_limit=None)
+    given.update(arguments)
+    with pytest.raises(ValueError, match=message):
+        search(**given)
+
+
+def test_list_schedules_are_valid_for_any_costs_cap_and_policy():
+    """The constructive part never makes an invalid schedule: 300 random cases."""
+    rng = random.Random(0)
+    for _ in range(300):
+        p, m, v = rng.randint(1, 4), rng.randint(1, 8), rng.choice((1, 1, 2))
+        stages = p * v
+        costs = Costs(forward=[rng.uniform(0.5, 3) for _ in range(stages)],
+                      input_grad=[rng.uniform(0.5, 3) for _ in range(stages)],
+                      weight_grad=[rng.uniform(0.2, 2) for _ in range(stages)], latency=rng.uniform(0, 1))
+        weights = [1 / v] * stages
+        cap = rng.choice((1, 2, p, 2 * p, m))
+        orders = list_schedule(p, m, v, costs, weights, cap, rng.random() < 0.5, rng.random() < 0.5)
+        if orders is None:
+            continue
+        schedule = add_communication(Schedule(orders, p, m, stages, v))
+        validate(schedule)
+        assert simulate(schedule, costs).step_time() > 0
+
+
+def test_a_found_schedule_runs_on_four_ranks_with_exact_parity_within_its_memory():
+    config = pplab.LlamaConfig.tiny()
+    m, limit = 8, 3
+    found = search(4, m, SLOW_LINK, memory_limit=limit)
+    assert found.schedule.name.startswith("list")  # no built-in fits 3 microbatches on 4 ranks
+    spec = PipelineSpec.create(config, found.schedule, 4, m)
+    batch = next(batches(2 * m, 16))
+    per_rank = run_ranks(4, run_jobs_on_rank, [(spec, split_for_ranks(spec, batch))], timeout=300)
+    result = merge_steps([per_rank[rank][0] for rank in range(4)])
+    parity = compare_with_reference(result.loss, result.grads, pplab.reference_step(config, batch, m))
+    assert parity.passed, str(parity)
+    assert max(result.timeline.peak_inflight(r) for r in range(4)) <= limit
