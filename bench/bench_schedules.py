@@ -6,8 +6,18 @@
    same run, the readable paths they replaced (still in the code: they explain faults), and
    `simulate` again on the same schedule with other costs (what-if sliders), and reading the
    simulated timeline's events (what a picture pays). Goal: >= 1,000,000 actions/s each.
+2. The search on a grid: p in {2, 4, 8}, m in {2p, 4p}, memory limits of p/2, p and 2p
+   microbatches, and four cost profiles (uniform; the last stage 3x heavier; the first 3x
+   heavier; a slow link, latency 1.5 x F): the found schedule's simulated step time vs the
+   best built-in (pplab's and torch's) that fits, and the search's seconds.
+3. The found balance and schedule run for real: the tiny model with a 4096-token vocabulary
+   (a heavy LM head) profiled per layer, `search_balance` on 2 ranks, 8 microbatches, a limit
+   of 2 microbatches; the found (balance, schedule) and the best built-in on the even split
+   run side by side on 2 ranks in timing mode (each action padded to its profiled cost x 10)
+   and in real mode. Measured step time vs the prediction, and the measured gain vs the
+   predicted gain.
 
-Run: python bench/bench_schedules.py   (about a minute)
+Run: python bench/bench_schedules.py   (a few minutes)
 Writes bench/results/schedules.json.
 """
 
@@ -20,6 +30,13 @@ import statistics
 import time
 from pathlib import Path
 
+import torch
+
+import pplab
+from pplab.data import batches
+from pplab.launch import run_ranks
+from pplab.rank_pipeline import PipelineSpec, merge_steps, run_jobs_on_rank, split_for_ranks
+from pplab.schedule_search import search, search_balance, stage_costs
 from pplab.schedules import build, validate
 from pplab.schedules.compiled import no_cyclic_gc
 from pplab.schedules.validation import (_check_each_action, _check_every_pass_present, _check_runs_to_the_end,
@@ -83,11 +100,100 @@ def machinery() -> dict:
     return dict(rows=rows, goal=f"validate and simulate >= {GOAL:,} actions/s on a fresh schedule", met=met)
 
 
+PROFILES = {
+    "uniform": lambda p: Costs(forward=1.0, input_grad=1.0, weight_grad=1.0),
+    "heavy last stage": lambda p: Costs(forward=[1.0] * (p - 1) + [3.0], input_grad=[1.0] * (p - 1) + [3.0],
+                                        weight_grad=[1.0] * (p - 1) + [3.0]),
+    "heavy first stage": lambda p: Costs(forward=[3.0] + [1.0] * (p - 1), input_grad=[3.0] + [1.0] * (p - 1),
+                                         weight_grad=[3.0] + [1.0] * (p - 1)),
+    "slow link": lambda p: Costs(forward=1.0, input_grad=1.0, weight_grad=1.0, latency=1.5),
+}
+
+
+def search_grid() -> dict:
+    rows = []
+    for p in (2, 4, 8):
+        for m in (2 * p, 4 * p):
+            for limit in (max(1, p // 2), p, 2 * p):
+                for profile_name, make in PROFILES.items():
+                    found = search(p, m, make(p), memory_limit=limit)
+                    best = found.best_builtin
+                    rows.append(dict(p=p, m=m, memory_limit=limit, costs=profile_name, found=found.schedule.name,
+                                     found_step=found.step_time, best_builtin=best and best.name,
+                                     best_builtin_step=best and best.step_time,
+                                     gain=best and 1 - found.step_time / best.step_time,
+                                     search_seconds=round(found.seconds, 3), candidates=len(found.tried)))
+    never_slower = all(r["best_builtin_step"] is None or r["found_step"] <= r["best_builtin_step"] + 1e-9
+                       for r in rows)
+    beaten = sum(1 for r in rows if r["gain"] and r["gain"] > 1e-9)
+    no_builtin = sum(1 for r in rows if r["best_builtin"] is None)
+    slowest = max(r["search_seconds"] for r in rows if r["p"] <= 8)
+    print(f"search grid: {len(rows)} cases; found beats the best fitting built-in in {beaten}, ties in "
+          f"{len(rows) - beaten - no_builtin}, no built-in fits in {no_builtin}; never slower: {never_slower}; "
+          f"slowest search {slowest:.2f} s")
+    return dict(rows=rows, never_slower=never_slower, beaten=beaten, no_builtin_fits=no_builtin,
+                slowest_search_seconds=slowest, goal="never slower than a fitting built-in; a few seconds at p <= 8")
+
+
+def run_found(steps: int = 5) -> dict:
+    """The found balance and schedule vs the best built-in on the even split, on 2 real ranks."""
+    torch.set_num_threads(1)
+    config = pplab.LlamaConfig.tiny(vocab_size=4096)
+    microbatch_size, seq_len, p, m, limit = 4, 64, 2, 8, 2
+    layers = pplab.profile(config, microbatch_size, seq_len, config.num_hidden_layers, show=False)
+    layer_costs = layers.costs(split_backward=True)
+    balanced = search_balance(layer_costs, p, m, memory_limit=limit)
+    best = balanced.even.best_builtin
+    contenders = {"found": (balanced.found.schedule, balanced.balance),
+                  "best built-in, even split": (best.schedule, balanced.even_balance)}
+    batch = next(batches(microbatch_size * m, seq_len))
+    report = dict(balance=list(balanced.balance), found=balanced.found.schedule.name,
+                  best_builtin=best.name, even_balance=list(balanced.even_balance))
+    for mode, scale in (("timing", 10.0), ("real", None)):
+        jobs, predicted = [], {}
+        for label, (schedule, balance) in contenders.items():
+            costs = stage_costs(layer_costs, balance)
+            timing = None
+            if scale is not None:
+                timing = _scaled(costs, scale)
+                predicted[label] = simulate(schedule, timing).step_time()
+            else:
+                predicted[label] = simulate(schedule, costs).step_time()
+            spec = PipelineSpec.create(config, schedule, p, m, balance=list(balance), timing=timing)
+            jobs.append((spec, split_for_ranks(spec, batch)))
+        per_rank = run_ranks(p, run_jobs_on_rank, jobs, False, "cpu", steps, timeout=600)
+        rows = {}
+        for index, label in enumerate(contenders):
+            times = [merge_steps([per_rank[r][index][k] for r in range(p)]).timeline.step_time()
+                     for k in range(1, steps)]
+            measured = statistics.median(times)
+            rows[label] = dict(measured_step_s=measured, predicted_step_s=predicted[label],
+                               error=measured / predicted[label] - 1)
+        found_row, builtin_row = rows["found"], rows["best built-in, even split"]
+        gain = dict(measured=1 - found_row["measured_step_s"] / builtin_row["measured_step_s"],
+                    predicted=1 - found_row["predicted_step_s"] / builtin_row["predicted_step_s"])
+        report[mode] = dict(rows=rows, gain=gain, met=all(abs(r["error"]) <= 0.05 for r in rows.values()))
+        print(f"{mode} mode: found {found_row['measured_step_s'] * 1e3:.1f} ms (predicted "
+              f"{found_row['predicted_step_s'] * 1e3:.1f}, {found_row['error']:+.1%}), built-in "
+              f"{builtin_row['measured_step_s'] * 1e3:.1f} ms (predicted {builtin_row['predicted_step_s'] * 1e3:.1f}, "
+              f"{builtin_row['error']:+.1%}); gain measured {gain['measured']:.1%}, predicted {gain['predicted']:.1%}")
+    report["goal"] = "measured step within 5 % of the prediction (timing mode and real mode, 2 ranks)"
+    return report
+
+
+def _scaled(costs: Costs, factor: float) -> Costs:
+    scale = lambda values: [v * factor for v in values]  # noqa: E731
+    return Costs(forward=scale(costs.forward), input_grad=scale(costs.input_grad),
+                 weight_grad=scale(costs.weight_grad))
+
+
 def main() -> None:
     started = time.perf_counter()
     report = {"when": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
               "machine": platform.platform(), "python": platform.python_version()}
     report["machinery"] = machinery()
+    report["search_grid"] = search_grid()
+    report["run_found"] = run_found()
     report["seconds"] = round(time.perf_counter() - started, 1)
     RESULTS.parent.mkdir(exist_ok=True)
     RESULTS.write_text(json.dumps(report, indent=2) + "\n")

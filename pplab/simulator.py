@@ -227,11 +227,10 @@ def _simulate_compiled(compiled: Compiled, costs: Costs) -> Timeline:
     duration, transfer, hop = _cost_tables(costs, n_stages)
     steps = compiled.steps
     needs = compiled.first_two_needs
-    ready: list[float | None] = [None] * (len(KINDS) * n_stages * m)
+    ready: list[float | None] = [None] * (len(KINDS) * n_stages * m)  # when what each action made is there
+    starts = [math.inf] * len(ready)  # when each action started (inf: it did not run)
     waiting: dict[int, list[int]] = {}
     next_index, free_at = [0] * n_ranks, [0.0] * n_ranks
-    rows = []
-    append = rows.append
     runnable = list(range(n_ranks))
     send_f, send_b = SEND_F, SEND_B
     while runnable:
@@ -268,18 +267,19 @@ def _simulate_compiled(compiled: Compiled, costs: Costs) -> Timeline:
                 end = free = start
                 start = sent_at if sent_at > posted else posted
                 start = end if end < start else start  # min(), ties as min() breaks them
-            append((index, start, end))
-            ready[index] = end
+            starts[index], ready[index] = start, end
             if index in waiting:
                 runnable += waiting.pop(index)
         else:
             position = len(rank_steps)  # the rank ran to its end
         next_index[rank], free_at[rank] = position, free
     stuck = any(next_index[rank] < len(steps[rank]) for rank in range(n_ranks))
-    repeated = len(ready) - ready.count(None) != len(rows)  # an action recorded twice
+    count = sum(next_index)
+    repeated = len(ready) - ready.count(None) != count  # an action recorded twice
     if stuck or repeated:
         _Simulation(schedule, costs).run()  # it names the repeated action, or what each stuck rank waits for
-    return Timeline.from_rows(rows, n_ranks, _event_maker(compiled, costs), label="simulated")
+    return Timeline.deferred(lambda: _events(compiled, costs, starts, ready), count, min(starts, default=0.0),
+                             max(filter(None, ready), default=0.0), n_ranks, label="simulated")
 
 
 def _cost_tables(costs: Costs, n_stages: int) -> tuple[list[float], list[float], list[float]]:
@@ -298,22 +298,23 @@ def _cost_tables(costs: Costs, n_stages: int) -> tuple[list[float], list[float],
     return tables[n_stages]
 
 
-def _event_maker(compiled: Compiled, costs: Costs):
-    """What turns an (index, start, end) row of `_simulate_compiled` into its Event."""
+def _events(compiled: Compiled, costs: Costs, starts: list[float], ends: list[float]) -> list[Event]:
+    """The events of `_simulate_compiled`: one per action that ran (its start is not inf)."""
     n_stages, m = compiled.schedule.n_stages, compiled.schedule.n_microbatches
-    rank_of_stage = compiled.rank_of_stage
-
-    def make(row) -> Event:
-        index, start, end = row
+    rank_of_stage, events = compiled.rank_of_stage, []
+    for index, start in enumerate(starts):
+        if start == math.inf:
+            continue
         key, microbatch = divmod(index, m)
         kind, stage = divmod(key, n_stages)
-        rank = rank_of_stage[stage]
+        name = KINDS[kind].value
         if kind < SEND_F:
-            return Event(rank, KINDS[kind].value, stage, microbatch, start, end)
-        boundary = stage if KINDS[kind] in (Kind.SEND_F, Kind.RECV_B) else stage - 1
-        return Event(rank, KINDS[kind].value, stage, microbatch, start, end, costs.message_bytes(boundary))
-
-    return make
+            events.append(Event(rank_of_stage[stage], name, stage, microbatch, start, ends[index]))
+        else:
+            boundary = stage if KINDS[kind] in (Kind.SEND_F, Kind.RECV_B) else stage - 1
+            events.append(Event(rank_of_stage[stage], name, stage, microbatch, start, ends[index],
+                                costs.message_bytes(boundary)))
+    return events
 
 
 class _Simulation:

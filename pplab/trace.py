@@ -27,7 +27,6 @@ import json
 import math
 from dataclasses import dataclass, replace
 from os import PathLike
-from operator import itemgetter
 from typing import Callable, Iterable, Sequence
 
 COLLECTIVE_KINDS = frozenset({"ALL_GATHER", "REDUCE_SCATTER", "ALL_REDUCE"})
@@ -128,15 +127,15 @@ def _union_length(intervals: Iterable[tuple[float, float]]) -> float:
 class Timeline:
     """The events of all ranks on one clock, with the metrics of a pipeline step.
 
-    A timeline made `from_rows` (the simulator's) builds its `Event` objects only when
-    they are first read: a search that asks thousands of simulations for their step time
-    never pays for them.
+    A `deferred` timeline (the simulator's) builds its `Event` objects only when they are
+    first read: a search that asks thousands of simulations for their step time never pays
+    for them.
     """
 
     def __init__(self, events: Iterable[Event] = (), n_ranks: int | None = None, label: str = ""):
         self._events: list[Event] | None = sorted(events, key=_sort_key)
-        self._rows: list[tuple] | None = None
-        self._bounds: tuple[float, float] | None = None
+        self._make_events: Callable[[], Iterable[Event]] | None = None
+        self._count, self._bounds = len(self._events), None
         self.n_ranks, self.label = n_ranks, label
         highest_rank = max((e.rank for e in self._events), default=-1)
         if self.n_ranks is None:
@@ -147,27 +146,25 @@ class Timeline:
             raise ValueError("event ranks must be >= 0")
 
     @classmethod
-    def from_rows(cls, rows: list[tuple], n_ranks: int, make_event: Callable[[tuple], Event],
-                  label: str = "") -> Timeline:
-        """A timeline of rows (rank, ..., start, end: the start and end last but one and last)
-        whose events `make_event(row)` makes when they are first read. The rows must make
-        valid events with ranks in 0..n_ranks-1."""
+    def deferred(cls, make_events: Callable[[], Iterable[Event]], count: int, start: float, end: float,
+                 n_ranks: int, label: str = "") -> Timeline:
+        """A timeline of `count` events from `start` to `end` that `make_events()` makes when
+        they are first read. They must be valid events with ranks in 0..n_ranks-1."""
         timeline = cls((), n_ranks, label)
-        timeline._events, timeline._rows, timeline._make_event = None, rows, make_event
-        if rows:
-            timeline._bounds = (min(map(itemgetter(-2), rows)), max(map(itemgetter(-1), rows)))
+        timeline._events, timeline._make_events = None, make_events
+        timeline._count, timeline._bounds = count, (start, end) if count else None
         return timeline
 
     @property
     def events(self) -> list[Event]:
         """Every event, sorted by rank, then time."""
         if self._events is None:
-            self._events = sorted(map(self._make_event, self._rows), key=_sort_key)
-            self._rows = self._make_event = None
+            self._events = sorted(self._make_events(), key=_sort_key)
+            self._make_events = None
         return self._events
 
     def __getstate__(self) -> dict:
-        self.events  # noqa: B018 - a pickle carries events, not the simulator's row maker
+        self.events  # noqa: B018 - a pickle carries events, not the simulator's maker of them
         return self.__dict__
 
     def __eq__(self, other) -> bool:
@@ -176,11 +173,10 @@ class Timeline:
         return (self.events, self.n_ranks, self.label) == (other.events, other.n_ranks, other.label)
 
     def __repr__(self) -> str:
-        count = len(self._rows) if self._events is None else len(self._events)
-        return f"Timeline({count} events, n_ranks={self.n_ranks}, label={self.label!r})"
+        return f"Timeline({len(self)} events, n_ranks={self.n_ranks}, label={self.label!r})"
 
     def __len__(self) -> int:
-        return len(self._rows) if self._events is None else len(self._events)
+        return self._count if self._events is None else len(self._events)
 
     # -- selections
 
