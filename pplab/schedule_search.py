@@ -32,7 +32,8 @@ import time
 from dataclasses import dataclass, field
 from typing import Sequence
 
-from pplab.schedules import SCHEDULE_NAMES, Action, Kind, Schedule, ScheduleError, add_communication, build, validate
+from pplab.schedules import (SCHEDULE_NAMES, Action, Kind, Schedule, ScheduleError, add_communication, build,
+                             from_torch, validate)
 from pplab.simulator import Costs, simulate
 from pplab.trace import Timeline
 
@@ -254,16 +255,13 @@ def _builtins(p: int, m: int, v: int, include_torch: bool):
             yield f"pplab {name}", None, True, f"cannot build: {error}"
     if not include_torch:
         return
-    try:
-        from pplab.schedules import from_torch
-        import torch  # noqa: F401 - only to know whether torch's plans can be asked for
-    except ImportError:
-        return
     for name, torch_v in TORCH_PLANS:
         if torch_v != v:
             continue
         try:
             yield f"torch {name}", from_torch(name, p, m, v), True, ""
+        except ImportError:  # no torch here: its plans cannot be asked for
+            return
         except ValueError as error:
             yield f"torch {name}", None, True, f"cannot plan: {error}"
 

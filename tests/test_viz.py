@@ -173,6 +173,7 @@ def imported_modules(module_name: str) -> set[str]:
     ("trace", set()),
     ("simulator", {"pplab.schedules", "pplab.schedules.compiled", "pplab.trace"}),
     ("viz", {"pplab.trace"}),
+    ("schedule_search", {"pplab.schedules", "pplab.simulator", "pplab.trace"}),
 ])
 def test_modules_keep_to_their_floor(module, allowed_pplab):
     imports = imported_modules(module)
