@@ -77,10 +77,12 @@ class Found:
         limit = "no limit" if self.memory_limit is None else f"limit {_amount(self.memory_limit, self.unit)}"
         lines = [f"found {self.schedule.name}: step {self.step_time:.4g}, peak "
                  f"{_amount(max(self.peak_memory), self.unit)} per rank ({limit})"]
-        if best is not None:
+        if best is not None and best.schedule is not self.schedule:
             gain = 1 - self.step_time / best.step_time
             lines.append(f"best built-in that fits: {best.name}, step {best.step_time:.4g} "
-                         f"({gain:.1%} {'faster' if gain >= 0 else 'slower'} found)")
+                         f"(the found one is {gain:.1%} faster)")
+        elif best is not None:
+            lines.append("no other schedule the search built was faster than this built-in")
         fitting = sum(c.fits for c in self.tried)
         lines.append(f"tried {len(self.tried)} schedules ({fitting} fit) in {self.seconds:.2f} s")
         return "\n".join(lines)
@@ -89,9 +91,9 @@ class Found:
         printer.text(str(self))
 
     def table(self, top: int = 10) -> str:
-        """The fastest `top` candidates that fit and every built-in, as text."""
+        """The fastest `top` candidates that fit and every built-in that ran, as text."""
         rows = sorted((c for c in self.tried if c.step_time is not None), key=lambda c: c.step_time)
-        shown = [c for c in rows if c.fits][:top] + [c for c in rows if c.builtin and c not in rows[:top]]
+        shown = [c for c in rows if c.fits][:top] + [c for c in rows if c.builtin]
         lines = [f"{'schedule':40s} {'step':>10s} {'peak':>12s}  fits"]
         for c in sorted(set(shown), key=lambda c: c.step_time):
             lines.append(f"{c.name:40s} {c.step_time:10.4g} {_amount(c.peak, self.unit):>12s}  "
@@ -124,8 +126,10 @@ def search(n_ranks: int, n_microbatches: int, costs: Costs, memory_limit: float 
     shows when the search is long (`show=None`), always (True) or never (False).
     """
     started = time.perf_counter()
+    _check_sizes(n_ranks, n_microbatches, memory_limit, n_virtual)
+    _check_costs(costs)
     v = _virtual_stages(costs, n_ranks, n_virtual)
-    _check_sizes(n_ranks, n_microbatches, memory_limit, saved_bytes, v)
+    _check_saved_bytes(saved_bytes, n_ranks * v)
     costs.check_stages(n_ranks * v)
     weights = _weights(n_ranks, v, saved_bytes)
     unit = "bytes" if saved_bytes is not None else "microbatches"
@@ -145,10 +149,12 @@ def search(n_ranks: int, n_microbatches: int, costs: Costs, memory_limit: float 
     if not fitting:
         measured = [c for c in tried if c.peak is not None]
         smallest = min(measured, key=lambda c: c.peak)
-        raise ValueError(f"no schedule fits memory_limit={memory_limit:g} {unit} per rank: the smallest "
-                         f"budget that works is {smallest.peak:g} {unit} ({smallest.name}); "
-                         f"give memory_limit >= {smallest.peak:g}")
-    best = min(fitting, key=lambda c: (c.step_time, not c.builtin))  # a tie goes to the built-in
+        raise NothingFits(f"no schedule fits memory_limit={memory_limit:g} {unit} per rank: the smallest "
+                          f"budget that works is {smallest.peak:g} {unit} ({smallest.name}); "
+                          f"give memory_limit >= {smallest.peak:g}")
+    fastest = min(c.step_time for c in fitting)
+    ties = [c for c in fitting if c.step_time <= fastest * (1 + 1e-9)]  # equal but for rounding
+    best = next((c for c in ties if c.builtin), ties[0])  # a tie goes to the built-in
     schedule = best.schedule if best.schedule.has_communication else add_communication(best.schedule)
     validate(schedule)
     timeline = simulate(schedule, costs)
@@ -176,16 +182,34 @@ def _virtual_stages(costs: Costs, n_ranks: int, n_virtual: int | None) -> int:
     return 1 if n_virtual is None else n_virtual
 
 
-def _check_sizes(n_ranks, n_microbatches, memory_limit, saved_bytes, v) -> None:
-    for name, value in (("n_ranks", n_ranks), ("n_microbatches", n_microbatches), ("n_virtual", v)):
-        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+def _check_costs(costs) -> None:
+    if not isinstance(costs, Costs):
+        raise ValueError(f"costs={costs!r} must be a pplab.Costs (a profile gives them: "
+                         f"profile.costs(split_backward=True))")
+
+
+class NothingFits(ValueError):
+    """No schedule the search can build fits the memory limit (the message says what would)."""
+
+
+def _check_sizes(n_ranks, n_microbatches, memory_limit, n_virtual=1) -> None:
+    for name, value in (("n_ranks", n_ranks), ("n_microbatches", n_microbatches), ("n_virtual", n_virtual)):
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
             raise ValueError(f"{name}={value!r} must be a positive integer")
     if memory_limit is not None and (isinstance(memory_limit, bool) or not isinstance(memory_limit, (int, float))
                                      or not memory_limit > 0 or math.isinf(memory_limit)):
         raise ValueError(f"memory_limit={memory_limit!r} must be a number > 0 (or None for no limit)")
-    if saved_bytes is not None and len(saved_bytes) != n_ranks * v:
-        raise ValueError(f"saved_bytes has {len(saved_bytes)} values but there are {n_ranks * v} stages: "
-                         f"give each stage's activation bytes per microbatch")
+
+
+def _check_saved_bytes(saved_bytes, n_stages: int, what: str = "stage") -> None:
+    if saved_bytes is None:
+        return
+    if len(saved_bytes) != n_stages:
+        raise ValueError(f"saved_bytes has {len(saved_bytes)} values but there are {n_stages} {what}s: "
+                         f"give each {what}'s activation bytes per microbatch")
+    if any(isinstance(b, bool) or not isinstance(b, (int, float)) or not b > 0 for b in saved_bytes):
+        raise ValueError(f"saved_bytes={list(saved_bytes)}: every {what} keeps some activations; give "
+                         f"numbers > 0")
 
 
 def _weights(n_ranks: int, v: int, saved_bytes: Sequence[int] | None) -> tuple[float, ...]:
@@ -274,7 +298,7 @@ def _splits(schedule: Schedule) -> bool:
 def _list_schedules(p: int, m: int, v: int, costs: Costs, weights, memory_limit, unit: str, splits):
     """List schedules for every cap up to the limit, backward- or forward-first, B or I+W."""
     smallest = max(weights)  # one microbatch of the heaviest stage: the least a cap can be
-    most = sum(weights[s] for s in range(0, p * v, p)) * m  # all a rank could ever hold
+    most = max(sum(weights[s] for s in range(r, p * v, p)) for r in range(p)) * m  # all a rank could hold
     top = most if memory_limit is None else max(smallest, min(memory_limit, most))
     # Caps of 1, 2, ... heaviest-stage microbatches up to twice the stages, then sparser up to
     # the top: the smallest caps also say how little memory the search can make do with.
@@ -414,6 +438,10 @@ def stage_costs(layer_costs: Costs, balance: Sequence[int]) -> Costs:
     """Per-stage costs from per-layer ones: each stage sums its layers' F, B, I, W; its message
     is the one leaving its last layer. The first layer's costs include the embedding, the
     last's the final norm, LM head and loss (as `pplab.profile` with one layer per stage gives)."""
+    n_layers = _layer_count(layer_costs)
+    if sum(balance) != n_layers or any(isinstance(n, bool) or not isinstance(n, int) or n < 1 for n in balance):
+        raise ValueError(f"balance={list(balance)} must give each stage at least one of the {n_layers} layers "
+                         f"the costs describe, {n_layers} in all")
     bounds = list(itertools.accumulate(balance, initial=0))
 
     def summed(values):  # a stage's cost: its layers' added up
@@ -428,13 +456,19 @@ def stage_costs(layer_costs: Costs, balance: Sequence[int]) -> Costs:
             return values
         return [values[b - 1] for b in bounds[1:]]
 
-    forward = summed(layer_costs.forward)
-    if layer_costs.input_grad is not None and layer_costs.weight_grad is not None:
-        return Costs(forward=forward, input_grad=summed(layer_costs.input_grad),
-                     weight_grad=summed(layer_costs.weight_grad), latency=layer_costs.latency,
-                     bandwidth=layer_costs.bandwidth, activation_bytes=last_of(layer_costs.activation_bytes))
-    return Costs(forward=forward, backward=summed(layer_costs.backward), latency=layer_costs.latency,
+    # Only what was given is summed: a half left out stays derived from B, stage by stage.
+    given = {name: summed(getattr(layer_costs, name)) for name in ("input_grad", "weight_grad")
+             if getattr(layer_costs, name) is not None}
+    backward = {} if len(given) == 2 else {"backward": summed(layer_costs.backward)}
+    return Costs(forward=summed(layer_costs.forward), **backward, **given, latency=layer_costs.latency,
                  bandwidth=layer_costs.bandwidth, activation_bytes=last_of(layer_costs.activation_bytes))
+
+
+def _layer_count(layer_costs: Costs) -> int:
+    if not isinstance(layer_costs, Costs) or not isinstance(layer_costs.forward, tuple):
+        raise ValueError("per-layer costs are a pplab.Costs with forward (and backward, or input_grad and "
+                         "weight_grad) given as one value per layer")
+    return len(layer_costs.forward)
 
 
 def search_balance(layer_costs: Costs, n_ranks: int, n_microbatches: int, memory_limit: float | None = None,
@@ -444,26 +478,20 @@ def search_balance(layer_costs: Costs, n_ranks: int, n_microbatches: int, memory
 
     `layer_costs` has one value per layer for F and B (or I and W): measure them with
     `pplab.profile(config, ..., n_stages=config.num_hidden_layers)`, whose first and last
-    "stages" carry the embedding and the LM head. Every split into n_ranks * n_virtual runs
-    of layers is tried when there are at most `most`; otherwise the `most` with the smallest
-    heaviest stage. `saved_bytes` per layer makes the limit one of bytes; the other options
-    are `search`'s.
+    "stages" carry the embedding and the LM head. The `most` splits whose heaviest stage is
+    lightest are searched (all of them when there are no more; with very many, those around
+    the split that makes the heaviest stage lightest). `saved_bytes` per layer makes the
+    limit one of bytes; the other options are `search`'s.
     """
-    forward = layer_costs.forward
-    if not isinstance(forward, tuple):
-        raise ValueError("search_balance needs per-layer costs: give forward (and backward, or input_grad and "
-                         "weight_grad) as one value per layer")
-    n_layers, n_stages = len(forward), n_ranks * n_virtual
+    _check_sizes(n_ranks, n_microbatches, memory_limit, n_virtual)
+    n_layers, n_stages = _layer_count(layer_costs), n_ranks * n_virtual
+    _check_saved_bytes(saved_bytes, n_layers, "layer")
     if n_stages > n_layers:
         raise ValueError(f"{n_stages} stages cannot each take one of {n_layers} layers: use fewer ranks or "
                          f"virtual stages")
-    splits = [tuple(b - a for a, b in zip((0,) + cuts, cuts + (n_layers,)))
-              for cuts in itertools.combinations(range(1, n_layers), n_stages - 1)]
     per_layer = [layer_costs.compute_time(Kind.F, i) + layer_costs.compute_time(Kind.B, i) for i in range(n_layers)]
-    heaviest = lambda split: max(sum(per_layer[a:a + n]) for a, n in  # noqa: E731
-                                 zip(itertools.accumulate(split, initial=0), split))
     even = _even(n_layers, n_stages)
-    chosen = sorted(splits, key=heaviest)[:most]
+    chosen = _lightest_splits(per_layer, n_stages, most)
     if even not in chosen:
         chosen.append(even)
     results = {}
@@ -473,14 +501,62 @@ def search_balance(layer_costs: Costs, n_ranks: int, n_microbatches: int, memory
         try:
             results[split] = search(n_ranks, n_microbatches, stage_costs(layer_costs, split), memory_limit,
                                     stage_saved, n_virtual, split_backward, include_torch, show=False)
-        except ValueError:
-            continue  # nothing fits under the limit with this split
+        except NothingFits:
+            continue
     if even not in results:
-        raise ValueError(f"no schedule fits memory_limit={memory_limit} with the even split {list(even)}: "
-                         f"raise the limit")
+        raise NothingFits(f"no schedule fits memory_limit={memory_limit} with the even split {list(even)}: "
+                          f"raise the limit")
     best = min(results, key=lambda split: (results[split].step_time, split != even))
     return Balanced(best, results[best], results[even],
                     tuple((split, found.step_time) for split, found in results.items()))
+
+
+def _lightest_splits(per_layer: list[float], n_stages: int, most: int) -> list[tuple[int, ...]]:
+    """Up to `most` splits of the layers into n_stages runs, those whose heaviest run is lightest."""
+    n_layers = len(per_layer)
+    starts = list(itertools.accumulate(per_layer, initial=0.0))
+
+    def heaviest(split):
+        bounds = list(itertools.accumulate(split, initial=0))
+        return max(starts[b] - starts[a] for a, b in zip(bounds, bounds[1:]))
+
+    if math.comb(n_layers - 1, n_stages - 1) <= 20_000:
+        splits = [tuple(b - a for a, b in zip((0,) + cuts, cuts + (n_layers,)))
+                  for cuts in itertools.combinations(range(1, n_layers), n_stages - 1)]
+        return sorted(splits, key=heaviest)[:most]
+    # Too many to list: the split with the lightest heaviest run (by dynamic programming over
+    # prefixes), and the splits one layer away from it at each boundary.
+    best = _minimax_split(starts, n_stages)
+    near = {best}
+    for stage in range(n_stages - 1):
+        for shift in (-1, 1):
+            split = list(best)
+            split[stage] += shift
+            split[stage + 1] -= shift
+            if min(split) >= 1:
+                near.add(tuple(split))
+    return sorted(near, key=heaviest)[:most]
+
+
+def _minimax_split(starts: list[float], n_stages: int) -> tuple[int, ...]:
+    """The split into n_stages runs whose heaviest run is lightest (prefix sums in `starts`)."""
+    n_layers = len(starts) - 1
+    inf = float("inf")
+    # cost[k][i]: the lightest heaviest run splitting layers [0, i) into k runs; cut[k][i]: its last cut
+    cost = [[inf] * (n_layers + 1) for _ in range(n_stages + 1)]
+    cut = [[0] * (n_layers + 1) for _ in range(n_stages + 1)]
+    cost[0][0] = 0.0
+    for k in range(1, n_stages + 1):
+        for i in range(k, n_layers - (n_stages - k) + 1):
+            for j in range(k - 1, i):
+                candidate = max(cost[k - 1][j], starts[i] - starts[j])
+                if candidate < cost[k][i]:
+                    cost[k][i], cut[k][i] = candidate, j
+    split, i = [], n_layers
+    for k in range(n_stages, 0, -1):
+        split.append(i - cut[k][i])
+        i = cut[k][i]
+    return tuple(reversed(split))
 
 
 def _even(n_layers: int, n_stages: int) -> tuple[int, ...]:

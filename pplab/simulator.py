@@ -278,8 +278,10 @@ def _simulate_compiled(compiled: Compiled, costs: Costs) -> Timeline:
     repeated = len(ready) - ready.count(None) != count  # an action recorded twice
     if stuck or repeated:
         _Simulation(schedule, costs).run()  # it names the repeated action, or what each stuck rank waits for
+        raise AssertionError(f"the readable simulation of {schedule.name!r} finished where the fast one did not")
+    end = max(filter(None, ready), default=0.0)  # filter drops the actions that did not run (and 0.0s)
     return Timeline.deferred(lambda: _events(compiled, costs, starts, ready), count, min(starts, default=0.0),
-                             max(filter(None, ready), default=0.0), n_ranks, label="simulated")
+                             end, n_ranks, label="simulated")
 
 
 def _cost_tables(costs: Costs, n_stages: int) -> tuple[list[float], list[float], list[float]]:

@@ -119,3 +119,21 @@ def test_a_found_schedule_runs_on_four_ranks_with_exact_parity_within_its_memory
     parity = compare_with_reference(result.loss, result.grads, pplab.reference_step(config, batch, m))
     assert parity.passed, str(parity)
     assert max(result.timeline.peak_inflight(r) for r in range(4)) <= limit
+
+
+def test_stage_costs_sum_only_what_was_given():
+    layers = Costs(forward=(1.0,) * 4, backward=2.0, input_grad=1.5)
+    stages = stage_costs(layers, (3, 1))
+    assert stages.forward == (3.0, 1.0) and stages.backward == (6.0, 2.0) and stages.input_grad == (4.5, 1.5)
+    assert stages.compute_time(pplab.schedules.Kind.W, 0) == pytest.approx(1.5)
+    with pytest.raises(ValueError, match=r"balance=\[1, 1\] must give each stage .* 4 layers"):
+        stage_costs(layers, (1, 1))
+
+
+def test_search_balance_refuses_bad_sizes_before_searching():
+    with pytest.raises(ValueError, match="n_microbatches=0 must be a positive integer"):
+        search_balance(HEAVY_HEAD_LAYERS, 2, 0)
+    with pytest.raises(ValueError, match="9 stages cannot each take one of 8 layers"):
+        search_balance(HEAVY_HEAD_LAYERS, 9, 4)
+    with pytest.raises(ValueError, match="saved_bytes has 2 values but there are 8 layers"):
+        search_balance(HEAVY_HEAD_LAYERS, 2, 4, saved_bytes=[1, 2])

@@ -192,3 +192,30 @@ def test_a_simulated_timeline_makes_its_events_when_read_and_pickles_with_them()
     copy = pickle.loads(pickle.dumps(timeline))
     assert copy == timeline and copy.step_time() == step
     assert timeline.events[0] == Event(0, "F", 0, 0, 0.0, 1.0)
+
+
+@pytest.mark.parametrize("lists", [
+    ["0RECV_F0 0F0 0B0"],                               # a receive from no stage
+    ["0F0 0B0 0SEND_B0"],                               # a send to no stage
+    ["0F0 0I0 1B0 0W0", "1F0 1I0 1W0"],                 # 1B0 on the wrong rank
+])
+def test_schedules_without_an_integer_form_take_the_readable_path(lists):
+    """Faults the integer form cannot hold are simulated (or refused) as the readable path does."""
+    from pplab.schedules import Action
+    from pplab.schedules.compiled import compile_schedule
+    from pplab.simulator import _Simulation
+
+    actions = [[Action.parse(word) for word in line.split()] for line in lists]
+    n_stages = max(a.stage for acts in actions for a in acts) + 1
+    schedule = Schedule(actions, len(actions), 1, n_stages, n_stages // len(actions))
+    assert compile_schedule(schedule) is None
+
+    def outcome(run):
+        try:
+            timeline = run()
+        except ScheduleError as error:
+            return str(error)
+        return [(e.rank, e.kind, e.stage, e.start, e.end) for e in timeline.events]
+
+    costs = Costs(latency=0.5)
+    assert outcome(lambda: simulate(schedule, costs)) == outcome(lambda: _Simulation(schedule, costs).run())

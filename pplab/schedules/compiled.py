@@ -5,15 +5,17 @@ microbatch``, so a table over ``kind * n_stages + stage`` answers for every micr
 What an action needs still comes from the one rule (`Dependencies.needs`): it is asked once
 per (kind, stage), for microbatch 0, and the answer is shifted to every microbatch (every
 need of an action is of its own microbatch). That holds when each stage splits its backward
-into I and W for all microbatches or for none; a schedule that mixes them, or has an action
-outside its stages or microbatches, has no integer form (`compile_schedule` returns None)
-and takes the readable path, which also explains every error.
+into I and W for all microbatches or for none. A schedule that mixes them, or has an action
+outside its stages or microbatches, on another rank than its stage's, or a message with no
+neighbour stage to go to, has no integer form (`compile_schedule` returns None) and takes
+the readable path, which also explains every error.
 """
 
 from __future__ import annotations
 
 import contextlib
 import gc
+import itertools
 from dataclasses import dataclass
 
 from pplab.schedules.actions import Action, Kind
@@ -58,8 +60,8 @@ class Compiled:
 
 @contextlib.contextmanager
 def no_cyclic_gc():
-    """Pause the cyclic garbage collector: the integer form makes a tuple per action, none of
-    them cyclic, and the collector would otherwise scan them over and over (10 % of the time)."""
+    """Pause the cyclic garbage collector while the integer form is made and used: it makes a
+    tuple per action, and the collector would scan them over and over (10 % of the time)."""
     was_enabled = gc.isenabled()
     gc.disable()
     try:
@@ -81,9 +83,10 @@ def compile_schedule(schedule: Schedule) -> Compiled | None:
 
 def _compile(schedule: Schedule) -> Compiled | None:
     n_stages, m = schedule.n_stages, schedule.n_microbatches
-    steps, input_grads = [], bytearray(n_stages * m)
+    steps, input_grads, used = [], bytearray(n_stages * m), []
     for actions in schedule.actions:
-        rank_steps = _steps(actions, n_stages, m, input_grads)
+        used.append(bytearray(len(KINDS) * n_stages))  # the keys this rank's actions have
+        rank_steps = _steps(actions, n_stages, m, input_grads, used[-1])
         if rank_steps is None:
             return None
         steps.append(rank_steps)
@@ -96,7 +99,12 @@ def _compile(schedule: Schedule) -> Compiled | None:
         if len(_NEEDS) > 256:
             _NEEDS.clear()
         _NEEDS[shape] = _needs(schedule, split, talks)
-    return Compiled(schedule, *_NEEDS[shape][:2], tuple(steps), *_NEEDS[shape][2:])
+    needs, rank_of_stage, first_two, placeable = _NEEDS[shape]
+    for rank, rank_used in enumerate(used):  # each action on its stage's rank, each with a form
+        for key in itertools.compress(range(len(rank_used)), rank_used):
+            if not placeable[key] or rank_of_stage[key % n_stages] != rank:
+                return None
+    return Compiled(schedule, needs, rank_of_stage, tuple(steps), first_two)
 
 
 # What every (kind, stage) needs depends only on the schedule's shape: (ranks, stages,
@@ -106,8 +114,8 @@ _NEEDS: dict[tuple, tuple] = {}
 
 
 def _needs(schedule: Schedule, split: set[int], talks: bool) -> tuple:
-    """(needs per key, rank of each stage, the first two needs per key), from the rule
-    asked for microbatch 0."""
+    """(needs per key, rank of each stage, the first two needs per key, whether each key has
+    an integer form), from the rule asked for microbatch 0."""
     n_stages, m = schedule.n_stages, schedule.n_microbatches
     rank_of_stage = tuple(schedule.stage_to_rank(s) for s in range(n_stages))
     representatives = {Action(s, Kind.I, 0) for s in split}
@@ -116,12 +124,17 @@ def _needs(schedule: Schedule, split: set[int], talks: bool) -> tuple:
                   for kind in KINDS for stage in range(n_stages))
     # An action needs at most two others (its forward and its output's gradient).
     first_two = [(*(t[0][:2] if t else (-1, -1)), *(t[1][:2] if t and len(t) > 1 else (-1, -1))) for t in needs]
-    return needs, rank_of_stage, first_two
+    # A key has an integer form when its needs are all in the pipeline and, for a message,
+    # its neighbour is (a send from stage 0 backwards, say, has no boundary to cross).
+    placeable = [needs[kind * n_stages + stage] is not None and
+                 (kind < SEND_F or 0 <= stage + (1 if kind in (SEND_F, RECV_B) else -1) < n_stages)
+                 for kind in range(len(KINDS)) for stage in range(n_stages)]
+    return needs, rank_of_stage, first_two, placeable
 
 
-def _steps(actions, n_stages: int, m: int, input_grads: bytearray) -> list[tuple] | None:
+def _steps(actions, n_stages: int, m: int, input_grads: bytearray, used: bytearray) -> list[tuple] | None:
     """(index, key, microbatch, kind, stage) of each action; None if one is outside the pipeline.
-    Marks ``input_grads[stage * m + microbatch]`` for each I action."""
+    Marks ``used[key]`` for each action and ``input_grads[stage * m + microbatch]`` for each I."""
     steps = []
     append, code, first_i = steps.append, CODE, I * n_stages * m
     for action in actions:
@@ -130,6 +143,7 @@ def _steps(actions, n_stages: int, m: int, input_grads: bytearray) -> list[tuple
             return None
         key = kind * n_stages + stage
         index = key * m + microbatch
+        used[key] = 1
         append((index, key, microbatch, kind, stage))
         if kind == I:
             input_grads[index - first_i] = 1

@@ -54,6 +54,10 @@ class Schedule:
             object.__setattr__(self, "placement", tuple(self.placement))
             _check_placement(self.placement, self.n_ranks, self.n_virtual)
 
+    def __getstate__(self) -> dict:
+        # The integer form validate/simulate keep with a schedule is a cache: it does not travel.
+        return {k: v for k, v in self.__dict__.items() if k != "_compiled"}
+
     def stage_to_rank(self, stage: int) -> int:
         """The rank that runs ``stage``."""
         if not 0 <= stage < self.n_stages:

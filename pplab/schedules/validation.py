@@ -50,7 +50,8 @@ def validate(schedule: Schedule, blocking_sends: bool = False) -> None:
 
 
 def _sound(compiled: Compiled | None) -> bool:
-    """Rules 1-4 (buffered sends) on the integer form: True exactly when `validate` passes.
+    """Rules 1-4 (buffered sends) on the integer form: True exactly when the readable checks
+    pass, for every schedule that has an integer form (one without says False).
 
     Only the verdict: where this says no, the readable checks below find and explain the fault.
     Rule 1 on the lists with messages implies it on the compute order alone (a sublist with
