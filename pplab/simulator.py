@@ -12,7 +12,10 @@ communication costs:
 * a receive blocks its rank until the message has arrived; its RECV event
   covers the part of the transfer the receiver actually waited for (zero
   length when the data was already there);
-* messages do not compete for links (no contention);
+* messages do not compete for links, unless ``Costs(link_contention=True)``: then
+  each direction of a boundary carries one message at a time, a message waiting
+  for the ones sent before it to be transmitted (``bytes / bandwidth`` each; the
+  latency overlaps), which is what a slow link does to a pipeline;
 * a schedule without sends and receives (``schedule.compute_only()``) moves
   data between ranks by itself, after the same transfer time;
 * a schedule that cannot finish raises `DeadlockError`, naming what every
@@ -64,6 +67,7 @@ class Costs:
     latency: float = 0.0
     bandwidth: float | None = None
     activation_bytes: int | Sequence[int] | None = None
+    link_contention: bool = False  # True: a link carries one message at a time (see the module docstring)
 
     def __post_init__(self):
         if self.backward is None:
@@ -110,6 +114,10 @@ class Costs:
     def message_bytes(self, stage: int) -> int | None:
         """Size of the activation leaving `stage`; its gradient, going back, is the same size."""
         return None if self.activation_bytes is None else int(_at(self.activation_bytes, stage))
+
+    def transmission_time(self, stage: int) -> float:
+        """Seconds the message across the boundary after `stage` occupies the link (bytes / bandwidth)."""
+        return 0.0 if self.bandwidth is None else self.message_bytes(stage) / self.bandwidth
 
     def transfer_time(self, stage: int) -> float:
         """Seconds the activation leaving `stage`, or its gradient coming back, spends in flight."""
@@ -212,6 +220,9 @@ def simulate(schedule: Schedule, costs: Costs | None = None) -> Timeline:
     """Execute `schedule` on the cost model and return the predicted timeline."""
     costs = Costs() if costs is None else costs
     costs.check_stages(schedule.n_stages)
+    if costs.link_contention and not schedule.has_communication:
+        raise ValueError(f"Costs(link_contention=True) queues messages on their links, and schedule "
+                         f"{schedule.name!r} has none: add them first (pplab.schedules.add_communication)")
     with no_cyclic_gc():
         compiled = compile_schedule(schedule)
         if compiled is None:  # no integer form: mixed B and I/W on a stage, or stray actions
@@ -225,6 +236,12 @@ def _simulate_compiled(compiled: Compiled, costs: Costs) -> Timeline:
     schedule = compiled.schedule
     n_stages, m, n_ranks = schedule.n_stages, schedule.n_microbatches, schedule.n_ranks
     duration, transfer, hop = _cost_tables(costs, n_stages)
+    contention = costs.link_contention
+    # A send's key names its link (one direction of one boundary): when it is free, how long a message holds it.
+    link_free = [0.0] * len(hop)
+    occupy = [costs.transmission_time(stage if kind == Kind.SEND_F else stage - 1)
+              if contention and kind in (Kind.SEND_F, Kind.SEND_B) and 0 <= (stage if kind == Kind.SEND_F else stage - 1) < n_stages
+              else 0.0 for kind in KINDS for stage in range(n_stages)]
     steps = compiled.steps
     needs = compiled.first_two_needs
     ready: list[float | None] = [None] * (len(KINDS) * n_stages * m)  # when what each action made is there
@@ -261,7 +278,12 @@ def _simulate_compiled(compiled: Compiled, costs: Costs) -> Timeline:
             if kind < send_f:
                 end = free = start + duration[key]
             elif kind == send_f or kind == send_b:  # non-blocking: the rank goes on at once
-                end = start + hop[key]
+                if contention:  # after the messages before it on this link are transmitted
+                    sending = link_free[key] if link_free[key] > start else start
+                    link_free[key] = sending + occupy[key]
+                    end = sending + hop[key]
+                else:
+                    end = start + hop[key]
             else:  # blocking: the event shows only the waiting that overlapped the transfer
                 sent_at, posted = inputs_at - hop[key], free
                 end = free = start
@@ -336,6 +358,7 @@ class _Simulation:
         self.next_index = [0] * schedule.n_ranks
         self.free_at = [0.0] * schedule.n_ranks
         self.events: list[Event] = []
+        self.link_free: dict[tuple[Kind, int], float] = {}  # with link contention: when each link is free
 
     def run(self) -> Timeline:
         runnable = list(range(self.schedule.n_ranks))
@@ -377,7 +400,12 @@ class _Simulation:
 
     def _send(self, rank: int, action: Action, start: float) -> None:
         # Non-blocking: the rank goes on at once while the message is in flight.
-        arrival = start + self.costs.transfer_time(action.boundary)
+        sending = start
+        if self.costs.link_contention:  # after the messages before it on this link are transmitted
+            link = (action.kind, action.boundary)
+            sending = max(start, self.link_free.get(link, 0.0))
+            self.link_free[link] = sending + self.costs.transmission_time(action.boundary)
+        arrival = sending + self.costs.transfer_time(action.boundary)
         self.events.append(Event(rank, action.kind.value, action.stage, action.microbatch, start, arrival,
                                  bytes=self.costs.message_bytes(action.boundary)))
         self._record(action, arrival)

@@ -1,0 +1,251 @@
+"""Several hosts on one machine: Linux network namespaces on bridges, each a "host" with its
+own name, addresses and interfaces, an ipyparallel controller on the first and engines on each.
+
+What a lab then does across them is what it does across real machines: `Lab.connect` reaches
+the controller over the bridge; ranks are grouped by host name; the rendezvous is TCP on the
+first host's address; gloo talks over each host's own interface, not loopback. As on many
+clusters, the hosts have two networks: a control network (`pplab0`: ipyparallel, the
+rendezvous) and a data network (`pplab1`: gloo, `gloo_ifname`). `shape_link` gives the data
+network a bandwidth (tbf), a latency or losses (netem, where the kernel has it), or cuts it,
+while the control network, and with it every report to the notebook, stays up. Needs root (`ip netns`, `tc`);
+`NamespaceHosts.why_not()` says what is missing where it cannot run.
+
+    with NamespaceHosts(hosts=2, engines_per_host=2) as hosts:
+        lab = pplab.Lab.connect(**hosts.connect_options(), ranks=4)
+        hosts.shape_link(delay_ms=5, rate_mbit=100)
+
+The addresses (two free /24s of 10.77.0.0/16: the first NamespaceHosts gets 10.77.0 and
+10.77.1) exist only on the bridges and in the namespaces, with no route out of them. Everything made is undone by `stop()`: processes,
+namespaces, bridges and the hosts files under /etc/netns.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+import uuid
+
+CONTROL, DATA = "pplab0", "pplab1"  # each host's interfaces, the same names on every host
+INTERFACE = DATA  # what gloo uses (gloo_ifname)
+ENGINE_ARGS = ["--IPEngine.enable_nanny=False", "--HistoryManager.enabled=False", "--log-level=WARN"]
+CONTROLLER_ARGS = ["--usethreads", "--HeartMonitor.period=500", "--HeartMonitor.max_heartmonitor_misses=40",
+                   "--log-level=ERROR"]
+
+
+class NamespaceHosts:
+    """`hosts` network namespaces joined by a bridge, a controller on the first, engines on each."""
+
+    def __init__(self, hosts: int = 2, engines_per_host: int = 2, subnets: tuple[str, str] | None = None,
+                 start_timeout: float = 120.0):
+        if hosts < 1 or engines_per_host < 1:
+            raise ValueError(f"hosts={hosts} and engines_per_host={engines_per_host} must be >= 1")
+        self.tag = uuid.uuid4().hex[:6]
+        self.names = [f"pplab-{self.tag}-h{i}" for i in range(hosts)]
+        self.subnets, self.addresses = subnets, []  # chosen when started (the control network's)
+        self.bridges = [f"pplbr{self.tag}{n}" for n in range(2)]
+        self.engines_per_host, self.start_timeout = engines_per_host, start_timeout
+        self.profile_dir = tempfile.mkdtemp(prefix="pplab-hosts-")
+        self.cluster_id = f"hosts-{self.tag}"
+        self.processes: list[subprocess.Popen] = []
+        self._netem: bool | None = None
+        self._made: list[tuple[str, ...]] = []  # what stop() undoes, in reverse
+
+    @staticmethod
+    def why_not() -> str | None:
+        """Why namespaces cannot be made here, or None."""
+        if sys.platform != "linux":
+            return "network namespaces are a Linux feature"
+        if os.geteuid() != 0:
+            return "making network namespaces needs root"
+        missing = [tool for tool in ("ip", "tc", "unshare") if shutil.which(tool) is None]
+        if missing:
+            return f"missing {', '.join(missing)} (apt-get install iproute2 util-linux)"
+        return None
+
+    # -- up and down ---------------------------------------------------------------------------
+
+    def start(self) -> "NamespaceHosts":
+        """Make the network, start the controller and the engines; undo all of it on failure."""
+        why = self.why_not()
+        if why:
+            raise RuntimeError(f"cannot make namespace hosts: {why}")
+        try:
+            self._make_network()
+            self._start_cluster()
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def stop(self) -> None:
+        """End every process, then remove the namespaces, the bridge and the files made."""
+        for process in self.processes:
+            _kill_group(process)
+        self.processes = []
+        for undo in reversed(self._made):
+            subprocess.run(undo, capture_output=True)
+        self._made = []
+        for name in self.names:
+            shutil.rmtree(f"/etc/netns/{name}", ignore_errors=True)
+        shutil.rmtree(self.profile_dir, ignore_errors=True)
+
+    def __enter__(self) -> "NamespaceHosts":
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+    def connect_options(self) -> dict:
+        """What `pplab.Lab.connect(...)` needs to use these hosts' engines."""
+        return dict(profile=None, profile_dir=self.profile_dir, cluster_id=self.cluster_id,
+                    gloo_ifname=DATA)
+
+    # -- the link --------------------------------------------------------------------------------
+
+    def shape_link(self, delay_ms: float | None = None, rate_mbit: float | None = None,
+                   loss_percent: float | None = None) -> None:
+        """Shape every host's data interface; no argument: a clean link again.
+
+        A rate alone is a token bucket (tbf, in every kernel with traffic control). A delay (one
+        way) or a partial loss needs netem (`has_netem()`), which some kernels leave out.
+        `loss_percent=100` cuts the link: the data interfaces go down, the control network stays.
+        """
+        if loss_percent == 100:  # at once, shaping left as it is
+            for name in self.names:
+                self._in(name, ["ip", "link", "set", DATA, "down"])
+            return
+        for name in self.names:
+            self._in(name, ["tc", "qdisc", "del", "dev", DATA, "root"], check=False)
+            self._in(name, ["ip", "link", "set", DATA, "up"])
+        if delay_ms or loss_percent:
+            if not self.has_netem():
+                raise RuntimeError("this kernel has no netem (CONFIG_NET_SCH_NETEM), so a link cannot be "
+                                   "given a delay or a partial loss here; a rate (tbf) and a cut "
+                                   "(loss_percent=100) still work")
+            options = ["delay", f"{delay_ms}ms"] if delay_ms else []
+            options += ["rate", f"{rate_mbit}mbit"] if rate_mbit else []
+            options += ["loss", f"{loss_percent}%"] if loss_percent else []
+            shaping = ["netem", *options]
+        elif rate_mbit:
+            # A queue long enough for a whole message: a drop would cost a TCP retransmission.
+            shaping = ["tbf", "rate", f"{rate_mbit}mbit", "burst", "32kbit", "latency", "1s"]
+        else:
+            return
+        for name in self.names:
+            self._in(name, ["tc", "qdisc", "add", "dev", DATA, "root", *shaping])
+
+    def has_netem(self) -> bool:
+        """Whether this kernel has netem (a delay, a partial loss): tried on host 0's loopback."""
+        if self._netem is None:
+            added = subprocess.run(["ip", "netns", "exec", self.names[0], "tc", "qdisc", "add", "dev", "lo",
+                                    "root", "netem", "delay", "1ms"], capture_output=True)
+            self._netem = added.returncode == 0
+            if self._netem:
+                self._in(self.names[0], ["tc", "qdisc", "del", "dev", "lo", "root"], check=False)
+        return self._netem
+
+    # -- inside ----------------------------------------------------------------------------------
+
+    def _make_network(self) -> None:
+        self.subnets = self.subnets or _free_subnets()
+        self.addresses = [f"{self.subnets[0]}.{i + 1}" for i in range(len(self.names))]
+        for bridge, subnet in zip(self.bridges, self.subnets):
+            self._run(["ip", "link", "add", bridge, "type", "bridge"])
+            self._made.append(("ip", "link", "del", bridge))
+            self._run(["ip", "addr", "add", f"{subnet}.254/24", "dev", bridge])  # this machine: the client
+            self._run(["ip", "link", "set", bridge, "up"])
+        hosts_file = "127.0.0.1 localhost\n" + "".join(
+            f"{address} {name}\n" for name, address in zip(self.names, self.addresses))
+        for index, name in enumerate(self.names):
+            self._run(["ip", "netns", "add", name])
+            self._made.append(("ip", "netns", "del", name))
+            self._in(name, ["ip", "link", "set", "lo", "up"])
+            for network, (bridge, subnet, inside) in enumerate(zip(self.bridges, self.subnets, (CONTROL, DATA))):
+                outside = f"ppl{self.tag}{index}{network}"
+                self._run(["ip", "link", "add", outside, "type", "veth", "peer", "name", inside, "netns", name])
+                self._made.append(("ip", "link", "del", outside))
+                self._run(["ip", "link", "set", outside, "master", bridge])
+                self._run(["ip", "link", "set", outside, "up"])
+                self._in(name, ["ip", "addr", "add", f"{subnet}.{index + 1}/24", "dev", inside])
+                self._in(name, ["ip", "link", "set", inside, "up"])
+            # `ip netns exec` shows /etc/netns/NAME/hosts as /etc/hosts: each host's name resolves
+            # to its own control address there, as on a real cluster.
+            os.makedirs(f"/etc/netns/{name}", exist_ok=True)
+            with open(f"/etc/netns/{name}/hosts", "w") as f:
+                f.write(hosts_file)
+
+    def _start_cluster(self) -> None:
+        os.makedirs(os.path.join(self.profile_dir, "security"), exist_ok=True)
+        self.processes.append(self._spawn(0, [sys.executable, "-m", "ipyparallel.controller",
+                                              f"--profile-dir={self.profile_dir}", f"--cluster-id={self.cluster_id}",
+                                              f"--ip={self.addresses[0]}", *CONTROLLER_ARGS], "controller"))
+        engine_file = os.path.join(self.profile_dir, "security", f"ipcontroller-{self.cluster_id}-engine.json")
+        deadline = time.monotonic() + self.start_timeout
+        while not os.path.exists(engine_file):
+            if self.processes[0].poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError(f"the controller in {self.names[0]} did not start:\n{self._log('controller')}")
+            time.sleep(0.1)
+        for index in range(len(self.names)):
+            for engine in range(self.engines_per_host):
+                self.processes.append(self._spawn(index, [sys.executable, "-m", "ipyparallel.engine",
+                                                          f"--profile-dir={self.profile_dir}",
+                                                          f"--cluster-id={self.cluster_id}", *ENGINE_ARGS],
+                                                  f"engine-{index}-{engine}"))
+
+    def _spawn(self, index: int, command: list[str], role: str) -> subprocess.Popen:
+        """Start `command` in host `index`'s namespace, under that host's name, in its own group."""
+        name = self.names[index]
+        inner = f"hostname {name} && exec " + " ".join(_quote(part) for part in command)
+        environment = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+        log = open(os.path.join(self.profile_dir, f"{role}.log"), "w")
+        return subprocess.Popen(["ip", "netns", "exec", name, "unshare", "--uts", "sh", "-c", inner],
+                                stdout=log, stderr=subprocess.STDOUT, env=environment, start_new_session=True)
+
+    def _log(self, role: str) -> str:
+        try:
+            with open(os.path.join(self.profile_dir, f"{role}.log")) as f:
+                return "".join(f.readlines()[-15:])
+        except OSError:
+            return "(no log)"
+
+    def _in(self, name: str, command: list[str], check: bool = True) -> None:
+        self._run(["ip", "netns", "exec", name, *command], check)
+
+    @staticmethod
+    def _run(command, check: bool = True) -> None:
+        result = subprocess.run(command, capture_output=True, text=True)
+        if check and result.returncode:
+            raise RuntimeError(f"{' '.join(command)} failed: {result.stderr.strip()}")
+
+
+def _free_subnets() -> tuple[str, str]:
+    """Two /24s of 10.77.0.0/16 that no interface here uses (other NamespaceHosts may be up)."""
+    used = subprocess.run(["ip", "-o", "-4", "addr"], capture_output=True, text=True).stdout
+    for third in range(0, 256, 2):
+        pair = (f"10.77.{third}", f"10.77.{third + 1}")
+        if not any(f" {subnet}." in used for subnet in pair):
+            return pair
+    raise RuntimeError("every subnet of 10.77.0.0/16 is in use here: stop other NamespaceHosts first")
+
+
+def _quote(part: str) -> str:
+    import shlex
+
+    return shlex.quote(part)
+
+
+def _kill_group(process: subprocess.Popen) -> None:
+    """SIGKILL the process and its whole group (it started its own session), then reap it."""
+    try:
+        os.killpg(process.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+    try:
+        process.wait(timeout=10)
+    except subprocess.TimeoutExpired:
+        pass

@@ -1,0 +1,148 @@
+"""Several hosts on one machine: network namespaces on a bridge (root only), a lab connected to
+their engines with `Lab.connect`, pipelines across them, and a link slowed with netem that the
+simulator, given the link pplab measures, predicts."""
+
+import dataclasses
+import statistics
+import subprocess
+import time
+
+import pytest
+
+import pplab
+from pplab.cluster.namespaces import INTERFACE, NamespaceHosts
+
+WHY_NOT = NamespaceHosts.why_not()
+pytestmark = pytest.mark.skipif(WHY_NOT is not None, reason=f"namespace hosts: {WHY_NOT}")
+CONFIG = pplab.LlamaConfig.tiny()
+
+
+def nothing_left(hosts: NamespaceHosts) -> None:
+    namespaces = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
+    links = subprocess.run(["ip", "-o", "link"], capture_output=True, text=True).stdout
+    assert not any(name in namespaces for name in hosts.names), namespaces
+    assert f"ppl{hosts.tag}" not in links and f"pplbr{hosts.tag}" not in links, links
+    assert all(process.poll() is not None for process in hosts.processes) or not hosts.processes
+
+
+@pytest.fixture(scope="module")
+def hosts():
+    made = NamespaceHosts(hosts=2, engines_per_host=2).start()
+    try:
+        yield made
+    finally:
+        made.stop()
+        nothing_left(made)
+
+
+@pytest.fixture(scope="module")
+def lab(hosts):
+    lab = pplab.Lab.connect(**hosts.connect_options(), ranks=4, timeout=30, verbose=False)
+    try:
+        yield lab
+    finally:
+        lab.stop()
+
+
+def sent_bytes():
+    """Bytes this engine's host has sent on its own interface (the engine's namespace's /sys)."""
+    import os
+    import socket
+
+    from pplab.cluster.namespaces import INTERFACE
+
+    with open(f"/sys/class/net/{INTERFACE}/statistics/tx_bytes") as f:
+        return socket.gethostname(), os.environ.get("GLOO_SOCKET_IFNAME"), int(f.read())
+
+
+def test_ranks_are_grouped_by_host_and_talk_over_the_hosts_interfaces(lab, hosts):
+    host_of_rank = [row.host for row in lab.status()]
+    assert sorted(set(host_of_rank)) == sorted(hosts.names)
+    assert host_of_rank[0] == host_of_rank[1] != host_of_rank[2] == host_of_rank[3]  # contiguous per host
+    assert [row.local_rank for row in lab.status()] == [0, 1, 0, 1]
+    before = lab.run(sent_bytes)
+    assert [(host, ifname) for host, ifname, _ in before] == [(host, INTERFACE) for host in host_of_rank]
+
+    run = lab.pipeline(CONFIG, schedule="1f1b", microbatches=4)
+    parity = run.check_parity()
+    assert parity.passed, str(parity)
+    after = lab.run(sent_bytes)
+    # Rank 1 sends 4 activations to rank 2 on the other host: they crossed rank 1's interface.
+    activation = 2 * 32 * CONFIG.hidden_size * 4  # the default batch: microbatches of 2 x 32 tokens
+    assert after[1][2] - before[1][2] >= 4 * activation
+    run.close()
+
+
+@pytest.fixture(scope="module")
+def two_hosts():
+    made = NamespaceHosts(hosts=2, engines_per_host=1).start()
+    lab = None
+    try:
+        lab = pplab.Lab.connect(**made.connect_options(), ranks=2, timeout=8, verbose=False)
+        yield made, lab
+    finally:
+        if lab is not None:
+            lab.stop()
+        made.stop()
+        nothing_left(made)
+
+
+def measure_link(nbytes_list):
+    """On each rank: the one-way time of a message of each size, pplab's StageLink (engine namespace)."""
+    from pplab.cluster.engine import rank_context
+    from pplab.prediction import hop_costs_on_rank
+
+    me = rank_context()
+    return [hop_costs_on_rank(me.rank, me.world_size, nbytes, repeats=20) for nbytes in nbytes_list]
+
+
+def test_a_slow_link_is_predicted_from_the_link_pplab_measures(two_hosts):
+    hosts, lab = two_hosts
+    # 5 ms one way at 100 Mbit/s where the kernel has netem; else a 10 Mbit/s token bucket.
+    shaping = dict(delay_ms=5, rate_mbit=100) if hosts.has_netem() else dict(rate_mbit=10)
+    hosts.shape_link(**shaping)
+    microbatch_size, seq_len, m = 4, 64, 8
+    activation = microbatch_size * seq_len * CONFIG.hidden_size * 4
+    small, large = lab.run(measure_link, [activation // 4, activation])[0]
+    bandwidth = (activation - activation // 4) / (large["pplab"] - small["pplab"])
+    latency = max(large["pplab"] - activation / bandwidth, 0.0)
+    profile = pplab.profile(CONFIG, microbatch_size, seq_len, 2, show=False)
+    # A link carries one message at a time: on a slow one, messages queue (link_contention).
+    costs = dataclasses.replace(profile.costs(split_backward=False), latency=latency, bandwidth=bandwidth,
+                                link_contention=True)
+    assert bandwidth == pytest.approx(shaping["rate_mbit"] * 1e6 / 8, rel=0.3)  # what was set, measured
+    if "delay_ms" in shaping:
+        assert 4e-3 < latency < 8e-3
+
+    run = lab.pipeline(CONFIG, schedule="1f1b", microbatches=m)
+    batch = next(pplab.data.batches(microbatch_size * m, seq_len))
+    steps = [run.step(batch).timeline for _ in range(5)][1:]
+    measured = statistics.median(t.step_time() for t in steps)
+    predicted = pplab.simulate(run.schedule, costs).step_time()
+    print(f"slow link: measured {measured:.4f} s, predicted {predicted:.4f} s ({measured / predicted - 1:+.1%})")
+    assert abs(measured / predicted - 1) <= 0.10, (measured, predicted)
+    # The link sets the pace: the ranks wait on the wire more than they compute.
+    timeline = steps[-1]
+    assert sum(timeline.comm_time(r) for r in range(2)) > sum(timeline.busy_time(r) for r in range(2))
+    run.close()
+    hosts.shape_link()  # a clean link again
+
+
+def test_a_link_cut_mid_step_ends_in_an_error_naming_rank_peer_and_action(two_hosts):
+    """The data network goes down while a step runs: the ranks' receives time out and say who
+    waited for what from whom; the control network still carries the report."""
+    hosts, lab = two_hosts
+    run = lab.pipeline(CONFIG, schedule="1f1b", microbatches=8, timeout=8)  # each wait between ranks
+    assert run.step().loss > 0
+    hosts.shape_link(rate_mbit=5)  # a slow step (about a second), to cut it in the middle
+    running = run.start_step(next(pplab.data.batches(4 * 8, 64)))  # 64 KiB activations
+    time.sleep(0.3)
+    hosts.shape_link(loss_percent=100)
+    started = time.monotonic()
+    with pytest.raises(pplab.cluster.RankFailedError,
+                       match=r"rank [01] waited 8 s for the (activation|gradient) of microbatch \d+ from rank [01] "
+                             r"\(action \d(RECV_F|RECV_B)\d+\)"):
+        running.result()
+    assert time.monotonic() - started < 8 + lab.grace + 10
+    assert lab.state.startswith("needs restart")
+    hosts.shape_link()
