@@ -132,8 +132,11 @@ class StageLink:
             if action in shapes and action not in self.mailbox.preposted:
                 dtype, shape = shapes[action]
                 buffer = torch.empty(shape, dtype=dtype, device=self.device)
-                work = dist.irecv(buffer, self.peer_rank(action), group=self.group,
-                                  tag=message_tag(action, self.schedule.n_stages))
+                try:
+                    work = dist.irecv(buffer, self.peer_rank(action), group=self.group,
+                                      tag=message_tag(action, self.schedule.n_stages))
+                except RuntimeError as error:  # the connection to the peer is gone
+                    raise PipelineTimeoutError(self.describe_wait(action, 0.0, error)) from error
                 self.mailbox.preposted[action] = (work, buffer)
 
     def _exchange_headers(self, sends, receives, outgoing) -> dict[Action, tuple]:
@@ -155,12 +158,15 @@ class StageLink:
             return clock()
         ops = [(dist.isend if action.kind in _SENDS else dist.irecv, tensor, self.peer_rank(action),
                 message_tag(action, self.schedule.n_stages, header)) for action, tensor, header in posts]
-        if len(ops) == 1:  # one message: no batch to coalesce, skip the batching machinery
-            function, tensor, peer, tag = ops[0]
-            works = [function(tensor, peer, group=self.group, tag=tag)]
-        else:
-            works = dist.batch_isend_irecv([dist.P2POp(function, tensor, peer, self.group, tag)
-                                            for function, tensor, peer, tag in ops])
+        try:
+            if len(ops) == 1:  # one message: no batch to coalesce, skip the batching machinery
+                function, tensor, peer, tag = ops[0]
+                works = [function(tensor, peer, group=self.group, tag=tag)]
+            else:
+                works = dist.batch_isend_irecv([dist.P2POp(function, tensor, peer, self.group, tag)
+                                                for function, tensor, peer, tag in ops])
+        except RuntimeError as error:  # the connection to a peer is gone (it died, the link was cut)
+            raise PipelineTimeoutError(self.describe_wait(posts[0][0], 0.0, error)) from error
         posted = clock()
         if len(works) != len(ops):
             # Backends that coalesce a batch (NCCL) return one work for all of it.

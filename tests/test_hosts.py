@@ -3,6 +3,8 @@ their engines with `Lab.connect`, pipelines across them, and a link slowed with 
 simulator, given the link pplab measures, predicts."""
 
 import dataclasses
+import os
+import signal
 import statistics
 import subprocess
 import time
@@ -73,8 +75,7 @@ def test_ranks_are_grouped_by_host_and_talk_over_the_hosts_interfaces(lab, hosts
     run.close()
 
 
-@pytest.fixture(scope="module")
-def two_hosts():
+def two_hosts_and_a_lab():
     made = NamespaceHosts(hosts=2, engines_per_host=1).start()
     lab = None
     try:
@@ -85,6 +86,10 @@ def two_hosts():
             lab.stop()
         made.stop()
         nothing_left(made)
+
+
+two_hosts = pytest.fixture(scope="module")(two_hosts_and_a_lab)
+fresh_two_hosts = pytest.fixture(two_hosts_and_a_lab)  # for a fault, which leaves the lab broken
 
 
 def measure_link(nbytes_list):
@@ -128,15 +133,21 @@ def test_a_slow_link_is_predicted_from_the_link_pplab_measures(two_hosts):
     hosts.shape_link()  # a clean link again
 
 
-def test_a_link_cut_mid_step_ends_in_an_error_naming_rank_peer_and_action(two_hosts):
-    """The data network goes down while a step runs: the ranks' receives time out and say who
-    waited for what from whom; the control network still carries the report."""
-    hosts, lab = two_hosts
-    run = lab.pipeline(CONFIG, schedule="1f1b", microbatches=8, timeout=8)  # each wait between ranks
+def a_slow_step_under_way(hosts, lab):
+    """A pipeline (every wait between ranks bounded by 8 s) whose step takes about a second, started."""
+    run = lab.pipeline(CONFIG, schedule="1f1b", microbatches=8, timeout=8)
     assert run.step().loss > 0
-    hosts.shape_link(rate_mbit=5)  # a slow step (about a second), to cut it in the middle
+    hosts.shape_link(rate_mbit=5)
     running = run.start_step(next(pplab.data.batches(4 * 8, 64)))  # 64 KiB activations
     time.sleep(0.3)
+    return running
+
+
+def test_a_link_cut_mid_step_ends_in_an_error_naming_rank_peer_and_action(fresh_two_hosts):
+    """The data network goes down while a step runs: the ranks' receives time out and say who
+    waited for what from whom; the control network still carries the report."""
+    hosts, lab = fresh_two_hosts
+    running = a_slow_step_under_way(hosts, lab)
     hosts.shape_link(loss_percent=100)
     started = time.monotonic()
     with pytest.raises(pplab.cluster.RankFailedError,
@@ -145,4 +156,18 @@ def test_a_link_cut_mid_step_ends_in_an_error_naming_rank_peer_and_action(two_ho
         running.result()
     assert time.monotonic() - started < 8 + lab.grace + 10
     assert lab.state.startswith("needs restart")
-    hosts.shape_link()
+
+
+def test_a_rank_killed_mid_step_is_named_by_its_peer(fresh_two_hosts):
+    """SIGKILL to the rank on the other host while a step runs: its peer's next message fails at
+    once and says to or from whom, and for which action."""
+    hosts, lab = fresh_two_hosts
+    running = a_slow_step_under_way(hosts, lab)
+    os.kill(lab.status()[1].pid, signal.SIGKILL)
+    started = time.monotonic()
+    with pytest.raises(pplab.cluster.RankFailedError,
+                       match=r"rank 0 lost the (send of the )?(activation|gradient) of microbatch \d+ (to|from) "
+                             r"rank 1 \(action 0(SEND|RECV)_[FB]\d+\)"):
+        running.result()
+    assert time.monotonic() - started < 8 + lab.grace + 5
+    assert lab.state.startswith("needs restart")
