@@ -613,3 +613,40 @@ def test_an_engine_that_dies_at_start_fails_the_start_at_once(ipython_dir, monke
         pplab.Lab(ranks=2, device="cpu", verbose=False, start_timeout=60)
     assert time.monotonic() - started < 30   # not the whole start_timeout
     assert {p.pid for p in lab_processes(ipython_dir)} <= before
+
+
+def test_connect_to_a_cluster_id_with_no_files_says_which_clusters_have_them_at_once(tmp_path):
+    security = tmp_path / "security"
+    security.mkdir()
+    (security / "ipcontroller-ours-client.json").write_text("{}")
+    started = time.monotonic()
+    with pytest.raises(pplab.cluster.LabStartError,
+                       match=r"cluster_id='theirs': .*ipcontroller-theirs-client.json does not exist "
+                             r"\(clusters with files there: ours\)"):
+        pplab.Lab.connect(profile=None, profile_dir=str(tmp_path), cluster_id="theirs", verbose=False)
+    assert time.monotonic() - started < 2
+
+
+def test_connect_to_a_controller_that_does_not_answer_names_its_address(tmp_path, monkeypatch):
+    """A stale connection file (its controller gone): a clear error after the connect timeout."""
+    import socket
+
+    from pplab.cluster import launchers
+
+    monkeypatch.setattr(launchers, "CONNECT_SECONDS", 2)
+    with socket.socket() as probe:  # a port nothing listens on
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    security = tmp_path / "security"
+    security.mkdir()
+    (security / "ipcontroller-gone-client.json").write_text(json.dumps({
+        "interface": "tcp://127.0.0.1", "registration": port, "key": "0" * 32, "pack": "json",
+        "unpack": "json", "signature_scheme": "hmac-sha256", "ssh": "", "location": "127.0.0.1",
+        "task_scheme": "leastload", "curve_serverkey": None,
+        **{channel: port for channel in ("control", "mux", "task", "iopub", "notification", "broadcast")}}))
+    started = time.monotonic()
+    with pytest.raises(pplab.cluster.LabStartError,
+                       match=rf"the controller of cluster 'gone' does not answer at tcp://127.0.0.1:{port} .* "
+                             rf"within 2 s"):
+        pplab.Lab.connect(profile=None, profile_dir=str(tmp_path), cluster_id="gone", verbose=False)
+    assert time.monotonic() - started < 8

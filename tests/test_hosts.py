@@ -46,6 +46,15 @@ def lab(hosts):
         lab.stop()
 
 
+def test_a_wrong_interface_name_is_refused_within_seconds_naming_the_ones_there(hosts):
+    started = time.monotonic()
+    with pytest.raises(pplab.cluster.RankFailedError,
+                       match=r"gloo_ifname='eth9': host pplab-\w+-h\d has no such network interface; "
+                             r"it has lo, pplab0, pplab1"):
+        pplab.Lab.connect(**{**hosts.connect_options(), "gloo_ifname": "eth9"}, ranks=4, timeout=8, verbose=False)
+    assert time.monotonic() - started < 15
+
+
 def sent_bytes():
     """Bytes this engine's host has sent on its own interface (the engine's namespace's /sys)."""
     import os
@@ -171,3 +180,31 @@ def test_a_rank_killed_mid_step_is_named_by_its_peer(fresh_two_hosts):
         running.result()
     assert time.monotonic() - started < 8 + lab.grace + 5
     assert lab.state.startswith("needs restart")
+    hosts.shape_link()
+    lab.restart()  # through Lab.connect(restart_engines=...): new engines on the same hosts
+    assert sorted({row.host for row in lab.status()}) == sorted(hosts.names)
+    parity = lab.pipeline(CONFIG, schedule="zb-h1", microbatches=4).check_parity()
+    assert parity.passed, str(parity)
+
+
+def test_training_across_hosts_resumes_after_a_kill_as_if_never_stopped(fresh_two_hosts, tmp_path):
+    from pplab.launch import run_ranks
+    from pplab.rank_pipeline import PipelineSpec
+    from pplab.train import TrainOptions, train_on_rank
+
+    hosts, lab = fresh_two_hosts
+    options = dict(steps=6, batch_size=8, seq_len=32, warmup=2, eval_every=100)
+    spec = PipelineSpec.create(CONFIG, "1f1b", 2, 4)
+    uninterrupted = run_ranks(2, train_on_rank, spec, TrainOptions(**options), None, False, timeout=120)[0]
+
+    run = lab.pipeline(CONFIG, "1f1b", microbatches=4, timeout=8)
+    first = run.train(until=4, show=False, checkpoint_dir=str(tmp_path), checkpoint_every=2, **options)
+    assert first.losses == uninterrupted.losses[:4]
+    running = run.start_step(next(pplab.data.batches(4 * 8, 64)))
+    os.kill(lab.status()[1].pid, signal.SIGKILL)
+    with pytest.raises(pplab.cluster.RankFailedError):
+        running.result()
+    lab.restart()
+    resumed = lab.pipeline(CONFIG, "1f1b", microbatches=4).train(
+        show=False, resume=str(tmp_path / "step-00000004"), **options)
+    assert resumed.losses == uninterrupted.losses[4:]

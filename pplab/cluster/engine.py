@@ -89,6 +89,15 @@ def free_tcp_port() -> int:
     return free_port("")
 
 
+def _check_interface(name: str) -> None:
+    """Refuse, before any rank waits, a gloo interface this host does not have, naming the ones it has."""
+    here = [interface for _, interface in socket.if_nameindex()]
+    if name not in here:
+        raise ValueError(f"gloo_ifname={name!r}: host {socket.gethostname()} has no such network interface; "
+                         f"it has {', '.join(here)}. Give Lab.connect(gloo_ifname=...) the interface of the "
+                         f"network the hosts share")
+
+
 def setup_rank(spec: RankSpec) -> dict:
     """Join the process group as `spec.rank`, do one barrier, and define rank names for %%px."""
     global _context
@@ -98,6 +107,7 @@ def setup_rank(spec: RankSpec) -> dict:
     if spec.threads is not None:
         torch.set_num_threads(spec.threads)
     if spec.gloo_ifname:
+        _check_interface(spec.gloo_ifname)
         os.environ["GLOO_SOCKET_IFNAME"] = spec.gloo_ifname
         os.environ["NCCL_SOCKET_IFNAME"] = spec.gloo_ifname
 

@@ -151,8 +151,12 @@ class Lab:
                 backend: str = "auto", device: str = "auto", timeout: float = 60.0,
                 threads: int | None = 1, grace: float = 3.0, start_timeout: float = 120.0,
                 gloo_ifname: str | None = None, activate: bool = True,
-                verbose: bool = True) -> "Lab":
-        """Make ranks of the engines of a cluster you started (ipcluster, any launcher, many hosts)."""
+                verbose: bool = True, restart_engines: Callable[[], None] | None = None) -> "Lab":
+        """Make ranks of the engines of a cluster you started (ipcluster, any launcher, many hosts).
+
+        `lab.restart()` replaces the engines through the cluster's file (ipcluster's), or by
+        calling `restart_engines()`: your launcher's way to kill the engines and start new ones.
+        """
         if ranks is not None:
             check_positive_int("ranks", ranks, example=2)
         lab = cls.__new__(cls)
@@ -164,7 +168,7 @@ class Lab:
 
             profile_dir = os.path.join(get_ipython_dir(), f"profile_{profile or 'default'}")
         lab._launcher = ConnectedCluster(profile, os.path.abspath(profile_dir), cluster_id,
-                                         gloo_ifname)
+                                         gloo_ifname, restart_engines)
         lab._bring_up(lab._launcher.start, "start")
         return lab
 

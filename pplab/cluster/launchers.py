@@ -23,6 +23,7 @@ heartbeat is short.
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import subprocess
@@ -43,6 +44,7 @@ CONTROLLER_ARGS = ["--usethreads", "--HeartMonitor.period=100",
 ENGINE_ARGS = ["--IPEngine.enable_nanny=False", "--HistoryManager.enabled=False",
                "--log-level=WARN"]
 LOG_LINES = 15  # per log, in a start-up error message
+CONNECT_SECONDS = 10  # for a connected cluster's controller to answer
 
 # ipyparallel reports a process it sees die (as our restart's SIGKILL) by dumping its log
 # into the notebook; pplab reports what matters itself, so only its errors get through.
@@ -236,11 +238,12 @@ class ConnectedCluster:
     """Engines of a cluster started elsewhere (ipcluster, any launcher, many hosts): used, never stopped."""
 
     def __init__(self, profile: str | None, profile_dir: str, cluster_id: str,
-                 gloo_ifname: str | None):
+                 gloo_ifname: str | None, restart_engines=None):
         self.profile = profile
         self.profile_dir = profile_dir
         self.cluster_id = cluster_id
         self.gloo_ifname = gloo_ifname
+        self.restart_engines = restart_engines  # the user's way to replace the engines, or None
         self.client = None
         self._cluster = None  # ipyparallel's Cluster read from the cluster file, to restart engines
         self._why_no_restart = "the lab has not connected yet"
@@ -250,16 +253,36 @@ class ConnectedCluster:
         import ipyparallel as ipp
 
         progress.update(f"connecting to cluster {self.cluster_id!r}")
+        client_file = self._client_file()
         try:
-            self.client = ipp.Client(profile=self.profile, profile_dir=self.profile_dir,
-                                     cluster_id=self.cluster_id)
+            self.client = ipp.Client(client_file, timeout=CONNECT_SECONDS)
         except (OSError, ValueError) as error:
+            with open(client_file) as f:
+                about = json.load(f)
+            address = f"{about.get('interface', '?')}:{about.get('registration', '?')}"
             raise LabStartError(
-                f"no running cluster found for profile={self.profile!r}, "
-                f"cluster_id={self.cluster_id!r} ({error}).\nStart one first, e.g. "
-                f"`ipcluster start -n 4 --profile={self.profile or 'default'}`") from error
+                f"the controller of cluster {self.cluster_id!r} does not answer at {address} "
+                f"(as {client_file} says) within {CONNECT_SECONDS} s: it has stopped, or this "
+                f"machine cannot reach that address ({error}).\nStart the cluster again, or check "
+                f"the network between here and its controller") from error
         self._cluster, self._why_no_restart = self._load_cluster_file()
         return set()
+
+    def _client_file(self) -> str:
+        """The cluster's connection file for clients; a clear error, at once, where there is none."""
+        security = os.path.join(self.profile_dir, "security")
+        path = os.path.join(security, f"ipcontroller-{self.cluster_id}-client.json"
+                            if self.cluster_id else "ipcontroller-client.json")
+        if not os.path.exists(path):
+            found = sorted(name[len("ipcontroller-"):-len("-client.json")] or "''"
+                           for name in (os.listdir(security) if os.path.isdir(security) else [])
+                           if name.startswith("ipcontroller-") and name.endswith("-client.json"))
+            others = f"clusters with files there: {', '.join(found)}" if found else "no cluster has files there"
+            raise LabStartError(
+                f"no running cluster found for profile={self.profile!r}, cluster_id={self.cluster_id!r}: "
+                f"{path} does not exist ({others}).\nStart one first, e.g. `ipcluster start -n 4 "
+                f"--profile={self.profile or 'default'}`, or give the cluster_id it was started with")
+        return path
 
     def _load_cluster_file(self):
         """(ipyparallel's Cluster from the cluster file, None) or (None, why it cannot restart engines)."""
@@ -279,16 +302,20 @@ class ConnectedCluster:
         if stopped:
             raise LabError("this lab was stopped, which closed its connection to the cluster: "
                            "connect again with pplab.Lab.connect(...)")
-        if self._cluster is None:
+        if self._cluster is None and self.restart_engines is None:
             raise LabError(f"cannot restart the engines of a cluster started elsewhere: "
                            f"{self._why_no_restart}.\nRestart them with your launcher (e.g. "
-                           f"`ipcluster stop/start`) and call Lab.connect(...) again")
+                           f"`ipcluster stop/start`) and call Lab.connect(...) again, or give "
+                           f"Lab.connect(restart_engines=...) a function that does")
 
     def restart(self, progress) -> set[int]:
         """Restart the engines through the cluster's own launcher; the old ids are not to be used."""
         progress.update("restarting engines")
         old_engines = set(self.client.ids)
-        self._cluster.restart_engines_sync()
+        if self.restart_engines is not None:
+            self.restart_engines()
+        else:
+            self._cluster.restart_engines_sync()
         return old_engines
 
     def check_alive(self) -> None:

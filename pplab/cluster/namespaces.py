@@ -101,9 +101,17 @@ class NamespaceHosts:
         self.stop()
 
     def connect_options(self) -> dict:
-        """What `pplab.Lab.connect(...)` needs to use these hosts' engines."""
+        """What `pplab.Lab.connect(...)` needs to use these hosts' engines (and to restart them)."""
         return dict(profile=None, profile_dir=self.profile_dir, cluster_id=self.cluster_id,
-                    gloo_ifname=DATA)
+                    gloo_ifname=DATA, restart_engines=self.restart_engines)
+
+    def restart_engines(self) -> None:
+        """Kill every engine and start new ones on the same hosts (the controller stays)."""
+        controller, engines = self.processes[0], self.processes[1:]
+        for process in engines:
+            _kill_group(process)
+        self.processes = [controller]
+        self._start_engines()
 
     # -- the link --------------------------------------------------------------------------------
 
@@ -190,6 +198,9 @@ class NamespaceHosts:
             if self.processes[0].poll() is not None or time.monotonic() > deadline:
                 raise RuntimeError(f"the controller in {self.names[0]} did not start:\n{self._log('controller')}")
             time.sleep(0.1)
+        self._start_engines()
+
+    def _start_engines(self) -> None:
         for index in range(len(self.names)):
             for engine in range(self.engines_per_host):
                 self.processes.append(self._spawn(index, [sys.executable, "-m", "ipyparallel.engine",
