@@ -5,9 +5,10 @@ where the kernel has no netem, at rates of 100, 20, 10 and 5 Mbit/s (a token buc
 Two "hosts", one rank each (`pplab.cluster.namespaces.NamespaceHosts`), `Lab.connect`, the
 tiny model, 1F1B with 8 microbatches of 4 x 64 tokens, real mode. For each link: pplab
 measures it on the lab (one-way time of a message of a quarter and of a whole activation:
-latency and bandwidth), the simulator predicts the step from the per-stage costs
-`pplab.profile` measures on one device plus that link, messages queueing on it
-(`link_contention`), and the median of 5 measured steps (after a warm-up) is compared.
+latency and bandwidth), the simulator predicts the step from the per-stage compute costs of
+the lab's own steps on the clean link (`costs_from_timeline`) plus that link, messages
+queueing on it (`link_contention`), and the median of 5 measured steps (after a warm-up) is
+compared.
 Goal: within 10 % where the link sets the pace (the two slowest links).
 
 Run (as root): python bench/bench_hosts.py   (about a minute)
@@ -29,6 +30,7 @@ import torch
 
 import pplab
 from pplab.cluster.namespaces import NamespaceHosts
+from pplab.simulator import costs_from_timeline
 
 RESULTS = Path(__file__).parent / "results" / "hosts.json"
 CONFIG = pplab.LlamaConfig.tiny()
@@ -54,7 +56,6 @@ def main() -> None:
         sys.exit(f"bench_hosts: {why}")
     started = time.perf_counter()
     torch.set_num_threads(1)
-    profile = pplab.profile(CONFIG, MICROBATCH_SIZE, SEQ_LEN, 2, show=False)
     activation = MICROBATCH_SIZE * SEQ_LEN * CONFIG.hidden_size * 4
     batch = next(pplab.data.batches(MICROBATCH_SIZE * MICROBATCHES, SEQ_LEN))
     rows = {}
@@ -62,14 +63,15 @@ def main() -> None:
         lab = pplab.Lab.connect(**hosts.connect_options(), ranks=2, timeout=60, verbose=False)
         try:
             run = lab.pipeline(CONFIG, schedule="1f1b", microbatches=MICROBATCHES)
+            compute = costs_from_timeline([run.step(batch).timeline for _ in range(3)][-1], 2)
             links = LINKS_NETEM if hosts.has_netem() else LINKS_TBF
             for label, shaping in links:
                 hosts.shape_link(**shaping)
                 small, large = lab.run(measure_link, [activation // 4, activation])[0]
                 bandwidth = (activation - activation // 4) / max(large["pplab"] - small["pplab"], 1e-9)
                 latency = max(large["pplab"] - activation / bandwidth, 0.0)
-                costs = dataclasses.replace(profile.costs(split_backward=False), latency=latency,
-                                            bandwidth=bandwidth, link_contention=True)
+                costs = dataclasses.replace(compute, latency=latency, bandwidth=bandwidth,
+                                            activation_bytes=activation, link_contention=True)
                 predicted = pplab.simulate(run.schedule, costs)
                 steps = [run.step(batch).timeline for _ in range(STEPS)][1:]
                 measured = statistics.median(t.step_time() for t in steps)

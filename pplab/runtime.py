@@ -25,7 +25,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from pplab.comm import StageLink, dtype_name, in_order_mismatch, monotonic_clock
+from pplab.comm import PipelineTimeoutError, StageLink, dtype_name, in_order_mismatch, monotonic_clock
 from pplab.model import loss_fn
 from pplab.schedules import Action, Dependencies, Kind, Schedule
 from pplab.simulator import Costs
@@ -208,7 +208,13 @@ class RankRuntime:
         link = StageLink(self.schedule, self.rank, self.device, self.timeout,
                          handshake=activation_shapes is None, group=self.group, record=self.record)
         state, events, boundaries = _StepState(received=link.mailbox.received), [], []
-        origin = self._clock.origin()
+        try:
+            origin = self._clock.origin()
+        except RuntimeError as error:  # gloo's words for a peer that died or a link that was cut
+            raise PipelineTimeoutError(
+                f"rank {self.rank} could not start the step with the other ranks: the barrier that "
+                f"gives them one clock failed ({error}).\nA rank has died, or the link between the "
+                f"ranks is cut. This process group cannot be used again: start the ranks afresh.") from error
         clock = lambda: monotonic_clock() - origin  # noqa: E731 - one clock for the whole step
         tell = _Teller(self.rank, watch, link.events, clock)
         actions = self.schedule.actions[self.rank]

@@ -21,6 +21,7 @@ namespaces, bridges and the hosts files under /etc/netns.
 
 from __future__ import annotations
 
+import atexit
 import os
 import shutil
 import signal
@@ -74,6 +75,7 @@ class NamespaceHosts:
         why = self.why_not()
         if why:
             raise RuntimeError(f"cannot make namespace hosts: {why}")
+        atexit.register(self.stop)  # a kernel that exits without stop() still leaves nothing
         try:
             self._make_network()
             self._start_cluster()
@@ -83,7 +85,7 @@ class NamespaceHosts:
         return self
 
     def stop(self) -> None:
-        """End every process, then remove the namespaces, the bridge and the files made."""
+        """End every process, then remove the namespaces, the bridges and the files made (again: nothing)."""
         for process in self.processes:
             _kill_group(process)
         self.processes = []
@@ -173,6 +175,9 @@ class NamespaceHosts:
             self._run(["ip", "netns", "add", name])
             self._made.append(("ip", "netns", "del", name))
             self._in(name, ["ip", "link", "set", "lo", "up"])
+            # Keep TCP's window open between messages, as clusters tune it: after an idle gap
+            # Linux would restart it small, and a message on a slow link would wait for ACKs.
+            self._in(name, ["sysctl", "-qw", "net.ipv4.tcp_slow_start_after_idle=0"], check=False)
             for network, (bridge, subnet, inside) in enumerate(zip(self.bridges, self.subnets, (CONTROL, DATA))):
                 outside = f"ppl{self.tag}{index}{network}"
                 self._run(["ip", "link", "add", outside, "type", "veth", "peer", "name", inside, "netns", name])
