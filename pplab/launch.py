@@ -9,6 +9,7 @@ raises an error naming the rank. No process outlives the call.
 
 from __future__ import annotations
 
+import gc
 import multiprocessing as mp
 import os
 import pickle
@@ -143,6 +144,10 @@ def run_as_torchrun_rank(fn, *args, timeout: float = 60.0):
         result = fn(rank, world_size, *args, device=device)
         gathered = [None] * world_size if rank == 0 else None
         dist.gather_object(result, gathered, dst=0)
+        # Every rank past the gather before any tears its connections down: a rank that left
+        # while rank 0 still received was seen to abort in gloo's teardown (rarely, on 2 cores).
+        dist.barrier()
         return gathered
     finally:
+        gc.collect()  # what cycles hold of the ranks' communication goes while the group lives
         dist.destroy_process_group()
