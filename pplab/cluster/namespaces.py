@@ -15,14 +15,16 @@ while the control network, and with it every report to the notebook, stays up. N
         hosts.shape_link(delay_ms=5, rate_mbit=100)
 
 The addresses (two free /24s of 10.77.0.0/16: the first NamespaceHosts gets 10.77.0 and
-10.77.1) exist only on the bridges and in the namespaces, with no route out of them. Everything made is undone by `stop()`: processes,
-namespaces, bridges and the hosts files under /etc/netns.
+10.77.1) exist only on the bridges and in the namespaces, with no route out of them.
+Everything made is undone by `stop()`: processes, namespaces, bridges and the hosts files
+under /etc/netns.
 """
 
 from __future__ import annotations
 
 import atexit
 import os
+import shlex
 import shutil
 import signal
 import subprocess
@@ -31,9 +33,10 @@ import tempfile
 import time
 import uuid
 
+from pplab.cluster.launchers import ENGINE_ARGS  # the same engines a local lab starts
+
 CONTROL, DATA = "pplab0", "pplab1"  # each host's interfaces, the same names on every host
 INTERFACE = DATA  # what gloo uses (gloo_ifname)
-ENGINE_ARGS = ["--IPEngine.enable_nanny=False", "--HistoryManager.enabled=False", "--log-level=WARN"]
 CONTROLLER_ARGS = ["--usethreads", "--HeartMonitor.period=500", "--HeartMonitor.max_heartmonitor_misses=40",
                    "--log-level=ERROR"]
 
@@ -216,7 +219,7 @@ class NamespaceHosts:
     def _spawn(self, index: int, command: list[str], role: str) -> subprocess.Popen:
         """Start `command` in host `index`'s namespace, under that host's name, in its own group."""
         name = self.names[index]
-        inner = f"hostname {name} && exec " + " ".join(_quote(part) for part in command)
+        inner = f"hostname {name} && exec " + shlex.join(command)
         environment = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
         log = open(os.path.join(self.profile_dir, f"{role}.log"), "w")
         return subprocess.Popen(["ip", "netns", "exec", name, "unshare", "--uts", "sh", "-c", inner],
@@ -247,12 +250,6 @@ def _free_subnets() -> tuple[str, str]:
         if not any(f" {subnet}." in used for subnet in pair):
             return pair
     raise RuntimeError("every subnet of 10.77.0.0/16 is in use here: stop other NamespaceHosts first")
-
-
-def _quote(part: str) -> str:
-    import shlex
-
-    return shlex.quote(part)
 
 
 def _kill_group(process: subprocess.Popen) -> None:
