@@ -35,7 +35,7 @@ _EXPORTS = {
     "Lab": "pplab.cluster",  # floor 4: engines as ranks, from Jupyter
     "cleanup": "pplab.cluster",
 }
-_MODULES = ("data", "schedules", "trace", "viz", "checkpoint", "train", "mesh")
+_MODULES = ("data", "schedules", "trace", "viz", "checkpoint", "train", "mesh", "faults")
 
 # Older spellings, kept working but not advertised: the schedule API lives in `pplab.schedules`.
 _ALIASES = {
@@ -52,7 +52,7 @@ _SUBPACKAGES = ("cluster",)
 __all__ = [*_EXPORTS, *_MODULES]
 
 if _TYPE_CHECKING:  # what static checkers and editors see
-    from pplab import checkpoint, data, mesh, schedules, train, trace, viz
+    from pplab import checkpoint, data, faults, mesh, schedules, train, trace, viz
     from pplab.checkpoint import load_model
     from pplab.cluster import Lab, cleanup
     from pplab.mesh import Mesh

@@ -26,6 +26,7 @@ import torch.distributed as dist
 from torch import nn
 
 from pplab.comm import PipelineTimeoutError, StageLink, dtype_name, in_order_mismatch, monotonic_clock
+from pplab.faults import strike
 from pplab.model import loss_fn
 from pplab.schedules import Action, Dependencies, Kind, Schedule
 from pplab.simulator import Costs
@@ -234,6 +235,7 @@ class RankRuntime:
             self._prepost(link, upcoming[position], state, activation_shapes)
             tell.starting([action])
             started = clock()
+            strike(action)  # a fault armed on purpose (pplab.faults) fires inside its action
             event_extra = self._compute(action, state, inputs, targets, boundaries)
             pad_to_cost(self.timing, action, started, clock)
             if self.record:

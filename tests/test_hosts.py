@@ -188,11 +188,32 @@ def test_a_rank_killed_mid_step_is_named_by_its_peer(fresh_two_hosts):
         running.result()
     assert time.monotonic() - started < 8 + lab.grace + 5
     assert lab.state.startswith("needs restart")
+    # The controller stops hearing the dead engine's heartbeat: the lab's status says so.
+    deadline = time.monotonic() + 20
+    while lab.status()[1].state != "dead" and time.monotonic() < deadline:
+        time.sleep(0.5)
+    assert [row.state for row in lab.status()] == ["idle", "dead"]
     hosts.shape_link()
     lab.restart()  # through Lab.connect(restart_engines=...): new engines on the same hosts
     assert sorted({row.host for row in lab.status()}) == sorted(hosts.names)
     parity = lab.pipeline(CONFIG, schedule="zb-h1", microbatches=4).check_parity()
     assert parity.passed, str(parity)
+
+
+def test_a_rank_stalled_on_the_other_host_is_named_within_the_labs_timeout(fresh_two_hosts):
+    """Rank 1 sleeps inside a forward (pplab.faults): rank 0, on the other host, gives up on the
+    gradient it waits for after the lab's 8 s, naming rank 1 and the action."""
+    hosts, lab = fresh_two_hosts
+    run = lab.pipeline(CONFIG, schedule="1f1b", microbatches=4)
+    run.step()
+    pplab.faults.stall(run, "1F1", seconds=30)
+    started = time.monotonic()
+    with pytest.raises(pplab.cluster.RankFailedError,
+                       match=r"rank 0 waited 8 s for the gradient of microbatch 1 from rank 1 \(action 0RECV_B1\)"):
+        run.step()
+    assert time.monotonic() - started < 8 + lab.grace + 5
+    lab.restart()
+    assert lab.pipeline(CONFIG, schedule="1f1b", microbatches=4).check_parity().passed
 
 
 def test_training_across_hosts_resumes_after_a_kill_as_if_never_stopped(fresh_two_hosts, tmp_path):

@@ -173,14 +173,16 @@ class RankCall:
         running = self.running_ranks()
         died = self._dead | {rank for rank in failed
                              if _engine_died(self._per_rank[rank].exception())}
-        if died:
-            return self._died(sorted(died))
-        if failed:
+        if died or failed:
             if self._first_failure_at is None:
                 self._first_failure_at = time.monotonic()
             waited = time.monotonic() - self._first_failure_at
-            if running and waited < self._grace and not self._past_deadline():
-                return None  # the others get a bounded time to finish
+            alive = [rank for rank in running if rank not in died]
+            if alive and waited < self._grace and not self._past_deadline():
+                return None  # the others get a bounded time to finish (and to say what they saw)
+        if died:
+            return self._died(sorted(died), [rank for rank in failed if rank not in died])
+        if failed:
             return self._failed(failed, running)
         if running and self._past_deadline():
             return self._timed_out(running)
@@ -199,8 +201,9 @@ class RankCall:
             lines.append(f"Ranks {others} raised too (see lab.last_errors).")
         broken = {} if running else self._process_group_notes(failed)
         if running:
-            lines += [f"Ranks {running} were still running {self._grace:g} s later, probably "
-                      f"waiting for rank {first}.", RESTART_HINT]
+            lines += [f"Ranks {running} had not finished {self._grace:g} s later: waiting for rank "
+                      f"{first}, stuck in a computation, or dead on another host (see lab.status() "
+                      f"and the dashboard's 'where each rank is').", RESTART_HINT]
             self._ranks.needs_restart(f"ranks {running} were left running after rank {first} raised")
         elif broken:
             lines += [f"The process group is broken (by the errors of ranks {sorted(broken)}).",
@@ -228,11 +231,15 @@ class RankCall:
         completed = self._per_rank[rank].metadata.get("completed")
         return completed.timestamp() if completed is not None else float("inf")
 
-    def _died(self, died: list[int]) -> RankDiedError:
+    def _died(self, died: list[int], failed: list[int]) -> RankDiedError:
+        """A rank's death, with what its peers saw of it (e.g. the message to it they lost)."""
         who = ", ".join(self._ranks.describe(rank) for rank in died)
         reason = f"{who} died (its process ended) while running {self._name}"
         self._ranks.needs_restart(reason)
-        return RankDiedError(f"{reason}.\n{RESTART_HINT}", ranks=died)
+        seen = [_remote_parts(self._per_rank[rank].exception())[1].splitlines()[0] for rank in failed]
+        self._ranks.record_errors({rank: self._per_rank[rank].exception() for rank in failed})
+        lines = [f"{reason}.", *(f"Then {line}" if line.startswith("rank ") else line for line in seen)]
+        return RankDiedError("\n".join([*lines, RESTART_HINT]), ranks=died)
 
     def _timed_out(self, running: list[int]) -> RankTimeoutError:
         finished = [rank for rank in range(len(self._per_rank)) if rank not in running]

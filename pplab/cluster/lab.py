@@ -247,7 +247,7 @@ class Lab:
         processes = {rank: {"pid": about[engine_id]["pid"], "role": f"rank {rank}",
                             "create_time": about[engine_id]["create_time"]}
                      for rank, engine_id in enumerate(order) if about[engine_id]["host"] == here}
-        self._ranks = RankGroup(infos, processes)
+        self._ranks = RankGroup(infos, processes, registered=lambda: self.client.ids)
         self._launcher.record_ranks(list(processes.values()))
         progress.update(f"joining {len(order)} ranks to a {backend} process group")
         self._join_process_group(order, about, hosts)
@@ -364,8 +364,12 @@ class Lab:
 
     def pipeline(self, config, schedule="1f1b", microbatches: int | None = None, n_virtual: int = 1,
                  **options) -> PipelineRun:
-        """Build a pipeline's stages on every rank (schedule validated first); step it with `.step()`."""
+        """Build a pipeline's stages on every rank (schedule validated first); step it with `.step()`.
+
+        A wait between ranks gives up after the lab's `timeout` unless `timeout=` says otherwise.
+        """
         self._check_usable()
+        options.setdefault("timeout", self.timeout)
         return PipelineRun(self, config, schedule, microbatches, n_virtual, **options)
 
     def stream(self, fn: Callable, *args, timeout: float | None = None,

@@ -37,7 +37,8 @@ from pplab.cluster.launchers import ENGINE_ARGS  # the same engines a local lab 
 
 CONTROL, DATA = "pplab0", "pplab1"  # each host's interfaces, the same names on every host
 INTERFACE = DATA  # what gloo uses (gloo_ifname)
-CONTROLLER_ARGS = ["--usethreads", "--HeartMonitor.period=500", "--HeartMonitor.max_heartmonitor_misses=40",
+# A 250 ms heartbeat, 40 misses: an engine that died on another host counts as dead 10 s later.
+CONTROLLER_ARGS = ["--usethreads", "--HeartMonitor.period=250", "--HeartMonitor.max_heartmonitor_misses=40",
                    "--log-level=ERROR"]
 
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import html
 from dataclasses import astuple, dataclass, fields
+from typing import Callable, Iterable
 
 from pplab.cluster import records
 
@@ -32,9 +33,11 @@ class RankInfo:
 class RankGroup:
     """The ranks of one start of a lab, and whether they still work (what RankCall reports to)."""
 
-    def __init__(self, infos: list[RankInfo], processes: dict[int, dict]):
+    def __init__(self, infos: list[RankInfo], processes: dict[int, dict],
+                 registered: Callable[[], Iterable[int]] = tuple):
         self.infos = infos
         self.processes = processes  # rank -> process entry, for the ranks on this host
+        self.registered = registered  # the engine ids the controller still hears (every host)
         self.broken: str | None = None  # why these ranks must be replaced, if they must
         self.last_errors: dict = {}
 
@@ -43,9 +46,14 @@ class RankGroup:
         self.broken = self.broken or reason  # the first reason is the cause; later ones follow
 
     def dead_ranks(self, ranks) -> list[int]:
-        """The ranks among `ranks` (on this host) whose engine process has ended."""
+        """The ranks among `ranks` whose engine has ended: on this host its process is gone (seen
+        at once); on another, the controller stopped hearing its heartbeat (seen seconds later)."""
+        ranks = list(ranks)
+        remote = [rank for rank in ranks if rank not in self.processes]
+        heard = set(self.registered()) if remote else set()
         return [rank for rank in ranks
-                if rank in self.processes and records.find_process(self.processes[rank]) is None]
+                if (records.find_process(self.processes[rank]) is None if rank in self.processes
+                    else self.infos[rank].engine_id not in heard)]
 
     def describe(self, rank: int) -> str:
         """'rank 1 (engine 3, pid 4242 on host)': what a user needs to find the process."""

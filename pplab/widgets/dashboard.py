@@ -12,6 +12,7 @@ run ends, so that rendering does not take the CPU the ranks need.
 from __future__ import annotations
 
 import asyncio
+import html
 import time
 
 import ipywidgets as widgets
@@ -94,7 +95,7 @@ class Dashboard(widgets.VBox):
         try:
             report = self.run.check_parity(self.batch)
         except (LabError, ValueError) as error:
-            self._say(str(error).replace("\n", "<br>"), error=True)
+            self._say_error(error)
             return None
         self.gradients.show(self.run.last.grad_stats, report, self._stage_of())
         verdict = "matches one device" if report.passed else "DIFFERS from one device"
@@ -129,7 +130,7 @@ class Dashboard(widgets.VBox):
             else:
                 self._say(f"{steps} step{'s' if steps > 1 else ''} done")
         except (LabError, ValueError) as error:
-            self._say(str(error).replace("\n", "<br>"), error=True)
+            self._say_error(error)
             if raise_errors:
                 raise
         finally:
@@ -281,7 +282,7 @@ class Dashboard(widgets.VBox):
                                n_virtual=self.virtual.value, timing=TIMING_COSTS if self.timing.value else None,
                                impl=self.implementation.value)
         except ValueError as error:  # sizes the schedule cannot take: say so, keep the old pipeline
-            self._say(str(error), error=True)
+            self._say_error(error)
             return
         self.run.close()
         self.run, self.results = new, []
@@ -298,6 +299,12 @@ class Dashboard(widgets.VBox):
 
     def _say(self, text: str, error: bool = False) -> None:
         self.status.value = f"<span style='{RED if error else ''}'>{text}</span>"
+
+    def _say_error(self, error: Exception) -> None:
+        """The error's message, line by line, without the remote traceback (it would push the
+        panels off the screen; the raised error, or `lab.last_errors`, still has it)."""
+        message = str(error).split("\nRemote traceback")[0].strip()
+        self._say("<br>".join(html.escape(line) for line in message.splitlines()), error=True)
 
 
 def _schedule_names(impl: str) -> list[str]:

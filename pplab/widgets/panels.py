@@ -321,6 +321,23 @@ class WhereView(widgets.VBox):
 
     def render(self, at: float | None = None) -> None:
         """Redraw, with how long each rank has been at its action as of `at` (monotonic seconds)."""
+        rows = self._rows(at)
+        last = ""
+        if self.stalls:
+            stall = self.stalls[-1]
+            last = (f"<div style='{RED};font-size:12px'>last stall: rank {stall['rank']} waited "
+                    f"{stall['seconds']:.1f} s in {_in_words(stall['doing'])}, for {stall['waits_for']}</div>")
+        self.html.value = table(["rank", "doing", "for", "waits for"], rows, "where each rank is") + last
+
+    def text(self) -> str:
+        """The panel as lines of text, as of its last redraw (for logs and static notebooks)."""
+        return "\n".join(f"rank {rank}: {self.states.get(rank, 'idle')}"
+                         + (f", {doing} for {held}" if held else f", {doing}" if doing != "idle" else "")
+                         + (f", waiting for {waits}" if waits else "")
+                         for rank, doing, held, waits in self._cells)
+
+    def _rows(self, at: float | None) -> list:
+        """One (cells, style) row per rank; sets `states` (and `_cells`, for `text`)."""
         from pplab.schedules import Action
 
         at = time.monotonic() if at is None else at
@@ -344,12 +361,8 @@ class WhereView(widgets.VBox):
                 state, style = "running", ""
             self.states[rank] = state
             rows.append(([rank, _in_words(now.doing), f"{held:.1f} s" if state != "done" else "", waits], style))
-        last = ""
-        if self.stalls:
-            stall = self.stalls[-1]
-            last = (f"<div style='{RED};font-size:12px'>last stall: rank {stall['rank']} waited "
-                    f"{stall['seconds']:.1f} s in {_in_words(stall['doing'])}, for {stall['waits_for']}</div>")
-        self.html.value = table(["rank", "doing", "for", "waits for"], rows, "where each rank is") + last
+        self._cells = [cells for cells, _ in rows]
+        return rows
 
     def _log_stall(self, now, waits: str, held: float) -> None:
         same = next((stall for stall in self.stalls if stall["note"] is now), None)

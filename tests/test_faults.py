@@ -1,0 +1,85 @@
+"""Faults on purpose on a real 2-rank lab: a rank that stalls inside a forward, a rank that dies.
+
+Each ends within the lab's timeout in an error naming the rank, its peer and the action;
+the dashboard shows who waited on whom; a restart gives a lab that matches one device.
+"""
+
+import re
+import time
+
+import pytest
+
+import pplab
+from pplab import faults
+from pplab.cluster import RankDiedError, RankFailedError
+
+CONFIG = pplab.LlamaConfig.tiny()
+
+
+def test_a_fault_that_cannot_fire_is_refused_before_any_rank_is_asked(lab2):
+    run = lab2.pipeline(CONFIG, schedule="1f1b", microbatches=4)
+    try:
+        with pytest.raises(ValueError, match=r"action='1X3' is not an action: give one like '1F3'"):
+            faults.stall(run, "1X3", seconds=1)
+        with pytest.raises(ValueError, match=r"'1SEND_B2' is a message; .* e.g. '1F2'"):
+            faults.die(run, "1SEND_B2")
+        with pytest.raises(ValueError, match=r"'1F9' is not in schedule '1f1b'; rank 1 runs these "
+                                             r"computations of stage 1: 1F0 1B0 1F1"):
+            faults.stall(run, "1F9", seconds=1)
+        with pytest.raises(ValueError, match=r"schedule '1f1b' has stages 0..1"):
+            faults.die(run, "5F0")
+        with pytest.raises(ValueError, match=r"seconds=0 must be a positive number of seconds"):
+            faults.stall(run, "1F0", seconds=0)
+        assert lab2.state == "running" and run.step().loss > 0  # nothing was armed
+    finally:
+        run.close()
+
+
+def test_a_rank_stalled_inside_a_forward_is_named_by_the_rank_that_waits_for_it(fragile_lab):
+    """Rank 1 sleeps 8 s in its forward of microbatch 1: rank 0 gives up after the lab's 3 s on
+    the gradient it needs, and the dashboard shows rank 0 stalled on rank 1, and rank 1 in 1F1."""
+    run = fragile_lab.pipeline(CONFIG, schedule="1f1b", microbatches=4)
+    assert run.spec.timeout == fragile_lab.timeout == 3  # the lab's bound, not a default of its own
+    run.step()
+    dashboard = run.dashboard(stalled_after=1.0)
+    assert faults.stall(run, "1F1", seconds=8) == 1
+    started = time.monotonic()
+    with pytest.raises(RankFailedError, match=r"rank 0 waited 3 s for the gradient of microbatch 1 from "
+                                              r"rank 1 \(action 0RECV_B1\)"):
+        dashboard.run_steps(1)
+    assert time.monotonic() - started < 3 + fragile_lab.grace + 3
+    assert dashboard.where.states == {0: "stalled", 1: "running"}
+    assert dashboard.where.latest[1].doing == "1F1"
+    assert "rank 1: send of the gradient of microbatch 1 on stage 1" in dashboard.where.html.value
+    assert "rank 0 waited 3 s for the gradient of microbatch 1" in dashboard.status.value
+    assert fragile_lab.state.startswith("needs restart")
+    fragile_lab.restart()
+    assert fragile_lab.pipeline(CONFIG, schedule="1f1b", microbatches=4).check_parity().passed
+
+
+def test_a_rank_that_dies_at_an_action_is_named_by_its_peer(fragile_lab):
+    run = fragile_lab.pipeline(CONFIG, schedule="gpipe", microbatches=4)
+    pid = fragile_lab.status()[1].pid
+    assert faults.die(run, "1B2") == 1
+    with pytest.raises(RankDiedError) as failure:
+        run.step()
+    message = str(failure.value)
+    # The death, then what its peer saw of it: a message it lost (of microbatch 2, or 1 if
+    # rank 1 died before its send of the gradient of microbatch 1 was through).
+    assert message.startswith(f"rank 1 (engine "), message
+    assert f"pid {pid} on " in message
+    assert re.search(r"\nThen rank 0 lost the (send of the )?gradient of microbatch (?P<mb>[12]) (to|from) "
+                     r"rank 1 \(action 0(SEND|RECV)_B(?P=mb)\)", message), message
+    assert fragile_lab.status()[1].state == "dead"
+    fragile_lab.restart()
+    assert fragile_lab.pipeline(CONFIG, schedule="gpipe", microbatches=4).check_parity().passed
+
+
+def test_an_armed_fault_that_did_not_fire_can_be_disarmed(lab2):
+    run = lab2.pipeline(CONFIG, schedule="1f1b", microbatches=2)
+    try:
+        faults.die(run, "1F1")
+        faults.disarm(run)
+        assert run.step().loss > 0 and lab2.state == "running"
+    finally:
+        run.close()
