@@ -23,7 +23,7 @@ import torch
 import pplab
 from pplab.cluster import (LabError, LabNeedsRestartError, RankDiedError, RankFailedError,
                            RankTimeoutError, publish, rank_context, records)
-from pplab.cluster.plan import assign_ranks, choose_backend_device, local_ranks
+from pplab.cluster.plan import assign_ranks, check_gpus, choose_backend_device, gpus_for_seat, local_ranks
 from pplab.cluster.status import RankInfo, RankTable
 
 # -- functions that run on the ranks ------------------------------------------------------
@@ -194,6 +194,27 @@ def test_backend_and_device_follow_the_gpus_of_each_host():
         choose_backend_device("auto", "cuda", {"a": 2, "b": 1}, two_hosts)
 
 
+def test_each_attendee_chooses_the_gpus_of_a_lab_and_wrong_choices_are_refused_before_starting():
+    assert check_gpus(None, 2, "auto", 0) is None
+    assert check_gpus([4, 5], 2, "auto", 8) == (4, 5)
+    assert gpus_for_seat(1, 2, 8) == [2, 3] and gpus_for_seat(3, 2, 8) == [6, 7]
+    with pytest.raises(ValueError, match=r"seat=4: 8 GPU\(s\) give 4 seat\(s\) of 2 rank\(s\) \(0..3\)"):
+        gpus_for_seat(4, 2, 8)
+    with pytest.raises(ValueError, match=r"gpus=\[4\] names 1 GPU\(s\) for 2 ranks: give one per rank"):
+        check_gpus([4], 2, "auto", 8)
+    with pytest.raises(ValueError, match=r"gpus=\[1, 1\]: give distinct device numbers"):
+        check_gpus([1, 1], 2, "auto", 8)
+    with pytest.raises(ValueError, match=r"gpus=\[6, 8\]: this host has 8 GPU\(s\) \(0..7\), so \[8\] do not exist"):
+        check_gpus([6, 8], 2, "auto", 8)
+    with pytest.raises(ValueError, match=r"with device='cpu': leave out gpus"):
+        check_gpus([0, 1], 2, "cpu", 8)
+    with pytest.raises(ValueError, match="give the CUDA device numbers of the ranks"):
+        check_gpus("0,1", 2, "auto", 8)
+    if torch.cuda.device_count() == 0:  # what a lab says on a host without GPUs, before starting
+        with pytest.raises(ValueError, match=r"gpus=\[0, 1\]: this host has no GPU that torch can see"):
+            pplab.Lab(ranks=2, gpus=[0, 1])
+
+
 def test_ranks_are_grouped_by_host_and_numbered_within_it():
     engines = {7: "b", 3: "a", 5: "b", 4: "a"}  # engine ids are not ranks
     order = assign_ranks(engines)
@@ -269,6 +290,22 @@ def test_px_cells_see_rank_world_size_device_and_dist(lab2):
         lab2.activate()
         shell.run_cell_magic("px", "", "seen = (rank, world_size, str(device), dist.get_rank())")
         assert lab2.view.pull("seen", block=True) == [(0, 2, "cpu", 0), (1, 2, "cpu", 1)]
+    finally:
+        InteractiveShell.clear_instance()
+
+
+@pytest.mark.timeout(60)
+def test_what_px_cells_print_reads_in_rank_order(lab2, capsys):
+    from IPython.core.interactiveshell import InteractiveShell
+
+    shell = InteractiveShell.instance()
+    try:
+        lab2.activate()
+        # Rank 0 prints last, but its output is shown first.
+        shell.run_cell_magic("px", "", "import time\nif rank == 0:\n    time.sleep(0.5)\nprint(f'hello from {rank}')")
+        shown = capsys.readouterr().out
+        assert shown.index("[stdout:0]") < shown.index("[stdout:1]"), shown
+        assert shown.index("hello from 0") < shown.index("hello from 1"), shown
     finally:
         InteractiveShell.clear_instance()
 

@@ -20,11 +20,12 @@ from pplab.cluster.engine import RankContext, publish, rank_context
 from pplab.cluster.errors import (LabError, LabNeedsRestartError, LabStartError, RankDiedError,
                                   RankFailedError, RankTimeoutError)
 from pplab.cluster.lab import Lab
+from pplab.cluster.plan import gpus_for_seat
 from pplab.cluster.records import cleanup
 from pplab.cluster.status import RankInfo, RankTable
 
 __all__ = [
-    "Lab", "cleanup", "publish", "rank_context", "RankContext", "RankCall", "RankEvent",
+    "Lab", "cleanup", "gpus_for_seat", "publish", "rank_context", "RankContext", "RankCall", "RankEvent",
     "RankInfo", "RankTable", "LabError", "LabStartError", "LabNeedsRestartError",
     "RankFailedError", "RankDiedError", "RankTimeoutError",
 ]

@@ -114,14 +114,15 @@ def setup_rank(spec: RankSpec) -> dict:
     if dist.is_initialized():
         dist.destroy_process_group()  # left by an earlier lab on these engines: start afresh
     if spec.device == "cuda":
-        torch.cuda.set_device(spec.local_rank)
-        device = torch.device("cuda", spec.local_rank)
+        gpu = spec.local_rank if spec.gpu is None else spec.gpu
+        torch.cuda.set_device(gpu)
+        device = torch.device("cuda", gpu)
     else:
         device = torch.device("cpu")
     dist.init_process_group(spec.backend, init_method=spec.rendezvous, rank=spec.rank,
                             world_size=spec.world_size,
                             timeout=datetime.timedelta(seconds=spec.timeout))
-    dist.barrier(device_ids=[spec.local_rank] if spec.backend == "nccl" else None)
+    dist.barrier(device_ids=[device.index] if spec.backend == "nccl" else None)
 
     _context = RankContext(spec.rank, spec.world_size, spec.local_rank, spec.local_world_size,
                            spec.backend, device)

@@ -30,7 +30,7 @@ from pplab.cluster.calls import RankCall, RankEvent
 from pplab.cluster.errors import RESTART_HINT, LabError, LabNeedsRestartError, LabStartError
 from pplab.cluster.lab_pipeline import PipelineRun
 from pplab.cluster.launchers import ConnectedCluster, LocalCluster
-from pplab.cluster.plan import (RankSpec, assign_ranks, check_threads, choose_backend_device,
+from pplab.cluster.plan import (RankSpec, assign_ranks, check_gpus, check_threads, choose_backend_device,
                                 local_ranks, loopback_interface)
 from pplab.cluster.status import RankGroup, RankInfo, RankTable
 
@@ -122,7 +122,7 @@ class Lab:
                  timeout: float = 60.0, threads: int | None = 1, grace: float = 3.0,
                  start_timeout: float = 120.0, controller_ip: str = "127.0.0.1",
                  fork: bool | None = None, profile_dir: str | None = None,
-                 activate: bool = True, verbose: bool = True):
+                 gpus: Sequence[int] | None = None, activate: bool = True, verbose: bool = True):
         """Start a local lab: a controller and `ranks` engines joined in one process group.
 
         timeout: seconds before a rendezvous, collective or P2P op on a rank gives up.
@@ -130,11 +130,18 @@ class Lab:
         grace: seconds the other ranks get to finish after the first rank raises.
         controller_ip: the controller listens on loopback only unless you change this.
         fork: start engines by forking one process that imported torch (default on Linux).
+        gpus: the CUDA devices of the ranks, one per rank (e.g. [2, 3]: each attendee of a
+            workshop its own; see pplab.cluster.gpus_for_seat); default: 0..ranks-1 if there are enough.
         """
         check_positive_int("ranks", ranks, example=2)
         self._configure(ranks=ranks, backend=backend, device=device, timeout=timeout,
                         threads=threads, grace=grace, start_timeout=start_timeout,
                         activate=activate, verbose=verbose)
+        if gpus is not None:
+            import torch
+
+            self._gpus = check_gpus(gpus, ranks, device, torch.cuda.device_count())
+            self._requested["device"] = device = "cuda"
         # Reject a forced backend/device this host cannot honour before starting anything.
         here = socket.gethostname()
         choose_backend_device(backend, device, {here: _local_gpu_count(backend, device)},
@@ -182,6 +189,7 @@ class Lab:
         self.threads = check_threads(threads)
         self._activate = activate
         self._verbose = verbose
+        self._gpus: tuple[int, ...] | None = None  # the ranks' CUDA devices, if chosen
         self._view = None
         self._ranks = RankGroup([], {})
         self._last_call: RankCall | None = None
@@ -262,7 +270,7 @@ class Lab:
         sys_path = tuple(sys.path)  # engines import what the notebook can (missing dirs are skipped)
         specs = [RankSpec(rank, len(order), local_rank, local_size, self.backend, self.device,
                           rendezvous, self.timeout, self._launcher.threads_per_rank(self.threads),
-                          gloo_ifname, sys_path)
+                          gloo_ifname, sys_path, self._gpus[rank] if self._gpus else None)
                  for rank, (local_rank, local_size) in enumerate(local_ranks(hosts))]
         joining = ipp.AsyncResult.join(*[self.client[engine_id].apply_async(engine.setup_rank, spec)
                                          for engine_id, spec in zip(order, specs)])
@@ -389,6 +397,9 @@ class Lab:
         # Without a nanny the engines cannot be signalled: an interrupted %%px cell just
         # stops waiting (a rank blocked in gloo could not be interrupted anyway).
         magics.signal_on_interrupt = None
+        # What ranks print is shown when the cell ends, in rank order ([stdout:0] first);
+        # `%%px --stream` shows it as it arrives instead (in the order it arrives).
+        magics.stream_output = False
         shell.magics_manager.register(magics)
 
     def _check_usable(self) -> None:

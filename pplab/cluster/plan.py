@@ -30,11 +30,50 @@ class RankSpec:
     threads: int | None  # torch threads per rank; None keeps the engine's default
     gloo_ifname: str | None  # network interface for gloo/NCCL sockets; None lets them choose
     sys_path: tuple[str, ...] = ()  # entries of the client's sys.path to add on the engine
+    gpu: int | None = None  # the CUDA device of this rank (default: its local rank)
 
 
 def check_threads(threads: object) -> int | None:
     """Return `threads` if it is None (torch's default) or a whole number >= 1, else raise."""
     return None if threads is None else check_positive_int("threads", threads, example=1)
+
+
+def check_gpus(gpus: object, ranks: int, device: str, gpu_count: int) -> tuple[int, ...] | None:
+    """The CUDA devices a local lab's ranks use, one per rank in rank order (None: 0..ranks-1).
+
+    On a server shared by several attendees each lab takes its own GPUs, e.g. seat 2 of
+    a room with two ranks each takes `gpus=[4, 5]` (see `gpus_for_seat`).
+    """
+    if gpus is None:
+        return None
+    if isinstance(gpus, (str, bytes)) or not hasattr(gpus, "__iter__"):
+        raise ValueError(f"gpus={gpus!r}: give the CUDA device numbers of the ranks, e.g. gpus=[0, 1]")
+    gpus = tuple(gpus)
+    if not all(isinstance(gpu, int) and not isinstance(gpu, bool) and gpu >= 0 for gpu in gpus) \
+            or len(set(gpus)) != len(gpus):
+        raise ValueError(f"gpus={list(gpus)!r}: give distinct device numbers >= 0, one per rank, e.g. gpus=[0, 1]")
+    if len(gpus) != ranks:
+        raise ValueError(f"gpus={list(gpus)!r} names {len(gpus)} GPU(s) for {ranks} ranks: give one per rank")
+    if device == "cpu":
+        raise ValueError(f"gpus={list(gpus)!r} with device='cpu': leave out gpus, or use device='cuda'")
+    missing = [gpu for gpu in gpus if gpu >= gpu_count]
+    if missing:
+        raise ValueError(f"gpus={list(gpus)!r}: this host has {gpu_count} GPU(s) (0..{gpu_count - 1}), "
+                         f"so {missing} do not exist" if gpu_count else
+                         f"gpus={list(gpus)!r}: this host has no GPU that torch can see; leave out gpus "
+                         f"(the lab then runs on CPU)")
+    return gpus
+
+
+def gpus_for_seat(seat: int, ranks: int, gpu_count: int) -> list[int]:
+    """The GPUs of attendee `seat` (0, 1, ...) when each attendee's lab has `ranks` ranks: the
+    devices split in consecutive blocks, e.g. seat 1 with 2 ranks on 8 GPUs gets [2, 3]."""
+    check_positive_int("ranks", ranks, example=2)
+    seats = gpu_count // ranks
+    if not isinstance(seat, int) or not 0 <= seat < seats:
+        raise ValueError(f"seat={seat!r}: {gpu_count} GPU(s) give {seats} seat(s) of {ranks} rank(s) "
+                         f"(0..{seats - 1}); the others use device='cpu'")
+    return list(range(seat * ranks, (seat + 1) * ranks))
 
 
 def choose_backend_device(backend: str, device: str, gpus_per_host: dict[str, int],

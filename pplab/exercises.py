@@ -1,0 +1,379 @@
+"""Checkers for the course's exercises: run the learner's code, say precisely what is wrong or that it is right.
+
+Each exercise notebook (`notebooks/*exercise*.ipynb`) has a marked cell where the learner
+writes one piece, and a checker cell that calls one function here. A checker never raises
+for a wrong answer: it returns a `Verdict` that prints as a short report, so a notebook
+with an unwritten exercise still runs top to bottom. Checkers that need ranks run the
+code on a lab; a deadlock there ends within the lab's timeout, and the checker restarts
+the lab for the next try.
+
+    warmup_forwards(rank, n_ranks, n_microbatches)       -> check_warmup
+    stage_forward(stage, x)                              -> check_stage_forward
+    forward_backward(stage, rank, tokens, targets)       -> check_send_recv (on a 2-rank lab)
+    a schedule's text, one line per rank                 -> check_schedule (on a lab)
+    clip_global_norm(parameters, max_norm)               -> check_clipping (on a 2-rank lab)
+"""
+
+from __future__ import annotations
+
+import html
+import traceback
+import types
+from dataclasses import dataclass
+
+NOT_WRITTEN = "not written yet: replace `raise NotImplementedError` in the exercise cell with your code"
+
+
+@dataclass(frozen=True)
+class Verdict:
+    """What a checker found: right or not, and what to do about it."""
+
+    exercise: str
+    right: bool
+    message: str
+
+    def __bool__(self) -> bool:
+        return self.right
+
+    def __str__(self) -> str:
+        return f"{'RIGHT' if self.right else 'NOT YET'} · {self.exercise}: {self.message}"
+
+    __repr__ = __str__
+
+    def _repr_html_(self) -> str:
+        colour, mark = ("#1a7f37", "✔ right") if self.right else ("#c00000", "✘ not yet")
+        lines = "<br>".join(html.escape(line) for line in self.message.splitlines())
+        return (f"<div style='border-left:4px solid {colour};padding:4px 10px'>"
+                f"<b style='color:{colour}'>{mark}</b> · {html.escape(self.exercise)}<br>{lines}</div>")
+
+
+def _raised(exercise: str, error: BaseException, hint: str = "") -> Verdict:
+    """A verdict for learner code that raised: where, what, and a hint if one fits."""
+    if isinstance(error, NotImplementedError):
+        return Verdict(exercise, False, NOT_WRITTEN)
+    last = traceback.format_exception_only(type(error), error)[-1].strip()
+    return Verdict(exercise, False, f"your code raised {last}" + (f"\n{hint}" if hint else ""))
+
+
+# --- 1 · the 1F1B warm-up (pure) ----------------------------------------------------------------
+
+def check_warmup(warmup_forwards, max_ranks: int = 8, max_microbatches: int = 12) -> Verdict:
+    """`warmup_forwards(rank, n_ranks, n_microbatches)`: the forwards rank runs in 1F1B before
+    its steady one-forward-one-backward phase. Judged against pplab's 1F1B schedules."""
+    from pplab.schedules import Kind, build
+
+    name = "the 1F1B warm-up"
+    for n_ranks in range(1, max_ranks + 1):
+        for n_microbatches in range(1, max_microbatches + 1):
+            schedule = build("1f1b", n_ranks, n_microbatches).compute_only()
+            for rank in range(n_ranks):
+                actions = schedule.actions[rank]
+                before_first_backward = next(i for i, a in enumerate(actions) if a.kind == Kind.B)
+                expected = min(before_first_backward, n_ranks - 1 - rank)  # the steady phase opens with an F
+                try:
+                    given = warmup_forwards(rank, n_ranks, n_microbatches)
+                except Exception as error:  # noqa: BLE001 - whatever the learner's code raised
+                    return _raised(name, error)
+                if given != expected:
+                    return Verdict(name, False, _warmup_hint(rank, n_ranks, n_microbatches, given, expected))
+    return Verdict(name, True, f"every rank of every 1F1B schedule up to {max_ranks} ranks and "
+                               f"{max_microbatches} microbatches warms up with as many forwards as you said")
+
+
+def _warmup_hint(rank: int, n_ranks: int, n_microbatches: int, given, expected: int) -> str:
+    microbatches = f"{n_microbatches} microbatch{'es' if n_microbatches > 1 else ''}"
+    case = f"rank {rank} of {n_ranks} with {microbatches}: you said {given!r}, it runs {expected}"
+    if given == n_ranks - 1 - rank:
+        why = f"with {microbatches} a rank cannot run more forwards than that"
+    elif given == n_ranks - 1 and rank:
+        why = "the warm-up shrinks along the pipeline: rank r's first gradient comes back r hops sooner"
+    elif isinstance(given, int) and given == expected + 1:
+        why = "one too many: the first forward of the steady phase is not warm-up (it is paired with a backward)"
+    else:
+        why = ("the last rank gets its gradient at once; each rank before it must keep one more "
+               "microbatch going while the first one travels to the end and back")
+    return f"{case}.\n{why}."
+
+
+# --- 2 · a stage's forward: first, middle, last (pure) ---------------------------------------------
+
+def check_stage_forward(stage_forward, seed: int = 0) -> Verdict:
+    """`stage_forward(stage, x)`: what a stage (`pplab.build_stage`) computes, from its parts
+    (embed_tokens, rotary_emb, layers, norm, lm_head): judged on the first, a middle and the
+    last of three stages, in value and in gradient."""
+    import torch
+
+    from pplab.data import batches
+    from pplab.model import LlamaConfig
+    from pplab.partition import build_stage
+
+    name = "a stage's forward"
+    config = LlamaConfig.tiny()
+    tokens, _ = next(batches(2, 16, seed=seed))
+    hidden = torch.randn(2, 16, config.hidden_size, generator=torch.Generator().manual_seed(seed))
+    for index, role in enumerate(("first", "middle", "last")):
+        stage = build_stage(config, index, 3, seed=seed)
+        x = tokens if index == 0 else hidden.clone().requires_grad_(True)
+        expected = stage(x)
+        stage.zero_grad(set_to_none=True)
+        try:
+            got = stage_forward(stage, x)
+        except Exception as error:  # noqa: BLE001
+            hint = ("a decoder layer takes (x, cos, sin): get cos, sin = stage.rotary_emb(seq_len) once per forward"
+                    if isinstance(error, TypeError) and "cos" in str(error) else "")
+            return _raised(name, error, f"(on the {role} stage) {hint}".strip())
+        if not isinstance(got, torch.Tensor) or got.shape != expected.shape:
+            shape = tuple(got.shape) if isinstance(got, torch.Tensor) else type(got).__name__
+            return Verdict(name, False, f"the {role} stage should return a tensor of shape "
+                                        f"{tuple(expected.shape)}, yours returned {shape}."
+                                        + _role_hint(role))
+        if not torch.allclose(got, expected, rtol=1e-5, atol=1e-6):
+            return Verdict(name, False, f"the {role} stage's output differs from the stage's own forward "
+                                        f"(largest difference {(got - expected).abs().max().item():.2e})."
+                                        + _role_hint(role))
+        got.float().sum().backward()
+        missing = [n for n, p in stage.named_parameters() if p.grad is None or not p.grad.abs().sum() > 0]
+        if missing:
+            return Verdict(name, False, f"on the {role} stage, {missing[0]} got no gradient: something in "
+                                        f"your forward detached the tensor (.detach(), torch.no_grad, .data) "
+                                        f"or skipped that part")
+    return Verdict(name, True, "the first, middle and last stage compute exactly what the stages do, "
+                               "and every parameter gets its gradient")
+
+
+def _role_hint(role: str) -> str:
+    return {"first": "\nThe first stage turns token ids into vectors (embed_tokens), then runs its layers.",
+            "middle": "\nA middle stage gets hidden states: no embedding, no head; only its layers, with RoPE.",
+            "last": "\nThe last stage ends with the final norm, then lm_head: logits over the vocabulary."}[role]
+
+
+# --- 3 · send and receive, with gradients (a 2-rank lab) ------------------------------------------
+
+def _forward_backward_on_rank(forward_backward, config, batch) -> dict:
+    from pplab.cluster.engine import rank_context
+    from pplab.partition import build_stage
+
+    rank = rank_context().rank
+    stage = build_stage(config, rank, 2)
+    tokens, targets = batch
+    loss = forward_backward(stage, rank, tokens, targets)
+    return {"loss": None if loss is None else float(loss),
+            "grads": {n: None if p.grad is None else p.grad.clone() for n, p in stage.named_parameters()}}
+
+
+def check_send_recv(lab, forward_backward, seed: int = 0) -> Verdict:
+    """`forward_backward(stage, rank, tokens, targets)`: rank 0 runs stage 0 and sends its output,
+    rank 1 receives it, runs stage 1 and the loss, and sends back the gradient of what it
+    received, with which rank 0 runs its backward. Judged against one device, on a 2-rank lab."""
+    from pplab.data import batches
+    from pplab.model import LlamaConfig
+    from pplab.reference import reference_step
+
+    name = "send and receive, with gradients"
+    if lab.world_size != 2:
+        return Verdict(name, False, f"this exercise runs on 2 ranks; the lab has {lab.world_size}: "
+                                    f"start it with pplab.Lab(ranks=2)")
+    config = LlamaConfig.tiny()
+    batch = next(batches(2, 16, seed=seed))
+    ran = _run_on_lab(lab, name, _forward_backward_on_rank, forward_backward, config, batch)
+    if isinstance(ran, Verdict):
+        return ran
+    reference = reference_step(config, batch, 1, seed=0)
+    loss = ran[1]["loss"]
+    if loss is None or abs(loss - reference.loss) > 1e-5 * abs(reference.loss):
+        return Verdict(name, False, f"rank 1 returned the loss {loss!r}, one device gets {reference.loss:.6f}: "
+                                    f"rank 1 must return loss_fn(stage(x), targets)")
+    for rank in (1, 0):
+        for param, grad in ran[rank]["grads"].items():
+            if grad is None:
+                why = ("rank 1 sent no gradient back, or rank 0 never called out.backward(grad)" if rank == 0
+                       else "rank 1 never ran the backward of its loss")
+                return Verdict(name, False, f"rank {rank}'s {param} got no gradient: {why}")
+            difference = (grad - reference.grads[param]).abs().max().item()
+            if difference > 1e-5:
+                why = ("the gradient rank 1 sent is not the gradient of what it received: call "
+                       "x.requires_grad_() on the received activation before stage 1 runs, and send x.grad"
+                       if rank == 0 else "rank 1's backward differs from one device's")
+                return Verdict(name, False, f"rank {rank}'s {param} differs from one device by {difference:.2e}: {why}")
+    return Verdict(name, True, f"loss {loss:.6f} and every gradient on both ranks equal one device's")
+
+
+def _run_on_lab(lab, name: str, on_rank, learner_code, *args):
+    """Run `on_rank(learner_code, *args)` on every rank, where the learner's function finds the
+    names it uses as in the notebook; a failure (a deadlock's timeout among them) becomes a
+    verdict naming the ranks, and the lab is restarted for the next try."""
+    from pplab.cluster import LabError
+
+    try:
+        imports, functions = _globals_used(learner_code)
+        lab.run(_bind_on_rank, imports)
+        if functions:
+            lab.view.push(functions, block=True)
+        return lab.run(on_rank, learner_code, *args, timeout=lab.timeout + 60)
+    except LabError as error:
+        lines = [line for line in str(error).split("\nRemote traceback")[0].splitlines() if line.strip()]
+        said = "\n".join(lines[:3])
+        every_error = {rank: str(remote) for rank, remote in lab.last_errors.items()}
+        waited = sorted(rank for rank, text in every_error.items() if "timed out" in text.lower())
+        hint = ""
+        if waited:  # gloo's words for a receive that gave up; the other side's error follows from it
+            others = sorted(set(every_error) - set(waited))
+            said = (f"rank{'s' if len(waited) > 1 else ''} {', '.join(map(str, waited))} waited "
+                    f"{lab.timeout:g} s for a message that never came"
+                    + (f"; then rank{'s' if len(others) > 1 else ''} {', '.join(map(str, others))} lost "
+                       f"the connection" if others else "") + ".")
+            hint = ("\nIf both ranks receive first, neither sends: a deadlock. Let one side send first, "
+                    "or post both with dist.batch_isend_irecv.")
+        elif "NoneType" in said:
+            hint = ("\nSomething was None: a received activation has no .grad unless it requires grad "
+                    "(x.requires_grad_()) before the stage runs on it.")
+        lab.restart()
+        return Verdict(name, False, f"{said}{hint}\n(The lab was restarted for your next try.)")
+
+
+def _globals_used(function) -> tuple[dict[str, tuple[str, str | None]], dict]:
+    """The global names a notebook function uses: those an engine can import (modules, and what
+    importable modules define: name -> (module, attribute or None)), and the notebook's own
+    functions it calls (sent as they are, with what they use in turn)."""
+    imports, functions, todo = {}, {}, [function]
+    while todo:
+        current = todo.pop()
+        for name in _names_in(current.__code__):
+            value = current.__globals__.get(name)
+            if value is None or name in imports or name in functions:
+                continue
+            if isinstance(value, types.ModuleType):
+                imports[name] = (value.__name__, None)
+            elif isinstance(value, types.FunctionType) and value.__module__ == "__main__":
+                functions[name] = value
+                todo.append(value)
+            elif getattr(value, "__module__", "__main__") != "__main__" and \
+                    getattr(value, "__qualname__", "").isidentifier():
+                imports[name] = (value.__module__, value.__qualname__)
+    return imports, functions
+
+
+def _names_in(code: types.CodeType) -> set[str]:
+    names = set(code.co_names)
+    for constant in code.co_consts:
+        if isinstance(constant, types.CodeType):  # nested functions, comprehensions
+            names |= _names_in(constant)
+    return names
+
+
+def _bind_on_rank(imports: dict[str, tuple[str, str | None]]) -> None:
+    """Import, into the engine's namespace (where a sent function looks up its globals), what
+    the learner's function uses."""
+    import importlib
+
+    from IPython import get_ipython
+
+    namespace = get_ipython().user_ns
+    for name, (module, attribute) in imports.items():
+        value = importlib.import_module(module)
+        namespace[name] = value if attribute is None else getattr(value, attribute)
+
+
+# --- 4 · a schedule by hand (a lab) ------------------------------------------------------------------
+
+def check_schedule(lab, lines, n_microbatches: int = 4, max_in_flight: int | None = None) -> Verdict:
+    """A schedule written as one line of actions per rank ("0F0 0F1 0B0 ..."): it must name every
+    microbatch, hold at most `max_in_flight` activations on a rank, never deadlock, and match
+    one device when run on the lab."""
+    from pplab.model import LlamaConfig
+    from pplab.schedules import Kind, Schedule, ScheduleError, validate
+
+    name = "a schedule by hand"
+    if lines is None or lines is ... or (isinstance(lines, (list, tuple)) and ... in lines):
+        return Verdict(name, False, NOT_WRITTEN.replace("`raise NotImplementedError`", "the `...`"))
+    try:
+        schedule = Schedule.from_text(list(lines), name="yours")
+        validate(schedule)
+    except (ScheduleError, ValueError) as error:
+        return Verdict(name, False, str(error))
+    if schedule.n_ranks != lab.world_size or schedule.n_microbatches != n_microbatches:
+        return Verdict(name, False, f"your schedule has {schedule.n_ranks} rank(s) and {schedule.n_microbatches} "
+                                    f"microbatch(es); this exercise wants {lab.world_size} and {n_microbatches}")
+    if max_in_flight is not None:
+        for rank, actions in enumerate(schedule.actions):
+            held, peak, at = 0, 0, None
+            for action in actions:
+                held += {Kind.F: 1, Kind.B: -1}.get(action.kind, 0)
+                if held > peak:
+                    peak, at = held, action
+            if peak > max_in_flight:
+                return Verdict(name, False, f"rank {rank} holds the activations of {peak} microbatches at once "
+                                            f"(after {at}); the limit is {max_in_flight}: run a backward sooner")
+    run = lab.pipeline(LlamaConfig.tiny(), schedule=schedule)
+    try:
+        report = run.check_parity()
+    finally:
+        run.close()
+    if not report.passed:
+        return Verdict(name, False, f"it ran, but differs from one device:\n{report}")
+    return Verdict(name, True, f"valid, within the memory limit, and it ran on {lab.world_size} ranks with "
+                               f"exactly the single-device gradients (loss {report.loss:.6f})")
+
+
+# --- 5 · global-norm clipping (a 2-rank lab) ----------------------------------------------------------
+
+def _clip_on_rank(clip_global_norm, config, batch, max_norm: float) -> dict:
+    from pplab.cluster.engine import rank_context
+    from pplab.partition import build_stage
+    from pplab.reference import reference_step
+
+    context = rank_context()
+    stage = build_stage(config, context.rank, context.world_size)
+    reference = reference_step(config, batch, 1)  # every rank's gradients as one device has them
+    for param_name, param in stage.named_parameters():
+        param.grad = reference.grads[param_name].clone()
+    returned = clip_global_norm(list(stage.parameters()), max_norm)
+    return {"norm": None if returned is None else float(returned),
+            "grads": {n: p.grad.clone() for n, p in stage.named_parameters()},
+            "before": {n: reference.grads[n] for n, _ in stage.named_parameters()}}
+
+
+def check_clipping(lab, clip_global_norm, seed: int = 0) -> Verdict:
+    """`clip_global_norm(parameters, max_norm)` runs on every rank with that rank's stage
+    parameters, scales their gradients so that the norm of all stages' gradients together is at
+    most `max_norm`, and returns that global norm (before clipping). Judged against
+    torch.nn.utils.clip_grad_norm_ on the whole model, on one device."""
+    import torch
+
+    from pplab.data import batches
+    from pplab.model import LlamaConfig
+    from pplab.reference import reference_step
+
+    name = "global-norm clipping"
+    config = LlamaConfig.tiny()
+    batch = next(batches(2, 16, seed=seed))
+    grads = reference_step(config, batch, 1).grads
+    total = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g) for g in grads.values()])).item()
+    max_norm = total / 2  # so that clipping must happen
+    factor = max_norm / (total + 1e-6)  # what clip_grad_norm_ scales by
+    ran = _run_on_lab(lab, name, _clip_on_rank, clip_global_norm, config, batch, max_norm)
+    if isinstance(ran, Verdict):
+        return ran
+    factors = []
+    for rank, result in enumerate(ran):
+        scale = [(result["grads"][n] * result["before"][n]).sum().item() / (result["before"][n] ** 2).sum().item()
+                 for n in result["grads"]]
+        factors.append(sum(scale) / len(scale))
+        if result["norm"] is None or abs(result["norm"] - total) > 1e-4 * total:
+            hint = (" (the norm of this rank's own gradients: sum the squares on every rank, all_reduce "
+                    "them, then take the square root)" if result["norm"] is not None and result["norm"] < total
+                    else "")
+            returned = "None" if result["norm"] is None else f"{result['norm']:.6f}"
+            return Verdict(name, False, f"rank {rank} returned the norm {returned}, but the norm of all "
+                                        f"stages' gradients is {total:.6f}{hint}")
+    for rank, result in enumerate(ran):
+        for param_name, grad in result["grads"].items():
+            expected = result["before"][param_name] * factor
+            if not torch.allclose(grad, expected, rtol=1e-5, atol=1e-8):
+                scales = ", ".join(f"rank {r} by {f:.3f}" for r, f in enumerate(factors))
+                return Verdict(name, False, f"the gradients were scaled {scales}; every rank must scale by "
+                                            f"max_norm / global norm = {factor:.3f} (first wrong: rank {rank}'s "
+                                            f"{param_name}). Clipping each stage by its own norm scales the "
+                                            f"stages differently and changes the update's direction")
+    return Verdict(name, True, f"both ranks returned the global norm {total:.6f} and scaled every gradient by "
+                               f"{factor:.3f}, as clip_grad_norm_ does on the whole model")
