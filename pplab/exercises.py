@@ -72,9 +72,10 @@ def check_warmup(warmup_forwards, max_ranks: int = 8, max_microbatches: int = 12
                 expected = min(before_first_backward, n_ranks - 1 - rank)  # the steady phase opens with an F
                 try:
                     given = warmup_forwards(rank, n_ranks, n_microbatches)
+                    wrong = bool(given != expected)
                 except Exception as error:  # noqa: BLE001 - whatever the learner's code raised
                     return _raised(name, error)
-                if given != expected:
+                if wrong:
                     return Verdict(name, False, _warmup_hint(rank, n_ranks, n_microbatches, given, expected))
     return Verdict(name, True, f"every rank of every 1F1B schedule up to {max_ranks} ranks and "
                                f"{max_microbatches} microbatches warms up with as many forwards as you said")
@@ -127,6 +128,8 @@ def check_stage_forward(stage_forward, seed: int = 0) -> Verdict:
             return Verdict(name, False, f"the {role} stage should return a tensor of shape "
                                         f"{tuple(expected.shape)}, yours returned {shape}."
                                         + _role_hint(role))
+        if got.dtype != expected.dtype:
+            return Verdict(name, False, f"the {role} stage should return {expected.dtype}, yours returned {got.dtype}")
         if not torch.allclose(got, expected, rtol=1e-5, atol=1e-6):
             return Verdict(name, False, f"the {role} stage's output differs from the stage's own forward "
                                         f"(largest difference {(got - expected).abs().max().item():.2e})."
@@ -137,6 +140,9 @@ def check_stage_forward(stage_forward, seed: int = 0) -> Verdict:
             return Verdict(name, False, f"on the {role} stage, {missing[0]} got no gradient: something in "
                                         f"your forward detached the tensor (.detach(), torch.no_grad, .data) "
                                         f"or skipped that part")
+        if index > 0 and (x.grad is None or not x.grad.abs().sum() > 0):
+            return Verdict(name, False, f"the {role} stage's input got no gradient: your forward detached it, "
+                                        f"so the stages before this one would learn nothing")
     return Verdict(name, True, "the first, middle and last stage compute exactly what the stages do, "
                                "and every parameter gets its gradient")
 
@@ -204,13 +210,21 @@ def _run_on_lab(lab, name: str, on_rank, learner_code, *args):
     verdict naming the ranks, and the lab is restarted for the next try."""
     from pplab.cluster import LabError
 
+    if getattr(learner_code, "__code__", None) is None:
+        return Verdict(name, False, f"give a function defined with def, not {type(learner_code).__name__}")
+    if lab.device != "cpu":
+        return Verdict(name, False, f"this exercise's tensors live on the CPU, but the lab runs on "
+                                    f"{lab.device}: start it with pplab.Lab(ranks=2, device='cpu')")
     try:
-        imports, functions = _globals_used(learner_code)
+        imports, shared = _globals_used(learner_code)
         lab.run(_bind_on_rank, imports)
-        if functions:
-            lab.view.push(functions, block=True)
+        if shared:
+            lab.view.push(shared, block=True)
         return lab.run(on_rank, learner_code, *args, timeout=lab.timeout + 60)
     except LabError as error:
+        if getattr(error, "ename", "") == "NotImplementedError":
+            _restart_if_needed(lab)
+            return Verdict(name, False, NOT_WRITTEN)
         lines = [line for line in str(error).split("\nRemote traceback")[0].splitlines() if line.strip()]
         said = "\n".join(lines[:3])
         every_error = {rank: str(remote) for rank, remote in lab.last_errors.items()}
@@ -222,19 +236,28 @@ def _run_on_lab(lab, name: str, on_rank, learner_code, *args):
                     f"{lab.timeout:g} s for a message that never came"
                     + (f"; then rank{'s' if len(others) > 1 else ''} {', '.join(map(str, others))} lost "
                        f"the connection" if others else "") + ".")
-            hint = ("\nIf both ranks receive first, neither sends: a deadlock. Let one side send first, "
-                    "or post both with dist.batch_isend_irecv.")
+            hint = ("\nIf both ranks receive first, neither sends: a deadlock; let one side send first. "
+                    "If only one rank waited, its peer never sent what it expected: check each send's dst "
+                    "and each receive's src, and that every message has its partner.")
         elif "NoneType" in said:
             hint = ("\nSomething was None: a received activation has no .grad unless it requires grad "
                     "(x.requires_grad_()) before the stage runs on it.")
-        lab.restart()
-        return Verdict(name, False, f"{said}{hint}\n(The lab was restarted for your next try.)")
+        restarted = _restart_if_needed(lab)
+        return Verdict(name, False, f"{said}{hint}" + ("\n(The lab was restarted for your next try.)" if restarted else ""))
+
+
+def _restart_if_needed(lab) -> bool:
+    """Give the learner a working lab for the next try; True if it had to be restarted."""
+    if lab.state == "running":
+        return False
+    lab.restart()
+    return True
 
 
 def _globals_used(function) -> tuple[dict[str, tuple[str, str | None]], dict]:
     """The global names a notebook function uses: those an engine can import (modules, and what
     importable modules define: name -> (module, attribute or None)), and the notebook's own
-    functions it calls (sent as they are, with what they use in turn)."""
+    values and functions (sent as they are; a function with what it uses in turn)."""
     imports, functions, todo = {}, {}, [function]
     while todo:
         current = todo.pop()
@@ -250,6 +273,8 @@ def _globals_used(function) -> tuple[dict[str, tuple[str, str | None]], dict]:
             elif getattr(value, "__module__", "__main__") != "__main__" and \
                     getattr(value, "__qualname__", "").isidentifier():
                 imports[name] = (value.__module__, value.__qualname__)
+            else:  # a value of the notebook's (a number, a config, a tensor): sent by pickling
+                functions[name] = value
     return imports, functions
 
 
@@ -286,6 +311,9 @@ def check_schedule(lab, lines, n_microbatches: int = 4, max_in_flight: int | Non
     name = "a schedule by hand"
     if lines is None or lines is ... or (isinstance(lines, (list, tuple)) and ... in lines):
         return Verdict(name, False, NOT_WRITTEN.replace("`raise NotImplementedError`", "the `...`"))
+    if not isinstance(lines, (list, tuple)) or not all(isinstance(line, str) for line in lines):
+        return Verdict(name, False, f"give a list with one string per rank, e.g. [\"0F0 0F1 0B0 ...\", "
+                                    f"\"1F0 1B0 ...\"], not {type(lines).__name__}")
     try:
         schedule = Schedule.from_text(list(lines), name="yours")
         validate(schedule)
@@ -297,18 +325,26 @@ def check_schedule(lab, lines, n_microbatches: int = 4, max_in_flight: int | Non
     if max_in_flight is not None:
         for rank, actions in enumerate(schedule.actions):
             held, peak, at = 0, 0, None
+            frees = Kind.W if any(a.kind == Kind.W for a in actions) else Kind.B  # with I/W split, W frees
             for action in actions:
-                held += {Kind.F: 1, Kind.B: -1}.get(action.kind, 0)
+                held += 1 if action.kind == Kind.F else -1 if action.kind == frees else 0
                 if held > peak:
                     peak, at = held, action
             if peak > max_in_flight:
                 return Verdict(name, False, f"rank {rank} holds the activations of {peak} microbatches at once "
                                             f"(after {at}); the limit is {max_in_flight}: run a backward sooner")
-    run = lab.pipeline(LlamaConfig.tiny(), schedule=schedule)
+    from pplab.cluster import LabError
+
     try:
-        report = run.check_parity()
-    finally:
-        run.close()
+        run = lab.pipeline(LlamaConfig.tiny(), schedule=schedule)
+        try:
+            report = run.check_parity()
+        finally:
+            run.close()
+    except LabError as error:
+        restarted = _restart_if_needed(lab)
+        return Verdict(name, False, str(error).split("\nRemote traceback")[0].strip()
+                       + ("\n(The lab was restarted for your next try.)" if restarted else ""))
     if not report.passed:
         return Verdict(name, False, f"it ran, but differs from one device:\n{report}")
     return Verdict(name, True, f"valid, within the memory limit, and it ran on {lab.world_size} ranks with "
@@ -349,31 +385,51 @@ def check_clipping(lab, clip_global_norm, seed: int = 0) -> Verdict:
     batch = next(batches(2, 16, seed=seed))
     grads = reference_step(config, batch, 1).grads
     total = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g) for g in grads.values()])).item()
-    max_norm = total / 2  # so that clipping must happen
-    factor = max_norm / (total + 1e-6)  # what clip_grad_norm_ scales by
-    ran = _run_on_lab(lab, name, _clip_on_rank, clip_global_norm, config, batch, max_norm)
-    if isinstance(ran, Verdict):
-        return ran
+    for max_norm in (total / 2, total * 2):  # one try that must clip, one that must leave all as is
+        ran = _run_on_lab(lab, name, _clip_on_rank, clip_global_norm, config, batch, max_norm)
+        if isinstance(ran, Verdict):
+            return ran
+        wrong = _judge_clipping(name, ran, total, max_norm)
+        if wrong is not None:
+            return wrong
+    factor = (total / 2) / (total + 1e-6)
+    return Verdict(name, True, f"both ranks returned the global norm {total:.6f}, scaled every gradient by "
+                               f"{factor:.3f} when max_norm was half of it and left them as they were when it "
+                               f"was twice it, as clip_grad_norm_ does on the whole model")
+
+
+def _judge_clipping(name: str, ran: list[dict], total: float, max_norm: float) -> Verdict | None:
+    """What is wrong with one try of the learner's clipping (None: nothing)."""
+    import torch
+
+    factor = min(1.0, max_norm / (total + 1e-6))  # what clip_grad_norm_ scales by
     factors = []
     for rank, result in enumerate(ran):
         scale = [(result["grads"][n] * result["before"][n]).sum().item() / (result["before"][n] ** 2).sum().item()
                  for n in result["grads"]]
         factors.append(sum(scale) / len(scale))
-        if result["norm"] is None or abs(result["norm"] - total) > 1e-4 * total:
-            hint = (" (the norm of this rank's own gradients: sum the squares on every rank, all_reduce "
-                    "them, then take the square root)" if result["norm"] is not None and result["norm"] < total
-                    else "")
-            returned = "None" if result["norm"] is None else f"{result['norm']:.6f}"
+        norm = result["norm"]
+        if norm is None or abs(norm - total) > 1e-4 * total:
+            if norm is not None and abs(norm - max_norm) <= 1e-4 * max_norm:
+                hint = " (you returned the norm after clipping: return the one before)"
+            elif norm is not None and norm < total:
+                hint = (" (the norm of this rank's own gradients: sum the squares on every rank, all_reduce "
+                        "them, then take the square root)")
+            else:
+                hint = ""
+            returned = "None" if norm is None else f"{norm:.6f}"
             return Verdict(name, False, f"rank {rank} returned the norm {returned}, but the norm of all "
                                         f"stages' gradients is {total:.6f}{hint}")
     for rank, result in enumerate(ran):
         for param_name, grad in result["grads"].items():
-            expected = result["before"][param_name] * factor
-            if not torch.allclose(grad, expected, rtol=1e-5, atol=1e-8):
+            if not torch.allclose(grad, result["before"][param_name] * factor, rtol=1e-5, atol=1e-8):
                 scales = ", ".join(f"rank {r} by {f:.3f}" for r, f in enumerate(factors))
+                if factor == 1.0:
+                    return Verdict(name, False, f"with max_norm={max_norm:.3f} above the global norm {total:.3f} "
+                                                f"nothing may change, but the gradients were scaled {scales}: "
+                                                f"scale by min(1, max_norm / norm)")
                 return Verdict(name, False, f"the gradients were scaled {scales}; every rank must scale by "
                                             f"max_norm / global norm = {factor:.3f} (first wrong: rank {rank}'s "
                                             f"{param_name}). Clipping each stage by its own norm scales the "
                                             f"stages differently and changes the update's direction")
-    return Verdict(name, True, f"both ranks returned the global norm {total:.6f} and scaled every gradient by "
-                               f"{factor:.3f}, as clip_grad_norm_ does on the whole model")
+    return None

@@ -7,9 +7,10 @@ pipeline and step it:
     pplab.faults.die(run, "1B2")                 # that rank's process is SIGKILLed at backward 2
     run.step()                                   # the peers' waits fail, naming rank, peer and action
 
-A fault is armed on the rank that runs the action's stage and fires once, when the
-runtime starts that action (inside it: the timeline shows a forward that lasts). The
-process kills itself, so `die` works on any host, not only this one. (A link cut is a
+A fault is armed on the rank that runs the action's stage and fires once, inside that
+action, the next time the runtime starts it (in whichever pipeline on the lab gets there
+first; the timeline shows a forward that lasts). The process kills itself, so `die` works
+on any host, not only this one. (A link cut is a
 fault of the network, not of a rank: `NamespaceHosts.shape_link(loss_percent=100)`.)
 
 The engine side is one dict per process; the runtime asks `strike(action)` before each
@@ -108,5 +109,6 @@ def _arm(run, action: str, kind: str, seconds: float) -> int:
         raise ValueError(f"action={action!r} is not in schedule {schedule.name!r}; rank {rank} runs "
                          f"these computations of stage {parsed.stage}: {there}")
     armed = run.lab.run(arm_on_rank, rank, str(parsed), kind, seconds)
-    assert armed.count(True) == 1, armed  # exactly the rank that runs the stage
+    if armed.count(True) != 1:  # the lab's ranks are not the schedule's (it must run stage's rank once)
+        raise RuntimeError(f"the fault for {action!r} was armed on {armed.count(True)} ranks, not 1")
     return rank

@@ -24,6 +24,13 @@ from pathlib import Path
 import pplab
 
 seat, folder = sys.argv[1], Path(sys.argv[2])
+
+
+def say(name, text):  # whole or not at all: the test may read at any moment
+    (folder / f"{name}.tmp").write_text(text)
+    (folder / f"{name}.tmp").replace(folder / name)
+
+
 lab = pplab.Lab(ranks=2, device="cpu", verbose=False)
 run = lab.pipeline(pplab.LlamaConfig.tiny(), schedule="1f1b", microbatches=4)
 assert run.check_parity().passed
@@ -31,7 +38,7 @@ files = Path(lab.profile_dir, "security").glob(f"ipcontroller-{lab.cluster_id}-*
 ports = sorted({port for path in files for value in json.loads(path.read_text()).values()
                 for port in (value if isinstance(value, list) else [value])
                 if isinstance(port, int) and not isinstance(port, bool)})
-(folder / f"{seat}.ready").write_text(json.dumps({"cluster_id": lab.cluster_id, "ports": ports}))
+say(f"{seat}.ready", json.dumps({"cluster_id": lab.cluster_id, "ports": ports}))
 while True:
     order = folder / f"{seat}.order"
     if order.exists():
@@ -40,7 +47,7 @@ while True:
             break
         order.unlink()
         passed = run.check_parity().passed
-        (folder / f"{seat}.again").write_text(str(passed))
+        say(f"{seat}.again", str(passed))
     time.sleep(0.1)
 """
 
@@ -53,6 +60,11 @@ def wait_for(path: Path, seconds: float, attendees) -> str:
         assert time.monotonic() < deadline, f"{path.name} did not appear in {seconds} s"
         time.sleep(0.1)
     return path.read_text()
+
+
+def order(folder: Path, seat: str, what: str) -> None:
+    (folder / f"{seat}.tmp").write_text(what)
+    (folder / f"{seat}.tmp").replace(folder / f"{seat}.order")
 
 
 def cleanup(env) -> str:
@@ -79,7 +91,7 @@ def test_three_attendees_labs_run_at_once_and_stop_alone(tmp_path, ipython_dir):
         assert len(ports) >= 3 * 10 and len(ports) == len(set(ports)), started
 
         # Ada stops her lab: the others go on working.
-        (tmp_path / "ada.order").write_text("stop")
+        order(tmp_path, "ada", "stop")
         assert attendees["ada"].wait(60) == 0
         assert "nothing to stop" in cleanup(env)  # every other lab's kernel is alive
 
@@ -89,9 +101,9 @@ def test_three_attendees_labs_run_at_once_and_stop_alone(tmp_path, ipython_dir):
         said = cleanup(env)
         assert f"stopped lab {started['cy']['cluster_id']} of a kernel that is gone" in said, said
         assert started["bob"]["cluster_id"] not in said
-        (tmp_path / "bob.order").write_text("again")
+        order(tmp_path, "bob", "again")
         assert wait_for(tmp_path / "bob.again", 120, [attendees["bob"]]) == "True"
-        (tmp_path / "bob.order").write_text("stop")
+        order(tmp_path, "bob", "stop")
         assert attendees["bob"].wait(60) == 0
     finally:
         for attendee in attendees.values():

@@ -236,7 +236,8 @@ class RankCall:
         who = ", ".join(self._ranks.describe(rank) for rank in died)
         reason = f"{who} died (its process ended) while running {self._name}"
         self._ranks.needs_restart(reason)
-        seen = [_remote_parts(self._per_rank[rank].exception())[1].splitlines()[0] for rank in failed]
+        seen = [(evalue.splitlines() or [ename])[0] for ename, evalue, _ in
+                (_remote_parts(self._per_rank[rank].exception()) for rank in failed)]
         self._ranks.record_errors({rank: self._per_rank[rank].exception() for rank in failed})
         lines = [f"{reason}.", *(f"Then {line}" if line.startswith("rank ") else line for line in seen)]
         return RankDiedError("\n".join([*lines, RESTART_HINT]), ranks=died)

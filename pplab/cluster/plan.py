@@ -70,6 +70,8 @@ def gpus_for_seat(seat: int, ranks: int, gpu_count: int) -> list[int]:
     devices split in consecutive blocks, e.g. seat 1 with 2 ranks on 8 GPUs gets [2, 3]."""
     check_positive_int("ranks", ranks, example=2)
     seats = gpu_count // ranks
+    if seats == 0:
+        raise ValueError(f"{gpu_count} GPU(s) cannot seat a lab of {ranks} ranks: use device='cpu'")
     if not isinstance(seat, int) or not 0 <= seat < seats:
         raise ValueError(f"seat={seat!r}: {gpu_count} GPU(s) give {seats} seat(s) of {ranks} rank(s) "
                          f"(0..{seats - 1}); the others use device='cpu'")

@@ -34,7 +34,7 @@ class RankGroup:
     """The ranks of one start of a lab, and whether they still work (what RankCall reports to)."""
 
     def __init__(self, infos: list[RankInfo], processes: dict[int, dict],
-                 registered: Callable[[], Iterable[int]] = tuple):
+                 registered: Callable[[], Iterable[int]] | None = None):
         self.infos = infos
         self.processes = processes  # rank -> process entry, for the ranks on this host
         self.registered = registered  # the engine ids the controller still hears (every host)
@@ -50,10 +50,10 @@ class RankGroup:
         at once); on another, the controller stopped hearing its heartbeat (seen seconds later)."""
         ranks = list(ranks)
         remote = [rank for rank in ranks if rank not in self.processes]
-        heard = set(self.registered()) if remote else set()
+        heard = set(self.registered()) if remote and self.registered is not None else None
         return [rank for rank in ranks
                 if (records.find_process(self.processes[rank]) is None if rank in self.processes
-                    else self.infos[rank].engine_id not in heard)]
+                    else heard is not None and self.infos[rank].engine_id not in heard)]
 
     def describe(self, rank: int) -> str:
         """'rank 1 (engine 3, pid 4242 on host)': what a user needs to find the process."""
