@@ -295,6 +295,24 @@ def test_px_cells_see_rank_world_size_device_and_dist(lab2):
         InteractiveShell.clear_instance()
 
 
+def receive_what_nobody_sends():
+    import torch
+    import torch.distributed as dist
+
+    if dist.get_rank() == 1:
+        dist.recv(torch.zeros(1), src=0)  # gloo gives up after the lab's timeout
+
+
+@pytest.mark.timeout(60)
+def test_a_raw_receive_that_timed_out_leaves_the_lab_asking_for_a_restart(fragile_lab):
+    # gloo's own timeout closes the pair: the process group cannot be used again.
+    with pytest.raises(RankFailedError, match="Timed out"):
+        fragile_lab.run(receive_what_nobody_sends)
+    assert fragile_lab.state.startswith("needs restart: rank 1's process group failed"), fragile_lab.state
+    fragile_lab.restart()
+    assert_healthy(fragile_lab)
+
+
 @pytest.mark.timeout(60)
 def test_what_px_cells_print_reads_in_rank_order(lab2, capsys):
     from IPython.core.interactiveshell import InteractiveShell

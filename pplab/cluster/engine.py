@@ -34,6 +34,9 @@ PROCESS_GROUP_BROKEN_KEY = "pplab-process-group-broken"
 # After these a rank's process group cannot be used again: a timed-out P2P wait of the
 # runtime leaves gloo's pair closed; a backend error leaves the communicator unusable.
 BREAKING_ERRORS = (PipelineTimeoutError, dist.DistBackendError)
+# gloo's transport raises a plain RuntimeError for a raw send/recv that timed out or lost its
+# peer ("[.../gloo/transport/tcp/pair.cc:553] Connection closed by peer"); the pair is closed.
+GLOO_TRANSPORT_WORDS = "gloo/transport/"
 
 
 def event_key(sequence: int) -> str:
@@ -160,6 +163,8 @@ def breaks_process_group(error: BaseException) -> bool:
     seen = set()
     while error is not None and id(error) not in seen:
         if isinstance(error, BREAKING_ERRORS):
+            return True
+        if isinstance(error, RuntimeError) and GLOO_TRANSPORT_WORDS in str(error):
             return True
         seen.add(id(error))
         error = error.__cause__ or error.__context__
