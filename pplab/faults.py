@@ -7,34 +7,48 @@ pipeline and step it:
     pplab.faults.die(run, "1B2")                 # that rank's process is SIGKILLed at backward 2
     run.step()                                   # the peers' waits fail, naming rank, peer and action
 
-A fault is armed on the rank that runs the action's stage and fires once, inside that
-action, the next time the runtime starts it (in whichever pipeline on the lab gets there
-first; the timeline shows a forward that lasts). The process kills itself, so `die` works
+A fault is armed, for one run, on the rank that runs the action's stage, and fires once,
+inside that action, the next time a step of that run (or its training) starts it: the
+timeline shows a forward that lasts. The process kills itself, so `die` works
 on any host, not only this one. (A link cut is a
 fault of the network, not of a rank: `NamespaceHosts.shape_link(loss_percent=100)`.)
 
-The engine side is one dict per process; the runtime asks `strike(action)` before each
+The engine side is one dict per process, keyed by run and action; the lab marks which run
+a rank is stepping (`in_run`), and the runtime asks `strike(action)` inside each
 computation, which costs a dict lookup when nothing is armed.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import time
 
 FAULTS = ("stall", "die")
 
-_armed: dict[str, tuple[str, float]] = {}  # on an engine: action text -> (fault, seconds)
+_armed: dict[tuple[str, str], tuple[str, float]] = {}  # on an engine: (run id, action) -> (fault, seconds)
+_current_run: str | None = None  # the run whose step this engine is running
 
 
 # --- engine side ----------------------------------------------------------------------------
+
+@contextlib.contextmanager
+def in_run(run_id: str):
+    """While this engine steps or trains the run `run_id` (the faults armed for it may fire)."""
+    global _current_run
+    previous, _current_run = _current_run, run_id
+    try:
+        yield
+    finally:
+        _current_run = previous
+
 
 def strike(action) -> None:
     """Called by the runtime as `action` starts: fire the fault armed for it, if any (once)."""
     if not _armed:
         return
-    fault = _armed.pop(str(action), None)
+    fault = _armed.pop((_current_run, str(action)), None)
     if fault is None:
         return
     kind, seconds = fault
@@ -44,21 +58,22 @@ def strike(action) -> None:
         os.kill(os.getpid(), signal.SIGKILL)
 
 
-def arm_on_rank(rank: int, action: str, kind: str, seconds: float) -> bool:
-    """Arm `kind` for `action` if this engine is `rank`; True where it was armed."""
+def arm_on_rank(run_id: str, rank: int, action: str, kind: str, seconds: float) -> bool:
+    """Arm `kind` for `action` of run `run_id` if this engine is `rank`; True where it was armed."""
     import torch.distributed as dist
 
     if dist.get_rank() != rank:
         return False
-    _armed[action] = (kind, seconds)
+    _armed[(run_id, action)] = (kind, seconds)
     return True
 
 
-def disarm_on_rank() -> int:
-    """Forget every fault armed on this engine; how many there were."""
-    count = len(_armed)
-    _armed.clear()
-    return count
+def disarm_on_rank(run_id: str) -> int:
+    """Forget the faults armed on this engine for run `run_id`; how many there were."""
+    mine = [key for key in _armed if key[0] == run_id]
+    for key in mine:
+        del _armed[key]
+    return len(mine)
 
 
 # --- client side ----------------------------------------------------------------------------
@@ -79,7 +94,7 @@ def die(run, action: str) -> int:
 
 def disarm(run) -> None:
     """Forget the faults armed on the run's ranks that have not fired."""
-    run.lab.run(disarm_on_rank)
+    run.lab.run(disarm_on_rank, run.run_id)
 
 
 def _arm(run, action: str, kind: str, seconds: float) -> int:
@@ -108,7 +123,7 @@ def _arm(run, action: str, kind: str, seconds: float) -> int:
         there = " ".join(str(a) for a in schedule.actions[rank] if a.stage == parsed.stage and a.is_compute)
         raise ValueError(f"action={action!r} is not in schedule {schedule.name!r}; rank {rank} runs "
                          f"these computations of stage {parsed.stage}: {there}")
-    armed = run.lab.run(arm_on_rank, rank, str(parsed), kind, seconds)
+    armed = run.lab.run(arm_on_rank, run.run_id, rank, str(parsed), kind, seconds)
     if armed.count(True) != 1:  # the lab's ranks are not the schedule's (it must run stage's rank once)
         raise RuntimeError(f"the fault for {action!r} was armed on {armed.count(True)} ranks, not 1")
     return rank

@@ -75,11 +75,16 @@ def test_a_rank_that_dies_at_an_action_is_named_by_its_peer(fragile_lab):
     assert fragile_lab.pipeline(CONFIG, schedule="gpipe", microbatches=4).check_parity().passed
 
 
-def test_an_armed_fault_that_did_not_fire_can_be_disarmed(lab2):
+def test_a_fault_fires_only_in_its_own_run_and_can_be_disarmed(lab2):
     run = lab2.pipeline(CONFIG, schedule="1f1b", microbatches=2)
+    other = lab2.pipeline(CONFIG, schedule="1f1b", microbatches=2)
     try:
         faults.die(run, "1F1")
+        assert other.step().loss > 0 and lab2.state == "running"  # another run: nothing fires
         faults.disarm(run)
         assert run.step().loss > 0 and lab2.state == "running"
+        faults.die(run, "1F1")
+        run.close()  # closing a run forgets its faults
+        assert other.step().loss > 0 and lab2.state == "running"
     finally:
-        run.close()
+        other.close()

@@ -18,6 +18,7 @@ from collections.abc import Sequence
 import torch
 import torch.distributed as dist
 
+from pplab import faults
 from pplab.arguments import check_positive_seconds
 from pplab.checks import (BoundaryTable, GradientFlowReport, ParityReport, check_gradient_flow,
                           compare_with_reference)
@@ -65,10 +66,11 @@ def step_on_rank(run_id: str, per_rank_data: list[dict], return_grads: bool,
     """
     context = engine.rank_context()
     pipeline, data = _pipeline(run_id), per_rank_data[context.rank]
-    if live_interval is None:
-        return pipeline.step(data, return_grads=return_grads)
-    with engine.Feed(live_interval) as feed:
-        return pipeline.step(data, return_grads=return_grads, watch=feed.put)
+    with faults.in_run(run_id):  # the faults armed for this run may fire (pplab.faults)
+        if live_interval is None:
+            return pipeline.step(data, return_grads=return_grads)
+        with engine.Feed(live_interval) as feed:
+            return pipeline.step(data, return_grads=return_grads, watch=feed.put)
 
 
 def train_on_rank(run_id: str, options: TrainOptions, until: int | None,
@@ -88,7 +90,7 @@ def train_on_rank(run_id: str, options: TrainOptions, until: int | None,
         # An async save writes from a thread: give it a process group of its own.
         group = dist.new_group(backend="gloo") if options.async_save else None
         trainer = _trainers[run_id] = RankTrainer(pipeline, options, checkpoint_group=group)
-    with engine.Feed(live_interval) as feed:
+    with engine.Feed(live_interval) as feed, faults.in_run(run_id):
         return trainer.train(until, on_step=lambda record: feed.put((record, trainer.last_events)))
 
 
@@ -100,9 +102,10 @@ def memory_on_rank(run_id: str) -> dict:
 
 
 def drop_on_rank(run_id: str) -> None:
-    """Forget the pipeline `run_id` (frees its stages and its trainer)."""
+    """Forget the pipeline `run_id` (frees its stages, its trainer and its faults not fired)."""
     _pipelines.pop(run_id, None)
     _trainers.pop(run_id, None)
+    faults.disarm_on_rank(run_id)
 
 
 # --- client side ----------------------------------------------------------------------------
