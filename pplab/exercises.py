@@ -225,7 +225,7 @@ def _run_on_lab(lab, name: str, on_rank, learner_code, *args):
         if getattr(error, "ename", "") == "NotImplementedError":
             _restart_if_needed(lab)
             return Verdict(name, False, NOT_WRITTEN)
-        lines = [line for line in str(error).split("\nRemote traceback")[0].splitlines() if line.strip()]
+        lines = [line for line in error.summary.splitlines() if line.strip()]
         said = "\n".join(lines[:3])
         every_error = {rank: str(remote) for rank, remote in lab.last_errors.items()}
         waited = sorted(rank for rank, text in every_error.items() if "timed out" in text.lower())
@@ -306,7 +306,7 @@ def check_schedule(lab, lines, n_microbatches: int = 4, max_in_flight: int | Non
     microbatch, hold at most `max_in_flight` activations on a rank, never deadlock, and match
     one device when run on the lab."""
     from pplab.model import LlamaConfig
-    from pplab.schedules import Kind, Schedule, ScheduleError, validate
+    from pplab.schedules import Schedule, ScheduleError, peak_inflight_at, validate
 
     name = "a schedule by hand"
     if lines is None or lines is ... or (isinstance(lines, (list, tuple)) and ... in lines):
@@ -323,13 +323,7 @@ def check_schedule(lab, lines, n_microbatches: int = 4, max_in_flight: int | Non
         return Verdict(name, False, f"your schedule has {schedule.n_ranks} rank(s) and {schedule.n_microbatches} "
                                     f"microbatch(es); this exercise wants {lab.world_size} and {n_microbatches}")
     if max_in_flight is not None:
-        for rank, actions in enumerate(schedule.actions):
-            held, peak, at = 0, 0, None
-            frees = Kind.W if any(a.kind == Kind.W for a in actions) else Kind.B  # with I/W split, W frees
-            for action in actions:
-                held += 1 if action.kind == Kind.F else -1 if action.kind == frees else 0
-                if held > peak:
-                    peak, at = held, action
+        for rank, (peak, at) in enumerate(peak_inflight_at(schedule)):
             if peak > max_in_flight:
                 return Verdict(name, False, f"rank {rank} holds the activations of {peak} microbatches at once "
                                             f"(after {at}); the limit is {max_in_flight}: run a backward sooner")
@@ -343,7 +337,7 @@ def check_schedule(lab, lines, n_microbatches: int = 4, max_in_flight: int | Non
             run.close()
     except LabError as error:
         restarted = _restart_if_needed(lab)
-        return Verdict(name, False, str(error).split("\nRemote traceback")[0].strip()
+        return Verdict(name, False, error.summary
                        + ("\n(The lab was restarted for your next try.)" if restarted else ""))
     if not report.passed:
         return Verdict(name, False, f"it ran, but differs from one device:\n{report}")

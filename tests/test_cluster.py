@@ -446,6 +446,7 @@ def test_a_rank_that_raises_is_named_with_its_traceback(fragile_lab):
     assert error.rank == 1 and error.ename == "ValueError" and error.still_running == []
     assert "rank 1 raised ValueError in raise_on_rank():\nboom from rank 1\n" in str(error)
     assert "Remote traceback (rank 1)" in str(error) and "raise_on_rank" in str(error)
+    assert error.summary == "rank 1 raised ValueError in raise_on_rank():\nboom from rank 1"  # for status lines
     assert fragile_lab.state == "running"  # the other rank finished: nothing to restart
     assert_healthy(fragile_lab)
 

@@ -17,7 +17,7 @@ import time
 from typing import Any, Iterator, NamedTuple
 
 from pplab.cluster.engine import PROCESS_GROUP_BROKEN_KEY, event_key
-from pplab.cluster.errors import (RESTART_HINT, RankDiedError, RankFailedError,
+from pplab.cluster.errors import (REMOTE_TRACEBACK, RESTART_HINT, RankDiedError, RankFailedError,
                                   RankTimeoutError)
 from pplab.cluster.status import RankGroup
 
@@ -210,7 +210,7 @@ class RankCall:
                       RESTART_HINT]
             rank, note = next(iter(broken.items()))
             self._ranks.needs_restart(f"rank {rank}'s process group failed ({note})")
-        lines.append(f"\nRemote traceback (rank {first}):\n{traceback}")
+        lines.append(f"{REMOTE_TRACEBACK} (rank {first}):\n{traceback}")
         self._ranks.record_errors({rank: self._per_rank[rank].exception() for rank in failed})
         return RankFailedError("\n".join(lines), rank=first, ename=ename, evalue=evalue,
                                traceback=traceback, still_running=running)

@@ -8,10 +8,17 @@ from __future__ import annotations
 
 # The last line of every error after which only fresh engines help.
 RESTART_HINT = "Call lab.restart() to get fresh ranks."
+# What starts the rank's own traceback at the end of a RankFailedError's message.
+REMOTE_TRACEBACK = "\nRemote traceback"
 
 
 class LabError(RuntimeError):
     """Something went wrong with the lab's engines or with a call running on them."""
+
+    @property
+    def summary(self) -> str:
+        """The message without the rank's traceback: what happened and the fix (for a status line)."""
+        return str(self).split(REMOTE_TRACEBACK)[0].strip()
 
 
 class LabStartError(LabError):

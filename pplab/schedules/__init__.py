@@ -22,7 +22,7 @@ from pplab.schedules.dependencies import Dependencies, Need
 from pplab.schedules.communication import add_communication
 from pplab.schedules.builders import SCHEDULE_NAMES, build
 from pplab.schedules.validation import validate
-from pplab.schedules.textbook import Theory, theory
+from pplab.schedules.textbook import Theory, peak_inflight_at, theory
 from pplab.schedules.torch_plans import from_torch
 
 __all__ = [
@@ -32,6 +32,6 @@ __all__ = [
     "add_communication",
     "SCHEDULE_NAMES", "build",
     "validate",
-    "Theory", "theory",
+    "Theory", "theory", "peak_inflight_at",
     "from_torch",
 ]

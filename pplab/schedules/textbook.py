@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from pplab.schedules.actions import Kind
+from pplab.schedules.actions import Action, Kind
 from pplab.schedules.builders import SCHEDULE_NAMES, build
 from pplab.schedules.communication import add_communication
 from pplab.schedules.schedule import Schedule
@@ -93,18 +93,26 @@ def _recognise(schedule: Schedule) -> str | None:
     return None
 
 
-def _peak_inflight(schedule: Schedule) -> tuple[int, ...]:
+def peak_inflight_at(schedule: Schedule) -> list[tuple[int, Action | None]]:
+    """Per rank: the most microbatches whose activations it holds at once (from a forward until
+    the B or W that frees them), and the forward that reaches that peak (None if none)."""
     peaks = []
     for acts in schedule.actions:
         held = peak = 0
+        at = None
         for action in acts:
             if action.kind == Kind.F:
                 held += 1
-                peak = max(peak, held)
+                if held > peak:
+                    peak, at = held, action
             elif action.kind in (Kind.B, Kind.W):
                 held -= 1
-        peaks.append(peak)
-    return tuple(peaks)
+        peaks.append((peak, at))
+    return peaks
+
+
+def _peak_inflight(schedule: Schedule) -> tuple[int, ...]:
+    return tuple(peak for peak, _ in peak_inflight_at(schedule))
 
 
 def _bubble(schedule: Schedule, recognised: str | None, costs) -> tuple[float | None, str, str]:

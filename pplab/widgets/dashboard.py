@@ -303,7 +303,9 @@ class Dashboard(widgets.VBox):
     def _say_error(self, error: Exception) -> None:
         """The error's message, line by line, without the remote traceback (it would push the
         panels off the screen; the raised error, or `lab.last_errors`, still has it)."""
-        message = str(error).split("\nRemote traceback")[0].strip()
+        from pplab.cluster import LabError
+
+        message = error.summary if isinstance(error, LabError) else str(error)
         self._say("<br>".join(html.escape(line) for line in message.splitlines()), error=True)
 
 
