@@ -24,6 +24,12 @@ about 20 MB with AdamW's two moments) so that a save is more than fixed overhead
    without resume. The resumed run's first loss is checked against the loss the steady-state
    run had at the same step (resume must continue exactly).
 
+3. What verification costs: in each repeat of 1, right after the sync save, every rank hashes
+   its share of the files just written (the share it hashes at commit and verifies at load)
+   with xxh3-128 (what pplab uses), sha256 and zlib.crc32 (the standard library's fastest
+   candidates), side by side. The saves and loads above include pplab's own xxh3 hashing;
+   the ratios say what part of a save or a load each hash is, or would be.
+
 Ratios: sync save / step, async blocking / step, step during an async write / plain step,
 load / step, async blocking / sync save, and the whole cost of an async save to the loop
 (blocking + the step's slowdown + the wait left at finish) / sync save.
@@ -57,6 +63,7 @@ import torch.distributed as dist
 
 import pplab
 from pplab.checkpoint import Checkpointer
+from pplab.checkpoint_files import data_files, share
 from pplab.launch import run_ranks
 from pplab.rank_pipeline import PipelineSpec, RankPipeline
 from pplab.train import RankTrainer, TrainOptions
@@ -87,9 +94,32 @@ def _directory_bytes(path: Path) -> int:
     return sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
 
 
+HASHES = ("xxh3_128", "sha256", "crc32")
+
+
+def _hash_file(path: Path, algorithm: str) -> str:
+    """One file's digest with `algorithm`, read in 4 MiB chunks as pplab reads it."""
+    import hashlib
+    import zlib
+
+    import xxhash
+
+    if algorithm == "crc32":
+        value = 0
+        with open(path, "rb") as handle:
+            while chunk := handle.read(1 << 22):
+                value = zlib.crc32(chunk, value)
+        return f"{value:08x}"
+    digest = xxhash.xxh3_128() if algorithm == "xxh3_128" else hashlib.new(algorithm)
+    with open(path, "rb") as handle:
+        while chunk := handle.read(1 << 22):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
 def rank_steady(rank, world_size, spec, options, roots, warmup, repeats):
     """One rank of the steady-state run: interleaved steps, saves and loads; its times per kind."""
-    async_group = dist.new_group(backend="gloo")  # the background writer's own group (as train_on_rank)
+    async_group = dist.new_group(backend="gloo")  # the background writer's own group (as RankTrainer makes it)
     trainer = RankTrainer(RankPipeline(spec, rank), options)
     sync = Checkpointer(roots["sync"], rank, options.keep)
     async_commit = Checkpointer(roots["async_commit"], rank, options.keep, async_save=True, group=async_group)
@@ -109,7 +139,7 @@ def rank_steady(rank, world_size, spec, options, roots, warmup, repeats):
 
     times = {k: [] for k in ("step_plain", "sync_save", "async_blocking", "async_commit",
                              "async_overlap_blocking", "step_during_async", "async_finish_wait_after_step",
-                             "async_overlap_commit", "load")}
+                             "async_overlap_commit", "load", *(f"hash_{h}" for h in HASHES))}
     last = {}
     for repeat in range(warmup + repeats):
         sample = {k: [] for k in times}
@@ -135,6 +165,10 @@ def rank_steady(rank, world_size, spec, options, roots, warmup, repeats):
         else:
             async_save_commit()
             path = sync_save()
+        mine = [Path(path) / name for name in share(data_files(Path(path)), rank, world_size)]
+        for algorithm in (HASHES if repeat % 2 == 0 else HASHES[::-1]):
+            seconds, _ = _timed(lambda: [_hash_file(file, algorithm) for file in mine])
+            sample[f"hash_{algorithm}"].append(seconds)
         seconds, _ = _timed(lambda: trainer.load(path))
         sample["load"].append(seconds)
         saved_step = trainer.step
@@ -288,6 +322,8 @@ def measure(args) -> dict:
         async_blocking_over_sync_save=paired("async_blocking", "async_overlap_blocking", over="sync_save"),
         async_commit_over_sync_save=paired("async_commit", over="sync_save"),
         async_loop_cost_over_sync_save=median(c / s for c, s in zip(async_loop_cost, slowest["sync_save"])),
+        **{f"hash_{h}_over_sync_save": paired(f"hash_{h}", over="sync_save") for h in HASHES},
+        **{f"hash_{h}_over_load": paired(f"hash_{h}", over="load") for h in HASHES},
         resume_minus_fresh_s=median(r["total_s"] - f["total_s"] for r, f in zip(resumed, fresh)),
         resume_minus_fresh_in_process_s=median(r["in_process_s"] - f["in_process_s"]
                                                for r, f in zip(resumed, fresh)),
@@ -374,6 +410,13 @@ def notes(row: dict, loadavg_before: float) -> list[str]:
                f"not measured on this machine")
     out.append(f"load is {p['load_over_step']:.2f}x a step; it reads a checkpoint just written, from the page "
                f"cache (a cold read from disk would be slower)")
+    share_mb = row["checkpoint_bytes"] / 1e6 / RANKS
+    speeds = ", ".join(f"{h} {share_mb / med[f'hash_{h}']:.0f} MB/s" for h in HASHES)
+    out.append(f"hashing a rank's share of the files (about {share_mb:.1f} MB, from the page cache): {speeds}. "
+               f"xxh3-128, which pplab uses, is {p['hash_xxh3_128_over_sync_save']:.1%} of a sync save and "
+               f"{p['hash_xxh3_128_over_load']:.1%} of a load (both include it); sha256 would be "
+               f"{p['hash_sha256_over_sync_save']:.1%} of a save, crc32 {p['hash_crc32_over_sync_save']:.1%}. "
+               f"Reading the file back dominates xxh3's time; sha256's is mostly the hash itself")
     resume = row["resume_to_first_step"]
     f, s = resume["fresh_median_s"], resume["resume_median_s"]
     spread = max(x["processes_and_group_s"] for x in resume["fresh_runs"] + resume["resume_runs"]) - \
@@ -451,7 +494,9 @@ def main() -> None:
               med["async_finish_wait_after_step"] / med["step_plain"], statistics.median(wait)),
              ("async: whole cost to the loop", med["async_loop_cost"], med["async_loop_cost"] / med["step_plain"],
               None),
-             ("load", med["load"], r["load_over_step"], p["load_over_step"])]
+             ("load", med["load"], r["load_over_step"], p["load_over_step"]),
+             *((f"hash a rank's share: {h}", med[f"hash_{h}"], med[f"hash_{h}"] / med["step_plain"], None)
+               for h in HASHES)]
     print(f"  {'':34s} {'median':>11s}  {'/ step':>7s}  {'paired':>7s}")
     for name, seconds, ratio, paired in table:
         print(f"  {name:34s} {seconds * 1000:8.1f} ms  {ratio:7.2f}  "
@@ -461,6 +506,9 @@ def main() -> None:
           f"{p['async_loop_cost_over_sync_save']:.2f}")
     resume = row["resume_to_first_step"]
     f, s = resume["fresh_median_s"], resume["resume_median_s"]
+    print("  hashing, paired per repeat: " + ", ".join(
+        f"{h} {p[f'hash_{h}_over_sync_save']:.1%} of a sync save, {p[f'hash_{h}_over_load']:.1%} of a load"
+        for h in HASHES))
     print(f"resume to first step ({args.launches} launches each, alternated, after 1 uncounted; from the "
           f"run_ranks call to the slowest rank's first step end, medians):")
     print(f"  {'':8s} {'total':>8s} {'procs+pg':>9s} {'in process':>11s} {'build(+load)':>13s} {'of it load':>11s} "

@@ -15,15 +15,24 @@ Two pitfalls decide how the state is written:
 - DCP reshards tensors, not Python state: the LR scheduler, step and data position
   are saved as objects that every rank holds equally, so that any layout reads them.
 
-A save is atomic: shards go to a hidden `.step-N.partial` directory, and only when
-every rank has finished does rank 0 write `pplab.json` (the manifest) and rename the
-directory to `step-N`. A crash mid-save leaves the previous checkpoints untouched;
-`latest(root)` is the newest directory with a manifest.
+A save is atomic: shards go to a hidden `.step-N.partial` directory; when every rank
+has written, the ranks hash the files (each its share), rank 0 writes `pplab.json` (the
+manifest, listing every file's size and hash; see pplab.checkpoint_files) and renames
+the directory to `step-N`. A crash mid-save leaves the previous checkpoints untouched.
+
+A load never changes a run halfway. Every rank checks the manifest and verifies its
+share of the files, and the ranks agree that all is well before anything is read; then
+each rank reads into copies of its module and optimizer, the ranks agree again, and only
+then does the run take the loaded model, optimizer, scheduler and RNG (gradients are
+dropped). Any failure, on any rank, is a `CheckpointError` on every rank, and leaves
+every rank's run as it was. (`dcp.load` fills the tensors it is given, and
+`get_state_dict` hands out the live parameters: loading into them directly would
+overwrite the model before a later file turned out to be damaged.)
 """
 
 from __future__ import annotations
 
-import json
+import copy
 import os
 import shutil
 import time
@@ -36,96 +45,64 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict,
                                                      get_state_dict, set_state_dict)
 
+from pplab.checkpoint_files import (FORMAT, MANIFEST, PREFIX, CheckpointError, check_config,
+                                    complete_checkpoints, data_files, file_record, latest,
+                                    read_manifest, resolve, sealed, share, step_directory,
+                                    unverifiable, verify)
 from pplab.model import LlamaConfig, LlamaModel, build_model
 
-FORMAT = 1  # bump when the layout changes; a reader refuses newer formats
-MANIFEST = "pplab.json"
-PREFIX = "step-"
+__all__ = ["FORMAT", "MANIFEST", "PREFIX", "CheckpointError", "Checkpointer", "check_loadable",
+           "complete_checkpoints", "export_model", "latest", "load_model", "rank_module",
+           "read_manifest", "resolve", "step_directory"]
+
 OPTIONS = StateDictOptions(flatten_optimizer_state_dict=True)
 
 
-class CheckpointError(ValueError):
-    """A checkpoint that cannot be loaded here (missing, partial, of another model, newer)."""
-
-
-# --- where checkpoints live --------------------------------------------------------------
-
-
-def step_directory(root: str | Path, step: int) -> Path:
-    """The directory of the checkpoint taken after `step` steps."""
-    return Path(root) / f"{PREFIX}{step:08d}"
-
-
-def complete_checkpoints(root: str | Path) -> list[Path]:
-    """The complete checkpoints under `root` (with a manifest), oldest first."""
-    root = Path(root)
-    if not root.is_dir():
-        return []
-    found = [p for p in root.iterdir() if p.name.startswith(PREFIX) and (p / MANIFEST).is_file()]
-    return sorted(found, key=lambda p: int(p.name[len(PREFIX):]))
-
-
-def latest(root: str | Path) -> Path | None:
-    """The newest complete checkpoint under `root`, or None."""
-    found = complete_checkpoints(root)
-    return found[-1] if found else None
-
-
-def resolve(path: str | Path) -> Path:
-    """A checkpoint directory, or the newest complete one when `path` is the root they live in."""
-    path = Path(path)
-    if not path.exists():
-        raise CheckpointError(f"checkpoint {str(path)!r} does not exist; give a checkpoint "
-                              f"directory (step-N) or the root of a run's checkpoints")
-    if (path / MANIFEST).is_file():
-        return path
-    newest = latest(path)
-    if newest is not None:
-        return newest
-    if path.name.startswith((PREFIX, f".{PREFIX}")) or (path / ".metadata").exists():
-        raise CheckpointError(f"checkpoint {str(path)!r} is incomplete (no {MANIFEST}): its save "
-                              f"did not finish; load an earlier one (pplab.checkpoint.latest(root))")
-    raise CheckpointError(f"no complete checkpoint in {str(path)!r}: it holds no {PREFIX}N "
-                          f"directory with a {MANIFEST}")
-
-
-def read_manifest(path: str | Path) -> dict:
-    """What a checkpoint says about itself: format, step, model config, layout."""
-    return json.loads((resolve(path) / MANIFEST).read_text())
-
-
 def check_loadable(path: str | Path, config: LlamaConfig) -> dict:
-    """The manifest of a checkpoint that a model with `config` can load, or a CheckpointError."""
+    """The manifest of a checkpoint that a model with `config` can load, every file verified; or a CheckpointError."""
     path = resolve(path)
-    manifest = read_manifest(path)
-    if manifest.get("format", 0) > FORMAT:
-        raise CheckpointError(f"checkpoint {str(path)!r} has format {manifest['format']}, written by "
-                              f"a newer pplab ({manifest.get('pplab')}); this one reads format "
-                              f"{FORMAT}: upgrade pplab")
-    saved = manifest["config"]
-    differs = {k: (saved.get(k), v) for k, v in asdict(config).items() if saved.get(k) != v}
-    if differs:
-        what = ", ".join(f"{k}={old} in the checkpoint, {new} here" for k, (old, new) in differs.items())
-        raise CheckpointError(f"checkpoint {str(path)!r} is of another model: {what}; build the run "
-                              f"with the checkpoint's config (read_manifest(path)['config'])")
-    _check_shards(path)
+    manifest = _check_manifest(path, config)
+    _check_files(path, manifest, 0, 1)
     return manifest
 
 
-def _check_shards(path: Path) -> None:
-    """Every file DCP's metadata names is there (a lost shard is reported by its name)."""
+def _check_manifest(path: Path, config: LlamaConfig) -> dict:
+    manifest = read_manifest(path)
+    check_config(path, manifest, asdict(config))
+    return manifest
+
+
+def _check_files(path: Path, manifest: dict, rank: int, world_size: int) -> None:
+    """This rank's share of the files is as committed (format 2), or at least there and long enough (format 1)."""
+    if manifest["format"] >= 2:
+        verify(path, manifest, share(list(manifest["files"]), rank, world_size))
+        return
+    unverifiable(path)
     if not (path / ".metadata").is_file():
         raise CheckpointError(f"checkpoint {str(path)!r} has no .metadata: it is not a complete "
                               f"torch.distributed.checkpoint directory")
-    metadata = dcp.FileSystemReader(str(path)).read_metadata()
-    files = sorted({info.relative_path for info in metadata.storage_data.values()})
-    missing = [name for name in files if not (path / name).is_file()]
+    try:
+        metadata = dcp.FileSystemReader(str(path)).read_metadata()
+        ends: dict[str, int] = {}
+        for info in metadata.storage_data.values():
+            ends[info.relative_path] = max(ends.get(info.relative_path, 0), info.offset + info.length)
+    except Exception as error:
+        raise CheckpointError(f"checkpoint {str(path)!r}: its file .metadata is damaged "
+                              f"({_cause(error)}); load another checkpoint") from None
+    missing = sorted(name for name in ends if not (path / name).is_file())
     if missing:
         raise CheckpointError(f"checkpoint {str(path)!r} is missing shard(s) {missing} of "
-                              f"{len(files)}; restore them or load another checkpoint")
+                              f"{len(ends)}; restore them or load another checkpoint")
+    for name, end in sorted(ends.items()):
+        size = (path / name).stat().st_size
+        if size < end:
+            raise CheckpointError(f"checkpoint {str(path)!r}: its file {name} is cut short ({size} "
+                                  f"bytes, .metadata places data up to byte {end}); restore it or "
+                                  f"load another checkpoint")
 
 
 # --- one rank's state --------------------------------------------------------------------
@@ -202,12 +179,16 @@ class Checkpointer:
             self._commit(partial, final, manifest)
 
     def _commit(self, partial: Path, final: Path, manifest: dict) -> None:
-        """Once every rank has written: the manifest, then one rename makes the checkpoint visible."""
+        """Once every rank has written: the files hashed, the manifest, then one rename makes it visible."""
         if self.before_commit is not None:
             self.before_commit()
-        self._barrier()
+        self._barrier()  # every rank's shard and rank 0's .metadata are on disk
+        names = data_files(partial)
+        mine = {name: file_record(partial / name)
+                for name in share(names, self._group_rank(), _world_size(self.group))}
+        files = {name: record for records in self._gather(mine) for name, record in records.items()}
         if self.rank == 0:
-            _write_atomically(partial / MANIFEST, json.dumps(manifest, indent=1))
+            _write_atomically(partial / MANIFEST, sealed({**manifest, "files": dict(sorted(files.items()))}))
             if final.exists():  # the same step saved again (a resumed run): replace it whole
                 old = final.with_name(f".{final.name}.old")
                 shutil.rmtree(old, ignore_errors=True)
@@ -220,30 +201,114 @@ class Checkpointer:
 
     def load(self, path: str | Path, module: nn.Module, optimizer, scheduler,
              config: LlamaConfig) -> dict:
-        """Load a checkpoint into this rank's modules, optimizer and scheduler; its train state.
+        """Replace this rank's model, optimizer, scheduler and RNG with a checkpoint's; its train state.
 
-        Every check (model config, format, shards) runs before anything is overwritten.
+        Nothing changes unless every rank verified and read the checkpoint: a failure on
+        any rank is a CheckpointError on every rank, and every run stays as it was.
         """
         self.finish()
-        path = resolve(path)
-        manifest = check_loadable(path, config)
-        model_state, optimizer_state = get_state_dict(module, optimizer, options=OPTIONS)
-        state = {"model": model_state, "optimizer": optimizer_state,
-                 "scheduler": scheduler.state_dict(), "train": {"step": 0, "data_position": 0}}
-        same_layout = manifest.get("world_size") == _world_size(self.group)
-        if same_layout:  # RNG states are per rank: they mean something only in the same layout
-            state[f"rng_rank{self.rank}"] = torch.get_rng_state()
-        dcp.load(state, checkpoint_id=str(path), process_group=self.group)
-        set_state_dict(module, optimizer, model_state_dict=state["model"],
-                       optim_state_dict=state["optimizer"], options=OPTIONS)
+        rank, world_size = self._group_rank(), _world_size(self.group)
+
+        def check() -> tuple[Path, dict]:
+            where = resolve(path)
+            manifest = _check_manifest(where, config)
+            _check_files(where, manifest, rank, world_size)
+            return where, manifest
+
+        path, manifest = self._agree(path, check)
+        # RNG states are per rank: they mean something only in the layout that saved them.
+        same_layout = manifest.get("world_size") == world_size
+        staged_module, staged_optimizer = _scratch_copy(module, optimizer)
+
+        def read() -> dict:
+            model_state, optimizer_state = get_state_dict(staged_module, staged_optimizer, options=OPTIONS)
+            state = {"model": model_state, "optimizer": optimizer_state,
+                     "scheduler": scheduler.state_dict(), "train": {"step": 0, "data_position": 0}}
+            if same_layout:
+                state[f"rng_rank{self.rank}"] = torch.get_rng_state()
+            _read(state, path, self.group)
+            set_state_dict(staged_module, staged_optimizer, model_state_dict=state["model"],
+                           optim_state_dict=state["optimizer"], options=OPTIONS)
+            return state
+
+        state = self._agree(path, read)
+        # Every rank has it all: take it (nothing below reads a file or waits for a peer).
+        module.load_state_dict(staged_module.state_dict())
+        module.zero_grad(set_to_none=True)
+        optimizer.load_state_dict(staged_optimizer.state_dict())
         scheduler.load_state_dict(state["scheduler"])
         if same_layout:
             torch.set_rng_state(state[f"rng_rank{self.rank}"])
         return {**state["train"], "path": str(path), "manifest": manifest}
 
+    def _agree(self, path, work: Callable):
+        """`work()` on every rank; its result once every rank succeeded, else every rank raises the first error."""
+        try:
+            result, error = work(), None
+        except CheckpointError as failure:
+            result, error = None, str(failure)
+        except (Exception, CheckpointException) as failure:  # torch's is a BaseException
+            result, error = None, (f"checkpoint {str(path)!r} could not be loaded ({_cause(failure)}); "
+                                   f"load another checkpoint")
+        errors = self._gather(error)
+        failed = [(rank, text) for rank, text in enumerate(errors) if text is not None]
+        if not failed:
+            return result
+        rank, text = failed[0]
+        if len(errors) > 1:
+            text += f" (found by rank {rank}" + (f" and {len(failed) - 1} more)" if len(failed) > 1 else ")")
+        raise CheckpointError(text)
+
+    def _gather(self, value) -> list:
+        """`value` from every rank of the checkpoint's group, by rank (also a barrier)."""
+        if not dist.is_initialized():
+            return [value]
+        gathered = [None] * _world_size(self.group)
+        dist.all_gather_object(gathered, value, group=self.group)
+        return gathered
+
+    def _group_rank(self) -> int:
+        return dist.get_rank(self.group) if dist.is_initialized() else 0
+
     def _barrier(self) -> None:
         if dist.is_initialized():
             dist.barrier(group=self.group)
+
+
+def _scratch_copy(module: nn.Module, optimizer) -> tuple[nn.Module, torch.optim.Optimizer]:
+    """A copy of `module` without gradients, and a fresh optimizer of the same kind and settings over it.
+
+    Without gradients, `get_state_dict` initialises the fresh optimizer's state, so the
+    template it returns asks the checkpoint for every moment (over parameters that still
+    held a step's gradients it would skip that, and the moments would silently stay fresh).
+    """
+    staged = copy.deepcopy(module)
+    staged.zero_grad(set_to_none=True)
+    name_of = {id(p): name for name, p in module.named_parameters()}
+    copies = dict(staged.named_parameters())
+    groups = [{**{k: v for k, v in group.items() if k != "params"},
+               "params": [copies[name_of[id(p)]] for p in group["params"]]}
+              for group in optimizer.param_groups]
+    return staged, type(optimizer)(groups)
+
+
+def _read(state: dict, path: Path, group=None) -> None:
+    """dcp.load into `state`, with torch's errors (a BaseException among them) as a CheckpointError."""
+    try:
+        with warnings.catch_warnings():  # one process reading every shard is the intent without a group
+            warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+            dcp.load(state, checkpoint_id=str(path), process_group=group, no_dist=not dist.is_initialized())
+    except (Exception, CheckpointException) as error:
+        raise CheckpointError(f"checkpoint {str(path)!r} could not be read ({_cause(error)}); it may "
+                              f"be damaged: load another checkpoint") from None
+
+
+def _cause(error: BaseException) -> str:
+    """The first line of what went wrong, with torch's CheckpointException opened to the rank's own error."""
+    if isinstance(error, CheckpointException) and error.failures:
+        error = next(iter(error.failures.values()))[0]
+    lines = str(error).strip().splitlines()
+    return f"{type(error).__name__}: {lines[0]}" if lines else type(error).__name__
 
 
 def _world_size(group) -> int:
@@ -262,13 +327,17 @@ def _write_atomically(path: Path, text: str) -> None:
 def load_model(path: str | Path, config: LlamaConfig | None = None, device="cpu") -> LlamaModel:
     """The full model from a checkpoint of any layout, on one device (no process group needed)."""
     path = resolve(path)
-    config = config or LlamaConfig(**read_manifest(path)["config"])
+    if config is None:
+        saved = read_manifest(path)["config"]
+        try:
+            config = LlamaConfig(**saved)
+        except (TypeError, ValueError) as error:
+            raise CheckpointError(f"checkpoint {str(path)!r}: its model config is not one this pplab "
+                                  f"builds ({_cause(error)}); give config= or load another checkpoint") from None
     check_loadable(path, config)
     model = build_model(config, device=device)
     state = {"model": get_model_state_dict(model)}
-    with warnings.catch_warnings():  # one process reading every shard is the intent here
-        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-        dcp.load(state, checkpoint_id=str(path), no_dist=True)
+    _read(state, path)
     model.load_state_dict(state["model"])
     return model
 

@@ -251,6 +251,10 @@ def _figure(value: float | None) -> str:
 
 def train_command(args: argparse.Namespace) -> int:
     """Train the tiny model on local ranks or under torchrun (the same loop as a lab's `run.train`)."""
+    from pplab.checkpoint_files import resume_path
+
+    if args.resume is not None:  # found and its manifest read before torch loads or any rank starts
+        resume_path(args.resume, args.checkpoint_dir)
     from pplab.launch import run_as_torchrun_rank, run_ranks, under_torchrun
     from pplab.model import LlamaConfig
     from pplab.rank_pipeline import PipelineSpec
@@ -265,7 +269,7 @@ def train_command(args: argparse.Namespace) -> int:
         async_save=args.async_save, resume=args.resume)
     spec = PipelineSpec.create(LlamaConfig.tiny(), args.schedule, ranks, args.microbatches,
                                args.virtual, impl=args.impl, seed=args.seed)
-    options.check(spec.schedule.n_microbatches)  # bad options fail here, before any rank starts
+    options.check(spec.schedule.n_microbatches, spec.config)  # bad options fail here, before any rank starts
     speaker = os.environ.get("RANK", "0") == "0"
     if speaker:
         where = "ranks started by torchrun" if under_torchrun() else "local ranks (gloo)"
@@ -345,8 +349,12 @@ def _per_stage(text: str) -> float | tuple[float, ...]:
 def build_parser() -> argparse.ArgumentParser:
     """The command-line interface."""
     parser = argparse.ArgumentParser(prog="pplab", description=__doc__)
+    ranks_run = argparse.ArgumentParser(add_help=False)  # what every command that starts ranks takes
+    ranks_run.add_argument("--verbose", action="store_true",
+                           help="show a failing rank's whole traceback, not one line per rank")
     commands = parser.add_subparsers(dest="command", required=True)
-    run_demo = commands.add_parser("demo", help="every schedule on local ranks, checked and drawn (CPU)")
+    run_demo = commands.add_parser("demo", help="every schedule on local ranks, checked and drawn (CPU)",
+                                   parents=[ranks_run])
     run_demo.add_argument("--ranks", type=_positive_int, default=4)
     run_demo.add_argument("--microbatches", type=_positive_int, default=8)
     run_demo.add_argument("--microbatch-size", type=_positive_int, default=2)
@@ -391,6 +399,7 @@ def build_parser() -> argparse.ArgumentParser:
     run_simulate.set_defaults(handler=simulate_command)
     run_train = commands.add_parser(
         "train", help="train the tiny model on the embedded corpus, with checkpoints (local ranks or torchrun)",
+        parents=[ranks_run],
         description="Train the tiny LLaMA-style model on the embedded corpus: AdamW, warm-up then "
                     "cosine, global-norm clipping, held-out evaluation, distributed checkpoints. "
                     "Runs --ranks local processes, or one rank per process under torchrun "
@@ -430,8 +439,14 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     """Entry point of the `pplab` command: 0 when all went well, 1 when a check failed, 2 for bad input."""
     args = build_parser().parse_args(argv)  # argparse itself exits 2 on malformed options
+    from pplab.launch import LocalRankError
+
     try:
         return args.handler(args)
     except ValueError as error:  # what pplab raises for values it cannot use: one line, as argparse would
         print(f"pplab {args.command}: error: {error}", file=sys.stderr)
         return 2
+    except LocalRankError as error:  # a rank failed: its cause, one line per rank (--verbose: the tracebacks)
+        verbose = getattr(args, "verbose", False)
+        print(f"pplab {args.command}: error: {error if verbose else error.summary}", file=sys.stderr)
+        return 1

@@ -23,7 +23,18 @@ from pplab.arguments import check_positive_int
 
 
 class LocalRankError(RuntimeError):
-    """A rank raised, died, or did not finish in time."""
+    """A rank raised, died, or did not finish in time; the message holds each failing rank's traceback."""
+
+    def __init__(self, message: str, causes: dict[int, str] | None = None):
+        super().__init__(message)
+        self.causes = causes or {}  # rank -> what went wrong there, in one line
+
+    @property
+    def summary(self) -> str:
+        """One line per failing rank with its cause (no tracebacks)."""
+        if not self.causes:
+            return str(self).splitlines()[0]
+        return "\n".join(f"rank {rank} {cause}" for rank, cause in sorted(self.causes.items()))
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -86,13 +97,13 @@ def run_ranks(world_size: int, fn, *args, backend: str = "gloo", timeout: float 
 
 
 def _collect(processes, results, timeout: float, grace: float) -> list:
-    deadline, collected, failures = time.monotonic() + timeout, {}, {}
+    deadline, collected, failures, causes = time.monotonic() + timeout, {}, {}, {}
 
-    def fail(rank: int, what: str) -> None:
+    def fail(rank: int, what: str, cause: str | None = None) -> None:
         nonlocal deadline
         if not failures:  # the first failure starts the others' grace period
             deadline = min(deadline, time.monotonic() + grace)
-        failures[rank] = what
+        failures[rank], causes[rank] = what, cause or what
 
     while len(collected) + len(failures) < len(processes):
         if failures and time.monotonic() > deadline:
@@ -110,11 +121,11 @@ def _collect(processes, results, timeout: float, grace: float) -> list:
                 raise LocalRankError(f"ranks {missing} did not finish within {timeout:g} s") from None
             continue
         if status == "error":
-            fail(rank, f"failed:\n{value}")
+            fail(rank, f"failed:\n{value}", f"failed: {value.splitlines()[0]}")
         else:
             collected[rank] = pickle.loads(value)
     if failures:
-        raise LocalRankError("\n".join(f"rank {rank} {what}" for rank, what in failures.items()))
+        raise LocalRankError("\n".join(f"rank {rank} {what}" for rank, what in failures.items()), causes)
     return [collected[rank] for rank in range(len(processes))]
 
 

@@ -31,9 +31,10 @@ import torch.distributed as dist
 
 import pplab
 from pplab.arguments import check_positive_int
-from pplab.checkpoint import Checkpointer, rank_module, resolve
+from pplab.checkpoint import Checkpointer, rank_module
+from pplab.checkpoint_files import check_config, read_manifest, resume_path
 from pplab.data import batches
-from pplab.model import LlamaModel, loss_fn
+from pplab.model import LlamaConfig, LlamaModel, loss_fn
 from pplab.partition import layer_ranges
 from pplab.rank_pipeline import PipelineSpec, RankPipeline, split_for_ranks
 from pplab.reference import as_microbatches
@@ -61,8 +62,12 @@ class TrainOptions:
     async_save: bool = False    # write checkpoints in the background (torch.distributed.checkpoint.async_save)
     resume: str | None = None   # "latest" (in checkpoint_dir) or a checkpoint's path
 
-    def check(self, n_microbatches: int) -> None:
-        """Raise a ValueError naming the first option that cannot work, before any rank blocks."""
+    def check(self, n_microbatches: int, config: LlamaConfig | None = None) -> None:
+        """Raise a ValueError naming the first option that cannot work, before any rank blocks.
+
+        A checkpoint to resume from is found and its manifest read (and, given the run's
+        `config`, matched against it): a CheckpointError now, not on the ranks.
+        """
         for name in ("steps", "batch_size", "seq_len", "eval_batches", "keep"):
             check_positive_int(f"TrainOptions.{name}", getattr(self, name))
         for name in ("warmup", "eval_every", "checkpoint_every", "data_seed"):
@@ -78,8 +83,10 @@ class TrainOptions:
             raise ValueError(f"TrainOptions.clip={self.clip!r}: give a norm > 0, or None for no clipping")
         if (self.checkpoint_every or self.resume == "latest") and self.checkpoint_dir is None:
             raise ValueError("checkpoint_every and resume='latest' need checkpoint_dir=<a directory>")
-        if self.resume not in (None, "latest"):
-            resolve(self.resume)  # a clear error now if there is nothing to resume from
+        if self.resume is not None:
+            path = resume_path(self.resume, self.checkpoint_dir)
+            if config is not None:
+                check_config(path, read_manifest(path), asdict(config))
 
 
 def lr_factor(options: TrainOptions, step_index: int) -> float:
@@ -138,6 +145,7 @@ class RankTrainer:
 
     def __init__(self, pipeline: RankPipeline, options: TrainOptions, group=None,
                  checkpoint_group=None):
+        """`checkpoint_group`: the checkpoints' own process group (made here for async saves if not given)."""
         spec, schedule = pipeline.spec, pipeline.spec.schedule
         check_trainable(spec)
         options.check(schedule.n_microbatches)
@@ -154,6 +162,9 @@ class RankTrainer:
         self.data_position = 0   # batches consumed
         self.checkpointer = None
         if options.checkpoint_dir is not None:
+            if options.async_save and checkpoint_group is None and dist.is_initialized():
+                # An async save writes from a thread: its collectives need a process group of their own.
+                checkpoint_group = dist.new_group(backend="gloo")
             self.checkpointer = Checkpointer(options.checkpoint_dir, self.rank, options.keep,
                                              options.async_save, checkpoint_group)
         self.resumed_from = None
@@ -295,12 +306,17 @@ class RankTrainer:
                                       train_state, manifest)
 
     def load(self, path) -> None:
-        """Continue from a checkpoint (any layout of the same model)."""
+        """Continue from a checkpoint (any layout of the same model), whatever this trainer did before.
+
+        Model, optimizer (moments and step counts), scheduler, RNG, gradients (dropped), step
+        and data position all become the checkpoint's; on a CheckpointError nothing changes.
+        """
         checkpointer = self.checkpointer or Checkpointer(path, self.rank)
         state = checkpointer.load(path, self.module, self.optimizer, self.scheduler,
                                   self.pipeline.spec.config)
         self.step, self.data_position = int(state["step"]), int(state["data_position"])
         self.resumed_from = state["path"]
+        self.last_events = []
 
 
 def _check_every_rank_has_parameters(spec: PipelineSpec) -> None:
@@ -351,10 +367,7 @@ def train_on_rank(rank: int, world_size: int, spec: PipelineSpec, options: Train
     check_trainable(spec)
     if spec.schedule.n_ranks != world_size:
         raise ValueError(f"the schedule is for {spec.schedule.n_ranks} ranks but world_size={world_size}")
-    checkpoint_group = None
-    if options.async_save and dist.is_initialized():  # the background writer's own group
-        checkpoint_group = dist.new_group(backend="gloo")
-    trainer = RankTrainer(RankPipeline(spec, rank, device), options, checkpoint_group=checkpoint_group)
+    trainer = RankTrainer(RankPipeline(spec, rank, device), options)
     bar = ProgressBar(options.steps if until is None else until, trainer.step) if progress and rank == 0 else None
     try:
         return trainer.train(until, on_step=bar.add if bar else None)

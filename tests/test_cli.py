@@ -202,12 +202,28 @@ def test_train_command_under_torchrun_is_the_same_run(tmp_path):
 
 @pytest.mark.parametrize("arguments, message", [
     (["--batch-size", "6"], "batch_size=6 does not split into 4 microbatches"),
-    (["--resume", "latest"], "need checkpoint_dir"),
+    (["--resume", "latest"], "resume='latest' needs checkpoint_dir"),
+    (["--resume", "latest", "--checkpoint-dir", "nowhere"], "checkpoint 'nowhere' does not exist"),
+    (["--resume", "latest", "--checkpoint-dir", "."], "no loadable checkpoint in '.'"),
+    (["--resume", "step-00000003"], "checkpoint 'step-00000003' does not exist"),
     (["--schedule", "2f2b"], "2f2b"),
 ])
 def test_train_command_refuses_bad_arguments_with_one_clear_line(tmp_path, arguments, message):
     done = run_train(*arguments, cwd=tmp_path)
     assert done.returncode == 2 and message in done.stderr and "Traceback" not in done.stderr, done.stderr
+    assert done.stderr.count("\n") == 1 and not done.stdout  # refused before any rank started
+
+
+def test_train_command_reports_a_damaged_shard_as_one_line_per_rank(tmp_path):
+    saved = run_train("--steps", "2", "--eval-every", "0", "--checkpoint-dir", str(tmp_path / "run"))
+    assert saved.returncode == 0, saved.stderr
+    shard = tmp_path / "run" / "step-00000002" / "__1_0.distcp"
+    shard.write_bytes(shard.read_bytes()[:1000])
+    done = run_train("--steps", "4", "--checkpoint-dir", str(tmp_path / "run"), "--resume", "latest")
+    lines = done.stderr.strip().splitlines()
+    assert done.returncode == 1 and "Traceback" not in done.stderr, done.stderr
+    assert lines[0].startswith("pplab train: error: rank 0 failed: CheckpointError: ") and len(lines) == 2
+    assert all("__1_0.distcp is cut short (1000 bytes" in line for line in lines)
 
 
 def alive(processes: list[psutil.Process]) -> list[psutil.Process]:

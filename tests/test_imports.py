@@ -14,10 +14,11 @@ import pplab
 
 CORE = ["pplab.arguments", "pplab.model", "pplab.data", "pplab.schedules", "pplab.trace", "pplab.partition",
         "pplab.simulator", "pplab.comm", "pplab.runtime", "pplab.reference", "pplab.checks",
-        "pplab.rank_pipeline", "pplab.launch", "pplab.torch_pp", "pplab.checkpoint",
+        "pplab.rank_pipeline", "pplab.launch", "pplab.torch_pp", "pplab.checkpoint", "pplab.checkpoint_files",
         "pplab.train", "pplab.mesh", "pplab.prediction", "pplab.faults"]  # train is floor 4 but runs under torchrun: no Jupyter either
 UPPER_FLOORS = ["ipyparallel", "IPython", "ipywidgets", "matplotlib", "pplab.cluster"]
-PURE_PYTHON = ["pplab", "pplab.schedules", "pplab.trace", "pplab.simulator"]  # not even torch
+PURE_PYTHON = ["pplab", "pplab.schedules", "pplab.trace", "pplab.simulator",
+               "pplab.checkpoint_files"]  # not even torch
 
 
 def loaded_after_import(module: str, watched: list[str]) -> list[str]:

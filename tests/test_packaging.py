@@ -15,7 +15,8 @@ def requirement_names(requirements):
 def test_environment_yml_matches_pyproject():
     project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
     wanted = requirement_names(project["dependencies"] + project["optional-dependencies"]["test"])
-    wanted = {"pytorch" if name == "torch" else name for name in wanted}
+    conda_names = {"torch": "pytorch", "xxhash": "python-xxhash"}  # where conda-forge names them otherwise
+    wanted = {conda_names.get(name, name) for name in wanted}
     listed = {re.split(r"[<>=!~ ]", line.strip()[2:])[0].lower()
               for line in (ROOT / "environment.yml").read_text().split("dependencies:")[1].splitlines()
               if line.startswith("  - ") and not line.strip().startswith("- pip")}

@@ -16,13 +16,14 @@ import uuid
 from collections.abc import Sequence
 
 import torch
-import torch.distributed as dist
 
 from pplab import faults
 from pplab.arguments import check_positive_seconds
+from pplab.checkpoint_files import CheckpointError, read_manifest, resume_path
 from pplab.checks import (BoundaryTable, GradientFlowReport, ParityReport, check_gradient_flow,
                           compare_with_reference)
 from pplab.cluster import engine
+from pplab.cluster.errors import RankFailedError
 from pplab.data import Batch, batches
 from pplab.mesh import Mesh, MemoryTable, memory_held, optimizer_state_bytes
 from pplab.model import LlamaConfig, LlamaModel
@@ -87,9 +88,7 @@ def train_on_rank(run_id: str, options: TrainOptions, until: int | None,
     goes_on = (trainer is not None and options.resume is None
                and dataclasses.replace(trainer.options, resume=None) == options)
     if not goes_on:
-        # An async save writes from a thread: give it a process group of its own.
-        group = dist.new_group(backend="gloo") if options.async_save else None
-        trainer = _trainers[run_id] = RankTrainer(pipeline, options, checkpoint_group=group)
+        trainer = _trainers[run_id] = RankTrainer(pipeline, options)
     with engine.Feed(live_interval) as feed, faults.in_run(run_id):
         return trainer.train(until, on_step=lambda record: feed.put((record, trainer.last_events)))
 
@@ -200,12 +199,14 @@ class PipelineRun:
         if steps is not None:
             options["steps"] = steps
         train_options = TrainOptions(**options)
-        train_options.check(self.schedule.n_microbatches)  # before any rank starts
+        train_options.check(self.schedule.n_microbatches, self.config)  # before any rank starts
         self._check_engines()
         check_positive_seconds("live_interval", live_interval)
+        first_step = self.history.records[-1].step if self.history.records else 0
+        if train_options.resume is not None:  # the run goes back (or on) to the checkpoint's step
+            first_step = read_manifest(resume_path(train_options.resume, train_options.checkpoint_dir))["step"]
         call = self.lab.run_async(train_on_rank, self.run_id, train_options, until, live_interval)
-        view = _training_display(train_options.steps if until is None else until,
-                                 self.history.records[-1].step if self.history.records else 0, show)
+        view = _training_display(train_options.steps if until is None else until, first_step, show)
         by_step: dict[int, list] = {}
 
         def show_arrived() -> None:
@@ -228,8 +229,14 @@ class PipelineRun:
                     continue
             call.wait_for_events()  # a rank's last records may trail its result
             show_arrived()
+        except RankFailedError as error:
+            if error.ename == "CheckpointError":  # every rank refused the checkpoint; the run is unchanged
+                raise CheckpointError(error.evalue) from None
+            raise
         finally:
             view.close()
+        if train_options.resume is not None:  # what came after the checkpoint's step is not this run's past
+            self.history.records = [r for r in self.history.records if r.step <= first_step]
         self.history.records += history.records
         self.history.resumed_from = history.resumed_from or self.history.resumed_from
         return history
