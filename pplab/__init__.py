@@ -32,7 +32,8 @@ _EXPORTS = {
     "predict": "pplab.prediction",
     "search": "pplab.schedule_search",  # floor 2: it runs the simulator, so it sits beside it
     "search_balance": "pplab.schedule_search",
-    "Lab": "pplab.cluster",  # floor 4: engines as ranks, from Jupyter
+    "Lab": "pplab.session",  # floor 5: a lab of engines as ranks that builds pipelines, from Jupyter
+    "RankPool": "pplab.session",  # the same on local processes: command line, tests, scripts
     "cleanup": "pplab.cluster",
 }
 _MODULES = ("data", "schedules", "trace", "viz", "checkpoint", "train", "mesh", "faults")
@@ -54,13 +55,14 @@ __all__ = [*_EXPORTS, *_MODULES]
 if _TYPE_CHECKING:  # what static checkers and editors see
     from pplab import checkpoint, data, faults, mesh, schedules, train, trace, viz
     from pplab.checkpoint import load_model
-    from pplab.cluster import Lab, cleanup
+    from pplab.cluster import cleanup
     from pplab.mesh import Mesh
     from pplab.model import LlamaConfig, LlamaModel, build_model, generate
     from pplab.partition import build_stage, layer_ranges, stages_of_rank
     from pplab.prediction import predict, profile
     from pplab.reference import reference_step
     from pplab.schedule_search import search, search_balance
+    from pplab.session import Lab, RankPool
     from pplab.simulator import Costs, simulate
     from pplab.trace import Event, Timeline
     from pplab.train import TrainOptions

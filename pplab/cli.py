@@ -29,15 +29,17 @@ def demo(args: argparse.Namespace) -> int:
     from pplab import viz
     from pplab.checks import check_gradient_flow, compare_with_reference
     from pplab.data import batches
-    from pplab.launch import run_as_torchrun_rank, run_ranks, under_torchrun
+    from pplab.launch import TorchrunRanks, under_torchrun
     from pplab.model import LlamaConfig, build_model
-    from pplab.rank_pipeline import PipelineSpec, merge_steps, run_jobs_on_rank, split_for_ranks
+    from pplab.rank_pipeline import PipelineSpec
     from pplab.reference import reference_step
+    from pplab.session import PipelineRun, RankPool
 
     config = LlamaConfig.tiny()
     if under_torchrun():  # torchrun decides the ranks; only rank 0 speaks
         args.ranks = int(os.environ["WORLD_SIZE"])
-    if os.environ.get("RANK", "0") == "0":
+    speaker = os.environ.get("RANK", "0") == "0"
+    if speaker:
         where = "ranks started by torchrun" if under_torchrun() else "local ranks (gloo)"
         print(f"pplab demo: tiny LLaMA ({sum(p.numel() for p in build_model(config).parameters()):,} "
               f"parameters, {config.num_hidden_layers} layers) on {args.ranks} {where}, "
@@ -45,33 +47,35 @@ def demo(args: argparse.Namespace) -> int:
               f"per schedule, timing mode F={args.forward}s B={2 * args.forward}s, "
               f"{'torch.distributed.pipelining' if args.impl == 'torch' else 'the hand-written runtime'}")
     batch = next(batches(args.microbatch_size * args.microbatches, args.seq_len, seed=args.seed))
-    jobs = []
+    plans = []
     for name, n_virtual in DEMO_SCHEDULES[args.impl]:
         # An interleaved chunk holds 1/v of a stage's layers, so it costs 1/v as much.
         costs = Costs(forward=args.forward / n_virtual, backward=2 * args.forward / n_virtual)
-        spec = PipelineSpec.create(config, name, args.ranks, args.microbatches, n_virtual,
-                                   impl=args.impl, seed=args.seed, timing=costs)
-        jobs.append((spec, split_for_ranks(spec, batch)))
+        options = dict(impl=args.impl, seed=args.seed, timing=costs, timeout=300)
+        PipelineSpec.create(config, name, args.ranks, args.microbatches, n_virtual, **options)  # checked first
+        plans.append((name, n_virtual, options))
     out = Path(args.out)  # made only once the arguments are known to be good
     out.mkdir(parents=True, exist_ok=True)
-    run_steps = functools.partial(run_jobs_on_rank, steps=args.steps)  # per job, a list of steps
     started = time.perf_counter()
-    if under_torchrun():  # every process is one rank; rank 0 reports
-        rank_steps = run_as_torchrun_rank(run_steps, jobs)
-        if rank_steps is None:
-            return 0
-    else:
-        print(f"starting {args.ranks} ranks and running {len(jobs)} schedules on them ...", flush=True)
-        rank_steps = run_ranks(args.ranks, run_steps, jobs, timeout=300 + 300 * args.steps)
+    if not under_torchrun():
+        print(f"starting {args.ranks} ranks and running {len(plans)} schedules on them ...", flush=True)
+    # No optimizer: every step must give the first step's loss and the reference's gradients;
+    # a step that differs shows state left over from the one before (gradients not zeroed, ...).
+    with (TorchrunRanks() if under_torchrun() else RankPool(args.ranks)) as ranks:
+        runs = []
+        for name, n_virtual, options in plans:
+            run = PipelineRun(ranks, config, name, args.microbatches, n_virtual, **options)
+            runs.append((run, [run.step(batch, return_grads=True) for _ in range(args.steps)]))
+            run.close()
+    if not speaker:
+        return 0
     print(f"done in {time.perf_counter() - started:.1f} s")
     reference = reference_step(config, batch, args.microbatches, seed=args.seed)
     failures, schedules = 0, []
-    for index, (spec, _) in enumerate(jobs):
+    for run, results in runs:
+        spec = run.spec
         name = f"torch-{spec.torch_name}" if spec.impl == "torch" else spec.schedule.name
         costs = spec.timing
-        results = [merge_steps([steps[index][k] for steps in rank_steps]) for k in range(args.steps)]
-        # No optimizer: every step must give the first step's loss and the reference's gradients;
-        # a step that differs shows state left over from the one before (gradients not zeroed, ...).
         parities = [compare_with_reference(r.loss, r.grads, reference) for r in results]
         flows = [check_gradient_flow(r.grad_stats, reference.grads) for r in results]
         losses = [r.loss for r in results]
@@ -255,9 +259,10 @@ def train_command(args: argparse.Namespace) -> int:
 
     if args.resume is not None:  # found and its manifest read before torch loads or any rank starts
         resume_path(args.resume, args.checkpoint_dir)
-    from pplab.launch import run_as_torchrun_rank, run_ranks, under_torchrun
+    from pplab.launch import run_as_torchrun_rank, under_torchrun
     from pplab.model import LlamaConfig
     from pplab.rank_pipeline import PipelineSpec
+    from pplab.session import RankPool
     from pplab.train import TrainOptions, train_on_rank
 
     ranks = int(os.environ["WORLD_SIZE"]) if under_torchrun() else args.ranks
@@ -277,13 +282,16 @@ def train_command(args: argparse.Namespace) -> int:
               f"microbatches, {options.steps} steps"
               + (f", resuming from {options.resume}" if options.resume else ""), flush=True)
     started = time.perf_counter()
-    if under_torchrun():
+    if under_torchrun():  # each process is a rank; rank 0 shows the progress and reports
         histories = run_as_torchrun_rank(train_on_rank, spec, options, None, True)
         if histories is None:
             return 0
+        history = histories[0]
     else:
-        histories = run_ranks(ranks, train_on_rank, spec, options, None, True, timeout=args.timeout)
-    history = histories[0]
+        with RankPool(ranks, timeout=args.timeout) as pool:
+            run = pool.pipeline(spec.config, args.schedule, args.microbatches, args.virtual, impl=args.impl,
+                                seed=args.seed)
+            history = run.train(**dataclasses.asdict(options))
     records = history.records
     if records:
         evaluations = ", ".join(f"{step}: {loss:.3f}" for step, loss in history.eval_losses)
@@ -442,7 +450,12 @@ def main(argv: list[str] | None = None) -> int:
     from pplab.launch import LocalRankError
 
     try:
-        return args.handler(args)
+        try:
+            return args.handler(args)
+        except ValueError as error:
+            if isinstance(error.__cause__, LocalRankError):  # the ranks refused it (a checkpoint): say each
+                raise error.__cause__ from None
+            raise
     except ValueError as error:  # what pplab raises for values it cannot use: one line, as argparse would
         print(f"pplab {args.command}: error: {error}", file=sys.stderr)
         return 2

@@ -156,7 +156,7 @@ def _role_hint(role: str) -> str:
 # --- 3 · send and receive, with gradients (a 2-rank lab) ------------------------------------------
 
 def _forward_backward_on_rank(forward_backward, config, batch) -> dict:
-    from pplab.cluster.engine import rank_context
+    from pplab.rank_context import rank_context
     from pplab.partition import build_stage
 
     rank = rank_context().rank
@@ -348,7 +348,7 @@ def check_schedule(lab, lines, n_microbatches: int = 4, max_in_flight: int | Non
 # --- 5 · global-norm clipping (a 2-rank lab) ----------------------------------------------------------
 
 def _clip_on_rank(clip_global_norm, config, batch, max_norm: float) -> dict:
-    from pplab.cluster.engine import rank_context
+    from pplab.rank_context import rank_context
     from pplab.partition import build_stage
     from pplab.reference import reference_step
 

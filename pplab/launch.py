@@ -1,33 +1,53 @@
-"""Plain local processes as ranks: the torchrun-like launcher for tests, scripts and the CLI.
+"""Plain local processes as ranks: the driver for the CLI, tests, benchmarks and scripts.
 
-`run_ranks(world_size, fn, *args)` starts one process per rank, joins them in a
-gloo (or NCCL) process group on loopback with a fresh port, calls
-`fn(rank, world_size, *args)` on each, and returns the results ordered by rank.
-A rank that raises or dies, or a run past its timeout, ends every process and
-raises an error naming the rank. No process outlives the call.
+`RankPool(world_size)` starts one process per rank once (torch imported once, the
+process group joined once, gloo on loopback, or NCCL) and keeps them: `pool.run(fn,
+*args)` calls `fn(*args)` on every rank (which asks `pplab.rank_context` who it is)
+and returns the results ordered by rank; `pool.run_async` returns at once with a call
+that streams what the ranks `publish`. It is the interface a lab offers, so a pipeline
+session runs on either.
+
+`run_ranks(world_size, fn, *args)` calls `fn(rank, world_size, *args)`, torchrun's way:
+on a pool when given one, else in fresh processes for this one call (for code that
+must own its process group).
+
+A rank that raises or dies, or a call past its timeout, ends with an error naming the
+rank; a pool then replaces its processes before the next call (a failure can leave a
+process group half-used). No process outlives the pool, or the call of `run_ranks`.
 """
 
 from __future__ import annotations
 
+import atexit
 import gc
+import itertools
 import multiprocessing as mp
 import os
 import pickle
 import queue
+import random
 import socket
 import time
 import traceback
+import weakref
 from datetime import timedelta
 
-from pplab.arguments import check_positive_int
+from pplab.arguments import check_positive_int, check_positive_seconds
+from pplab.rank_context import RankContext, RankError, RankEvent, StillRunning, rank_context, set_rank_context
 
 
-class LocalRankError(RuntimeError):
+class LocalRankError(RankError):
     """A rank raised, died, or did not finish in time; the message holds each failing rank's traceback."""
 
-    def __init__(self, message: str, causes: dict[int, str] | None = None):
+    def __init__(self, message: str, causes: dict[int, str] | None = None,
+                 raised: dict[int, tuple[str, str]] | None = None):
         super().__init__(message)
         self.causes = causes or {}  # rank -> what went wrong there, in one line
+        self.raised = raised or {}  # rank -> (exception type, message) of the ranks that raised
+
+    def first_raised(self) -> tuple[str, str] | None:
+        """(exception type, message) of the lowest rank that raised, or None when none raised."""
+        return self.raised[min(self.raised)] if self.raised else None
 
     @property
     def summary(self) -> str:
@@ -44,16 +64,39 @@ def free_port(host: str = "127.0.0.1") -> int:
         return sock.getsockname()[1]
 
 
-def _rank_main(rank, world_size, port, backend, init_timeout, fn, args, results):
+def with_rank(fn, *args):
+    """fn(rank, world_size, *args) on the rank this is (torchrun's calling convention, on any driver)."""
+
+    context = rank_context()
+    return fn(context.rank, context.world_size, *args)
+
+
+def _join_group(rank: int, world_size: int, port: int, backend: str, init_timeout: float):
+    """Make this fresh process rank `rank` of a process group on loopback; its device."""
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), GLOO_SOCKET_IFNAME="lo",
                       OMP_NUM_THREADS="1")
     import torch
     import torch.distributed as dist
 
     torch.set_num_threads(1)
+    device = torch.device("cpu")
+    if backend == "nccl":
+        device = torch.device("cuda", rank)
+        torch.cuda.set_device(device)
+    dist.init_process_group(backend, rank=rank, world_size=world_size, timeout=timedelta(seconds=init_timeout))
+    return device
+
+
+def _failure(error: BaseException) -> tuple[str, str, str]:
+    """(exception type, message, traceback text) of an error raised on this rank."""
+    return type(error).__name__, str(error), traceback.format_exc()
+
+
+def _rank_main(rank, world_size, port, backend, init_timeout, fn, args, results):
+    import torch.distributed as dist
+
     try:
-        dist.init_process_group(backend, rank=rank, world_size=world_size,
-                                timeout=timedelta(seconds=init_timeout))
+        _join_group(rank, world_size, port, backend, init_timeout)
         try:
             # Plain pickle copies tensors into bytes; the queue's default would pass a
             # shared-memory handle that dies with this process.
@@ -61,19 +104,24 @@ def _rank_main(rank, world_size, port, backend, init_timeout, fn, args, results)
         finally:
             dist.destroy_process_group()
     except BaseException as error:  # report everything, then exit non-zero
-        results.put((rank, "error", f"{type(error).__name__}: {error}\n{traceback.format_exc()}"))
+        results.put((rank, "error", _failure(error)))
         raise SystemExit(1)
 
 
 def run_ranks(world_size: int, fn, *args, backend: str = "gloo", timeout: float = 120.0,
-              init_timeout: float = 30.0, grace: float = 3.0) -> list:
-    """Run `fn(rank, world_size, *args)` in `world_size` fresh processes; results by rank.
+              init_timeout: float = 30.0, grace: float = 3.0, pool: RankPool | None = None) -> list:
+    """Run `fn(rank, world_size, *args)` on `pool`, or in `world_size` fresh processes; results by rank.
 
     When a rank fails, the others get `grace` seconds to report their own failure
     (a neighbour's timeout usually follows), then all are stopped and every
     failure is raised together, the first one first.
     """
     check_positive_int("world_size", world_size)
+    if pool is not None:
+        if pool.world_size != world_size:
+            raise ValueError(f"world_size={world_size}, but the pool has {pool.world_size} ranks: give a "
+                             f"pool of {world_size} ranks, or no pool")
+        return pool.run(with_rank, fn, *args, timeout=timeout)
     context = mp.get_context("spawn")
     results = context.Queue()
     port = free_port()
@@ -97,7 +145,7 @@ def run_ranks(world_size: int, fn, *args, backend: str = "gloo", timeout: float 
 
 
 def _collect(processes, results, timeout: float, grace: float) -> list:
-    deadline, collected, failures, causes = time.monotonic() + timeout, {}, {}, {}
+    deadline, collected, failures, causes, raised = time.monotonic() + timeout, {}, {}, {}, {}
 
     def fail(rank: int, what: str, cause: str | None = None) -> None:
         nonlocal deadline
@@ -121,12 +169,328 @@ def _collect(processes, results, timeout: float, grace: float) -> list:
                 raise LocalRankError(f"ranks {missing} did not finish within {timeout:g} s") from None
             continue
         if status == "error":
-            fail(rank, f"failed:\n{value}", f"failed: {value.splitlines()[0]}")
+            ename, evalue, trace = value
+            raised[rank] = (ename, evalue)
+            fail(rank, f"failed:\n{ename}: {evalue}\n{trace}", f"failed: {_one_line(ename, evalue)}")
         else:
             collected[rank] = pickle.loads(value)
     if failures:
-        raise LocalRankError("\n".join(f"rank {rank} {what}" for rank, what in failures.items()), causes)
+        raise LocalRankError("\n".join(f"rank {rank} {what}" for rank, what in failures.items()), causes,
+                             raised)
     return [collected[rank] for rank in range(len(processes))]
+
+
+def _one_line(ename: str, evalue: str) -> str:
+    return f"{ename}: {evalue}".splitlines()[0]
+
+
+# --- a pool of ranks kept between calls ------------------------------------------------------
+
+_STOP = None  # what a pool sends a rank to make it leave
+
+
+def _pool_rank_main(rank, world_size, port, backend, init_timeout, inbox, outbox):
+    """A pool's rank: join the group once, then run each call sent, until told to stop."""
+    try:
+        device = _join_group(rank, world_size, port, backend, init_timeout)
+    except BaseException as error:
+        outbox.put((None, rank, "error", _failure(error)))
+        raise SystemExit(1)
+    import torch
+    import torch.distributed as dist
+
+    current = {"call": None, "seq": 0}
+
+    def publish(payload) -> None:  # rank_context.publish, from any thread of the call
+        seq, current["seq"] = current["seq"], current["seq"] + 1
+        outbox.put((current["call"], rank, "event", (seq, pickle.dumps(payload))))
+
+    set_rank_context(RankContext(rank, world_size, rank, world_size, backend, device), publish)
+    # Each call starts from the random state a fresh process has, so results do not
+    # depend on what ran before on the pool.
+    fresh_torch, fresh_python = torch.get_rng_state(), random.getstate()
+    outbox.put((None, rank, "ready", os.getpid()))
+    while (message := inbox.get()) is not _STOP:
+        call_id, fn, args, kwargs = pickle.loads(message)
+        current.update(call=call_id, seq=0)
+        torch.set_rng_state(fresh_torch)
+        random.setstate(fresh_python)
+        try:
+            reply = ("ok", pickle.dumps(fn(*args, **kwargs)))
+        except BaseException as error:  # reported; the pool replaces its ranks after a failure
+            reply = ("error", _failure(error))
+        outbox.put((call_id, rank, *reply))
+        gc.collect()  # what the call left in cycles goes now, not during the next call
+    set_rank_context(None)
+    dist.destroy_process_group()
+
+
+class RankPool:
+    """`world_size` local processes kept as ranks: run functions on all of them, many times.
+
+        with RankPool(2) as pool:
+            losses = pool.run(fn, spec)          # fn(spec) on each rank, results by rank
+            call = pool.run_async(fn, spec)      # returns at once; call.poll_events(), call.result()
+            run_ranks(2, fn, spec, pool=pool)    # fn(rank, world_size, spec) on each rank
+
+    A call that fails (a rank raised or died, or it ran past its timeout) ends every
+    process; the next call starts fresh ones. `stop()` (or leaving the `with`) ends them.
+    """
+
+    def __init__(self, world_size: int, *, backend: str = "gloo", timeout: float = 120.0,
+                 init_timeout: float = 30.0, grace: float = 3.0):
+        """`timeout`: the default for a call; `init_timeout`: joining the group, and every wait in it."""
+        check_positive_int("world_size", world_size)
+        check_positive_seconds("timeout", timeout)
+        self.world_size, self.backend = world_size, backend
+        self.timeout, self.init_timeout, self.grace = timeout, init_timeout, grace
+        self._context = mp.get_context("spawn")
+        self._processes: list = []
+        self._inboxes: list = []
+        self._outbox = None
+        self._calls: dict[int, PoolCall] = {}
+        self._call_ids = itertools.count()
+        self._stopped = False
+        self._start()
+        _running_pools.add(self)
+
+    # -- what a session needs of its ranks -------------------------------------------------
+
+    @property
+    def state(self) -> str:
+        """'running', 'stopped', or 'restarting' (a failed call ended the processes; the next call starts new)."""
+        if self._stopped:
+            return "stopped"
+        return "running" if self._processes else "restarting"
+
+    @property
+    def rank_processes(self) -> tuple[tuple[str, int], ...]:
+        """(host, pid) of each rank's process, by rank: it changes when the processes are replaced."""
+        return tuple((socket.gethostname(), process.pid) for process in self._processes)
+
+    def run(self, fn, *args, timeout: float | None = None, **kwargs) -> list:
+        """fn(*args, **kwargs) on every rank; the results ordered by rank."""
+        return self.run_async(fn, *args, timeout=timeout, **kwargs).result()
+
+    def run_async(self, fn, *args, timeout: float | None = None, **kwargs) -> "PoolCall":
+        """Start fn(*args, **kwargs) on every rank and return at once."""
+        self._check_usable()
+        if timeout is not None:
+            check_positive_seconds("timeout", timeout)
+        for running in list(self._calls.values()):
+            running.result()  # the ranks run one call at a time, in order
+        if not self._processes:
+            self._start()
+        call_id = next(self._call_ids)
+        message = pickle.dumps((call_id, fn, args, kwargs))  # once, not once per rank
+        for inbox in self._inboxes:
+            inbox.put(message)
+        name = f"{getattr(fn, '__name__', type(fn).__name__)}()"
+        call = PoolCall(self, call_id, name, self.timeout if timeout is None else timeout)
+        self._calls[call_id] = call
+        return call
+
+    def _check_usable(self) -> None:
+        if self._stopped:
+            raise RuntimeError("this RankPool is stopped; start a new one")
+
+    def restart(self) -> None:
+        """Replace every process by a fresh one (a new process group)."""
+        self._end_processes(kill=True)
+        self._start()
+
+    def stop(self) -> None:
+        """Let the ranks leave their process group, and end every process."""
+        if self._stopped:
+            return
+        self._stopped = True
+        _running_pools.discard(self)
+        self._end_processes(kill=False)
+
+    def __enter__(self) -> "RankPool":
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        self.stop()
+
+    def __del__(self) -> None:
+        if not getattr(self, "_stopped", True):
+            self._end_processes(kill=True)
+
+    def __repr__(self) -> str:
+        return f"<RankPool {self.world_size} ranks, {self.backend}: {self.state}>"
+
+    # -- processes ----------------------------------------------------------------------------
+
+    def _start(self) -> None:
+        """Start the ranks and wait until every one has joined the process group."""
+        port, self._outbox = free_port(), self._context.Queue()
+        self._inboxes = [self._context.Queue() for _ in range(self.world_size)]
+        self._processes = [self._context.Process(
+            target=_pool_rank_main, daemon=True, name=f"pplab-rank-{rank}",
+            args=(rank, self.world_size, port, self.backend, self.init_timeout, self._inboxes[rank],
+                  self._outbox)) for rank in range(self.world_size)]
+        for process in self._processes:
+            process.start()
+        ready, deadline = set(), time.monotonic() + self.init_timeout + 60  # imports come first
+        while len(ready) < self.world_size:
+            try:
+                _, rank, kind, value = self._outbox.get(timeout=0.2)
+            except queue.Empty:
+                dead = [r for r, p in enumerate(self._processes) if p.exitcode is not None]
+                if dead or time.monotonic() > deadline:
+                    self._end_processes(kill=True)
+                    why = f"ranks {dead} died" if dead else f"not every rank was up after {self.init_timeout + 60:g} s"
+                    raise LocalRankError(f"the pool's ranks did not start: {why}") from None
+                continue
+            if kind == "error":
+                self._end_processes(kill=True)
+                raise LocalRankError(f"rank {rank} could not join the process group: {_one_line(*value[:2])}",
+                                     {rank: f"failed: {_one_line(*value[:2])}"}, {rank: value[:2]})
+            ready.add(rank)
+
+    def _end_processes(self, kill: bool) -> None:
+        """End the ranks: asked to leave (they finish their call first), or killed."""
+        if not kill:
+            for inbox in self._inboxes:
+                inbox.put(_STOP)
+        deadline = time.monotonic() + (0 if kill else 5.0)
+        for process in self._processes:
+            process.join(max(0.0, deadline - time.monotonic()))
+        for process in self._processes:
+            if process.is_alive():
+                process.kill()
+            process.join(5)
+        for q in (*self._inboxes, *([self._outbox] if self._outbox is not None else [])):
+            q.close()
+            q.cancel_join_thread()  # nobody reads them any more
+        self._processes, self._inboxes, self._outbox = [], [], None
+        for call in self._calls.values():
+            call._abandon()
+        self._calls.clear()
+
+    def _drain(self, wait: float) -> None:
+        """Hand what the ranks sent to the calls it belongs to (waiting at most `wait` for the first)."""
+        while self._outbox is not None:
+            try:
+                call_id, rank, kind, value = self._outbox.get(timeout=wait) if wait else self._outbox.get_nowait()
+            except queue.Empty:
+                return
+            wait = 0
+            if call_id in self._calls:
+                self._calls[call_id]._arrived(rank, kind, value)
+
+    def _finished(self, call: "PoolCall", failed: bool) -> None:
+        """A call is over; after a failure the ranks are ended (the next call starts fresh ones)."""
+        self._calls.pop(call.call_id, None)
+        if failed:
+            self._end_processes(kill=True)
+
+
+class PoolCall:
+    """A function running on every rank of a pool: its results ordered by rank, its events as they arrive."""
+
+    def __init__(self, pool: RankPool, call_id: int, name: str, timeout: float):
+        self.pool, self.call_id, self.name, self.timeout = pool, call_id, name, timeout
+        self._deadline = time.monotonic() + timeout
+        self._results: dict[int, object] = {}
+        self._raised: dict[int, tuple[str, str, str]] = {}
+        self._events: list[RankEvent] = []
+        self._first_failure_at: float | None = None
+        self._error: LocalRankError | None = None
+        self._over = False
+
+    def __repr__(self) -> str:
+        return f"<PoolCall {self.name} on {self.pool.world_size} ranks: {'done' if self._over else 'running'}>"
+
+    def _arrived(self, rank: int, kind: str, value) -> None:
+        if kind == "event":
+            seq, payload = value
+            self._events.append(RankEvent(rank, seq, pickle.loads(payload)))
+        elif kind == "ok":
+            self._results[rank] = pickle.loads(value)
+        elif kind == "error":
+            self._raised[rank] = value
+            self._first_failure_at = self._first_failure_at or time.monotonic()
+
+    def _abandon(self) -> None:
+        """The pool ended its processes while this call had not finished."""
+        if not self._over:
+            self._error = self._error or LocalRankError(f"{self.name} was abandoned: the pool's ranks were ended")
+            self._over = True
+
+    def running_ranks(self) -> list[int]:
+        """The ranks that have not finished this call yet."""
+        return [r for r in range(self.pool.world_size) if r not in self._results and r not in self._raised]
+
+    def done(self) -> bool:
+        """True when every rank has finished (successfully or not)."""
+        return self._over
+
+    def poll_events(self) -> list[RankEvent]:
+        """The events that arrived since the last look, without waiting."""
+        if not self._over:
+            self.pool._drain(0)
+        events, self._events = self._events, []
+        return events
+
+    def wait_for_events(self, seconds: float = 0.0) -> None:
+        """Nothing to wait for: a rank's events reach the pool before its result."""
+
+    def result(self, timeout: float | None = None) -> list:
+        """Wait for every rank; their results ordered by rank, or a LocalRankError naming the rank."""
+        wait_until = None if timeout is None else time.monotonic() + timeout
+        while not self._over:
+            self._look()
+            if self._over:
+                break
+            if wait_until is not None and time.monotonic() >= wait_until:
+                raise StillRunning(f"{self.name} still running after result(timeout={timeout}); "
+                                   "the call goes on, ask again later")
+            self.pool._drain(0.1 if wait_until is None else max(0.0, min(0.1, wait_until - time.monotonic())))
+        if self._error is not None:
+            raise self._error
+        return [self._results[rank] for rank in range(self.pool.world_size)]
+
+    def _look(self) -> None:
+        """End the call when every rank answered, one failed (after the others' grace), or time ran out."""
+        running = self.running_ranks()
+        died = [r for r in running if self.pool._processes[r].exitcode is not None]
+        if died:
+            time.sleep(0.2)  # its last words may still be on their way
+            self.pool._drain(0)
+            died = [r for r in died if r in self.running_ranks()]
+            self._first_failure_at = self._first_failure_at or time.monotonic()
+        failed = self._raised or died
+        past_grace = failed and time.monotonic() - self._first_failure_at >= self.pool.grace
+        if not running or (failed and (past_grace or len(died) + len(self._raised) == self.pool.world_size)):
+            self._end(died, [r for r in running if r not in died])
+        elif time.monotonic() >= self._deadline:
+            self._end(died, running, timed_out=True)
+
+    def _end(self, died: list[int], running: list[int], timed_out: bool = False) -> None:
+        self._over = True
+        failures, causes = {}, {}
+        for rank, (ename, evalue, trace) in sorted(self._raised.items()):
+            failures[rank] = f"failed:\n{ename}: {evalue}\n{trace}"
+            causes[rank] = f"failed: {_one_line(ename, evalue)}"
+        for rank in died:
+            failures[rank] = causes[rank] = f"died (exit code {self.pool._processes[rank].exitcode}) without reporting"
+        if timed_out and not failures:
+            self._error = LocalRankError(f"ranks {running} did not finish {self.name} within {self.timeout:g} s")
+        elif failures:
+            self._error = LocalRankError("\n".join(f"rank {r} {what}" for r, what in sorted(failures.items())),
+                                         causes, {r: (e, v) for r, (e, v, _) in self._raised.items()})
+        self.pool._finished(self, failed=self._error is not None)
+
+
+_running_pools: "weakref.WeakSet[RankPool]" = weakref.WeakSet()
+
+
+@atexit.register
+def _stop_running_pools() -> None:
+    for pool in list(_running_pools):
+        pool._end_processes(kill=True)
 
 
 def under_torchrun() -> bool:
@@ -134,31 +498,99 @@ def under_torchrun() -> bool:
     return "RANK" in os.environ and "WORLD_SIZE" in os.environ
 
 
-def run_as_torchrun_rank(fn, *args, timeout: float = 60.0):
-    """Join torchrun's process group, call `fn(rank, world_size, *args, device=...)`, gather the
-    results on rank 0: the list by rank there, None on the other ranks."""
-    import torch
-    import torch.distributed as dist
+class TorchrunRanks:
+    """The ranks torchrun started, as a session's driver: each process is one rank and the client too.
 
-    if os.environ.get("MASTER_ADDR") in ("127.0.0.1", "localhost"):
-        os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")  # one host: gloo on loopback
-    local_rank = int(os.environ.get("LOCAL_RANK", 0))
-    use_cuda = torch.cuda.is_available() and torch.cuda.device_count() > local_rank
-    device = torch.device("cuda", local_rank) if use_cuda else torch.device("cpu")
-    if use_cuda:
-        torch.cuda.set_device(device)
-    else:
-        torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", 1)))
-    dist.init_process_group("nccl" if use_cuda else "gloo", timeout=timedelta(seconds=timeout))
-    try:
-        rank, world_size = dist.get_rank(), dist.get_world_size()
-        result = fn(rank, world_size, *args, device=device)
-        gathered = [None] * world_size if rank == 0 else None
-        dist.gather_object(result, gathered, dst=0)
-        # Every rank past the gather before any tears its connections down: a rank that left
-        # while rank 0 still received was seen to abort in gloo's teardown (rarely, on 2 cores).
+    Every process runs the same session code; `run(fn, *args)` calls fn on this rank and
+    gives every process the results of all ranks (one all-gather), so each can merge and
+    check them alike (rank 0 reports). Nobody listens to `publish` here.
+    """
+
+    state = "running"
+
+    def __init__(self, timeout: float = 60.0):
+        """Join torchrun's process group (NCCL and one GPU per process where there are GPUs, else gloo)."""
+        import torch
+        import torch.distributed as dist
+
+        if os.environ.get("MASTER_ADDR") in ("127.0.0.1", "localhost"):
+            os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")  # one host: gloo on loopback
+        local_rank = int(os.environ.get("LOCAL_RANK", 0))
+        use_cuda = torch.cuda.is_available() and torch.cuda.device_count() > local_rank
+        self.device = torch.device("cuda", local_rank) if use_cuda else torch.device("cpu")
+        if use_cuda:
+            torch.cuda.set_device(self.device)
+        else:
+            torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", 1)))
+        self.backend = "nccl" if use_cuda else "gloo"
+        dist.init_process_group(self.backend, timeout=timedelta(seconds=timeout))
+        self.timeout, self.rank, self.world_size = timeout, dist.get_rank(), dist.get_world_size()
+        set_rank_context(RankContext(self.rank, self.world_size, local_rank,
+                                     int(os.environ.get("LOCAL_WORLD_SIZE", self.world_size)), self.backend,
+                                     self.device))
+        self.rank_processes = ((socket.gethostname(), os.getpid()),)  # never replaced
+
+    def _check_usable(self) -> None:
+        pass
+
+    def run(self, fn, *args, timeout: float | None = None, **kwargs) -> list:
+        """fn(*args, **kwargs) on this rank; every rank's result, by rank, on every process."""
+        import torch.distributed as dist
+
+        try:
+            outcome = ("ok", fn(*args, **kwargs))
+        except Exception as error:  # every rank learns who failed, instead of waiting for it
+            outcome = ("error", _failure(error))
+        gathered = [None] * self.world_size
+        dist.all_gather_object(gathered, outcome)
+        raised = {rank: value for rank, (status, value) in enumerate(gathered) if status == "error"}
+        if raised:
+            raise LocalRankError("\n".join(f"rank {r} failed:\n{e}: {v}\n{t}" for r, (e, v, t) in raised.items()),
+                                 {r: f"failed: {_one_line(e, v)}" for r, (e, v, _) in raised.items()},
+                                 {r: (e, v) for r, (e, v, _) in raised.items()})
+        return [value for _, value in gathered]
+
+    def run_async(self, fn, *args, timeout: float | None = None, **kwargs) -> "_FinishedCall":
+        """Run it now (each process is its own client): a call that has finished."""
+        return _FinishedCall(self.run(fn, *args, timeout=timeout, **kwargs))
+
+    def stop(self) -> None:
+        """Leave the process group, once every rank is past its last call."""
+        import torch.distributed as dist
+
+        # Every rank past the last gather before any tears its connections down: a rank that
+        # left while another still received was seen to abort in gloo's teardown (rarely).
         dist.barrier()
-        return gathered
-    finally:
         gc.collect()  # what cycles hold of the ranks' communication goes while the group lives
+        set_rank_context(None)
         dist.destroy_process_group()
+
+    def __enter__(self) -> "TorchrunRanks":
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        self.stop()
+
+
+class _FinishedCall:
+    """A call that ran to its end before it was returned."""
+
+    def __init__(self, results: list):
+        self._results = results
+
+    def poll_events(self) -> list[RankEvent]:
+        return []
+
+    def wait_for_events(self, seconds: float = 0.0) -> None:
+        pass
+
+    def result(self, timeout: float | None = None) -> list:
+        return self._results
+
+
+def run_as_torchrun_rank(fn, *args, timeout: float = 60.0):
+    """Join torchrun's process group, call `fn(rank, world_size, *args, device=...)`, and give rank 0
+    the results by rank (None on the other ranks)."""
+    with TorchrunRanks(timeout) as ranks:
+        results = ranks.run(fn, ranks.rank, ranks.world_size, *args, device=ranks.device)
+    return results if ranks.rank == 0 else None

@@ -331,22 +331,29 @@ def _check_every_rank_has_parameters(spec: PipelineSpec) -> None:
 
 
 class ProgressBar:
-    """A terminal progress bar (tqdm) of a training run: steps, loss, LR, held-out loss."""
+    """A terminal progress bar (tqdm) of a training run: steps, loss, LR, held-out loss.
+
+    The bar appears with the first finished step: a run refused before it starts (a damaged
+    checkpoint) prints only its error.
+    """
 
     def __init__(self, total_steps: int, first_step: int = 0):
-        from tqdm import tqdm
-
-        self.bar = tqdm(total=total_steps, initial=first_step, desc="training", unit="step")
+        self.total_steps, self.first_step, self.bar = total_steps, first_step, None
 
     def add(self, record: TrainRecord, timeline=None) -> None:
         """Show one finished step (`timeline` is ignored: a terminal has no picture)."""
+        if self.bar is None:
+            from tqdm import tqdm
+
+            self.bar = tqdm(total=self.total_steps, initial=self.first_step, desc="training", unit="step")
         extra = {} if record.eval_loss is None else {"eval": f"{record.eval_loss:.3f}"}
         self.bar.set_postfix(loss=f"{record.loss:.3f}", lr=f"{record.lr:.1e}", **extra, refresh=False)
         self.bar.update(record.step - self.bar.n)
 
     def close(self) -> None:
         """Leave the bar as it ended."""
-        self.bar.close()
+        if self.bar is not None:
+            self.bar.close()
 
 
 def check_trainable(spec: PipelineSpec) -> None:

@@ -8,6 +8,9 @@
   break or reconfigure the lab.
 * `lab_factory`: `lab_factory(ranks=4, timeout=3, ...)` starts a lab of your own;
   every lab it started is stopped after the test, passed or failed.
+
+Plain-process ranks come from `tests/ranks.py`: one RankPool per world size, stopped
+with the session.
 """
 
 from __future__ import annotations
@@ -46,6 +49,9 @@ def ipython_dir(tmp_path_factory):
     previous = os.environ.get("IPYTHONDIR")
     os.environ["IPYTHONDIR"] = path
     yield path
+    from ranks import stop_pools
+
+    stop_pools()  # the RankPools of tests/ranks.py
     if previous is None:
         os.environ.pop("IPYTHONDIR", None)
     else:

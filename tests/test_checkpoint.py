@@ -10,7 +10,8 @@ import torch
 from pplab import checkpoint
 from pplab.checkpoint import CheckpointError, Checkpointer, rank_module
 from pplab.data import batches
-from pplab.launch import LocalRankError, run_ranks
+from pplab.launch import LocalRankError
+from ranks import run_ranks
 from pplab.model import LlamaConfig, build_model
 from pplab.partition import build_stage
 from pplab.rank_pipeline import PipelineSpec, RankPipeline

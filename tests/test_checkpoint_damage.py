@@ -21,7 +21,7 @@ import torch.distributed as dist
 
 from pplab import checkpoint
 from pplab.checkpoint import CheckpointError, Checkpointer, rank_module
-from pplab.launch import run_ranks
+from ranks import run_ranks
 from pplab.model import LlamaConfig
 from pplab.partition import build_stage
 from pplab.rank_pipeline import PipelineSpec, RankPipeline

@@ -103,7 +103,7 @@ fresh_two_hosts = pytest.fixture(two_hosts_and_a_lab)  # for a fault, which leav
 
 def measure_link(nbytes_list):
     """On each rank: the one-way time of a message of each size, pplab's StageLink (engine namespace)."""
-    from pplab.cluster.engine import rank_context
+    from pplab.rank_context import rank_context
     from pplab.prediction import hop_costs_on_rank
 
     me = rank_context()
@@ -217,7 +217,7 @@ def test_a_rank_stalled_on_the_other_host_is_named_within_the_labs_timeout(fresh
 
 
 def test_training_across_hosts_resumes_after_a_kill_as_if_never_stopped(fresh_two_hosts, tmp_path):
-    from pplab.launch import run_ranks
+    from ranks import run_ranks
     from pplab.rank_pipeline import PipelineSpec
     from pplab.train import TrainOptions, train_on_rank
 

@@ -15,10 +15,11 @@ import pplab
 CORE = ["pplab.arguments", "pplab.model", "pplab.data", "pplab.schedules", "pplab.trace", "pplab.partition",
         "pplab.simulator", "pplab.comm", "pplab.runtime", "pplab.reference", "pplab.checks",
         "pplab.rank_pipeline", "pplab.launch", "pplab.torch_pp", "pplab.checkpoint", "pplab.checkpoint_files",
-        "pplab.train", "pplab.mesh", "pplab.prediction", "pplab.faults"]  # train is floor 4 but runs under torchrun: no Jupyter either
+        "pplab.train", "pplab.mesh", "pplab.prediction", "pplab.faults", "pplab.rank_context",
+        "pplab.session.on_rank"]  # train is floor 4 but runs under torchrun: no Jupyter either
 UPPER_FLOORS = ["ipyparallel", "IPython", "ipywidgets", "matplotlib", "pplab.cluster"]
 PURE_PYTHON = ["pplab", "pplab.schedules", "pplab.trace", "pplab.simulator",
-               "pplab.checkpoint_files"]  # not even torch
+               "pplab.checkpoint_files", "pplab.rank_context"]  # not even torch
 
 
 def loaded_after_import(module: str, watched: list[str]) -> list[str]:
@@ -45,7 +46,7 @@ def test_the_top_level_names_load_on_first_use():
     script = ("import sys, pplab\n"
               "assert 'pplab.cluster' not in sys.modules\n"
               "lab_class = pplab.Lab\n"
-              "assert 'pplab.cluster' in sys.modules and lab_class.__module__ == 'pplab.cluster.lab'\n"
+              "assert 'pplab.cluster' in sys.modules and lab_class.__module__ == 'pplab.session.drivers'\n"
               "assert 'matplotlib' not in sys.modules\n"
               "pplab.viz\n"
               "assert 'matplotlib' in sys.modules\n")

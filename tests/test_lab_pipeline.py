@@ -9,7 +9,7 @@ CONFIG = pplab.LlamaConfig.tiny()
 
 
 def my_rank():
-    from pplab.cluster.engine import rank_context
+    from pplab.rank_context import rank_context
 
     return rank_context().rank
 
@@ -71,14 +71,14 @@ def test_a_broken_process_group_makes_the_lab_ask_for_a_restart(lab2):
 def test_a_pipeline_stepped_after_a_restart_says_to_build_it_again(lab2):
     run = lab2.pipeline(CONFIG, schedule="gpipe", microbatches=2)
     lab2.restart()
-    with pytest.raises(RuntimeError, match=r"built on engines that lab.restart\(\) replaced: "
-                                           r"call lab.pipeline\(...\) again"):
+    with pytest.raises(RuntimeError, match=r"built on ranks that were replaced since \(a restart.*: "
+                                           r"build the pipeline again \(lab.pipeline\(...\)\)"):
         run.step()
     assert lab2.state == "running"  # refused on the client: no rank was called
 
 
 def test_training_on_a_lab_is_the_training_of_plain_processes_and_reshards(lab2, tmp_path):
-    from pplab.launch import run_ranks
+    from ranks import run_ranks
     from pplab.rank_pipeline import PipelineSpec
     from pplab.train import TrainOptions, train_on_rank
 

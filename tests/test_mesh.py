@@ -11,7 +11,7 @@ import pytest
 
 import pplab
 from pplab.data import batches
-from pplab.launch import run_ranks
+from ranks import run_ranks
 from pplab.mesh import Mesh, all_gathers_per_unit, communicated_bytes, memory_held, optimizer_state_bytes
 from pplab.rank_pipeline import PipelineSpec, RankPipeline, merge_steps, run_jobs_on_rank, split_for_ranks
 from pplab.reference import reference_step

@@ -11,7 +11,8 @@ import pplab
 from pplab.checks import check_gradient_flow, compare_with_reference
 from pplab.comm import PipelineTimeoutError
 from pplab.data import batches
-from pplab.launch import LocalRankError, run_ranks
+from pplab.launch import LocalRankError
+from ranks import run_ranks
 from pplab.rank_pipeline import PipelineSpec, merge_steps, run_jobs_on_rank, split_for_ranks
 from pplab.schedules import Action, Schedule, build
 

@@ -8,7 +8,7 @@ import pytest
 import pplab
 from pplab.checks import compare_with_reference
 from pplab.data import batches
-from pplab.launch import run_ranks
+from ranks import run_ranks
 from pplab.rank_pipeline import PipelineSpec, merge_steps, run_jobs_on_rank, split_for_ranks
 from pplab.schedule_search import list_schedule, search, search_balance, stage_costs
 from pplab.schedules import Schedule, add_communication, validate

@@ -12,7 +12,7 @@ import pytest
 import pplab
 from pplab.checks import check_gradient_flow, compare_with_reference
 from pplab.data import batches
-from pplab.launch import run_ranks
+from ranks import run_ranks
 from pplab.rank_pipeline import PipelineSpec, merge_steps, run_jobs_on_rank, split_for_ranks
 from pplab.schedules import from_torch
 from pplab.torch_pp import TORCH_SCHEDULES, torch_schedule

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from pplab.data import CharTokenizer, batches, split_microbatches
-from pplab.launch import run_ranks
+from ranks import run_ranks
 from pplab.model import LlamaConfig, build_model, generate, loss_fn
 from pplab.partition import layer_ranges, stage_of_parameter
 from pplab.rank_pipeline import PipelineSpec

@@ -11,18 +11,19 @@ Modules, top to bottom: `plan` (backend/device, rank order), `errors`, `engine`
 (what runs on each engine), `forkserver` (fast engine start), `records` (on-disk
 records and `cleanup`), `status` (the ranks of a start and what calls learned about
 them), `calls` (waiting, errors, streaming), `launchers` (a local cluster or a
-connected one), `lab_pipeline` (a pipeline's stages kept on the engines) and `lab`
-(the Lab itself).
+connected one) and `lab` (the Lab itself). The cluster knows engines, ranks,
+rendezvous and lifecycle only: pipelines on a lab are the session's
+(`pplab.session`, whose `pplab.Lab` adds `lab.pipeline(...)`).
 """
 
-from pplab.cluster.calls import RankCall, RankEvent
-from pplab.cluster.engine import RankContext, publish, rank_context
+from pplab.cluster.calls import RankCall
 from pplab.cluster.errors import (LabError, LabNeedsRestartError, LabStartError, RankDiedError,
                                   RankFailedError, RankTimeoutError)
 from pplab.cluster.lab import Lab
 from pplab.cluster.plan import gpus_for_seat
 from pplab.cluster.records import cleanup
 from pplab.cluster.status import RankInfo, RankTable
+from pplab.rank_context import RankContext, RankEvent, publish, rank_context
 
 __all__ = [
     "Lab", "cleanup", "gpus_for_seat", "publish", "rank_context", "RankContext", "RankCall", "RankEvent",

@@ -14,24 +14,17 @@ import concurrent.futures
 import contextlib
 import re
 import time
-from typing import Any, Iterator, NamedTuple
+from typing import Iterator
 
 from pplab.cluster.engine import PROCESS_GROUP_BROKEN_KEY, event_key
 from pplab.cluster.errors import (REMOTE_TRACEBACK, RESTART_HINT, RankDiedError, RankFailedError,
                                   RankTimeoutError)
 from pplab.cluster.status import RankGroup
+from pplab.rank_context import RankEvent, StillRunning
 
 POLL_SECONDS = 0.1  # how often a waiting client looks for dead ranks and new events
 OUTPUT_DRAIN_SECONDS = 2.0  # events may trail a rank's result by a moment: wait this long for them
 _ANSI_ESCAPES = re.compile(r"\x1b\[[0-9;]*m")
-
-
-class RankEvent(NamedTuple):
-    """One event published by a rank: its rank, its number within the call, its payload."""
-
-    rank: int
-    seq: int
-    payload: Any
 
 
 def _one_result_per_rank(async_result) -> list:
@@ -97,7 +90,7 @@ class RankCall:
         with self._interruptible():
             while not self._finished():
                 if wait_until is not None and time.monotonic() >= wait_until:
-                    raise TimeoutError(f"{self._name} still running after result(timeout={timeout})"
+                    raise StillRunning(f"{self._name} still running after result(timeout={timeout})"
                                        "; the call goes on, ask again later")
                 self._wait_a_little(wait_until)
             return [result.get() for result in self._per_rank]

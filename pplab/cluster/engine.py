@@ -19,7 +19,6 @@ import socket
 import sys
 import threading
 import time
-from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
@@ -27,6 +26,7 @@ import torch.distributed as dist
 from pplab.cluster.plan import RankSpec
 from pplab.comm import PipelineTimeoutError
 from pplab.launch import free_port
+from pplab.rank_context import RankContext, publish, rank_context, set_rank_context
 
 EVENT_KEY_PREFIX = "pplab-event-"
 # The data key under which a rank notes that its call broke the process group (with why).
@@ -42,28 +42,6 @@ GLOO_TRANSPORT_WORDS = "gloo/transport/"
 def event_key(sequence: int) -> str:
     """The data key of the `sequence`-th event of a call (unique, so no event overwrites another)."""
     return f"{EVENT_KEY_PREFIX}{sequence:09d}"
-
-
-@dataclass(frozen=True)
-class RankContext:
-    """Who this engine is in the process group."""
-
-    rank: int
-    world_size: int
-    local_rank: int
-    local_world_size: int
-    backend: str
-    device: torch.device
-
-
-_context: RankContext | None = None
-
-
-def rank_context() -> RankContext:
-    """This engine's rank, world size and device (raises outside a lab engine)."""
-    if _context is None:
-        raise RuntimeError("rank_context() works on a pplab lab engine, after the lab has started")
-    return _context
 
 
 def describe() -> dict:
@@ -103,7 +81,6 @@ def _check_interface(name: str) -> None:
 
 def setup_rank(spec: RankSpec) -> dict:
     """Join the process group as `spec.rank`, do one barrier, and define rank names for %%px."""
-    global _context
     for entry in reversed(spec.sys_path):
         if entry not in sys.path:
             sys.path.insert(0, entry)  # so functions from the notebook's own modules import here
@@ -127,9 +104,10 @@ def setup_rank(spec: RankSpec) -> dict:
                             timeout=datetime.timedelta(seconds=spec.timeout))
     dist.barrier(device_ids=[device.index] if spec.backend == "nccl" else None)
 
-    _context = RankContext(spec.rank, spec.world_size, spec.local_rank, spec.local_world_size,
-                           spec.backend, device)
-    _define_names_for_px_cells(_context)
+    context = RankContext(spec.rank, spec.world_size, spec.local_rank, spec.local_world_size,
+                          spec.backend, device)
+    set_rank_context(context, _publish_event)
+    _define_names_for_px_cells(context)
     return describe()
 
 
@@ -173,10 +151,9 @@ def breaks_process_group(error: BaseException) -> bool:
 
 def teardown_rank() -> None:
     """Leave the process group, so that the engine can stop cleanly."""
-    global _context
     if dist.is_initialized():
         dist.destroy_process_group()
-    _context = None
+    set_rank_context(None)
 
 
 # Events: ipyparallel's data publication keeps, per call, a dict that each message
@@ -186,14 +163,8 @@ _publish_lock = threading.Lock()
 _current_call = {"id": None, "next": 0}
 
 
-def publish(payload: object) -> None:
-    """Send one event (any picklable object) to the client while the current call runs.
-
-    Events of one rank arrive in the order they were published, none lost or repeated.
-    Outside a lab engine (e.g. under torchrun) there is no one to tell: it does nothing.
-    """
-    if _context is None:
-        return
+def _publish_event(payload: object) -> None:
+    """The engine's way to `publish` (pplab.rank_context): one data key per event of the call."""
     from IPython import get_ipython
 
     data_pub = get_ipython().data_pub
@@ -214,45 +185,3 @@ def _publish_data(data: dict) -> None:
     if shell is not None and getattr(shell, "data_pub", None) is not None:
         with _publish_lock:
             shell.data_pub.publish_data(data)
-
-
-class Feed:
-    """Publishes what a call `put`s, in batches every `interval` seconds, from a helper thread.
-
-    The rank's own thread only appends to a list (cheap, never blocks on the network);
-    the helper publishes what gathered, each item with the time it was put, so a rank
-    blocked in a wait still shows its latest note within `interval`. Used as a context
-    manager: leaving it publishes what is left, before the call returns.
-    """
-
-    def __init__(self, interval: float):
-        self.interval = interval
-        self._items: list = []
-        self._lock = threading.Lock()
-        self._stopped = threading.Event()
-        self._thread = threading.Thread(target=self._publish_every_interval, daemon=True,
-                                        name="pplab-feed")
-
-    def put(self, item: object) -> None:
-        """Queue `item` for the client (any picklable object)."""
-        with self._lock:
-            self._items.append((time.time(), item))
-
-    def __enter__(self) -> "Feed":
-        self._thread.start()
-        return self
-
-    def __exit__(self, *exc_info) -> None:
-        self._stopped.set()
-        self._thread.join()
-        self._flush()
-
-    def _publish_every_interval(self) -> None:
-        while not self._stopped.wait(self.interval):
-            self._flush()
-
-    def _flush(self) -> None:
-        with self._lock:
-            items, self._items = self._items, []
-        if items:
-            publish(items)

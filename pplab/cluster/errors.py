@@ -6,13 +6,15 @@ happened, who waited on whom, and the fix on lines of their own.
 
 from __future__ import annotations
 
+from pplab.rank_context import RankError
+
 # The last line of every error after which only fresh engines help.
 RESTART_HINT = "Call lab.restart() to get fresh ranks."
 # What starts the rank's own traceback at the end of a RankFailedError's message.
 REMOTE_TRACEBACK = "\nRemote traceback"
 
 
-class LabError(RuntimeError):
+class LabError(RankError):
     """Something went wrong with the lab's engines or with a call running on them."""
 
     @property
@@ -36,6 +38,10 @@ class RankFailedError(LabError):
         self.evalue = evalue
         self.traceback = traceback
         self.still_running = still_running
+
+    def first_raised(self) -> tuple[str, str]:
+        """(exception type, message) of the first rank that raised."""
+        return self.ename, self.evalue
 
 
 class RankDiedError(LabError):

@@ -26,13 +26,13 @@ from typing import Callable, Iterator
 
 from pplab.arguments import check_positive_int, check_positive_seconds
 from pplab.cluster import engine, records
-from pplab.cluster.calls import RankCall, RankEvent
+from pplab.cluster.calls import RankCall
 from pplab.cluster.errors import RESTART_HINT, LabError, LabNeedsRestartError, LabStartError
-from pplab.cluster.lab_pipeline import PipelineRun
 from pplab.cluster.launchers import ConnectedCluster, LocalCluster
 from pplab.cluster.plan import (RankSpec, assign_ranks, check_gpus, check_threads, choose_backend_device,
                                 local_ranks, loopback_interface)
 from pplab.cluster.status import RankGroup, RankInfo, RankTable
+from pplab.rank_context import RankEvent
 
 TEARDOWN_SECONDS = 5.0
 
@@ -369,16 +369,6 @@ class Lab:
     def rank_processes(self) -> tuple[tuple[str, int], ...]:
         """(host, pid) of each rank's engine, by rank: it changes when the engines are replaced."""
         return tuple((info.host, info.pid) for info in self._ranks.infos)
-
-    def pipeline(self, config, schedule="1f1b", microbatches: int | None = None, n_virtual: int = 1,
-                 **options) -> PipelineRun:
-        """Build a pipeline's stages on every rank (schedule validated first); step it with `.step()`.
-
-        A wait between ranks gives up after the lab's `timeout` unless `timeout=` says otherwise.
-        """
-        self._check_usable()
-        options.setdefault("timeout", self.timeout)
-        return PipelineRun(self, config, schedule, microbatches, n_virtual, **options)
 
     def stream(self, fn: Callable, *args, timeout: float | None = None,
                **kwargs) -> Iterator[RankEvent]:

@@ -87,14 +87,14 @@ class Dashboard(widgets.VBox):
 
     def check_parity(self):
         """One more step, compared with one device: loss and every gradient; differences go to the gradient panel."""
-        from pplab.cluster import LabError
+        from pplab.rank_context import RankError
 
         if self.running:
             raise RuntimeError("the dashboard is running steps: call stop() first")
         self._say("checking parity with one device")
         try:
             report = self.run.check_parity(self.batch)
-        except (LabError, ValueError) as error:
+        except (RankError, ValueError) as error:
             self._say_error(error)
             return None
         self.gradients.show(self.run.last.grad_stats, report, self._stage_of())
@@ -115,7 +115,7 @@ class Dashboard(widgets.VBox):
 
     def _steps(self, steps: int, raise_errors: bool):
         """Run the steps, yielding whenever there is time to wait (the caller sleeps or awaits)."""
-        from pplab.cluster import LabError
+        from pplab.rank_context import RankError
 
         self.running, self._stop_requested = True, False
         self._enable_controls(False)
@@ -129,7 +129,7 @@ class Dashboard(widgets.VBox):
                 self.progress.value = index + 1
             else:
                 self._say(f"{steps} step{'s' if steps > 1 else ''} done")
-        except (LabError, ValueError) as error:
+        except (RankError, ValueError) as error:
             self._say_error(error)
             if raise_errors:
                 raise
@@ -303,9 +303,9 @@ class Dashboard(widgets.VBox):
     def _say_error(self, error: Exception) -> None:
         """The error's message, line by line, without the remote traceback (it would push the
         panels off the screen; the raised error, or `lab.last_errors`, still has it)."""
-        from pplab.cluster import LabError
+        from pplab.rank_context import RankError
 
-        message = error.summary if isinstance(error, LabError) else str(error)
+        message = error.summary if isinstance(error, RankError) else str(error)
         self._say("<br>".join(html.escape(line) for line in message.splitlines()), error=True)
 
 

@@ -1,12 +1,10 @@
-"""Pipelines on a lab: every engine builds its stages once, then the notebook steps them.
+"""A pipeline session: its stages built once on the ranks, then stepped, checked and trained from here.
 
-The engine side keeps each rank's `RankPipeline` in a registry keyed by a run id
-(engines are long-lived, so stages are built once and stepped many times). The
-client side, `PipelineRun`, checks the batch, splits it into per-rank shares
-(token ids for stage 0, targets for the last stage; the shares are small, so
-every engine is sent the list and uses only its own), and merges what comes back
-into one `StepResult`: loss, timeline on one clock, the shapes that crossed each
-boundary, gradient statistics.
+`PipelineRun` works on any driver of ranks (see `pplab.session`): it checks the batch,
+splits it into per-rank shares (token ids for stage 0, targets for the last stage; the
+shares are small, so every rank is sent the list and uses only its own), and merges what
+comes back into one `StepResult`: loss, timeline on one clock, the shapes that crossed
+each boundary, gradient statistics. What runs on the ranks is in `pplab.session.on_rank`.
 """
 
 from __future__ import annotations
@@ -17,103 +15,28 @@ from collections.abc import Sequence
 
 import torch
 
-from pplab import faults
 from pplab.arguments import check_positive_seconds
 from pplab.checkpoint_files import CheckpointError, read_manifest, resume_path
 from pplab.checks import (BoundaryTable, GradientFlowReport, ParityReport, check_gradient_flow,
                           compare_with_reference)
-from pplab.cluster import engine
-from pplab.cluster.errors import RankFailedError
 from pplab.data import Batch, batches
-from pplab.mesh import Mesh, MemoryTable, memory_held, optimizer_state_bytes
+from pplab.mesh import Mesh, MemoryTable
 from pplab.model import LlamaConfig, LlamaModel
-from pplab.rank_pipeline import PipelineSpec, RankPipeline, StepResult, merge_steps, split_for_ranks
+from pplab.rank_context import RankError, StillRunning
+from pplab.rank_pipeline import PipelineSpec, StepResult, merge_steps, split_for_ranks
 from pplab.reference import reference_step
-from pplab.runtime import RankStep
 from pplab.schedules import Schedule
+from pplab.session.on_rank import build_on_rank, drop_on_rank, memory_on_rank, step_on_rank, train_on_rank
 from pplab.simulator import Costs, simulate
 from pplab.trace import Timeline
-from pplab.train import ProgressBar, RankTrainer, TrainHistory, TrainOptions, check_trainable
-
-# --- engine side ----------------------------------------------------------------------------
-
-_pipelines: dict[str, RankPipeline] = {}
-_trainers: dict[str, RankTrainer] = {}
-
-
-def build_on_rank(run_id: str, spec: PipelineSpec) -> dict:
-    """Build this rank's stages for `spec` and keep them under `run_id`."""
-    context = engine.rank_context()
-    pipeline = RankPipeline(spec, context.rank, context.device)
-    _pipelines[run_id] = pipeline
-    return {"rank": context.rank, "stages": sorted(pipeline.stages),
-            "parameters": sum(p.numel() for p in pipeline.parameters()),
-            "coordinates": pipeline.place.coordinates if pipeline.place else None}
-
-
-def _pipeline(run_id: str) -> RankPipeline:
-    if run_id not in _pipelines:
-        raise LookupError(f"pipeline {run_id} is not built on rank {engine.rank_context().rank} (was "
-                          f"the lab restarted?): call lab.pipeline(...) again")
-    return _pipelines[run_id]
-
-
-def step_on_rank(run_id: str, per_rank_data: list[dict], return_grads: bool,
-                 live_interval: float | None = None) -> RankStep:
-    """Run one step of the pipeline `run_id` with this rank's share of the data.
-
-    With `live_interval`, what the rank starts and every event it records are published
-    while the step runs (see `engine.Feed`), for live views.
-    """
-    context = engine.rank_context()
-    pipeline, data = _pipeline(run_id), per_rank_data[context.rank]
-    with faults.in_run(run_id):  # the faults armed for this run may fire (pplab.faults)
-        if live_interval is None:
-            return pipeline.step(data, return_grads=return_grads)
-        with engine.Feed(live_interval) as feed:
-            return pipeline.step(data, return_grads=return_grads, watch=feed.put)
-
-
-def train_on_rank(run_id: str, options: TrainOptions, until: int | None,
-                  live_interval: float) -> TrainHistory:
-    """Train the pipeline `run_id` (the loop of `pplab.train`), publishing each step as it ends.
-
-    The rank keeps its trainer (optimizer, LR schedule, step) between calls, so a call
-    with the same options (whatever the last one resumed from) goes on where the last
-    stopped. A call that resumes from a checkpoint, or changes the options, starts a
-    new trainer: loaded from the checkpoint, or a fresh optimizer on the current weights.
-    """
-    pipeline = _pipeline(run_id)
-    trainer = _trainers.get(run_id)
-    goes_on = (trainer is not None and options.resume is None
-               and dataclasses.replace(trainer.options, resume=None) == options)
-    if not goes_on:
-        trainer = _trainers[run_id] = RankTrainer(pipeline, options)
-    with engine.Feed(live_interval) as feed, faults.in_run(run_id):
-        return trainer.train(until, on_step=lambda record: feed.put((record, trainer.last_events)))
-
-
-def memory_on_rank(run_id: str) -> dict:
-    """The bytes this rank holds for its stages (see pplab.mesh.memory_held), AdamW's state measured."""
-    stages = _pipeline(run_id).stages.values()
-    return {**memory_held(stages), "optimizer": optimizer_state_bytes(stages),
-            "rank": engine.rank_context().rank}
-
-
-def drop_on_rank(run_id: str) -> None:
-    """Forget the pipeline `run_id` (frees its stages, its trainer and its faults not fired)."""
-    _pipelines.pop(run_id, None)
-    _trainers.pop(run_id, None)
-    faults.disarm_on_rank(run_id)
-
-
-# --- client side ----------------------------------------------------------------------------
+from pplab.train import ProgressBar, TrainHistory, TrainOptions, check_trainable
 
 class PipelineRun:
-    """A pipeline built on a lab's ranks: step it, check it, compare it with the simulator."""
+    """A pipeline built on the ranks of a driver (a lab, a RankPool): step it, check it, train it."""
 
     def __init__(self, lab, config: LlamaConfig, schedule: str | Schedule = "1f1b",
                  microbatches: int | None = None, n_virtual: int = 1, **options):
+        """`lab`: the ranks' driver (`pplab.Lab`, `pplab.launch.RankPool`, see pplab.session)."""
         self.lab = lab
         self.spec = PipelineSpec.create(config, schedule, lab.world_size, microbatches, n_virtual, **options)
         self.run_id = f"run-{uuid.uuid4().hex[:8]}"  # unique even with two clients on one cluster
@@ -126,10 +49,10 @@ class PipelineRun:
         self._built_on = lab.rank_processes
 
     def _check_engines(self) -> None:
-        """The stages live on the engines that built them: after lab.restart() they are gone."""
+        """The stages live on the processes that built them: once those are replaced they are gone."""
         if self.lab.rank_processes != self._built_on:
-            raise RuntimeError(f"{self!r} was built on engines that lab.restart() replaced: "
-                               f"call lab.pipeline(...) again")
+            raise RuntimeError(f"{self!r} was built on ranks that were replaced since (a restart, or a "
+                               f"failed call on a pool): build the pipeline again (lab.pipeline(...))")
 
     @property
     def schedule(self) -> Schedule:
@@ -225,13 +148,14 @@ class PipelineRun:
                 try:  # raises at once when a rank failed or died
                     history = call.result(timeout=0.1)[0]
                     break
-                except TimeoutError:
+                except StillRunning:
                     continue
             call.wait_for_events()  # a rank's last records may trail its result
             show_arrived()
-        except RankFailedError as error:
-            if error.ename == "CheckpointError":  # every rank refused the checkpoint; the run is unchanged
-                raise CheckpointError(error.evalue) from None
+        except RankError as error:
+            raised = error.first_raised()
+            if raised and raised[0] == "CheckpointError":  # every rank refused it; the run is unchanged
+                raise CheckpointError(raised[1]) from error  # what each rank said stays with it
             raise
         finally:
             view.close()
@@ -345,22 +269,16 @@ class LiveStep:
 
     def wait(self, timeout: float) -> None:
         """Block until every rank has finished, or `timeout` seconds (errors are left to `finished`)."""
-        from pplab.cluster.errors import LabError
-
         try:
             self.call.result(timeout=timeout)
-        except (LabError, TimeoutError):  # a failure is kept by the call; finished() raises it
+        except (RankError, StillRunning):  # a failure is kept by the call; finished() raises it
             pass
 
     def finished(self) -> bool:
         """True once every rank has finished; raises the call's error if a rank failed."""
-        from pplab.cluster.errors import LabError
-
         try:
             self.call.result(timeout=0)
-        except LabError:
-            raise
-        except TimeoutError:  # still running
+        except StillRunning:
             return False
         return True
 

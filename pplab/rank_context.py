@@ -1,0 +1,122 @@
+"""Who this process is among the ranks, and how it tells its client what happens while a call runs.
+
+The driver that started the process (a lab engine, a process of a `RankPool`) sets the
+context once the process has joined the process group, with a way to publish: code that
+runs on a rank asks `rank_context()` for its rank and device and calls `publish(item)`
+to stream an item to the client, whichever driver that is. Under torchrun, or in a plain
+process, nobody listens: `publish` does nothing.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from dataclasses import dataclass
+from typing import Any, Callable, NamedTuple
+
+
+@dataclass(frozen=True)
+class RankContext:
+    """Who this process is in the process group."""
+
+    rank: int
+    world_size: int
+    local_rank: int
+    local_world_size: int
+    backend: str
+    device: Any  # torch.device (torch is not imported here)
+
+
+class RankError(RuntimeError):
+    """A call on the ranks failed (a driver's own errors derive from this)."""
+
+    def first_raised(self) -> tuple[str, str] | None:
+        """(exception type, message) of the first rank that raised, or None when none raised."""
+        return None
+
+    @property
+    def summary(self) -> str:
+        """What happened and the fix, without the ranks' tracebacks (for a status line)."""
+        return str(self)
+
+
+class StillRunning(TimeoutError):
+    """`call.result(timeout=...)` returned before the ranks finished; the call goes on."""
+
+
+class RankEvent(NamedTuple):
+    """One item a rank published, as the client receives it: its rank, its number in the call, the item."""
+
+    rank: int
+    seq: int
+    payload: Any
+
+
+_context: RankContext | None = None
+_publisher: Callable[[object], None] | None = None
+
+
+def rank_context() -> RankContext:
+    """This process's rank, world size and device (raises outside a rank a pplab driver started)."""
+    if _context is None:
+        raise RuntimeError("rank_context() works on a rank that pplab started (a lab engine, or a "
+                           "process of a RankPool), once its process group is up")
+    return _context
+
+
+def set_rank_context(context: RankContext | None, publisher: Callable[[object], None] | None = None) -> None:
+    """For drivers: who this process is now, and how `publish` reaches the client (None: leave)."""
+    global _context, _publisher
+    _context, _publisher = context, publisher
+
+
+def publish(payload: object) -> None:
+    """Send one item (any picklable object) to the client while the current call runs.
+
+    Items of one rank arrive in the order they were published, none lost or repeated.
+    Where nobody listens (torchrun, a plain process) it does nothing.
+    """
+    if _publisher is not None:
+        _publisher(payload)
+
+
+class Feed:
+    """Publishes what a call `put`s, in batches every `interval` seconds, from a helper thread.
+
+    The rank's own thread only appends to a list (cheap, never blocks on the network);
+    the helper publishes what gathered, each item with the time it was put, so a rank
+    blocked in a wait still shows its latest note within `interval`. Used as a context
+    manager: leaving it publishes what is left, before the call returns.
+    """
+
+    def __init__(self, interval: float):
+        self.interval = interval
+        self._items: list = []
+        self._lock = threading.Lock()
+        self._stopped = threading.Event()
+        self._thread = threading.Thread(target=self._publish_every_interval, daemon=True,
+                                        name="pplab-feed")
+
+    def put(self, item: object) -> None:
+        """Queue `item` for the client (any picklable object)."""
+        with self._lock:
+            self._items.append((time.time(), item))
+
+    def __enter__(self) -> "Feed":
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        self._stopped.set()
+        self._thread.join()
+        self._flush()
+
+    def _publish_every_interval(self) -> None:
+        while not self._stopped.wait(self.interval):
+            self._flush()
+
+    def _flush(self) -> None:
+        with self._lock:
+            items, self._items = self._items, []
+        if items:
+            publish(items)

@@ -1,0 +1,30 @@
+"""The session: the client side of a pipeline, above the drivers of ranks.
+
+A `PipelineRun` builds a pipeline's stages on the ranks, steps it, checks it against one
+device, trains it and streams what the ranks do. It needs of its ranks only what every
+driver offers:
+
+    ranks.world_size, ranks.timeout, ranks.state, ranks.rank_processes
+    ranks.run(fn, *args, timeout=...)        -> results by rank    (fn(*args) on every rank)
+    ranks.run_async(fn, *args, timeout=...)  -> call: call.poll_events(), call.result(timeout=...),
+                                                call.wait_for_events()
+
+Drivers: `pplab.Lab` (ipyparallel engines, for notebooks) and `pplab.RankPool` (local
+processes kept between calls, for the command line, tests, benchmarks and scripts), both
+with `.pipeline(...)` (`pplab.session.drivers`). The rank side is `pplab.session.on_rank`.
+"""
+
+import importlib as _importlib
+
+# Each name loads its module on first use: a rank that imports `pplab.session.on_rank`
+# loads neither the drivers nor ipyparallel.
+_EXPORTS = {"Lab": "pplab.session.drivers", "RankPool": "pplab.session.drivers",
+            "PipelineRun": "pplab.session.pipeline", "LiveStep": "pplab.session.pipeline"}
+
+__all__ = list(_EXPORTS)
+
+
+def __getattr__(name: str):
+    if name not in _EXPORTS:
+        raise AttributeError(f"module 'pplab.session' has no attribute {name!r}")
+    return getattr(_importlib.import_module(_EXPORTS[name]), name)

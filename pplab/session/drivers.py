@@ -1,0 +1,35 @@
+"""The drivers as a session uses them: a lab and a pool of ranks that build pipelines.
+
+`pplab.Lab` is the ipyparallel lab (`pplab.cluster.Lab`) and `RankPool` the pool of
+local processes (`pplab.launch.RankPool`), each with `pipeline(...)`, which builds a
+`PipelineRun` on its ranks. The drivers themselves know nothing of pipelines.
+"""
+
+from __future__ import annotations
+
+from pplab.cluster.lab import Lab as _ClusterLab
+from pplab.launch import RankPool as _LocalPool
+from pplab.schedules import Schedule
+from pplab.session.pipeline import PipelineRun
+
+
+class _BuildsPipelines:
+    """`pipeline(...)` for a driver of ranks."""
+
+    def pipeline(self, config, schedule: str | Schedule = "1f1b", microbatches: int | None = None,
+                 n_virtual: int = 1, **options) -> PipelineRun:
+        """Build a pipeline's stages on every rank (schedule validated first); step it with `.step()`.
+
+        A wait between ranks gives up after the driver's `timeout` unless `timeout=` says otherwise.
+        """
+        self._check_usable()
+        options.setdefault("timeout", self.timeout)
+        return PipelineRun(self, config, schedule, microbatches, n_virtual, **options)
+
+
+class Lab(_BuildsPipelines, _ClusterLab):
+    __doc__ = _ClusterLab.__doc__
+
+
+class RankPool(_BuildsPipelines, _LocalPool):
+    __doc__ = _LocalPool.__doc__

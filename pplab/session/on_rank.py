@@ -1,0 +1,88 @@
+"""What a pipeline session runs on each rank: its stages, built once and kept, stepped and trained.
+
+Ranks are long-lived (lab engines, a pool's processes), so each keeps its `RankPipeline`
+in a registry keyed by the run's id, and its trainer (optimizer, LR schedule, step)
+beside it. The client side is `pplab.session.pipeline`; these functions are called
+through a driver's `run` / `run_async`, on every rank, and publish through
+`pplab.rank_context`, so they work the same on every driver.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from pplab import faults
+from pplab.mesh import memory_held, optimizer_state_bytes
+from pplab.rank_context import Feed, rank_context
+from pplab.rank_pipeline import PipelineSpec, RankPipeline
+from pplab.runtime import RankStep
+from pplab.train import RankTrainer, TrainHistory, TrainOptions
+
+_pipelines: dict[str, RankPipeline] = {}
+_trainers: dict[str, RankTrainer] = {}
+
+
+def build_on_rank(run_id: str, spec: PipelineSpec) -> dict:
+    """Build this rank's stages for `spec` and keep them under `run_id`."""
+    context = rank_context()
+    pipeline = RankPipeline(spec, context.rank, context.device)
+    _pipelines[run_id] = pipeline
+    return {"rank": context.rank, "stages": sorted(pipeline.stages),
+            "parameters": sum(p.numel() for p in pipeline.parameters()),
+            "coordinates": pipeline.place.coordinates if pipeline.place else None}
+
+
+def _pipeline(run_id: str) -> RankPipeline:
+    if run_id not in _pipelines:
+        raise LookupError(f"pipeline {run_id} is not built on rank {rank_context().rank} (was "
+                          f"the lab restarted?): call lab.pipeline(...) again")
+    return _pipelines[run_id]
+
+
+def step_on_rank(run_id: str, per_rank_data: list[dict], return_grads: bool,
+                 live_interval: float | None = None) -> RankStep:
+    """Run one step of the pipeline `run_id` with this rank's share of the data.
+
+    With `live_interval`, what the rank starts and every event it records are published
+    while the step runs (see `pplab.rank_context.Feed`), for live views.
+    """
+    context = rank_context()
+    pipeline, data = _pipeline(run_id), per_rank_data[context.rank]
+    with faults.in_run(run_id):  # the faults armed for this run may fire (pplab.faults)
+        if live_interval is None:
+            return pipeline.step(data, return_grads=return_grads)
+        with Feed(live_interval) as feed:
+            return pipeline.step(data, return_grads=return_grads, watch=feed.put)
+
+
+def train_on_rank(run_id: str, options: TrainOptions, until: int | None,
+                  live_interval: float) -> TrainHistory:
+    """Train the pipeline `run_id` (the loop of `pplab.train`), publishing each step as it ends.
+
+    The rank keeps its trainer (optimizer, LR schedule, step) between calls, so a call
+    with the same options (whatever the last one resumed from) goes on where the last
+    stopped. A call that resumes from a checkpoint, or changes the options, starts a
+    new trainer: loaded from the checkpoint, or a fresh optimizer on the current weights.
+    """
+    pipeline = _pipeline(run_id)
+    trainer = _trainers.get(run_id)
+    goes_on = (trainer is not None and options.resume is None
+               and dataclasses.replace(trainer.options, resume=None) == options)
+    if not goes_on:
+        trainer = _trainers[run_id] = RankTrainer(pipeline, options)
+    with Feed(live_interval) as feed, faults.in_run(run_id):
+        return trainer.train(until, on_step=lambda record: feed.put((record, trainer.last_events)))
+
+
+def memory_on_rank(run_id: str) -> dict:
+    """The bytes this rank holds for its stages (see pplab.mesh.memory_held), AdamW's state measured."""
+    stages = _pipeline(run_id).stages.values()
+    return {**memory_held(stages), "optimizer": optimizer_state_bytes(stages),
+            "rank": rank_context().rank}
+
+
+def drop_on_rank(run_id: str) -> None:
+    """Forget the pipeline `run_id` (frees its stages, its trainer and its faults not fired)."""
+    _pipelines.pop(run_id, None)
+    _trainers.pop(run_id, None)
+    faults.disarm_on_rank(run_id)

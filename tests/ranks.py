@@ -1,0 +1,36 @@
+"""Ranks for the tests: one RankPool per world size, started once and kept for the whole session.
+
+`run_ranks(world_size, fn, *args)` is `pplab.launch.run_ranks` on the session's pool of that
+size: torch is imported and the process group joined once per size, not once per call. A
+call that fails ends the pool's processes and the next call starts fresh ones, so a test
+that breaks its ranks leaves nothing to the next. conftest stops the pools at the end.
+"""
+
+from __future__ import annotations
+
+from pplab import launch
+
+_pools: dict[int, launch.RankPool] = {}
+
+
+def pool(world_size: int) -> launch.RankPool:
+    """The session's pool of `world_size` ranks (started on first use)."""
+    if world_size not in _pools or _pools[world_size].state == "stopped":
+        _pools[world_size] = launch.RankPool(world_size)
+    return _pools[world_size]
+
+
+def run_ranks(world_size: int, fn, *args, timeout: float = 120.0, init_timeout: float | None = None) -> list:
+    """fn(rank, world_size, *args) on the session's pool of `world_size` ranks; results by rank.
+
+    `init_timeout` is accepted for the callers of `launch.run_ranks` and not needed: after a
+    rank fails, a pool ends the others when their grace is over, whatever they wait for.
+    """
+    return launch.run_ranks(world_size, fn, *args, timeout=timeout, pool=pool(world_size))
+
+
+def stop_pools() -> None:
+    """End every pool's processes."""
+    for started in _pools.values():
+        started.stop()
+    _pools.clear()
