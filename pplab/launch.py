@@ -354,10 +354,11 @@ class RankPool:
         if not kill:
             for inbox in self._inboxes:
                 inbox.put(_STOP)
+        started = [process for process in self._processes if process.pid is not None]
         deadline = time.monotonic() + (0 if kill else 5.0)
-        for process in self._processes:
+        for process in started:
             process.join(max(0.0, deadline - time.monotonic()))
-        for process in self._processes:
+        for process in started:
             if process.is_alive():
                 process.kill()
             process.join(5)

@@ -11,6 +11,9 @@
 
 Plain-process ranks come from `tests/ranks.py`: one RankPool per world size, stopped
 with the session.
+
+The quick tier (`pytest -m quick`, the inner loop) is the tests marked `quick`: they
+start no process, and this conftest makes sure of it (starting one fails the test).
 """
 
 from __future__ import annotations
@@ -64,6 +67,22 @@ def ipython_dir(tmp_path_factory):
     if leaked:
         pytest.fail(f"{len(leaked)} lab process(es) outlived the tests:\n" + "\n".join(described),
                     pytrace=False)
+
+
+@pytest.fixture(autouse=True)
+def _quick_tests_start_no_process(request, monkeypatch):
+    """A test marked `quick` fails if it starts a process (subprocess, multiprocessing, fork)."""
+    if request.node.get_closest_marker("quick") is None:
+        return
+    import multiprocessing.process
+    import subprocess
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("a test marked quick started a process: take the mark off, or the process out")
+
+    monkeypatch.setattr(subprocess.Popen, "__init__", refuse)
+    monkeypatch.setattr(multiprocessing.process.BaseProcess, "start", refuse)
+    monkeypatch.setattr(os, "fork", refuse)
 
 
 def _reusable_lab(timeout: float):

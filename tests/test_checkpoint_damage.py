@@ -27,6 +27,7 @@ from pplab.partition import build_stage
 from pplab.rank_pipeline import PipelineSpec, RankPipeline
 from pplab.train import RankTrainer, TrainOptions, make_optimizer, train_on_rank
 
+
 CONFIG = LlamaConfig.tiny()
 BASE = TrainOptions(steps=6, batch_size=8, seq_len=32, warmup=2, eval_every=0)
 

@@ -1,6 +1,9 @@
 """Check reports read well: short plain-text lines for terminals, a table for notebooks."""
 
 from pplab.checks import GradientFlowReport, ParityReport
+import pytest
+
+pytestmark = pytest.mark.quick  # starts no process (conftest makes sure)
 
 LONGEST_LINE = 90  # a notebook cell wraps longer lines, mid-word
 

@@ -6,10 +6,12 @@ from pathlib import Path
 import nbformat
 import pytest
 
+
 NOTEBOOKS = Path(__file__).resolve().parents[1] / "notebooks"
 STEMS = sorted(path.stem for path in NOTEBOOKS.glob("*.ipynb"))
 
 
+@pytest.mark.quick
 @pytest.mark.parametrize("stem", STEMS)
 def test_a_notebook_states_its_goal_sums_up_and_stops_its_lab(stem):
     cells = nbformat.read(NOTEBOOKS / f"{stem}.ipynb", as_version=4).cells
@@ -21,6 +23,7 @@ def test_a_notebook_states_its_goal_sums_up_and_stops_its_lab(stem):
     assert not any(c.get("outputs") for c in cells if c.cell_type == "code"), f"{stem} is saved with outputs"
 
 
+@pytest.mark.quick
 def test_the_contents_table_lists_every_notebook_in_order():
     contents = (NOTEBOOKS / "README.md").read_text()
     positions = [contents.find(f"`{stem}`") for stem in STEMS]

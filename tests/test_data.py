@@ -12,6 +12,8 @@ from pplab.data import (CharTokenizer, batches, default_corpus, hf_batches, pack
 from pplab.model import IGNORE_INDEX, loss_fn
 
 
+
+@pytest.mark.quick
 def test_tokenizer_round_trip_and_vocabulary_fits_tiny():
     tok = CharTokenizer()
     text = "the red fox.\n12 + 3 = 15."
@@ -20,6 +22,7 @@ def test_tokenizer_round_trip_and_vocabulary_fits_tiny():
     assert tok.encode("é") == [tok.unk_id]
 
 
+@pytest.mark.quick
 def test_batches_are_deterministic_per_seed_and_well_formed():
     a = list(batches(4, 32, seed=7, steps=3))
     b = list(batches(4, 32, seed=7, steps=3))
@@ -35,6 +38,7 @@ def test_batches_are_deterministic_per_seed_and_well_formed():
     assert default_corpus() == default_corpus.__wrapped__()  # made, the same every time
 
 
+@pytest.mark.quick
 def test_local_text_file_path(tmp_path):
     path = tmp_path / "corpus.txt"
     path.write_text("abcdefghij" * 20, encoding="utf-8")
@@ -44,6 +48,7 @@ def test_local_text_file_path(tmp_path):
         next(batches(2, 8, path=tmp_path / "missing.txt"))
 
 
+@pytest.mark.quick
 def test_short_corpus_is_padded_with_the_ignore_index():
     x, y = next(batches(1, 10, text="hello"))
     assert CharTokenizer().decode(x[0].tolist()) == "hell"
@@ -52,6 +57,7 @@ def test_short_corpus_is_padded_with_the_ignore_index():
     assert torch.allclose(loss_fn(logits, y), loss_fn(logits[:, :4], y[:, :4]))
 
 
+@pytest.mark.quick
 @pytest.mark.parametrize("call, message", [
     (lambda: next(batches(0, 8)), "batch_size=0"),
     (lambda: next(batches(2, -1)), "seq_len=-1"),
@@ -65,6 +71,7 @@ def test_data_errors_name_the_value(call, message):
         call()
 
 
+@pytest.mark.quick
 def test_embedded_corpus_is_learnable():
     torch.manual_seed(0)
     model = pplab.build_model(pplab.LlamaConfig.tiny())
@@ -87,6 +94,7 @@ DOCUMENTS = [f"the {colour} {animal} sat on the mat." for colour in ("red", "blu
              for animal in ("cat", "dog", "owl", "bee")]
 
 
+@pytest.mark.quick
 def test_packed_batches_cut_the_documents_one_after_another_into_windows():
     tok = CharTokenizer()
     stream = [token for doc in DOCUMENTS for token in [*tok.encode(doc), tok.eos_id]]
@@ -101,6 +109,7 @@ def test_packed_batches_cut_the_documents_one_after_another_into_windows():
     assert tok.eos_id in torch.cat([x for x, _ in got]).flatten().tolist()  # documents end with <eos>
 
 
+@pytest.mark.quick
 def test_hf_batches_without_the_optional_packages_says_how_to_install_them(monkeypatch):
     monkeypatch.setitem(sys.modules, "datasets", None)  # as if not installed
     with pytest.raises(ImportError, match=r"optional packages 'datasets' and 'transformers'.*"
@@ -110,6 +119,7 @@ def test_hf_batches_without_the_optional_packages_says_how_to_install_them(monke
         hf_batches("some/dataset", "some/tokenizer", batch_size=2, seq_len=0)
 
 
+@pytest.mark.quick
 def test_hf_batches_on_a_local_dataset_and_tokenizer(tmp_path, monkeypatch):
     """Only where the optional extra is installed: nothing is downloaded."""
     pytest.importorskip("datasets")
@@ -139,12 +149,14 @@ def test_hf_batches_on_a_local_dataset_and_tokenizer(tmp_path, monkeypatch):
     assert all(torch.equal(a[0], b[0]) for a, b in zip(got, again))
 
 
+@pytest.mark.quick
 def test_a_stream_resumed_at_a_position_continues_where_it_was():
     stream = list(batches(4, 16, seed=3, split="train", steps=5))
     resumed = next(batches(4, 16, seed=3, split="train", start=3))
     assert all(torch.equal(a, b) for a, b in zip(stream[3], resumed))
 
 
+@pytest.mark.quick
 def test_held_out_text_is_not_training_text():
     from pplab.data import HELDOUT_FRACTION, default_corpus
 

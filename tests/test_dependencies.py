@@ -17,6 +17,8 @@ from pplab.schedules import (SCHEDULE_NAMES, Action, DeadlockError, Dependencies
                              ScheduleError, build, from_torch, validate)
 from pplab import simulator
 
+pytestmark = pytest.mark.quick  # starts no process (conftest makes sure)
+
 F, B, I, W = Kind.F, Kind.B, Kind.I, Kind.W
 
 

@@ -13,6 +13,7 @@ import pplab
 from pplab import faults
 from pplab.cluster import RankDiedError, RankFailedError
 
+
 CONFIG = pplab.LlamaConfig.tiny()
 
 

@@ -1,12 +1,16 @@
 """Honest imports: the core (floors 1-3) loads none of the Jupyter or cluster layers.
 
-Each import runs in a fresh interpreter, so what one test imported cannot hide
-what another pulls in.
+Each import runs in a fresh process, so what one check imported cannot hide what another
+pulls in. The processes are forked from one helper interpreter, so each check costs a fork
+rather than a new interpreter: the pure-Python checks fork from a helper that has imported
+nothing, the core checks from one that has imported only torch (and is checked to hold
+none of the upper floors: torch pulls in none of them).
 """
 
 import json
 import subprocess
 import sys
+import textwrap
 
 import pytest
 
@@ -22,24 +26,62 @@ PURE_PYTHON = ["pplab", "pplab.schedules", "pplab.trace", "pplab.simulator",
                "pplab.checkpoint_files", "pplab.rank_context"]  # not even torch
 
 
-def loaded_after_import(module: str, watched: list[str]) -> list[str]:
-    """Which of `watched` (packages, with their submodules) a fresh `import module` loads."""
-    script = (f"import json, sys\nimport {module}\n"
-              f"print(json.dumps(sorted({{w for w in {watched!r} for name in sys.modules "
-              f"if name == w or name.startswith(w + '.')}})))")
-    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+
+CHECKS = textwrap.dedent("""
+    import json, os, sys
+
+    def loaded_after_import(module, watched):
+        # In a forked child: import `module`, then say which of `watched` (with submodules) it loaded.
+        read, write = os.pipe()
+        if os.fork() == 0:
+            os.close(read)
+            try:
+                __import__(module)
+                found = sorted({w for w in watched for name in sys.modules if name == w or name.startswith(w + ".")})
+                answer = {"loaded": found}
+            except BaseException as error:
+                answer = {"error": f"{type(error).__name__}: {error}"}
+            os.write(write, json.dumps(answer).encode())
+            os._exit(0)
+        os.close(write)
+        with os.fdopen(read) as pipe:
+            answer = json.loads(pipe.read() or '{"error": "the child died"}')
+        os.wait()
+        return answer
+
+    pure, core, upper = json.loads(sys.argv[1])
+    results = {"pure": {m: loaded_after_import(m, ["torch", *upper]) for m in pure}}
+    import torch  # noqa: F401  (what every core module loads anyway)
+    results["torch alone"] = sorted({w for w in upper for name in sys.modules if name == w or name.startswith(w + ".")})
+    results["core"] = {m: loaded_after_import(m, upper) for m in core}
+    print(json.dumps(results))
+""")
+
+
+@pytest.fixture(scope="module")
+def imports_seen() -> dict:
+    """What each checked module loads, each import in a fresh forked process."""
+    done = subprocess.run([sys.executable, "-c", CHECKS, json.dumps([PURE_PYTHON, CORE, UPPER_FLOORS])],
+                          capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr
-    return json.loads(done.stdout.splitlines()[-1])
+    seen = json.loads(done.stdout.splitlines()[-1])
+    assert seen["torch alone"] == [], f"torch itself loads {seen['torch alone']}: the core checks need a fresh interpreter each"
+    return seen
+
+
+def loaded(answer: dict) -> list[str]:
+    assert "error" not in answer, answer.get("error")
+    return answer["loaded"]
 
 
 @pytest.mark.parametrize("module", CORE)
-def test_core_module_loads_no_upper_floor(module):
-    assert loaded_after_import(module, UPPER_FLOORS) == [], f"import {module} pulled in an upper floor"
+def test_core_module_loads_no_upper_floor(module, imports_seen):
+    assert loaded(imports_seen["core"][module]) == [], f"import {module} pulled in an upper floor"
 
 
 @pytest.mark.parametrize("module", PURE_PYTHON)
-def test_schedules_trace_and_simulator_load_no_torch(module):
-    assert loaded_after_import(module, ["torch", *UPPER_FLOORS]) == [], f"import {module} is not pure Python"
+def test_schedules_trace_and_simulator_load_no_torch(module, imports_seen):
+    assert loaded(imports_seen["pure"][module]) == [], f"import {module} is not pure Python"
 
 
 def test_the_top_level_names_load_on_first_use():

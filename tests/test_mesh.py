@@ -18,6 +18,7 @@ from pplab.reference import reference_step
 from pplab.checks import compare_with_reference
 from pplab.schedules import build
 
+
 CONFIG = pplab.LlamaConfig.tiny()
 MICROBATCHES = 4
 # fp32 throughout: DP and TP only change the order of some sums, so differences stay at rounding.
@@ -98,6 +99,7 @@ def test_resharding_after_forward_gathers_as_often_as_theory_says(schedule):
         assert gathers == stage_units(spec, rank) * per_unit
 
 
+@pytest.mark.quick
 def test_all_gather_theory():
     gpipe, one_f_one_b = build("gpipe", 2, 4), build("1f1b", 4, 8)
     assert all_gathers_per_unit(gpipe, 0, False) == all_gathers_per_unit(one_f_one_b, 2, False) == 1
@@ -145,6 +147,7 @@ def test_mixed_precision_runs_in_bf16_and_stays_close():
     assert {b.dtype for b in result.shapes} == {"bfloat16"}  # what crosses the stages
 
 
+@pytest.mark.quick
 @pytest.mark.parametrize("mesh, options, message", [
     ({"pp": 2, "dp": 3}, {}, "spans 6 ranks but the lab has 4: make the sizes multiply to 4"),
     ({"pp": 1, "tp": 4}, {}, "tp=4 does not divide num_key_value_heads=2"),
@@ -162,12 +165,14 @@ def test_bad_meshes_are_refused_before_any_rank_starts(mesh, options, message):
         PipelineSpec.create(CONFIG, n_ranks=4, microbatches=MICROBATCHES, mesh=mesh, **options)
 
 
+@pytest.mark.quick
 def test_a_batch_that_does_not_split_over_the_replicas_is_refused():
     spec = PipelineSpec.create(CONFIG, "1f1b", 4, MICROBATCHES, impl="torch", mesh={"pp": 2, "dp": 2})
     with pytest.raises(ValueError, match="does not split into dp=2 pipelines x 4 microbatches"):
         split_for_ranks(spec, next(batches(12, 16)))
 
 
+@pytest.mark.quick
 def test_rank_layout_puts_tp_fastest_and_pp_slowest():
     mesh = Mesh(pp=2, dp=2, tp=2)
     assert [tuple(mesh.coordinates(r).values()) for r in range(8)] == \

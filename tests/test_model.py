@@ -6,6 +6,8 @@ import torch
 import pplab
 from pplab.model import IGNORE_INDEX, LlamaModel, RotaryEmbedding, apply_rotary, loss_fn
 
+pytestmark = pytest.mark.quick  # starts no process (conftest makes sure)
+
 
 @pytest.mark.parametrize("overrides, message", [
     (dict(hidden_size=0), "hidden_size=0"),

@@ -6,6 +6,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 import pplab
 
+pytestmark = pytest.mark.quick  # starts no process (conftest makes sure)
+
 CONFIG = pplab.LlamaConfig.tiny()
 
 

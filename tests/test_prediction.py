@@ -10,6 +10,7 @@ from pplab.rank_pipeline import PipelineSpec, merge_steps, run_jobs_on_rank, spl
 from pplab.schedules import build, theory
 from pplab.simulator import Costs
 
+
 CONFIG = pplab.LlamaConfig.tiny()
 MICROBATCH_SIZE, SEQ_LEN = 2, 32
 
@@ -40,6 +41,7 @@ def uniform(n_stages: int, activation_bytes: int = 1000) -> Profile:
     return Profile((stage,) * n_stages, MICROBATCH_SIZE, SEQ_LEN)
 
 
+@pytest.mark.quick
 @pytest.mark.parametrize("name", ["gpipe", "1f1b", "zb-h1"])
 def test_uniform_costs_give_the_textbook_bubble_and_activation_peaks(name):
     p, m = 4, 8
@@ -55,6 +57,7 @@ def test_uniform_costs_give_the_textbook_bubble_and_activation_peaks(name):
                                                                  prediction.peak_activation_bytes)]
 
 
+@pytest.mark.quick
 def test_predict_takes_costs_and_a_profile_for_the_bytes():
     schedule = build("1f1b", 2, 4)
     plain = predict(schedule, Costs(forward=1.0, backward=2.0))

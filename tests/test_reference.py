@@ -7,6 +7,8 @@ import pplab
 from pplab.data import batches
 from pplab.model import loss_fn
 
+pytestmark = pytest.mark.quick  # starts no process (conftest makes sure)
+
 CONFIG = pplab.LlamaConfig.tiny()
 
 

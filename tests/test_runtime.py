@@ -16,6 +16,7 @@ from ranks import run_ranks
 from pplab.rank_pipeline import PipelineSpec, merge_steps, run_jobs_on_rank, split_for_ranks
 from pplab.schedules import Action, Schedule, build
 
+
 CONFIG = pplab.LlamaConfig.tiny()
 FULL_NAMES = [name for name, _ in pplab.build_model(CONFIG).named_parameters()]
 MICROBATCH_SIZE, SEQ_LEN = 2, 16
@@ -122,6 +123,7 @@ def test_a_missing_receive_is_named_not_a_hang():
         run_ranks(2, run_jobs_on_rank, [broken_job("1RECV_F0")], timeout=60)
 
 
+@pytest.mark.quick
 def test_spec_rejects_bad_input_before_any_rank_starts():
     with pytest.raises(ValueError, match="unknown schedule 'zigzag'"):
         PipelineSpec.create(CONFIG, "zigzag", 2, 4)
@@ -134,6 +136,7 @@ def test_spec_rejects_bad_input_before_any_rank_starts():
         split_for_ranks(PipelineSpec.create(CONFIG, "1f1b", 2, 2), bad_tokens)
 
 
+@pytest.mark.quick
 @pytest.mark.parametrize("overrides, message", [
     (dict(seq_len=300), "sequence length 300 exceeds max_position_embeddings=256"),
     (dict(first_token=-1), "a token id -1 is outside the vocabulary 0..127"),
@@ -155,6 +158,7 @@ def test_bad_microbatches_are_refused_on_the_client(overrides, message):
         split_for_ranks(spec, [(ids, targets), (ids, targets)])
 
 
+@pytest.mark.quick
 def test_a_ready_schedule_must_agree_with_the_arguments():
     schedule = build("1f1b", 2, 4)
     with pytest.raises(ValueError, match="the schedule is for 4 microbatches but 8 were asked for"):
@@ -180,6 +184,7 @@ def test_timing_mode_pads_every_action_and_ranks_share_one_clock():
     assert result.timeline.step_time() >= pplab.simulate(spec.schedule, costs).step_time()
 
 
+@pytest.mark.quick
 def test_nccl_matching_order_is_checked_on_schedules():
     from pplab.comm import in_order_mismatch
 
@@ -298,6 +303,7 @@ def test_zero_bubble_w_computes_only_weight_gradients():
     assert last["zb-h1"]["W"]["mm"] == m * (linears_per_layer * layers + 1)  # + the LM head
 
 
+@pytest.mark.quick
 def test_receives_are_posted_one_compute_ahead():
     """Before each compute, the runtime posts the receives of the next comm batch (gloo moves
     a message only once its receive is posted): rank 1 of 1F1B posts microbatch 1's

@@ -7,6 +7,8 @@ import pytest
 
 from schedule_grid import GOLDEN, compute
 
+pytestmark = pytest.mark.quick  # starts no process (conftest makes sure)
+
 
 @pytest.fixture(scope="module")
 def now():

@@ -14,11 +14,13 @@ from pplab.schedule_search import list_schedule, search, search_balance, stage_c
 from pplab.schedules import Schedule, add_communication, validate
 from pplab.simulator import Costs, simulate
 
+
 SLOW_LINK = Costs(forward=1.0, input_grad=1.0, weight_grad=1.0, latency=1.5)
 # Per layer: layer 0 carries the embedding, layer 7 the final norm, LM head and loss.
 HEAVY_HEAD_LAYERS = Costs(forward=[1.5] + [1.0] * 6 + [4.0], backward=[3.0] + [2.0] * 6 + [8.0])
 
 
+@pytest.mark.quick
 @pytest.mark.parametrize("p, m", [(2, 4), (3, 6), (4, 8), (4, 13)])
 def test_uniform_costs_reproduce_the_textbook_optimum(p, m):
     # Whole backwards under 1F1B's memory: 1F1B's (m + p - 1)(F + B), which no schedule beats
@@ -35,6 +37,7 @@ def test_uniform_costs_reproduce_the_textbook_optimum(p, m):
         assert max(found.peak_memory) <= p
 
 
+@pytest.mark.quick
 def test_a_slow_link_yields_a_schedule_faster_than_every_builtin_that_fits():
     found = search(4, 8, SLOW_LINK, memory_limit=4)
     builtins = [c for c in found.tried if c.builtin and c.fits]
@@ -46,6 +49,7 @@ def test_a_slow_link_yields_a_schedule_faster_than_every_builtin_that_fits():
     assert found.schedule.has_communication
 
 
+@pytest.mark.quick
 def test_a_heavy_last_stage_yields_a_balance_faster_than_every_builtin():
     result = search_balance(HEAVY_HEAD_LAYERS, 2, 8, memory_limit=2)
     assert sum(result.balance) == 8 and result.balance != result.even_balance == (4, 4)
@@ -57,6 +61,7 @@ def test_a_heavy_last_stage_yields_a_balance_faster_than_every_builtin():
     assert simulate(result.found.schedule, stages).step_time() == result.found.step_time
 
 
+@pytest.mark.quick
 @pytest.mark.parametrize("limit", [1, 2, 3, 4, 6])
 def test_the_memory_limit_is_never_exceeded_in_simulation(limit):
     found = search(4, 8, SLOW_LINK, memory_limit=limit)
@@ -68,12 +73,14 @@ def test_the_memory_limit_is_never_exceeded_in_simulation(limit):
     assert max(in_bytes.peak_memory) <= 300 * limit and in_bytes.unit == "bytes"
 
 
+@pytest.mark.quick
 def test_a_budget_nothing_fits_names_the_smallest_that_works():
     with pytest.raises(ValueError, match=r"smallest budget that works is 1 microbatches .*memory_limit >= 1"):
         search(4, 8, SLOW_LINK, memory_limit=0.5)
     assert max(search(4, 8, SLOW_LINK, memory_limit=1).peak_memory) == 1
 
 
+@pytest.mark.quick
 @pytest.mark.parametrize("arguments, message", [
     (dict(n_ranks=0), "n_ranks=0 must be a positive integer"),
     (dict(memory_limit=0), "memory_limit=0 must be a number > 0"),
@@ -88,6 +95,7 @@ def test_bad_input_is_refused_naming_the_value(arguments, message):
         search(**given)
 
 
+@pytest.mark.quick
 def test_list_schedules_are_valid_for_any_costs_cap_and_policy():
     """The constructive part never makes an invalid schedule: 300 random cases."""
     rng = random.Random(0)
@@ -121,6 +129,7 @@ def test_a_found_schedule_runs_on_four_ranks_with_exact_parity_within_its_memory
     assert max(result.timeline.peak_inflight(r) for r in range(4)) <= limit
 
 
+@pytest.mark.quick
 def test_stage_costs_sum_only_what_was_given():
     layers = Costs(forward=(1.0,) * 4, backward=2.0, input_grad=1.5)
     stages = stage_costs(layers, (3, 1))
@@ -130,6 +139,7 @@ def test_stage_costs_sum_only_what_was_given():
         stage_costs(layers, (1, 1))
 
 
+@pytest.mark.quick
 def test_search_balance_refuses_bad_sizes_before_searching():
     with pytest.raises(ValueError, match="n_microbatches=0 must be a positive integer"):
         search_balance(HEAVY_HEAD_LAYERS, 2, 0)

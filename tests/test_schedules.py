@@ -15,6 +15,8 @@ from pplab.schedules import (
     validate,
 )
 
+pytestmark = pytest.mark.quick  # starts no process (conftest makes sure)
+
 F, B, I, W = Kind.F, Kind.B, Kind.I, Kind.W
 
 

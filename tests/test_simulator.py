@@ -9,6 +9,8 @@ from pplab.schedules import Schedule, ScheduleError, build, theory
 from pplab.simulator import Costs, DeadlockError, simulate
 from pplab.trace import Event, Timeline
 
+pytestmark = pytest.mark.quick  # starts no process (conftest makes sure)
+
 # ---------------------------------------------------------------- agreement with the theory
 
 

@@ -17,6 +17,7 @@ from pplab.rank_pipeline import PipelineSpec, merge_steps, run_jobs_on_rank, spl
 from pplab.schedules import from_torch
 from pplab.torch_pp import TORCH_SCHEDULES, torch_schedule
 
+
 CONFIG = pplab.LlamaConfig.tiny()
 FULL_NAMES = [name for name, _ in pplab.build_model(CONFIG).named_parameters()]
 MICROBATCH_SIZE, SEQ_LEN = 2, 16
@@ -66,6 +67,7 @@ def test_torch_schedules_match_one_device_and_record_every_action_once(p):
                    for e in result.timeline.comm_events(spec.schedule.stage_to_rank(1))), label
 
 
+@pytest.mark.quick
 @pytest.mark.parametrize("args, message", [
     (("pipedream", 2, 4, 1), "unknown torch schedule 'pipedream': choose one of gpipe, 1f1b"),
     (("1f1b", 4, 2, 1), "Number of microbatches (2) must be greater than or equal to the number of stages (4)"),
@@ -82,6 +84,7 @@ def test_bad_torch_schedules_are_refused_on_the_client(args, message):
         PipelineSpec.create(CONFIG, name, p, m, n_virtual=v, impl="torch")
 
 
+@pytest.mark.quick
 def test_impl_is_checked():
     with pytest.raises(ValueError, match="impl='jax': choose one of 'pplab', 'torch'"):
         PipelineSpec.create(CONFIG, "1f1b", 2, 4, impl="jax")

@@ -7,6 +7,8 @@ import pytest
 
 from pplab.trace import Event, Timeline
 
+pytestmark = pytest.mark.quick  # starts no process (conftest makes sure)
+
 
 def two_rank_pipeline() -> Timeline:
     """One microbatch through two stages, F=1, B=2, with zero-length messages.

@@ -10,6 +10,7 @@ from pplab.partition import layer_ranges, stage_of_parameter
 from pplab.rank_pipeline import PipelineSpec
 from pplab.train import TrainOptions, lr_factor, make_optimizer, train_on_rank
 
+
 CONFIG = LlamaConfig.tiny()
 OPTIONS = TrainOptions(steps=6, batch_size=8, seq_len=32, warmup=2, eval_every=3, clip=0.5)
 
@@ -63,6 +64,7 @@ def test_pipeline_training_equals_one_device_to_the_last_bit(reference_losses, s
     assert [step for step, _ in evaluations] == [3, 6] and evaluations[1][1] < evaluations[0][1]
 
 
+@pytest.mark.quick
 def test_per_stage_clipping_is_not_the_single_device_update(reference_losses):
     # Two stages, each clipped by its own norm, as a per-rank clip_grad_norm_ does.
     per_stage = single_device_losses(OPTIONS, 4, per_stage=2)
@@ -70,6 +72,7 @@ def test_per_stage_clipping_is_not_the_single_device_update(reference_losses):
     assert max(abs(a - b) for a, b in zip(per_stage[1:], reference_losses[1:])) > 1e-4
 
 
+@pytest.mark.quick
 def test_learning_rate_warms_up_then_decays_to_min_lr():
     options = TrainOptions(steps=100, warmup=10, lr=1e-3, min_lr=1e-4)
     lrs = [options.lr * lr_factor(options, i) for i in range(100)]
@@ -78,6 +81,7 @@ def test_learning_rate_warms_up_then_decays_to_min_lr():
     assert lrs[-1] == pytest.approx(1e-4, rel=0.01)
 
 
+@pytest.mark.quick
 @pytest.mark.parametrize("options, message", [
     (dict(batch_size=6), "batch_size=6 does not split into 4"),
     (dict(resume="latest"), "need checkpoint_dir"),

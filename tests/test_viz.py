@@ -16,6 +16,8 @@ from pplab.schedules import build, theory  # noqa: E402
 from pplab.simulator import Costs, simulate  # noqa: E402
 from pplab.trace import Event, Timeline  # noqa: E402
 
+pytestmark = pytest.mark.quick  # starts no process (conftest makes sure)
+
 SCHEDULES = [
     ("gpipe", 4, 8, 1),
     ("1f1b", 4, 8, 1),

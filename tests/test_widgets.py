@@ -10,6 +10,8 @@ from pplab.simulator import Costs, costs_from_timeline, simulate  # noqa: E402
 from pplab.widgets import (BubblesView, GradientsView, MemoryView, ShapesView,  # noqa: E402
                            TimelineView, WhatIf, WhereView)
 
+pytestmark = pytest.mark.quick  # starts no process (conftest makes sure)
+
 PNG_MAGIC = b"\x89PNG"
 
 
