@@ -19,7 +19,6 @@ _EXPORTS = {
     "generate": "pplab.model",
     "build_stage": "pplab.partition",
     "layer_ranges": "pplab.partition",
-    "stages_of_rank": "pplab.partition",
     "reference_step": "pplab.reference",
     "simulate": "pplab.simulator",
     "Costs": "pplab.simulator",
@@ -58,7 +57,7 @@ if _TYPE_CHECKING:  # what static checkers and editors see
     from pplab.cluster import cleanup
     from pplab.mesh import Mesh
     from pplab.model import LlamaConfig, LlamaModel, build_model, generate
-    from pplab.partition import build_stage, layer_ranges, stages_of_rank
+    from pplab.partition import build_stage, layer_ranges
     from pplab.prediction import predict, profile
     from pplab.reference import reference_step
     from pplab.schedule_search import search, search_balance

@@ -40,7 +40,6 @@ from pplab.trace import Event
 
 MAX_DIMS = 6
 _DTYPES = [torch.float32, torch.float16, torch.bfloat16, torch.float64]
-_SENDS = (Kind.SEND_F, Kind.SEND_B)
 
 
 class PipelineTimeoutError(TimeoutError):
@@ -64,9 +63,8 @@ def decode_header(header: torch.Tensor) -> tuple[torch.dtype, tuple[int, ...]]:
 
 def message_tag(action: Action, n_stages: int, header: bool = False) -> int:
     """A tag unique to one message of a step, the same on sender and receiver (gloo matches on it)."""
-    sender_stage = action.stage if action.kind in _SENDS else action.peer_stage
     forward = action.kind in (Kind.SEND_F, Kind.RECV_F)
-    return ((action.microbatch * n_stages + sender_stage) * 2 + forward) * 2 + header
+    return ((action.microbatch * n_stages + action.sender_stage) * 2 + forward) * 2 + header
 
 
 @dataclass
@@ -93,7 +91,7 @@ class StageLink:
 
     def peer_rank(self, action: Action) -> int:
         """The rank on the other end of a send or receive."""
-        return self.schedule.stage_to_rank(action.peer_stage)
+        return self.schedule.peer_rank(action)
 
     def exchange(self, actions: list[Action], outgoing: dict[Action, torch.Tensor],
                  expected: dict[Action, tuple[torch.dtype, tuple[int, ...]]], clock) -> None:
@@ -102,8 +100,8 @@ class StageLink:
         `outgoing` holds the tensor of each send; `expected` the dtype and shape of each
         receive whose shape is known here (all gradients; activations when shapes are fixed).
         """
-        sends = [a for a in actions if a.kind in _SENDS]
-        receives = [a for a in actions if a.kind not in _SENDS]
+        sends = [a for a in actions if a.is_send]
+        receives = [a for a in actions if not a.is_send]
         early = {a: self.mailbox.preposted.pop(a) for a in receives if a in self.mailbox.preposted}
         fresh = [a for a in receives if a not in early]
         started = clock()
@@ -156,7 +154,7 @@ class StageLink:
         self.mailbox.pending_sends = [p for p in self.mailbox.pending_sends if not p[1].is_completed()]
         if not posts:  # every receive was posted ahead
             return clock()
-        ops = [(dist.isend if action.kind in _SENDS else dist.irecv, tensor, self.peer_rank(action),
+        ops = [(dist.isend if action.is_send else dist.irecv, tensor, self.peer_rank(action),
                 message_tag(action, self.schedule.n_stages, header)) for action, tensor, header in posts]
         try:
             if len(ops) == 1:  # one message: no batch to coalesce, skip the batching machinery
@@ -170,12 +168,12 @@ class StageLink:
         posted = clock()
         if len(works) != len(ops):
             # Backends that coalesce a batch (NCCL) return one work for all of it.
-            first_receive = next((a for a, _, _ in posts if a.kind not in _SENDS), posts[0][0])
+            first_receive = next((a for a, _, _ in posts if not a.is_send), posts[0][0])
             for work in works:
                 self._wait(work, first_receive)
             return posted
         for (action, tensor, _), work in zip(posts, works):
-            if action.kind in _SENDS:
+            if action.is_send:
                 self.mailbox.pending_sends.append((action, work, tensor))
             else:
                 self._wait(work, action)
@@ -238,11 +236,10 @@ def in_order_mismatch(schedule: Schedule) -> str | None:
         for action in actions:
             if not action.is_comm:
                 continue
-            peer = schedule.stage_to_rank(action.peer_stage)
-            sender_stage = action.stage if action.kind in _SENDS else action.peer_stage
-            message = (sender_stage, action.kind in (Kind.SEND_F, Kind.RECV_F), action.microbatch)
-            book = sent if action.kind in _SENDS else received
-            book.setdefault((rank, peer) if action.kind in _SENDS else (peer, rank), []).append(message)
+            peer = schedule.peer_rank(action)
+            message = (action.sender_stage, action.kind in (Kind.SEND_F, Kind.RECV_F), action.microbatch)
+            book = sent if action.is_send else received
+            book.setdefault((rank, peer) if action.is_send else (peer, rank), []).append(message)
     for (source, target), messages in sent.items():
         if received.get((source, target)) != messages:
             return (f"rank {target} receives rank {source}'s messages in another order than rank "

@@ -76,11 +76,3 @@ def build_stage(config: LlamaConfig, stage_index: int, n_stages: int, seed: int 
     return materialise(config, seed, device, layers=range(start, end),
                        embed=stage_index == 0, head=stage_index == n_stages - 1)
 
-
-def stages_of_rank(rank: int, n_ranks: int, n_virtual: int = 1) -> list[int]:
-    """Stage indices rank `rank` owns when n_ranks * n_virtual stages loop over the ranks."""
-    check_positive_int("n_ranks", n_ranks)
-    check_positive_int("n_virtual", n_virtual)
-    if not isinstance(rank, int) or not 0 <= rank < n_ranks:
-        raise ValueError(f"rank={rank!r} is not a rank of n_ranks={n_ranks}; use 0..{n_ranks - 1}")
-    return [rank + chunk * n_ranks for chunk in range(n_virtual)]

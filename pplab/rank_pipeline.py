@@ -23,8 +23,8 @@ from pplab.mesh import CollectiveLog, Mesh, MeshPlace, parallelize_stage
 from pplab.model import IGNORE_INDEX, LlamaConfig
 from pplab.partition import build_stage, layer_ranges
 from pplab.reference import as_microbatches
-from pplab.runtime import Boundary, RankRuntime, RankStep, check_runnable
-from pplab.schedules import Schedule, build, validate
+from pplab.runtime import Boundary, RankRuntime, RankStep
+from pplab.schedules import Schedule, build, check_runnable, validate
 from pplab.simulator import Costs
 from pplab.trace import Timeline
 

@@ -28,7 +28,7 @@ from torch import nn
 from pplab.comm import PipelineTimeoutError, StageLink, dtype_name, in_order_mismatch, monotonic_clock
 from pplab.faults import strike
 from pplab.model import loss_fn
-from pplab.schedules import Action, Dependencies, Kind, Schedule
+from pplab.schedules import Action, Dependencies, Kind, Schedule, check_runnable
 from pplab.simulator import Costs
 from pplab.trace import Event
 
@@ -253,7 +253,7 @@ class RankRuntime:
 
     def _waits_for(self, batch: list[Action]) -> tuple[tuple[int, str], ...]:
         """(peer rank, the peer's send) for every receive in a batch: whom the rank waits on."""
-        return tuple((self.schedule.stage_to_rank(a.peer_stage), str(a.partner()))
+        return tuple((self.schedule.peer_rank(a), str(a.partner()))
                      for a in batch if not a.is_send)
 
     def _check_data(self, inputs, targets) -> None:
@@ -508,24 +508,6 @@ def _ranks_share_a_clock(group) -> bool:
     boots = [None] * dist.get_world_size(group)
     dist.all_gather_object(boots, boot, group=group)
     return boot is not None and len(set(boots)) == 1
-
-
-def check_runnable(schedule: Schedule) -> None:
-    """Raise a ValueError if data crosses ranks with no send and receive to carry it.
-
-    `validate` and `simulate` read such a schedule as if data moved by itself;
-    ranks cannot: they move tensors only where the schedule says so.
-    """
-    rule = Dependencies(schedule)
-    for acts in schedule.actions:
-        for action in acts:
-            crossing = next((need for need in rule.needs(action) if need.transfer is not None), None)
-            if crossing is not None:
-                raise ValueError(
-                    f"schedule {schedule.name!r} has no sends and receives, but {action} needs "
-                    f"{crossing.action} from rank {schedule.stage_to_rank(crossing.action.stage)}: "
-                    f"ranks move data only where the schedule says; add them with "
-                    f"pplab.schedules.add_communication(schedule)")
 
 
 def is_dtensor(tensor: torch.Tensor) -> bool:

@@ -29,16 +29,14 @@ import heapq
 import itertools
 import math
 import time
+from collections import defaultdict
 from dataclasses import dataclass, field
 from typing import Sequence
 
-from pplab.schedules import (SCHEDULE_NAMES, Action, Kind, Schedule, ScheduleError, add_communication, build,
-                             from_torch, validate)
+from pplab.schedules import (SCHEDULE_NAMES, TORCH_SCHEDULES, Action, Dependencies, Kind, Schedule, ScheduleError,
+                             add_communication, build, from_torch, releases_activations, validate)
 from pplab.simulator import Costs, simulate
 from pplab.trace import Timeline
-
-TORCH_PLANS = (("GPipe", 1), ("1F1B", 1), ("Interleaved1F1B", 2), ("LoopedBFS", 2),
-               ("InterleavedZeroBubble", 2), ("ZBVZeroBubble", 2), ("DualPipeV", 2))
 
 
 @dataclass(frozen=True)
@@ -253,7 +251,7 @@ def _peaks(timeline: Timeline, schedule: Schedule, weights) -> tuple[float, ...]
     for e in timeline.compute_events():
         if e.kind == "F":
             changes[e.rank].append((e.start, 1, weights[e.stage]))
-        elif e.kind in ("B", "W"):
+        elif releases_activations(e.kind):
             changes[e.rank].append((e.end, 0, -weights[e.stage]))  # releases sort before holds
     peaks = []
     for rank_changes in changes:
@@ -279,9 +277,10 @@ def _builtins(p: int, m: int, v: int, include_torch: bool):
             yield f"pplab {name}", None, True, f"cannot build: {error}"
     if not include_torch:
         return
-    for name, torch_v in TORCH_PLANS:
-        if torch_v != v:
+    for plan in TORCH_SCHEDULES.values():
+        if plan.fewest_stages_per_rank != v:  # each plan at 1 stage per rank, or 2: none at v >= 3
             continue
+        name = plan.torch_name
         try:
             yield f"torch {name}", from_torch(name, p, m, v), True, ""
         except ImportError:  # no torch here: its plans cannot be asked for
@@ -298,7 +297,8 @@ def _splits(schedule: Schedule) -> bool:
 def _list_schedules(p: int, m: int, v: int, costs: Costs, weights, memory_limit, unit: str, splits):
     """List schedules for every cap up to the limit, backward- or forward-first, B or I+W."""
     smallest = max(weights)  # one microbatch of the heaviest stage: the least a cap can be
-    most = max(sum(weights[s] for s in range(r, p * v, p)) for r in range(p)) * m  # all a rank could hold
+    pipeline = _loop_pipeline(p, m, v)
+    most = max(sum(weights[s] for s in pipeline.stages_of(r)) for r in range(p)) * m  # all a rank could hold
     top = most if memory_limit is None else max(smallest, min(memory_limit, most))
     # Caps of 1, 2, ... heaviest-stage microbatches up to twice the stages, then sparser up to
     # the top: the smallest caps also say how little memory the search can make do with.
@@ -319,20 +319,32 @@ def _list_schedules(p: int, m: int, v: int, costs: Costs, weights, memory_limit,
 
 def list_schedule(p: int, m: int, v: int, costs: Costs, weights, cap: float, split: bool,
                   backward_first: bool) -> list[list[Action]] | None:
-    """Per rank compute orders from a list schedule in time order on the cost model (stage s on
-    rank s % p); None when the cap leaves a rank unable to go on.
+    """Per rank compute orders from a list schedule in time order on the cost model (loop placement:
+    stage s on rank s % p); None when the cap leaves a rank unable to go on.
 
     At every moment something finishes or arrives, each idle rank starts, in this order of
     preference: a backward (B, or I) whose output gradient is there (with `backward_first`),
     a forward whose input is there if its activations fit under `cap`, a backward, and, with
     `split`, a W it held back. Each stage runs its forwards, and its backwards, in microbatch order.
+    What a pass waits for is the schedules' one dependency rule; what it holds, their release rule.
     """
-    n_stages = p * v
-    last = n_stages - 1
-    hop = [costs.transfer_time(s) if p > 1 else 0.0 for s in range(n_stages)]
+    pipeline = _loop_pipeline(p, m, v)
+    n_stages = pipeline.n_stages
     backward_kind = Kind.I if split else Kind.B
-    forward_done = [[None] * m for _ in range(n_stages)]  # when each forward ended
-    grad_done = [[None] * m for _ in range(n_stages)]  # when each B or I ended
+    inputs = _inputs_of_passes(pipeline, backward_kind, costs)
+    arrivals = defaultdict(set)  # per (kind, stage): how long after it ends its output is where it is needed
+    for needs in inputs.values():
+        for producer, delay in needs:
+            arrivals[producer].add(delay)
+    ended = {key: [None] * m for key in inputs}  # per (kind, stage): when its pass of each microbatch ended
+    # Per stage, the same as plain lists, which the loop below reads without building keys:
+    # when its forward (backward) of each microbatch ended, and the lists its needs are read from.
+    every_stage = range(n_stages)
+    forward_ended = [ended[Kind.F, s] for s in every_stage]
+    backward_ended = [ended[backward_kind, s] for s in every_stage]
+    forward_needs = [[(ended[producer], delay) for producer, delay in inputs[Kind.F, s]] for s in every_stage]
+    backward_needs = [[(ended[producer], delay) for producer, delay in inputs[backward_kind, s]] for s in every_stage]
+    stages_of = [pipeline.stages_of(rank) for rank in range(p)]
     next_forward, next_backward = [0] * n_stages, [0] * n_stages
     held_back = [[] for _ in range(p)]  # (stage, microbatch) whose W waits
     held = [0.0] * p
@@ -341,31 +353,29 @@ def list_schedule(p: int, m: int, v: int, costs: Costs, weights, cap: float, spl
     moments, now = [0.0], 0.0
     remaining = n_stages * m * (3 if split else 2)
 
-    def forward_ready(stage: int, mb: int) -> float | None:
-        if stage == 0:
-            return 0.0
-        done = forward_done[stage - 1][mb]
-        return None if done is None else done + hop[stage - 1]
-
-    def backward_ready(stage: int, mb: int) -> float | None:
-        own = forward_done[stage][mb]
-        if own is None:
-            return None
-        if stage == last:
-            return own
-        done = grad_done[stage + 1][mb]
-        return None if done is None else max(own, done + hop[stage])
+    def inputs_at(needs, mb: int) -> float | None:
+        """When the inputs of a pass with these needs are there for `mb`; None while one is not made."""
+        at = 0.0
+        for producer_ended, delay in needs:
+            done = producer_ended[mb]
+            if done is None:
+                return None
+            arrived = done + delay
+            at = arrived if arrived > at else at  # max(at, arrived), ties as max() breaks them
+        return at
 
     def start(rank: int, action: Action, duration: float) -> float:
         """Put `action` on `rank` now; return when it ends."""
         nonlocal remaining
         orders[rank].append(action)
         end = busy_until[rank] = now + duration
-        heapq.heappush(moments, end)  # the rank is free again, its output is there on this rank
-        if action.kind == Kind.F and action.stage < last:  # ... and reaches the next stage
-            heapq.heappush(moments, end + hop[action.stage])
-        elif action.kind != Kind.W and action.stage > 0:  # the gradient reaches the previous stage
-            heapq.heappush(moments, end + hop[action.stage - 1])
+        heapq.heappush(moments, end)  # the rank is free again
+        for delay in arrivals.get((action.kind, action.stage), ()):  # its output reaches who needs it
+            heapq.heappush(moments, end + delay)
+        if action.kind == Kind.F:
+            held[rank] += weights[action.stage]
+        elif releases_activations(action.kind):  # booked now: nothing else starts on the rank before it ends
+            held[rank] -= weights[action.stage]
         remaining -= 1
         return end
 
@@ -378,32 +388,51 @@ def list_schedule(p: int, m: int, v: int, costs: Costs, weights, cap: float, spl
         for rank in range(p):
             if busy_until[rank] > now:
                 continue
-            stages = range(rank, n_stages, p)
+            stages = stages_of[rank]
             backwards = [(t, s) for s in stages if next_backward[s] < m
-                         for t in [backward_ready(s, next_backward[s])] if t is not None and t <= now]
+                         for t in [inputs_at(backward_needs[s], next_backward[s])] if t is not None and t <= now]
             forwards = [(t, s) for s in stages if next_forward[s] < m and held[rank] + weights[s] <= cap * (1 + 1e-9)
-                        for t in [forward_ready(s, next_forward[s])] if t is not None and t <= now]
+                        for t in [inputs_at(forward_needs[s], next_forward[s])] if t is not None and t <= now]
             if backwards and (backward_first or not forwards):
                 _, stage = min(backwards, key=lambda ts: (ts[0], -ts[1]))
                 mb = next_backward[stage]
                 next_backward[stage] += 1
-                end = start(rank, Action(stage, backward_kind, mb), costs.compute_time(backward_kind, stage))
-                grad_done[stage][mb] = end
+                backward_ended[stage][mb] = start(rank, Action(stage, backward_kind, mb),
+                                                  costs.compute_time(backward_kind, stage))
                 if split:
                     held_back[rank].append((stage, mb))
-                else:
-                    held[rank] -= weights[stage]  # released when B ends; nothing else starts before
             elif forwards:
                 _, stage = min(forwards, key=lambda ts: (ts[0], ts[1]))
                 mb = next_forward[stage]
                 next_forward[stage] += 1
-                held[rank] += weights[stage]
-                forward_done[stage][mb] = start(rank, Action(stage, Kind.F, mb), costs.compute_time(Kind.F, stage))
+                forward_ended[stage][mb] = start(rank, Action(stage, Kind.F, mb), costs.compute_time(Kind.F, stage))
             elif held_back[rank]:
                 stage, mb = held_back[rank].pop(0)
                 start(rank, Action(stage, Kind.W, mb), costs.compute_time(Kind.W, stage))
-                held[rank] -= weights[stage]
     return orders
+
+
+def _loop_pipeline(p: int, m: int, v: int) -> Schedule:
+    """The list schedules' pipeline before any action: p ranks, m microbatches, v stages per rank, looped."""
+    return Schedule([[] for _ in range(p)], p, m, p * v, v, "list")
+
+
+def _inputs_of_passes(pipeline: Schedule, backward_kind: Kind, costs: Costs) -> dict:
+    """Per (kind, stage) of every forward and backward: ((kind, stage) it waits for, the time the data
+    takes to come) for each need, from the one dependency rule for a compute order without messages.
+
+    The rule is asked for microbatch 0: every need of a pass is of its own microbatch.
+    """
+    stages = range(pipeline.n_stages)
+    rule = Dependencies(pipeline, with_communication=False,
+                        present={Action(stage, backward_kind, 0) for stage in stages})
+
+    def delay(need) -> float:
+        return 0.0 if need.transfer is None else costs.transfer_time(need.transfer)
+
+    return {(kind, stage): [((need.action.kind, need.action.stage), delay(need))
+                            for need in rule.needs(Action(stage, kind, 0))]
+            for kind in (Kind.F, backward_kind) for stage in stages}
 
 
 # ---------------------------------------------------------------- stage balance

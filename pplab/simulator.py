@@ -34,9 +34,9 @@ from collections import defaultdict
 from dataclasses import dataclass
 from typing import Sequence, Union
 
-from pplab.schedules import (COMM_KINDS, COMPUTE_KINDS, Action, DeadlockError, Dependencies, Kind, Schedule,
+from pplab.schedules import (COMPUTE_KINDS, SEND_KINDS, Action, DeadlockError, Dependencies, Kind, Schedule,
                              ScheduleError)
-from pplab.schedules.compiled import KINDS, SEND_B, SEND_F, Compiled, compile_schedule, no_cyclic_gc
+from pplab.schedules.compiled import KINDS, SEND_B, SEND_F, Compiled, boundaries, compile_schedule, no_cyclic_gc
 from pplab.trace import Event, Timeline
 
 PerStage = Union[float, Sequence[float]]
@@ -239,9 +239,9 @@ def _simulate_compiled(compiled: Compiled, costs: Costs) -> Timeline:
     contention = costs.link_contention
     # A send's key names its link (one direction of one boundary): when it is free, how long a message holds it.
     link_free = [0.0] * len(hop)
-    occupy = [costs.transmission_time(stage if kind == Kind.SEND_F else stage - 1)
-              if contention and kind in (Kind.SEND_F, Kind.SEND_B) and 0 <= (stage if kind == Kind.SEND_F else stage - 1) < n_stages
-              else 0.0 for kind in KINDS for stage in range(n_stages)]
+    occupy = [costs.transmission_time(boundary)
+              if contention and KINDS[key // n_stages] in SEND_KINDS and boundary >= 0 else 0.0
+              for key, boundary in enumerate(boundaries(n_stages))]
     steps = compiled.steps
     needs = compiled.first_two_needs
     ready: list[float | None] = [None] * (len(KINDS) * n_stages * m)  # when what each action made is there
@@ -314,10 +314,7 @@ def _cost_tables(costs: Costs, n_stages: int) -> tuple[list[float], list[float],
         transfer = [costs.transfer_time(b) for b in range(n_stages)] + [0.0]  # [-1]: no transfer
         duration = [costs.compute_time(kind, stage) if kind in COMPUTE_KINDS else 0.0
                     for kind in KINDS for stage in range(n_stages)]
-        # A send's or receive's message crosses the boundary after its stage (SEND_F, RECV_B)
-        # or before it (SEND_B, RECV_F).
-        hop = [transfer[stage if kind in (Kind.SEND_F, Kind.RECV_B) else stage - 1] if kind in COMM_KINDS else 0.0
-               for kind in KINDS for stage in range(n_stages)]
+        hop = [transfer[boundary] for boundary in boundaries(n_stages)]  # compute keys: boundary -1, 0.0
         tables[n_stages] = (duration, transfer, hop)
     return tables[n_stages]
 
@@ -325,7 +322,7 @@ def _cost_tables(costs: Costs, n_stages: int) -> tuple[list[float], list[float],
 def _events(compiled: Compiled, costs: Costs, starts: list[float], ends: list[float]) -> list[Event]:
     """The events of `_simulate_compiled`: one per action that ran (its start is not inf)."""
     n_stages, m = compiled.schedule.n_stages, compiled.schedule.n_microbatches
-    rank_of_stage, events = compiled.rank_of_stage, []
+    rank_of_stage, boundary_of, events = compiled.rank_of_stage, boundaries(n_stages), []
     for index, start in enumerate(starts):
         if start == math.inf:
             continue
@@ -335,9 +332,8 @@ def _events(compiled: Compiled, costs: Costs, starts: list[float], ends: list[fl
         if kind < SEND_F:
             events.append(Event(rank_of_stage[stage], name, stage, microbatch, start, ends[index]))
         else:
-            boundary = stage if KINDS[kind] in (Kind.SEND_F, Kind.RECV_B) else stage - 1
             events.append(Event(rank_of_stage[stage], name, stage, microbatch, start, ends[index],
-                                costs.message_bytes(boundary)))
+                                costs.message_bytes(boundary_of[key])))
     return events
 
 

@@ -9,8 +9,8 @@ patched; the waits torch does for its receives are recorded too (`_Recorder`).
 `TorchRankRuntime.step` has the hand-written `RankRuntime.step`'s signature and
 result, so a pipeline switches with one argument (`impl="torch"`).
 
-Names: pplab's where the schedule is the same (`gpipe`, `1f1b`, `interleaved-1f1b`), torch's
-class names without `Schedule` for the rest. Floor 3: torch only, no Jupyter.
+Names (`pplab.schedules.TORCH_SCHEDULES`): pplab's where the schedule is the same (`gpipe`, `1f1b`,
+`interleaved-1f1b`), torch's class names without `Schedule` for the rest. Floor 3: torch only, no Jupyter.
 """
 
 from __future__ import annotations
@@ -24,23 +24,9 @@ from torch import nn
 from pplab.comm import dtype_name, monotonic_clock
 from pplab.model import loss_fn
 from pplab.runtime import Boundary, ForwardBytes, Now, RankStep, StepClock, gradient_report, pad_to_cost
-from pplab.schedules import Action, Kind, Schedule, build, from_torch
+from pplab.schedules import TORCH_SCHEDULES, Action, Kind, Schedule, build, from_torch
 from pplab.simulator import Costs
 from pplab.trace import Event
-
-# pplab name -> torch's schedule name (what torch's get_schedule_class takes)
-TORCH_SCHEDULES = {
-    "gpipe": "GPipe",
-    "1f1b": "1F1B",
-    "interleaved-1f1b": "Interleaved1F1B",
-    "LoopedBFS": "LoopedBFS",
-    "InterleavedZeroBubble": "InterleavedZeroBubble",
-    "ZBVZeroBubble": "ZBVZeroBubble",
-    "DualPipeV": "DualPipeV",
-}
-SAME_AS_PPLAB = ("gpipe", "1f1b", "interleaved-1f1b")  # built by pplab's own builders too
-V_SHAPED = ("ZBVZeroBubble", "DualPipeV")  # rank r holds stages r and 2p-1-r
-
 
 def torch_schedule(name: str, n_ranks: int, n_microbatches: int, n_virtual: int = 1) -> Schedule:
     """The pplab schedule torch will run for `name` (checked on the client, torch's constraints included).
@@ -50,17 +36,11 @@ def torch_schedule(name: str, n_ranks: int, n_microbatches: int, n_virtual: int 
     """
     if name not in TORCH_SCHEDULES:
         raise ValueError(f"unknown torch schedule {name!r}: choose one of {', '.join(TORCH_SCHEDULES)}")
-    multi = name not in ("gpipe", "1f1b")
-    if multi and n_virtual < 2:
-        raise ValueError(f"torch's {name} runs several stages per rank: use n_virtual=2 or more")
-    if name in V_SHAPED and n_virtual != 2:
-        raise ValueError(f"torch's {name} places exactly 2 stages per rank (a V): use n_virtual=2, "
-                         f"got n_virtual={n_virtual}")
-    if not multi and n_virtual != 1:
-        raise ValueError(f"torch's {name} runs one stage per rank: use n_virtual=1, got n_virtual={n_virtual}")
+    entry = TORCH_SCHEDULES[name]
+    entry.check_n_virtual(n_virtual)
     # torch's planner applies torch's own constraints (e.g. 1F1B needs n_microbatches >= stages).
-    plan = from_torch(TORCH_SCHEDULES[name], n_ranks, n_microbatches, n_virtual)
-    if name in SAME_AS_PPLAB:
+    plan = from_torch(entry.torch_name, n_ranks, n_microbatches, n_virtual)
+    if entry.built_by_pplab:
         return build(name, n_ranks, n_microbatches, n_virtual)
     return plan
 
@@ -142,7 +122,7 @@ class _Recorder:
         """torch asked for a receive's ops: it will wait for them before the compute that needs them."""
         self.pending[receive] = self.clock()
         if self.watch is not None:
-            sender = self.global_rank(self.schedule.stage_to_rank(receive.peer_stage))
+            sender = self.global_rank(self.schedule.peer_rank(receive))
             self.watch(Now(self.rank, str(receive), self.pending[receive], ((sender, str(receive.partner())),)))
 
     def waited(self, compute: Action, started: float) -> None:
@@ -212,7 +192,7 @@ class TorchRankRuntime:
             stage = stage_class(stages[index], index, schedule.n_stages, self.device, group=stage_group)
             stage.recorder, stage.forward_bytes = self.recorder, ForwardBytes()
             self.torch_stages.append(stage)
-        schedule_class = torch_schedules.get_schedule_class(TORCH_SCHEDULES[schedule_name])
+        schedule_class = torch_schedules.get_schedule_class(TORCH_SCHEDULES[schedule_name].torch_name)
         single = issubclass(schedule_class, torch_schedules.PipelineScheduleSingle)
         # scale_grads: torch divides every gradient by the number of microbatches, so they are
         # those of the mean loss, as pplab's runtime and the single-device reference compute.

@@ -17,8 +17,9 @@ computes the metrics of a pipeline step from them:
 It exports to, and imports from, the Chrome trace event format, which
 Perfetto (ui.perfetto.dev) and chrome://tracing open.
 
-This module imports nothing from pplab: it is the common language of the
-simulator, the runtime, the widgets and the pictures.
+It is the common language of the simulator, the runtime, the widgets and the
+pictures, and imports from pplab only the schedules' rule of when activations are
+released (`releases_activations`), so that it counts memory as they do.
 """
 
 from __future__ import annotations
@@ -28,6 +29,8 @@ import math
 from dataclasses import dataclass, replace
 from os import PathLike
 from typing import Callable, Iterable, Sequence
+
+from pplab.schedules.actions import releases_activations
 
 COLLECTIVE_KINDS = frozenset({"ALL_GATHER", "REDUCE_SCATTER", "ALL_REDUCE"})
 """Collectives of the other mesh dimensions: FSDP's all-gathers and reduce-scatters, TP's all-reduces."""
@@ -309,10 +312,9 @@ class Timeline:
         """(time, count, bytes) after each change of the activations held by a rank.
 
         A forward of (stage, microbatch) holds its activations from its start
-        (they are allocated as it runs) until they are no longer needed: the
-        end of its full backward B or, when the backward is split, the end of
-        its weight gradient W, because W still reads the layer inputs saved
-        by the forward. An input-gradient I alone releases nothing.
+        (they are allocated as it runs) until the end of the pass that
+        releases them (`releases_activations`): its full backward B or, when
+        the backward is split, its weight gradient W. I alone releases nothing.
         """
         changes = []  # (time, order, d_count, d_bytes); releases sort before holds at the same time
         held_bytes = {}
@@ -321,7 +323,7 @@ class Timeline:
             if e.kind == "F":
                 held_bytes[key] = e.bytes or 0
                 changes.append((e.start, 1, +1, e.bytes or 0))
-            elif e.kind in ("B", "W") and key in held_bytes:
+            elif releases_activations(e.kind) and key in held_bytes:
                 changes.append((e.end, 0, -1, -held_bytes.pop(key)))
         steps, count, held = [], 0, 0
         for time, _, d_count, d_bytes in sorted(changes):

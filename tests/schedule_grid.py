@@ -11,13 +11,13 @@ import hashlib
 import json
 from pathlib import Path
 
-from pplab.schedules import Action, build, from_torch, validate
+from pplab.schedules import TORCH_SCHEDULES, Action, build, from_torch, validate
 from pplab.schedules.schedule import Schedule
 from pplab.simulator import Costs, simulate
 
 GOLDEN = Path(__file__).parent / "data" / "schedule_grid.json"
-TORCH_PLANS = [("GPipe", 1), ("1F1B", 1), ("Interleaved1F1B", 2), ("LoopedBFS", 2),
-               ("InterleavedZeroBubble", 2), ("ZBVZeroBubble", 2), ("DualPipeV", 2)]
+# torch's schedules at their fewest stages per rank: GPipe and 1F1B at 1, the others at 2
+TORCH_PLANS = [(plan.torch_name, plan.fewest_stages_per_rank) for plan in TORCH_SCHEDULES.values()]
 
 
 def schedules():

@@ -14,7 +14,8 @@ import pytest
 from pplab.rank_pipeline import PipelineSpec
 from pplab.model import LlamaConfig
 from pplab.schedules import (SCHEDULE_NAMES, Action, DeadlockError, Dependencies, Kind, Schedule,
-                             ScheduleError, build, from_torch, validate)
+                             ScheduleError, build, check_runnable, from_torch, validate)
+from pplab.schedules.compiled import KINDS, boundaries, compile_schedule, peer_stages
 from pplab import simulator
 
 pytestmark = pytest.mark.quick  # starts no process (conftest makes sure)
@@ -103,6 +104,52 @@ def test_the_rule_names_exactly_what_the_value_flow_needs():
             assert got == expected, (schedule.name, str(action))
             checked += 1
     assert checked > 5000
+
+
+def test_the_integer_form_reads_the_one_rule_of_placement_and_of_where_a_message_goes():
+    """compiled.py asks the rules once per (kind, stage); its tables must say what the rules say
+    action by action: each stage's rank, each message's peer stage, peer rank and boundary, and
+    the message times and sizes the simulator takes from them."""
+    checked = 0
+    for schedule in schedules_to_check():
+        compiled = compile_schedule(schedule)
+        n_stages, m = schedule.n_stages, schedule.n_microbatches
+        costs = simulator.Costs(latency=0.5, bandwidth=10.0, activation_bytes=[3 + 4 * s for s in range(n_stages)],
+                                link_contention=schedule.has_communication)
+        if compiled is None:  # DualPipeV runs B for some microbatches of a stage, I and W for others
+            assert schedule.name == "torch DualPipeV"
+            continue
+        assert compiled.rank_of_stage == tuple(schedule.stage_to_rank(s) for s in range(n_stages))
+        peers, crossed = peer_stages(n_stages), boundaries(n_stages)
+        _, _, hop = simulator._cost_tables(costs, n_stages)
+        for key in range(len(KINDS) * n_stages):
+            action = compiled.action(key * m)  # microbatch 0 of this (kind, stage)
+            peer = action.peer_stage
+            assert peers[key] == (peer if action.is_comm and 0 <= peer < n_stages else None), action
+            assert crossed[key] == (action.boundary if action.is_comm else -1), action
+            if action.is_comm and 0 <= action.boundary:
+                assert hop[key] == costs.transfer_time(action.boundary), action
+        for rank, steps in enumerate(compiled.steps):
+            for index, key, _, _, _ in steps:
+                action = compiled.action(index)
+                if action.is_comm:
+                    assert compiled.rank_of_stage[peers[key]] == schedule.peer_rank(action) != rank, action
+                    checked += 1
+        if schedule.has_communication:  # the fast events' bytes and times, against the readable simulation
+            fast = simulator.simulate(schedule, costs)
+            readable = simulator._Simulation(schedule, costs).run()
+            assert sorted(fast.events, key=repr) == sorted(readable.events, key=repr), schedule.name
+    assert checked > 2000
+
+
+def test_check_runnable_refuses_data_that_crosses_ranks_without_a_message():
+    check_runnable(build("gpipe", 2, 2))
+    check_runnable(build("interleaved-1f1b", 1, 2, 2).compute_only())  # one rank: nothing crosses
+    with pytest.raises(ValueError) as error:
+        check_runnable(build("gpipe", 2, 2).compute_only())
+    assert str(error.value) == (
+        "schedule 'gpipe' has no sends and receives, but 0B0 needs 1B0 from rank 1: ranks move data only "
+        "where the schedule says; add them with pplab.schedules.add_communication(schedule)")
 
 
 def test_a_transfer_names_the_boundary_that_is_crossed():

@@ -107,15 +107,6 @@ def test_stage_allocates_only_what_it_owns(stage_index, n_stages):
         assert counter.bytes < sum(full.values()) / 2
 
 
-def test_stages_of_rank():
-    assert pplab.stages_of_rank(1, 4) == [1]
-    assert pplab.stages_of_rank(1, 4, n_virtual=3) == [1, 5, 9]
-    with pytest.raises(ValueError, match="rank=4 is not a rank of n_ranks=4"):
-        pplab.stages_of_rank(4, 4)
-    with pytest.raises(ValueError, match="n_virtual=0"):
-        pplab.stages_of_rank(0, 4, n_virtual=0)
-
-
 def test_every_parameter_name_maps_to_the_stage_that_holds_it():
     from pplab.partition import stage_of_parameter
 

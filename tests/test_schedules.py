@@ -3,7 +3,9 @@
 import pytest
 
 from pplab.schedules import (
+    COMM_KINDS,
     SCHEDULE_NAMES,
+    TORCH_SCHEDULES,
     Action,
     Kind,
     Schedule,
@@ -11,7 +13,11 @@ from pplab.schedules import (
     add_communication,
     build,
     from_torch,
+    loop_placement,
+    peak_inflight_at,
+    releases_activations,
     theory,
+    v_placement,
     validate,
 )
 
@@ -49,6 +55,41 @@ def test_action_fields_and_properties():
     assert Action.parse("0W1").is_compute and not Action.parse("0W1").is_comm
     peers = {"2SEND_F0": 3, "2RECV_F0": 1, "2SEND_B0": 1, "2RECV_B0": 3, "2F0": None}
     assert {text: Action.parse(text).peer_stage for text in peers} == peers
+
+
+def test_where_a_message_goes_has_one_rule_that_a_send_and_its_receive_share():
+    for kind in COMM_KINDS:
+        for stage in range(1, 4):
+            message, partner = Action(stage, kind, 0), Action(stage, kind, 0).partner()
+            sender, receiver = message.sender_stage, message.receiver_stage
+            assert (partner.sender_stage, partner.receiver_stage) == (sender, receiver)
+            assert partner.boundary == message.boundary
+            # activations go to the next stage, gradients to the previous one
+            assert receiver - sender == (1 if kind in (Kind.SEND_F, Kind.RECV_F) else -1), message
+            assert {message.stage, message.peer_stage} == {sender, receiver}
+            assert message.stage == (sender if message.is_send else receiver)
+            assert message.boundary == min(sender, receiver)  # the boundary after the lower stage
+    compute = Action(2, Kind.F, 0)
+    assert (compute.peer_stage, compute.sender_stage, compute.receiver_stage, compute.boundary) == (None,) * 4
+
+
+def test_the_release_rule_b_or_w_frees_a_forward():
+    assert {kind for kind in Kind if releases_activations(kind)} == {Kind.B, Kind.W}
+    assert releases_activations("B") and releases_activations("W")  # an event's kind, as text
+    assert not any(releases_activations(text) for text in ("F", "I", "SEND_B", "OPT", "ALL_GATHER"))
+
+
+def test_theory_the_timeline_and_the_search_count_activations_by_the_one_release_rule():
+    from pplab.schedule_search import _peaks
+    from pplab.simulator import Costs, simulate
+
+    costs = Costs(forward=1.0, input_grad=1.0, weight_grad=0.5, latency=0.25)
+    for schedule in (build("1f1b", 4, 8), build("zb-h1", 4, 8), build("interleaved-1f1b", 2, 4, 2),
+                     from_torch("ZBVZeroBubble", 2, 4, 2)):
+        timeline = simulate(schedule, costs)
+        by_order = [peak for peak, _ in peak_inflight_at(schedule)]
+        assert timeline.peak_inflight_per_rank() == by_order, schedule.name
+        assert list(_peaks(timeline, schedule, [1.0] * schedule.n_stages)) == by_order, schedule.name
 
 
 @pytest.mark.parametrize("text", ["F0", "2X0", "2F", "2 F0", "-1F0", "2SEND0", "2f0", ""])
@@ -93,6 +134,25 @@ def test_loop_placement_by_default():
     assert schedule.placement is None
     assert [schedule.stage_to_rank(s) for s in range(4)] == [0, 1, 0, 1]
     assert schedule.stages_of(1) == [1, 3]
+
+
+def test_stage_placement_looped_and_v_shaped():
+    """Which stages a rank holds: the schedule says, for the loop and the V alike."""
+    assert loop_placement(4) == (0, 1, 2, 3)
+    assert loop_placement(4, 3) == (0, 1, 2, 3) * 3
+    looped = build("interleaved-1f1b", 4, 8, 3)
+    assert tuple(looped.stage_to_rank(s) for s in range(12)) == loop_placement(4, 3)
+    assert [looped.stages_of(r) for r in range(4)] == [[0, 4, 8], [1, 5, 9], [2, 6, 10], [3, 7, 11]]
+    assert v_placement(3) == (0, 1, 2, 2, 1, 0)
+    v_shaped = Schedule([[] for _ in range(3)], 3, 1, 6, 2, placement=v_placement(3))
+    assert [v_shaped.stages_of(r) for r in range(3)] == [[0, 5], [1, 4], [2, 3]]  # rank r: r and 2p-1-r
+    assert v_shaped.peer_rank(Action(3, Kind.SEND_F, 0)) == 1 and v_shaped.same_rank(2, 3)
+    torch_v = from_torch("DualPipeV", 3, 6, 2)
+    assert torch_v.placement == v_placement(3) and torch_v.stages_of(0) == [0, 5]
+    with pytest.raises(ValueError, match=r"stage 6 is not in 0..5"):
+        v_shaped.stage_to_rank(6)
+    with pytest.raises(ScheduleError, match="every rank must hold n_virtual=2 stages"):
+        Schedule([[] for _ in range(3)], 3, 1, 6, 2, placement=(0, 0, 0, 0, 1, 2))
 
 
 def test_add_communication_puts_sends_after_producers_and_receives_before_consumers():
@@ -520,7 +580,7 @@ def test_torch_v_shape_schedules_validate(name):
     for p in range(1, 5):
         for m in range(2 * p, 2 * p + 4):
             schedule = from_torch(name, p, m, 2)
-            assert [schedule.stage_to_rank(s) for s in range(2 * p)] == list(range(p)) + list(reversed(range(p)))
+            assert tuple(schedule.stage_to_rank(s) for s in range(2 * p)) == v_placement(p)
             kinds = {a.kind for acts in schedule.actions for a in acts}
             assert {I, W} <= kinds
             assert p == 1 or {Kind.SEND_F, Kind.RECV_F, Kind.SEND_B, Kind.RECV_B} <= kinds
@@ -534,6 +594,20 @@ def test_other_torch_schedules_validate(name, virtual):
         validate(from_torch(name, p, m, virtual), blocking_sends=True)
 
 
+def test_the_table_of_torch_schedules_agrees_with_torch():
+    from torch.distributed.pipelining import schedules as torch_schedules
+
+    assert list(TORCH_SCHEDULES)[:3] == ["gpipe", "1f1b", "interleaved-1f1b"]
+    for name, entry in TORCH_SCHEDULES.items():
+        torch_class = torch_schedules.get_schedule_class(entry.torch_name)
+        assert entry.name == name
+        assert entry.multi_stage == issubclass(torch_class, torch_schedules.PipelineScheduleMulti), name
+        assert entry.built_by_pplab == (name in SCHEDULE_NAMES), name
+        plan = from_torch(entry.torch_name.lower(), 2, 4, entry.fewest_stages_per_rank)  # any case, as torch reads it
+        assert (plan.placement == v_placement(2)) == entry.v_shaped, name
+        assert plan.n_virtual == entry.fewest_stages_per_rank
+
+
 @pytest.mark.parametrize(
     "args, message",
     [
@@ -541,7 +615,9 @@ def test_other_torch_schedules_validate(name, virtual):
         (("Interleaved1F1B", 2, 4, 1), "torch's Interleaved1F1B runs several stages per rank: use n_virtual=2 or more"),
         (("GPipe", 2, 4, 2), "torch's GPipe runs one stage per rank: use n_virtual=1"),
         (("DualPipeV", 4, 4, 2), "torch cannot plan DualPipeV for n_ranks=4, n_microbatches=4, n_virtual=2"),
-        (("ZBVZeroBubble", 2, 4, 3), "ZBV requires exactly 2 stages per rank"),
+        (("ZBVZeroBubble", 2, 4, 3), "torch's ZBVZeroBubble places exactly 2 stages per rank (a V): use n_virtual=2, "
+                                     "got n_virtual=3"),
+        (("PipelineScheduleMulti", 2, 4, 2), "torch's PipelineScheduleMulti is not a schedule pplab imports"),
         (("GPipe", 2, 0), "n_microbatches=0 must be at least 1"),
     ],
 )

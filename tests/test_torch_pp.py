@@ -14,8 +14,8 @@ from pplab.checks import check_gradient_flow, compare_with_reference
 from pplab.data import batches
 from ranks import run_ranks
 from pplab.rank_pipeline import PipelineSpec, merge_steps, run_jobs_on_rank, split_for_ranks
-from pplab.schedules import from_torch
-from pplab.torch_pp import TORCH_SCHEDULES, torch_schedule
+from pplab.schedules import TORCH_SCHEDULES, from_torch
+from pplab.torch_pp import torch_schedule
 
 
 CONFIG = pplab.LlamaConfig.tiny()
@@ -50,7 +50,7 @@ def test_torch_schedules_match_one_device_and_record_every_action_once(p):
         # overlapped F+B into both; its static 1F1B plan misnumbers the last rank, so 1F1B is
         # compared with pplab's, which torch executes).
         plan = (spec.schedule if name in ("gpipe", "1f1b", "interleaved-1f1b")
-                else from_torch(TORCH_SCHEDULES[name], p, m, v)).compute_only()
+                else from_torch(TORCH_SCHEDULES[name].torch_name, p, m, v)).compute_only()
         for rank in range(p):
             recorded = [(e.stage, e.kind, e.microbatch) for e in result.timeline.compute_events(rank)]
             planned = [(a.stage, a.kind.value, a.microbatch) for a in plan.actions[rank]]

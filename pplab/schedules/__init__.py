@@ -5,33 +5,43 @@ compute (``F``, ``B``, or the zero-bubble ``I`` and ``W``) and the sends and
 receives between ranks. Everything here is pure Python (torch is imported only
 inside `from_torch`). The modules, each building on the ones before:
 
-* `actions` — `Kind`, `Action` and the text form (``2F0``, ``1SEND_F3``);
-* `schedule` — the immutable `Schedule`, `ScheduleError`, `DeadlockError`;
+* `actions` — `Kind`, `Action` and the text form (``2F0``, ``1SEND_F3``); where a
+  message goes and which pass frees a forward's activations;
+* `schedule` — the immutable `Schedule`, `ScheduleError`, `DeadlockError`; stage placement;
 * `dependencies` — the one rule of what an action needs, shared by the
   validator, the simulator and the runtime;
 * `communication` — `add_communication`: the sends and receives a compute order implies;
 * `builders` — `build` and the classic schedules (GPipe, 1F1B, interleaved 1F1B, ZB-H1);
 * `validation` — `validate`: dependencies in order, messages matched, no deadlock;
+  `check_runnable`: real ranks need a send and a receive wherever data crosses ranks;
 * `textbook` — `theory`: the textbook bubble and peak in-flight activations;
-* `torch_plans` — `from_torch`: torch.distributed.pipelining's plans as schedules.
+* `torch_plans` — `TORCH_SCHEDULES` (torch's schedules, their names and stages per rank)
+  and `from_torch`: torch.distributed.pipelining's plans as schedules.
+
+The integer form `validate` and `simulate` loop over (`compiled`) reads the same rules,
+once per (kind, stage).
 """
 
-from pplab.schedules.actions import COMM_KINDS, COMPUTE_KINDS, Action, Kind
-from pplab.schedules.schedule import DeadlockError, Schedule, ScheduleError, from_lists
+from pplab.schedules.actions import (COMM_KINDS, COMPUTE_KINDS, RELEASE_KINDS, SEND_KINDS, Action, Kind,
+                                     message_boundary, message_peer, message_receiver, message_sender,
+                                     releases_activations)
+from pplab.schedules.schedule import (DeadlockError, Schedule, ScheduleError, from_lists, loop_placement,
+                                      v_placement)
 from pplab.schedules.dependencies import Dependencies, Need
 from pplab.schedules.communication import add_communication
 from pplab.schedules.builders import SCHEDULE_NAMES, build
-from pplab.schedules.validation import validate
+from pplab.schedules.validation import check_runnable, validate
 from pplab.schedules.textbook import Theory, peak_inflight_at, theory
-from pplab.schedules.torch_plans import from_torch
+from pplab.schedules.torch_plans import TORCH_SCHEDULES, TorchPlan, from_torch
 
 __all__ = [
-    "Kind", "Action", "COMPUTE_KINDS", "COMM_KINDS",
-    "Schedule", "ScheduleError", "DeadlockError", "from_lists",
+    "Kind", "Action", "COMPUTE_KINDS", "COMM_KINDS", "SEND_KINDS", "RELEASE_KINDS",
+    "message_peer", "message_sender", "message_receiver", "message_boundary", "releases_activations",
+    "Schedule", "ScheduleError", "DeadlockError", "from_lists", "loop_placement", "v_placement",
     "Dependencies", "Need",
     "add_communication",
     "SCHEDULE_NAMES", "build",
-    "validate",
+    "validate", "check_runnable",
     "Theory", "theory", "peak_inflight_at",
-    "from_torch",
+    "TORCH_SCHEDULES", "TorchPlan", "from_torch",
 ]

@@ -8,6 +8,10 @@ weight-gradient pass ``W``. Communication actions move activations forward
 The text form is torch's ``_Action``: ``2F0`` is stage 2 running the forward of
 microbatch 0, ``1SEND_F3`` is stage 1 sending the activation of microbatch 3
 to stage 2.
+
+Two pipeline rules live here, once, for every other module to read: where a
+message goes (`message_peer`, `message_sender`, `message_receiver`, `message_boundary`)
+and which pass frees a forward's activations (`releases_activations`).
 """
 
 from __future__ import annotations
@@ -39,6 +43,41 @@ SEND_KINDS = frozenset({Kind.SEND_F, Kind.SEND_B})
 _PEER_OFFSET = {Kind.SEND_F: +1, Kind.RECV_F: -1, Kind.SEND_B: -1, Kind.RECV_B: +1}
 _PARTNER_KIND = {Kind.SEND_F: Kind.RECV_F, Kind.RECV_F: Kind.SEND_F,
                  Kind.SEND_B: Kind.RECV_B, Kind.RECV_B: Kind.SEND_B}
+
+# A forward's activations are held until the last pass that reads them ends: the full
+# backward B or, when the backward is split, W (it still reads the layer inputs the forward
+# saved); I alone frees nothing.
+RELEASE_KINDS = frozenset({Kind.B, Kind.W})
+
+
+def releases_activations(kind: Kind | str) -> bool:
+    """True for the passes whose end frees a forward's activations: B, or W when the backward is split."""
+    return kind in RELEASE_KINDS  # a Kind is the str of its text form, so an event's kind ("B") is found too
+
+
+def message_peer(kind: Kind, stage: int) -> int:
+    """The stage at the other end of a message that ``stage`` sends or receives (it may not exist)."""
+    return stage + _PEER_OFFSET[kind]
+
+
+def message_sender(kind: Kind, stage: int) -> int:
+    """The stage that sends the message of a send or receive of ``kind`` on ``stage``."""
+    return stage if kind in SEND_KINDS else message_peer(kind, stage)
+
+
+def message_receiver(kind: Kind, stage: int) -> int:
+    """The stage that receives the message of a send or receive of ``kind`` on ``stage``."""
+    return message_peer(kind, stage) if kind in SEND_KINDS else stage
+
+
+def message_boundary(kind: Kind, stage: int) -> int:
+    """The boundary a message of ``kind`` on ``stage`` crosses, named by the stage before it.
+
+    The activation leaving stage s and its gradient coming back both cross boundary s
+    (between s and s+1) and have the same size, so message costs are per boundary.
+    """
+    return min(stage, message_peer(kind, stage))
+
 
 # Longest names first so that "SEND_F" is not read as "S..." and "F".
 _ACTION_PATTERN = re.compile(r"(\d+)(SEND_F|RECV_F|SEND_B|RECV_B|F|B|I|W)(\d+)")
@@ -97,19 +136,22 @@ class Action:
     @property
     def peer_stage(self) -> int | None:
         """The stage a send goes to or a receive comes from; None for compute."""
-        offset = _PEER_OFFSET.get(self.kind)
-        return None if offset is None else self.stage + offset
+        return message_peer(self.kind, self.stage) if self.is_comm else None
+
+    @property
+    def sender_stage(self) -> int | None:
+        """The stage that sends this send's or receive's message; None for compute."""
+        return message_sender(self.kind, self.stage) if self.is_comm else None
+
+    @property
+    def receiver_stage(self) -> int | None:
+        """The stage that receives this send's or receive's message; None for compute."""
+        return message_receiver(self.kind, self.stage) if self.is_comm else None
 
     @property
     def boundary(self) -> int | None:
-        """The stage whose output a send or receive moves (or whose output's gradient); None for compute.
-
-        Both directions across the boundary after stage s carry a tensor of the
-        same size (the activation, then its gradient), so costs are per boundary.
-        """
-        if not self.is_comm:
-            return None
-        return self.stage if self.kind in (Kind.SEND_F, Kind.RECV_B) else self.stage - 1
+        """The boundary a send or receive crosses (see `message_boundary`); None for compute."""
+        return message_boundary(self.kind, self.stage) if self.is_comm else None
 
     def partner(self) -> Action:
         """The receive that matches a send, or the send that matches a receive."""

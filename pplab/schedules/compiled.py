@@ -9,16 +9,20 @@ into I and W for all microbatches or for none. A schedule that mixes them, or ha
 outside its stages or microbatches, on another rank than its stage's, or a message with no
 neighbour stage to go to, has no integer form (`compile_schedule` returns None) and takes
 the readable path, which also explains every error.
+
+Where a message goes comes from the one rule too (`message_peer`, `message_boundary` in
+`actions`), asked once per (kind, stage) into the tables `peer_stages` and `boundaries`.
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
 import gc
 import itertools
 from dataclasses import dataclass
 
-from pplab.schedules.actions import Action, Kind
+from pplab.schedules.actions import COMM_KINDS, Action, Kind, message_boundary, message_peer
 from pplab.schedules.dependencies import Dependencies
 from pplab.schedules.schedule import Schedule
 
@@ -56,6 +60,23 @@ class Compiled:
         key, microbatch = divmod(index, self.m)
         kind, stage = divmod(key, self.schedule.n_stages)
         return Action(stage, KINDS[kind], microbatch)
+
+
+@functools.lru_cache(maxsize=256)
+def peer_stages(n_stages: int) -> tuple[int | None, ...]:
+    """Per key: the stage a send or receive talks to; None for compute, or where that stage does not exist."""
+    def existing(stage: int) -> int | None:
+        return stage if 0 <= stage < n_stages else None
+
+    return tuple(existing(message_peer(kind, stage)) if kind in COMM_KINDS else None
+                 for kind in KINDS for stage in range(n_stages))
+
+
+@functools.lru_cache(maxsize=256)
+def boundaries(n_stages: int) -> tuple[int, ...]:
+    """Per key: the boundary a send's or receive's message crosses; -1 for compute (and before stage 0)."""
+    return tuple(message_boundary(kind, stage) if kind in COMM_KINDS else NO_NEED
+                 for kind in KINDS for stage in range(n_stages))
 
 
 @contextlib.contextmanager
@@ -126,9 +147,9 @@ def _needs(schedule: Schedule, split: set[int], talks: bool) -> tuple:
     first_two = [(*(t[0][:2] if t else (-1, -1)), *(t[1][:2] if t and len(t) > 1 else (-1, -1))) for t in needs]
     # A key has an integer form when its needs are all in the pipeline and, for a message,
     # its neighbour is (a send from stage 0 backwards, say, has no boundary to cross).
-    placeable = [needs[kind * n_stages + stage] is not None and
-                 (kind < SEND_F or 0 <= stage + (1 if kind in (SEND_F, RECV_B) else -1) < n_stages)
-                 for kind in range(len(KINDS)) for stage in range(n_stages)]
+    peers, first_message = peer_stages(n_stages), SEND_F * n_stages
+    placeable = [template is not None and (key < first_message or peers[key] is not None)
+                 for key, template in enumerate(needs)]
     return needs, rank_of_stage, first_two, placeable
 
 

@@ -1,4 +1,8 @@
-"""The `Schedule` type: one ordered, immutable list of actions per rank, and where each stage lives."""
+"""The `Schedule` type: one ordered, immutable list of actions per rank, and where each stage lives.
+
+Stage placement has its one home here: `Schedule.stage_to_rank` and `Schedule.stages_of`
+answer for any schedule; `loop_placement` and `v_placement` spell out the two classic layouts.
+"""
 
 from __future__ import annotations
 
@@ -63,7 +67,7 @@ class Schedule:
         if not 0 <= stage < self.n_stages:
             raise ValueError(f"stage {stage} is not in 0..{self.n_stages - 1}")
         if self.placement is None:
-            return stage % self.n_ranks
+            return stage % self.n_ranks  # `loop_placement`, without making the tuple
         return self.placement[stage]
 
     def stages_of(self, rank: int) -> list[int]:
@@ -73,6 +77,10 @@ class Schedule:
     def same_rank(self, stage: int, other: int) -> bool:
         """True when ``stage`` and ``other`` live on one rank (they hand tensors over in memory)."""
         return self.stage_to_rank(stage) == self.stage_to_rank(other)
+
+    def peer_rank(self, action: Action) -> int:
+        """The rank at the other end of a send or receive."""
+        return self.stage_to_rank(action.peer_stage)
 
     @property
     def has_communication(self) -> bool:
@@ -127,6 +135,16 @@ class Schedule:
         return "\n".join(lines)
 
 
+def loop_placement(n_ranks: int, n_virtual: int = 1) -> tuple[int, ...]:
+    """Each stage's rank when the stages loop over the ranks, s on rank s % n_ranks (GPipe, 1F1B, interleaved)."""
+    return tuple(stage % n_ranks for stage in range(n_ranks * n_virtual))
+
+
+def v_placement(n_ranks: int) -> tuple[int, ...]:
+    """Each stage's rank in a V: 0..p-1 on ranks 0..p-1, then p..2p-1 back on p-1..0 (ZBVZeroBubble, DualPipeV)."""
+    return tuple(range(n_ranks)) + tuple(reversed(range(n_ranks)))
+
+
 def _check_placement(placement: tuple[int, ...], n_ranks: int, n_virtual: int) -> None:
     for rank in range(n_ranks):
         held = [s for s, r in enumerate(placement) if r == rank]
@@ -163,7 +181,7 @@ def from_lists(
             f"{n_stages} stages cannot be spread evenly over {n_ranks} ranks: "
             f"use a multiple of {n_ranks} stages"
         )
-    loop = tuple(s % n_ranks for s in range(n_stages))
+    loop = loop_placement(n_ranks, n_stages // n_ranks)
     return Schedule(
         actions,
         n_ranks,

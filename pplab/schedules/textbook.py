@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from pplab.schedules.actions import Action, Kind
+from pplab.schedules.actions import Action, Kind, releases_activations
 from pplab.schedules.builders import SCHEDULE_NAMES, build
 from pplab.schedules.communication import add_communication
 from pplab.schedules.schedule import Schedule
@@ -105,7 +105,7 @@ def peak_inflight_at(schedule: Schedule) -> list[tuple[int, Action | None]]:
                 held += 1
                 if held > peak:
                     peak, at = held, action
-            elif action.kind in (Kind.B, Kind.W):
+            elif releases_activations(action.kind):
                 held -= 1
         peaks.append((peak, at))
     return peaks

@@ -1,10 +1,12 @@
-"""`validate`: is a schedule sound? Every dependency met in order, messages matched, no deadlock."""
+"""`validate`: is a schedule sound? Every dependency met in order, messages matched, no deadlock.
+
+`check_runnable`: can ranks run it? (They move data only where it has sends and receives.)
+"""
 
 from __future__ import annotations
 
 from pplab.schedules.actions import Action, Kind
-from pplab.schedules.compiled import (B, F, I, RECV_B, RECV_F, SEND_B, SEND_F, W, Compiled, compile_schedule,
-                                      no_cyclic_gc)
+from pplab.schedules.compiled import B, F, I, SEND_F, W, Compiled, compile_schedule, no_cyclic_gc, peer_stages
 from pplab.schedules.dependencies import Dependencies, Need
 from pplab.schedules.schedule import DeadlockError, Schedule, ScheduleError
 
@@ -69,11 +71,11 @@ def _sound(compiled: Compiled | None) -> bool:
     # missing neighbour or to the same rank).
     local_needs = [None if template is None else tuple(base for base, _, local in template if local)
                    for template in compiled.needs]
-    for kind in (SEND_F, RECV_F, SEND_B, RECV_B):
-        for stage in range(n_stages):
-            peer = stage + (1 if kind in (SEND_F, RECV_B) else -1)
-            if not 0 <= peer < n_stages or rank_of_stage[peer] == rank_of_stage[stage]:
-                local_needs[kind * n_stages + stage] = None
+    peers = peer_stages(n_stages)
+    for key in range(SEND_F * n_stages, len(local_needs)):  # the sends and receives
+        peer = peers[key]
+        if peer is None or rank_of_stage[peer] == rank_of_stage[key % n_stages]:
+            local_needs[key] = None
     seen = bytearray(8 * n_stages * m)
     # 1. each action in its place: its rank, once, what it needs from its rank earlier
     for rank, rank_steps in enumerate(compiled.steps):
@@ -329,3 +331,24 @@ def _describe_wait(schedule: Schedule, rule: Dependencies, rank: int, next_index
         f"rank {rank} at position {next_index[rank]} on {action} waits for "
         f"{awaited} on rank {other} (rank {other} is {state})"
     )
+
+
+# ---------------------------------------------------------------- runnable on real ranks
+
+
+def check_runnable(schedule: Schedule) -> None:
+    """Raise a ValueError if data crosses ranks with no send and receive to carry it.
+
+    `validate` and `simulate` read such a schedule as if data moved by itself;
+    ranks cannot: they move tensors only where the schedule says so.
+    """
+    rule = Dependencies(schedule)
+    for acts in schedule.actions:
+        for action in acts:
+            crossing = next((need for need in rule.needs(action) if need.transfer is not None), None)
+            if crossing is not None:
+                raise ValueError(
+                    f"schedule {schedule.name!r} has no sends and receives, but {action} needs "
+                    f"{crossing.action} from rank {schedule.stage_to_rank(crossing.action.stage)}: "
+                    f"ranks move data only where the schedule says; add them with "
+                    f"pplab.schedules.add_communication(schedule)")

@@ -18,7 +18,7 @@ import time
 import ipywidgets as widgets
 
 from pplab.rank_pipeline import IMPLEMENTATIONS
-from pplab.schedules import SCHEDULE_NAMES, theory
+from pplab.schedules import SCHEDULE_NAMES, TORCH_SCHEDULES, theory
 from pplab.simulator import Costs, costs_from_timeline, simulate
 from pplab.trace import Timeline
 from pplab.widgets.panels import (BubblesView, GradientsView, MemoryView, ShapesView, TimelineView,
@@ -312,7 +312,5 @@ class Dashboard(widgets.VBox):
 def _schedule_names(impl: str) -> list[str]:
     """The schedule names a runtime knows."""
     if impl == "torch":
-        from pplab.torch_pp import TORCH_SCHEDULES
-
         return list(TORCH_SCHEDULES)
     return list(SCHEDULE_NAMES)
