@@ -24,7 +24,7 @@ from dataclasses import dataclass, replace
 import torch
 
 from pplab.arguments import check_positive_int
-from pplab.checks import ShownAsText, html_table, mib, text_table
+from pplab.formatting import ShownAsText, format_bytes, html_table, text_table
 from pplab.model import LlamaConfig, loss_fn
 from pplab.partition import build_stage, layer_ranges
 from pplab.runtime import SavedBytes, input_gradient, weight_gradients
@@ -101,7 +101,7 @@ class Profile(ShownAsText):
         return [[str(index), *(f"{getattr(s, name) * 1e3:.2f}" for name in
                                ("forward", "backward", "input_grad", "weight_grad")),
                  f"{(s.input_grad + s.weight_grad) / s.backward:.2f}",
-                 mib(s.activation_bytes), mib(s.output_bytes), mib(s.static_bytes)]
+                 *map(format_bytes, (s.activation_bytes, s.output_bytes, s.static_bytes))]
                 for index, s in enumerate(self.stages)]
 
     HEADER = ["stage", "F ms", "B ms", "I ms", "W ms", "(I+W)/B", "saved / mb", "message", "static"]
@@ -234,8 +234,8 @@ class Prediction(ShownAsText):
 
     def __str__(self) -> str:
         lines = [f"predicted step {self.step_time * 1e3:.1f} ms, bubble {self.bubble:.1%}"]
-        lines += [f"  rank {r}: peak {peak / 2**20:.2f} MiB = static {static / 2**20:.2f} + activations "
-                  f"{act / 2**20:.2f}" for r, (peak, static, act) in
+        lines += [f"  rank {r}: peak {format_bytes(peak)} = static {format_bytes(static)} + activations "
+                  f"{format_bytes(act)}" for r, (peak, static, act) in
                   enumerate(zip(self.peak_bytes, self.static_bytes, self.peak_activation_bytes))]
         return "\n".join(lines)
 

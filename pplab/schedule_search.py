@@ -32,6 +32,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Sequence
 
+from pplab.formatting import ShownAsText, format_bytes, text_table
 from pplab.schedules import (SCHEDULE_NAMES, Action, Kind, Schedule, ScheduleError, add_communication, build,
                              from_torch, validate)
 from pplab.simulator import Costs, simulate
@@ -55,7 +56,7 @@ class Candidate:
 
 
 @dataclass(frozen=True, repr=False)
-class Found:
+class Found(ShownAsText):
     """The search's answer: the schedule, its simulated step time and memory, and what it tried."""
 
     schedule: Schedule
@@ -87,26 +88,20 @@ class Found:
         lines.append(f"tried {len(self.tried)} schedules ({fitting} fit) in {self.seconds:.2f} s")
         return "\n".join(lines)
 
-    def _repr_pretty_(self, printer, cycle) -> None:
-        printer.text(str(self))
-
     def table(self, top: int = 10) -> str:
         """The fastest `top` candidates that fit and every built-in that ran, as text."""
         rows = sorted((c for c in self.tried if c.step_time is not None), key=lambda c: c.step_time)
         shown = [c for c in rows if c.fits][:top] + [c for c in rows if c.builtin]
-        lines = [f"{'schedule':40s} {'step':>10s} {'peak':>12s}  fits"]
-        for c in sorted(set(shown), key=lambda c: c.step_time):
-            lines.append(f"{c.name:40s} {c.step_time:10.4g} {_amount(c.peak, self.unit):>12s}  "
-                         f"{'yes' if c.fits else 'no'}")
-        return "\n".join(lines)
+        return text_table(["schedule", "step", "peak", "fits"],
+                          ([c.name, f"{c.step_time:.4g}", _amount(c.peak, self.unit), "yes" if c.fits else "no"]
+                           for c in sorted(set(shown), key=lambda c: c.step_time)), right=(1, 2))
 
 
 def _amount(value: float | None, unit: str) -> str:
+    """A memory amount in the search's unit: bytes, or microbatches ("mb")."""
     if value is None:
         return "-"
-    if unit == "bytes":
-        return f"{value / 2**20:.2f} MiB"
-    return f"{value:g} mb"
+    return format_bytes(value) if unit == "bytes" else f"{value:g} mb"
 
 
 # ---------------------------------------------------------------- the search
@@ -410,7 +405,7 @@ def list_schedule(p: int, m: int, v: int, costs: Costs, weights, cap: float, spl
 
 
 @dataclass(frozen=True, repr=False)
-class Balanced:
+class Balanced(ShownAsText):
     """The layers per stage that the search found fastest, with the schedule for them."""
 
     balance: tuple[int, ...]
@@ -426,12 +421,8 @@ class Balanced:
 
     @property
     def even_balance(self) -> tuple[int, ...]:
-        n_layers, n_stages = sum(self.balance), len(self.balance)
-        base, extra = divmod(n_layers, n_stages)
-        return tuple(base + (1 if s < extra else 0) for s in range(n_stages))
-
-    def _repr_pretty_(self, printer, cycle) -> None:
-        printer.text(str(self))
+        """The default split of the same layers over the same stages (extras on early stages)."""
+        return _even(sum(self.balance), len(self.balance))
 
 
 def stage_costs(layer_costs: Costs, balance: Sequence[int]) -> Costs:

@@ -12,12 +12,13 @@ import pytest
 
 import pplab
 
-CORE = ["pplab.arguments", "pplab.model", "pplab.data", "pplab.schedules", "pplab.trace", "pplab.partition",
+CORE = ["pplab.arguments", "pplab.model", "pplab.data", "pplab.schedules", "pplab.trace", "pplab.formatting",
+        "pplab.partition",
         "pplab.simulator", "pplab.comm", "pplab.runtime", "pplab.reference", "pplab.checks",
         "pplab.rank_pipeline", "pplab.launch", "pplab.torch_pp", "pplab.checkpoint", "pplab.checkpoint_files",
         "pplab.train", "pplab.mesh", "pplab.prediction", "pplab.faults"]  # train is floor 4 but runs under torchrun: no Jupyter either
 UPPER_FLOORS = ["ipyparallel", "IPython", "ipywidgets", "matplotlib", "pplab.cluster"]
-PURE_PYTHON = ["pplab", "pplab.schedules", "pplab.trace", "pplab.simulator",
+PURE_PYTHON = ["pplab", "pplab.schedules", "pplab.trace", "pplab.formatting", "pplab.simulator",
                "pplab.checkpoint_files"]  # not even torch
 
 
