@@ -28,7 +28,7 @@ _EXPORTS = {
     "TrainOptions": "pplab.train",
     "load_model": "pplab.checkpoint",
     "Mesh": "pplab.mesh",
-    "profile": "pplab.prediction",
+    "profile": "pplab.profiler",
     "predict": "pplab.prediction",
     "search": "pplab.schedule_search",  # floor 2: it runs the simulator, so it sits beside it
     "search_balance": "pplab.schedule_search",
@@ -58,7 +58,8 @@ if _TYPE_CHECKING:  # what static checkers and editors see
     from pplab.mesh import Mesh
     from pplab.model import LlamaConfig, LlamaModel, build_model, generate
     from pplab.partition import build_stage, layer_ranges, stages_of_rank
-    from pplab.prediction import predict, profile
+    from pplab.prediction import predict
+    from pplab.profiler import profile
     from pplab.reference import reference_step
     from pplab.schedule_search import search, search_balance
     from pplab.simulator import Costs, simulate

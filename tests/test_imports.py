@@ -13,13 +13,14 @@ import pytest
 import pplab
 
 CORE = ["pplab.arguments", "pplab.model", "pplab.data", "pplab.schedules", "pplab.trace", "pplab.formatting",
-        "pplab.partition",
-        "pplab.simulator", "pplab.comm", "pplab.runtime", "pplab.reference", "pplab.checks",
-        "pplab.rank_pipeline", "pplab.launch", "pplab.torch_pp", "pplab.checkpoint", "pplab.checkpoint_files",
-        "pplab.train", "pplab.mesh", "pplab.prediction", "pplab.faults"]  # train is floor 4 but runs under torchrun: no Jupyter either
+        "pplab.partition", "pplab.simulator", "pplab.prediction", "pplab.comm", "pplab.runtime",
+        "pplab.step_clock", "pplab.memory", "pplab.split_backward", "pplab.shards", "pplab.gradients",
+        "pplab.reference", "pplab.checks", "pplab.rank_pipeline", "pplab.launch", "pplab.torch_pp",
+        "pplab.checkpoint", "pplab.checkpoint_files", "pplab.train", "pplab.mesh", "pplab.profiler",
+        "pplab.faults"]  # train is floor 4 but runs under torchrun: no Jupyter either
 UPPER_FLOORS = ["ipyparallel", "IPython", "ipywidgets", "matplotlib", "pplab.cluster"]
 PURE_PYTHON = ["pplab", "pplab.schedules", "pplab.trace", "pplab.formatting", "pplab.simulator",
-               "pplab.checkpoint_files"]  # not even torch
+               "pplab.prediction", "pplab.checkpoint_files"]  # not even torch
 
 
 def loaded_after_import(module: str, watched: list[str]) -> list[str]:

@@ -5,7 +5,8 @@ import pytest
 import pplab
 from pplab.data import batches
 from pplab.launch import run_ranks
-from pplab.prediction import Profile, StageProfile, predict, profile
+from pplab.prediction import Profile, StageProfile, predict
+from pplab.profiler import profile
 from pplab.rank_pipeline import PipelineSpec, merge_steps, run_jobs_on_rank, split_for_ranks
 from pplab.schedules import build, theory
 from pplab.simulator import Costs
