@@ -107,6 +107,10 @@ def _amount(value: float | None, unit: str) -> str:
 # ---------------------------------------------------------------- the search
 
 
+class NothingFitsError(ValueError):
+    """No schedule the search can build fits the memory limit (the message says what would)."""
+
+
 def search(n_ranks: int, n_microbatches: int, costs: Costs, memory_limit: float | None = None,
            saved_bytes: Sequence[int] | None = None, n_virtual: int | None = None,
            split_backward: bool = True, include_torch: bool = True, show: bool | None = None) -> Found:
@@ -144,9 +148,9 @@ def search(n_ranks: int, n_microbatches: int, costs: Costs, memory_limit: float 
     if not fitting:
         measured = [c for c in tried if c.peak is not None]
         smallest = min(measured, key=lambda c: c.peak)
-        raise NothingFits(f"no schedule fits memory_limit={memory_limit:g} {unit} per rank: the smallest "
-                          f"budget that works is {smallest.peak:g} {unit} ({smallest.name}); "
-                          f"give memory_limit >= {smallest.peak:g}")
+        raise NothingFitsError(f"no schedule fits memory_limit={memory_limit:g} {unit} per rank: the "
+                               f"smallest budget that works is {smallest.peak:g} {unit} ({smallest.name}); "
+                               f"give memory_limit >= {smallest.peak:g}")
     fastest = min(c.step_time for c in fitting)
     ties = [c for c in fitting if c.step_time <= fastest * (1 + 1e-9)]  # equal but for rounding
     best = next((c for c in ties if c.builtin), ties[0])  # a tie goes to the built-in
@@ -181,10 +185,6 @@ def _check_costs(costs) -> None:
     if not isinstance(costs, Costs):
         raise ValueError(f"costs={costs!r} must be a pplab.Costs (a profile gives them: "
                          f"profile.costs(split_backward=True))")
-
-
-class NothingFits(ValueError):
-    """No schedule the search can build fits the memory limit (the message says what would)."""
 
 
 def _check_sizes(n_ranks, n_microbatches, memory_limit, n_virtual=1) -> None:
@@ -492,11 +492,11 @@ def search_balance(layer_costs: Costs, n_ranks: int, n_microbatches: int, memory
         try:
             results[split] = search(n_ranks, n_microbatches, stage_costs(layer_costs, split), memory_limit,
                                     stage_saved, n_virtual, split_backward, include_torch, show=False)
-        except NothingFits:
+        except NothingFitsError:
             continue
     if even not in results:
-        raise NothingFits(f"no schedule fits memory_limit={memory_limit} with the even split {list(even)}: "
-                          f"raise the limit")
+        raise NothingFitsError(f"no schedule fits memory_limit={memory_limit} with the even split "
+                               f"{list(even)}: raise the limit")
     best = min(results, key=lambda split: (results[split].step_time, split != even))
     return Balanced(best, results[best], results[even],
                     tuple((split, found.step_time) for split, found in results.items()))
