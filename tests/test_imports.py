@@ -62,9 +62,9 @@ def test_every_advertised_name_resolves_and_dir_lists_it():
         assert getattr(pplab, name) is not None, name
     assert set(pplab.__all__) <= set(dir(pplab))
     assert {"Lab", "cleanup", "LlamaConfig", "simulate", "Timeline", "schedules", "viz"} <= set(pplab.__all__)
-    # The schedule API is used from its module; the old top-level spellings still work.
+    # The schedule API is used from its module, not from the top level.
     assert pplab.schedules is schedules
-    assert pplab.build_schedule is schedules.build and pplab.Schedule is schedules.Schedule
+    assert not hasattr(pplab, "build_schedule") and not hasattr(pplab, "Schedule")
     assert pplab.cluster.LabError.__name__ == "LabError"
     with pytest.raises(AttributeError, match="no attribute 'not_a_name'"):
         pplab.not_a_name  # noqa: B018
