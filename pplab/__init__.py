@@ -27,7 +27,7 @@ _EXPORTS = {
     "TrainOptions": "pplab.train",
     "load_model": "pplab.checkpoint",
     "Mesh": "pplab.mesh",
-    "profile": "pplab.prediction",
+    "profile": "pplab.profiler",
     "predict": "pplab.prediction",
     "search": "pplab.schedule_search",  # floor 2: it runs the simulator, so it sits beside it
     "search_balance": "pplab.schedule_search",
@@ -37,15 +37,6 @@ _EXPORTS = {
 }
 _MODULES = ("data", "schedules", "trace", "viz", "checkpoint", "train", "mesh", "faults")
 
-# Older spellings, kept working but not advertised: the schedule API lives in `pplab.schedules`.
-_ALIASES = {
-    "build_schedule": ("pplab.schedules", "build"),
-    "Action": ("pplab.schedules", "Action"),
-    "Kind": ("pplab.schedules", "Kind"),
-    "Schedule": ("pplab.schedules", "Schedule"),
-    "ScheduleError": ("pplab.schedules", "ScheduleError"),
-    "Theory": ("pplab.schedules", "Theory"),
-}
 # Reachable as attributes after a bare `import pplab` (e.g. `pplab.cluster.LabError`).
 _SUBPACKAGES = ("cluster",)
 
@@ -58,7 +49,8 @@ if _TYPE_CHECKING:  # what static checkers and editors see
     from pplab.mesh import Mesh
     from pplab.model import LlamaConfig, LlamaModel, build_model, generate
     from pplab.partition import build_stage, layer_ranges
-    from pplab.prediction import predict, profile
+    from pplab.prediction import predict
+    from pplab.profiler import profile
     from pplab.reference import reference_step
     from pplab.schedule_search import search, search_balance
     from pplab.session import Lab, RankPool
@@ -70,16 +62,12 @@ if _TYPE_CHECKING:  # what static checkers and editors see
 def __getattr__(name: str):
     if name in _MODULES or name in _SUBPACKAGES:
         return _importlib.import_module(f"pplab.{name}")
-    if name in _EXPORTS:
-        module, attribute = _EXPORTS[name], name
-    elif name in _ALIASES:
-        module, attribute = _ALIASES[name]
-    else:
+    if name not in _EXPORTS:
         raise AttributeError(f"module 'pplab' has no attribute {name!r}")
-    value = getattr(_importlib.import_module(module), attribute)
+    value = getattr(_importlib.import_module(_EXPORTS[name]), name)
     globals()[name] = value  # found directly from now on
     return value
 
 
 def __dir__() -> list[str]:
-    return sorted({*globals(), *__all__, *_ALIASES, *_SUBPACKAGES})
+    return sorted({*globals(), *__all__, *_SUBPACKAGES})

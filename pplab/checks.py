@@ -6,45 +6,14 @@ a plain-text `__str__` for terminals and a `_repr_html_` table for notebooks.
 
 from __future__ import annotations
 
-import html
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 import torch
 
+from pplab.formatting import ShownAsText, html_table, text_table
 from pplab.reference import ReferenceResult
 from pplab.runtime import Boundary
-
-
-class ShownAsText:
-    """Reports read the same in a terminal, in a repr and (as a table) in a notebook."""
-
-    def __repr__(self) -> str:
-        return str(self)
-
-
-def text_table(header: list[str], rows: Iterable[list], right: bool = False) -> str:
-    """Rows as aligned plain-text columns under `header` (left-aligned, or right for numbers)."""
-    table = [header, *[[str(c) for c in row] for row in rows]]
-    widths = [max(len(row[i]) for row in table) for i in range(len(header))]
-    return "\n".join("  ".join(c.rjust(w) if right else c.ljust(w) for c, w in zip(row, widths))
-                     for row in table)
-
-
-def mib(nbytes: float) -> str:
-    """Bytes in MiB, for tables: '2.95 MiB'."""
-    return f"{nbytes / 2**20:.2f} MiB"
-
-
-def html_table(header: list[str], rows: Iterable[list], caption: str | list[str]) -> str:
-    """A table whose caption is one line, or several (each on its own line)."""
-    lines = [caption] if isinstance(caption, str) else caption
-    head = "".join(f"<th>{html.escape(str(h))}</th>" for h in header)
-    body = "".join("<tr>" + "".join(f"<td>{html.escape(str(c))}</td>" for c in row) + "</tr>"
-                   for row in rows)
-    caption_html = "<br>".join(html.escape(line) for line in lines)
-    return (f'<table><caption style="text-align: left">{caption_html}</caption>'
-            f"<tr>{head}</tr>{body}</table>")
 
 
 # --- gradient flow -------------------------------------------------------------------------

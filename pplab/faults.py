@@ -92,11 +92,6 @@ def die(run, action: str) -> int:
     return _arm(run, action, "die", 0.0)
 
 
-def disarm(run) -> None:
-    """Forget the faults armed on the run's ranks that have not fired."""
-    run.lab.run(disarm_on_rank, run.run_id)
-
-
 def _arm(run, action: str, kind: str, seconds: float) -> int:
     """Check the fault against the run's schedule (before any rank is asked), then arm it."""
     from pplab.schedules import Action

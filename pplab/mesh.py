@@ -31,9 +31,10 @@ import torch.distributed as dist
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from pplab.arguments import check_positive_int
-from pplab.checks import ShownAsText, html_table, mib, text_table
+from pplab.formatting import ShownAsText, format_bytes, html_table, text_table
+from pplab.memory import SavedBytes
 from pplab.model import LlamaConfig, LlamaModel
-from pplab.runtime import SavedBytes, local_tensor
+from pplab.shards import local_tensor
 from pplab.trace import Event
 
 MESH_DIMS = ("pp", "dp", "tp")  # outermost first: the order of the global rank layout
@@ -432,8 +433,8 @@ class MemoryTable(ShownAsText):
 
     def table(self) -> list[list[str]]:
         """One row of text per rank."""
-        return [[self.labels[r], mib(row["parameters"]), mib(row["gradients"]), mib(row["optimizer"]),
-                 mib(self.held(r)), mib(self.unsharded(r)),
+        return [[self.labels[r], *map(format_bytes, (row["parameters"], row["gradients"], row["optimizer"],
+                                                      self.held(r), self.unsharded(r))),
                  f"{self.held(r) / self.unsharded(r):.0%}" if self.unsharded(r) else "-"]
                 for r, row in enumerate(self.rows)]
 

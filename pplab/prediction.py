@@ -1,36 +1,29 @@
-"""Predict before you run: per-stage costs measured on one device, then a schedule's step time
-and memory predicted from them.
+"""Predict before you run: a schedule's step time, bubble and peak memory per rank, from
+per-stage costs measured on one device.
 
-`profile` builds each stage of a partition on one device and times its forward (F), full
-backward (B), and the zero-bubble halves of the backward (I: input gradient; W: weight
-gradients, from what I kept), with the very functions the runtime uses, a few repeats each,
-one thread (a rank's share of a CPU), and keeps the medians. It also measures the bytes a
-forward saves for backward (as the runtime counts them), the boundary message, and the
-static memory of each stage: parameters, gradients and AdamW's two moments.
+A `Profile` holds what `pplab.profiler.profile` measured for each stage (`StageProfile`):
+the median seconds of its forward (F), full backward (B) and the zero-bubble halves of
+the backward (I and W), the bytes a forward saves for backward, the boundary message, and
+the static memory (parameters, gradients and AdamW's two moments); and, once measured, the
+cost of a hop between ranks.
 
 `predict` runs the simulator on those costs (B for schedules with whole backwards, I and W
 for split ones, plus the measured cost of a hop as `latency`), and reads from the predicted
 timeline the step time, the bubble, and each rank's peak memory: its stages' static bytes
-plus the most activation bytes it holds at once. Floor 3: torch only, no Jupyter.
+plus the most activation bytes it holds at once. Floor 2: pure Python, no torch.
 """
 
 from __future__ import annotations
 
-import statistics
-import time
-from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
-import torch
-
-from pplab.arguments import check_positive_int
-from pplab.checks import ShownAsText, html_table, mib, text_table
-from pplab.model import LlamaConfig, loss_fn
-from pplab.partition import build_stage, layer_ranges
-from pplab.runtime import SavedBytes, input_gradient, weight_gradients
+from pplab.formatting import ShownAsText, format_bytes, html_table, text_table
 from pplab.schedules import Schedule
 from pplab.simulator import Costs, simulate
 from pplab.trace import Timeline
+
+
+# --- what was measured ----------------------------------------------------------------------------
 
 
 @dataclass(frozen=True)
@@ -87,12 +80,11 @@ class Profile(ShownAsText):
 
     def costs_for(self, schedule: Schedule) -> Costs:
         """The costs `schedule` runs on: split backwards if it has I and W actions."""
-        kinds = {a.kind.value for actions in schedule.actions for a in actions}
-        return self.costs(split_backward="I" in kinds)
+        return self.costs(split_backward="I" in _kinds(schedule))
 
     def with_link(self, hop: dict) -> "Profile":
-        """The same profile with a measured link (what `hop_costs_on_rank` returns): a message
-        arrives one hop after it is posted; posting takes the sender `send` seconds."""
+        """The same profile with a measured link (what `pplab.profiler.hop_costs_on_rank` returns):
+        a message arrives one hop after it is posted; posting takes the sender `send` seconds."""
         send = min(hop["send"], hop["pplab"])
         return replace(self, latency=hop["pplab"] - send, send_cost=send)
 
@@ -101,7 +93,7 @@ class Profile(ShownAsText):
         return [[str(index), *(f"{getattr(s, name) * 1e3:.2f}" for name in
                                ("forward", "backward", "input_grad", "weight_grad")),
                  f"{(s.input_grad + s.weight_grad) / s.backward:.2f}",
-                 mib(s.activation_bytes), mib(s.output_bytes), mib(s.static_bytes)]
+                 *map(format_bytes, (s.activation_bytes, s.output_bytes, s.static_bytes))]
                 for index, s in enumerate(self.stages)]
 
     HEADER = ["stage", "F ms", "B ms", "I ms", "W ms", "(I+W)/B", "saved / mb", "message", "static"]
@@ -115,105 +107,7 @@ class Profile(ShownAsText):
                           f"(median of repeats; static = parameters, gradients, AdamW state)")
 
 
-def profile(config: LlamaConfig, microbatch_size: int, seq_len: int, n_stages: int,
-            balance: Sequence[int] | None = None, device="cpu", repeats: int = 7, threads: int | None = 1,
-            seed: int = 0, show: bool = True) -> Profile:
-    """Measure every stage's F, B, I, W (median of `repeats`, after one warm-up) and bytes.
-
-    `threads=1` measures what one rank of a CPU lab gets (each rank runs one thread); None
-    keeps torch's setting. `show` draws a progress bar (tqdm). Seconds on CPU for the tiny model.
-    """
-    check_positive_int("microbatch_size", microbatch_size)
-    check_positive_int("seq_len", seq_len)
-    check_positive_int("repeats", repeats, example=7)
-    if seq_len > config.max_position_embeddings:
-        raise ValueError(f"seq_len={seq_len} exceeds max_position_embeddings="
-                         f"{config.max_position_embeddings}; use shorter sequences or a larger config")
-    layer_ranges(config.num_hidden_layers, n_stages, balance)  # a clear error before any work
-    device = torch.device(device)
-    previous_threads = torch.get_num_threads()
-    if threads is not None:
-        torch.set_num_threads(threads)
-    from tqdm.auto import tqdm
-
-    bar = tqdm(total=n_stages, desc="profiling stages", unit="stage", disable=not show)
-    try:
-        stages = []
-        for index in range(n_stages):
-            stages.append(_profile_stage(config, index, n_stages, balance, microbatch_size, seq_len,
-                                         device, repeats, seed))
-            bar.update(1)
-    finally:
-        bar.close()
-        torch.set_num_threads(previous_threads)
-    return Profile(tuple(stages), microbatch_size, seq_len)
-
-
-def _profile_stage(config, index, n_stages, balance, microbatch_size, seq_len, device, repeats,
-                   seed) -> StageProfile:
-    stage = build_stage(config, index, n_stages, seed, device, balance)
-    first, last = index == 0, index == n_stages - 1
-    generator = torch.Generator().manual_seed(seed + index)
-    if first:
-        x = torch.randint(0, config.vocab_size, (microbatch_size, seq_len), generator=generator).to(device)
-    else:
-        x = torch.randn(microbatch_size, seq_len, config.hidden_size, generator=generator).to(device)
-    targets = torch.randint(0, config.vocab_size, (microbatch_size, seq_len), generator=generator).to(device)
-    weights = [p for p in stage.parameters() if p.requires_grad]
-
-    def forward():
-        """What the runtime's F does: the stage, and on the last stage its share of the loss."""
-        inputs = x if first else x.detach().requires_grad_(True)
-        out = stage(inputs)
-        return inputs, (loss_fn(out, targets) if last else out)
-
-    output_grad = None if last else torch.randn(microbatch_size, seq_len, config.hidden_size,
-                                                generator=generator).to(device)
-    saved = SavedBytes(stage)
-    with saved.hooks():
-        _, out = forward()
-    output_bytes = 0 if last else out.numel() * out.element_size()
-    del out
-
-    times = {"forward": [], "backward": [], "input_grad": [], "weight_grad": []}
-    # Gradients are not zeroed between repeats: in a step every microbatch but the first adds
-    # its gradients to the ones already there, and that addition is part of its backward.
-    for repeat in range(repeats + 1):  # the first is a warm-up
-        took = {}
-        started = _now(device)
-        inputs, out = forward()
-        took["forward"] = _now(device) - started
-        started = _now(device)
-        out.backward(output_grad)
-        took["backward"] = _now(device) - started
-        inputs, out = forward()
-        started = _now(device)
-        if first:  # no input gradient: I has nothing to do, W is the whole backward (as in the runtime)
-            took["input_grad"] = 0.0
-            out.backward(output_grad)
-        else:
-            _, work = input_gradient(out, output_grad, inputs, weights)
-            took["input_grad"] = _now(device) - started
-            started = _now(device)
-            weight_gradients(weights, work)
-        took["weight_grad"] = _now(device) - started
-        if repeat:
-            for name, seconds in took.items():
-                times[name].append(seconds)
-    medians = {name: statistics.median(values) for name, values in times.items()}
-    parameter_bytes = sum(p.numel() * p.element_size() for p in stage.parameters())
-    return StageProfile(**medians, parameter_bytes=parameter_bytes, activation_bytes=saved.bytes,
-                        output_bytes=output_bytes)
-
-
-def _now(device: torch.device) -> float:
-    """A clock reading after the device has finished what was queued."""
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-    return time.perf_counter()
-
-
-# --- prediction ---------------------------------------------------------------------------------
+# --- the prediction -------------------------------------------------------------------------------
 
 
 @dataclass(frozen=True, repr=False)
@@ -234,8 +128,8 @@ class Prediction(ShownAsText):
 
     def __str__(self) -> str:
         lines = [f"predicted step {self.step_time * 1e3:.1f} ms, bubble {self.bubble:.1%}"]
-        lines += [f"  rank {r}: peak {peak / 2**20:.2f} MiB = static {static / 2**20:.2f} + activations "
-                  f"{act / 2**20:.2f}" for r, (peak, static, act) in
+        lines += [f"  rank {r}: peak {format_bytes(peak)} = static {format_bytes(static)} + activations "
+                  f"{format_bytes(act)}" for r, (peak, static, act) in
                   enumerate(zip(self.peak_bytes, self.static_bytes, self.peak_activation_bytes))]
         return "\n".join(lines)
 
@@ -269,80 +163,5 @@ def predict(schedule: Schedule, costs: Costs | Profile, memory: Profile | None =
 
 
 def _kinds(schedule: Schedule) -> set[str]:
+    """The action kinds ("F", "I", ...) the schedule has."""
     return {a.kind.value for actions in schedule.actions for a in actions}
-
-
-# --- the cost of a hop ----------------------------------------------------------------------------
-
-
-def hop_costs_on_rank(rank: int, world_size: int, nbytes: int, repeats: int = 200, device="cpu") -> dict:
-    """One-way seconds of a boundary message between ranks 0 and 1: pplab's StageLink (batching,
-    bounded waits, recording) and a bare isend/irecv ping-pong of the same tensor, interleaved.
-
-    Run it on 2 ranks (e.g. `pplab.launch.run_ranks(2, hop_costs_on_rank, nbytes)`); each
-    round trip carries an activation forward and its gradient back, as a pipeline's hops do.
-    Returns, on every rank, the medians and all the samples (seconds, one way).
-    """
-    import torch.distributed as dist
-
-    from pplab.comm import StageLink, monotonic_clock
-    from pplab.schedules import Action, Kind, build
-
-    if world_size != 2:
-        raise ValueError(f"the hop is measured between 2 ranks, not {world_size}")
-    device = torch.device(device)
-    tensor = torch.zeros(nbytes // 4, dtype=torch.float32, device=device)
-    schedule = build("gpipe", 2, 1)
-    link = StageLink(schedule, rank, device, handshake=False)
-    shapes = {Action(1, Kind.RECV_F, 0): (tensor.dtype, tuple(tensor.shape)),
-              Action(0, Kind.RECV_B, 0): (tensor.dtype, tuple(tensor.shape))}
-    peer = 1 - rank
-
-    def pplab_round_trip():
-        if rank == 0:
-            link.exchange([Action(0, Kind.SEND_F, 0)], {Action(0, Kind.SEND_F, 0): tensor}, {}, monotonic_clock)
-            link.exchange([Action(0, Kind.RECV_B, 0)], {}, shapes, monotonic_clock)
-        else:
-            link.exchange([Action(1, Kind.RECV_F, 0)], {}, shapes, monotonic_clock)
-            link.exchange([Action(1, Kind.SEND_B, 0)], {Action(1, Kind.SEND_B, 0): tensor}, {}, monotonic_clock)
-        link.finish()
-        link.events.clear()
-        link.mailbox.received.clear()
-
-    def bare_round_trip():
-        inbox = torch.empty_like(tensor)
-        if rank == 0:
-            dist.isend(tensor, peer).wait()
-            dist.irecv(inbox, peer).wait()
-        else:
-            dist.irecv(inbox, peer).wait()
-            dist.isend(tensor, peer).wait()
-
-    def pplab_send():
-        """Only the posting of a send (the receiver takes it after the clock stops)."""
-        started = time.perf_counter()
-        if rank == 0:
-            link.exchange([Action(0, Kind.SEND_F, 0)], {Action(0, Kind.SEND_F, 0): tensor}, {}, monotonic_clock)
-        posted = time.perf_counter() - started
-        if rank == 1:
-            link.exchange([Action(1, Kind.RECV_F, 0)], {}, shapes, monotonic_clock)
-        link.finish()
-        link.events.clear()
-        link.mailbox.received.clear()
-        return posted
-
-    samples = {"pplab": [], "bare": [], "send": []}
-    for index in range(repeats + 10):  # the first 10 warm up
-        order = (("pplab", pplab_round_trip), ("bare", bare_round_trip))
-        for name, round_trip in order if index % 2 else order[::-1]:
-            dist.barrier()
-            started = time.perf_counter()
-            round_trip()
-            if index >= 10:
-                samples[name].append((time.perf_counter() - started) / 2)
-        dist.barrier()
-        posted = pplab_send()
-        if index >= 10:
-            samples["send"].append(posted)
-    medians = {name: statistics.median(values) for name, values in samples.items()}
-    return {**medians, "send": medians["send"] if rank == 0 else None, "samples": samples}

@@ -10,14 +10,15 @@ of microbatches, so the accumulated gradients are those of the mean loss, as in
 Neighbouring stages on the same rank (interleaved schedules with one rank, or
 custom placements) hand tensors over locally, through the same detach-and-keep
 boundary a network hop has, so every stage's backward stays its own action.
+
+What the executor uses lives beside it: the step's clock and timing mode's padding in
+`pplab.step_clock`, the meter of saved activation bytes in `pplab.memory`, the I/W split
+of a backward in `pplab.split_backward`, the gradients' report in `pplab.gradients`.
 """
 
 from __future__ import annotations
 
 import contextlib
-import logging
-import sys
-import time
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -27,9 +28,13 @@ from torch import nn
 
 from pplab.comm import PipelineTimeoutError, StageLink, dtype_name, in_order_mismatch, monotonic_clock
 from pplab.faults import strike
+from pplab.gradients import gradient_report
+from pplab.memory import ForwardBytes
 from pplab.model import loss_fn
 from pplab.schedules import Action, Dependencies, Kind, Schedule, check_runnable
 from pplab.simulator import Costs
+from pplab.split_backward import input_gradient, torch_split_backward, weight_gradients
+from pplab.step_clock import StepClock, pad_to_cost
 from pplab.trace import Event
 
 Key = tuple[int, int]  # (stage, microbatch)
@@ -109,66 +114,6 @@ class _StepState:
     losses: dict[int, float] = field(default_factory=dict)
 
 
-class SavedBytes:
-    """Counts the bytes autograd saves for backward in a forward of `module`, parameters excluded.
-
-    Which storages are parameters is asked anew for each saved tensor: FSDP gathers a
-    block's weights into fresh storage just before the block runs, and frees it after.
-    `current` is the count a forward is taking now: a block under activation checkpointing
-    saves nothing through autograd's hooks but keeps its input, and adds it here (`keep`).
-    """
-
-    current: "SavedBytes | None" = None
-
-    def __init__(self, module: nn.Module):
-        self.module = module
-        self.seen: set[int] = set()
-        self.bytes = 0
-
-    def pack(self, tensor: torch.Tensor) -> torch.Tensor:
-        self.keep(tensor)
-        return tensor
-
-    def keep(self, tensor: torch.Tensor) -> None:
-        """Count `tensor`'s storage once, unless a parameter owns it."""
-        storage = local_tensor(tensor).untyped_storage()
-        pointer = storage.data_ptr()
-        if pointer in self.seen:
-            return
-        if any(local_tensor(p).untyped_storage().data_ptr() == pointer for p in self.module.parameters()):
-            return
-        self.seen.add(pointer)
-        self.bytes += storage.nbytes()
-
-    @contextlib.contextmanager
-    def hooks(self):
-        """While open, saved tensors go through `pack` and `SavedBytes.current` is this count."""
-        previous, SavedBytes.current = SavedBytes.current, self
-        try:
-            with torch.autograd.graph.saved_tensors_hooks(self.pack, lambda tensor: tensor):
-                yield self
-        finally:
-            SavedBytes.current = previous
-
-
-class ForwardBytes:
-    """What a forward saves for backward, measured once per key (a stage and its input's shape:
-    the hooks cost time on every saved tensor) and remembered."""
-
-    def __init__(self):
-        self.known: dict = {}
-
-    @contextlib.contextmanager
-    def measure(self, key, module: nn.Module):
-        """Around a forward of `module`: measure it if `key` is new (then `known[key]` holds it)."""
-        if key in self.known:
-            yield
-            return
-        with SavedBytes(module).hooks() as saved:
-            yield
-        self.known[key] = saved.bytes
-
-
 class RankRuntime:
     """Runs one rank's action list of a schedule with that rank's stage modules."""
 
@@ -189,7 +134,7 @@ class RankRuntime:
         self._upcoming_receives = _upcoming_receives(schedule.actions[rank])
         self._clock = StepClock(self.group, self.device)
         if any(a.kind == Kind.I for acts in schedule.actions for a in acts):
-            _split_backward()  # import it now: a step should not pay for it (0.7 s on a busy CPU)
+            torch_split_backward()  # import it now: a step should not pay for it (0.7 s on a busy CPU)
 
     # --- one step ---------------------------------------------------------------------------
 
@@ -430,135 +375,3 @@ def _upcoming_receives(actions: list[Action]) -> list[list[Action]]:
     return upcoming
 
 
-def input_gradient(output: torch.Tensor, output_grad: torch.Tensor | None, x: torch.Tensor,
-                   weights: list[torch.Tensor]) -> tuple[torch.Tensor, list]:
-    """The zero-bubble split's I: the gradient of the stage input `x`, and what W needs.
-
-    torch's `stage_backward_input` runs autograd from the output to the input, with hooks on
-    the graph nodes where the weights' branches leave that path: they keep the gradient that
-    arrives there (e.g. a linear layer's output gradient). `weight_gradients` then starts from
-    those nodes and runs only the weights' branches, so nothing of the input-gradient chain
-    is computed twice. (The output's graph is released here: W does not need it.)
-    """
-    stage_backward_input, _ = _split_backward()
-    input_grads, weight_work = stage_backward_input(
-        [output], None if output_grad is None else [output_grad], [x], weights)
-    return input_grads[0], weight_work
-
-
-def weight_gradients(weights: list[torch.Tensor], weight_work: list) -> None:
-    """The zero-bubble split's W: accumulate the weights' gradients from what I kept."""
-    _, stage_backward_weight = _split_backward()
-    stage_backward_weight(weights, weight_work)
-
-
-def _split_backward():
-    """torch's (stage_backward_input, stage_backward_weight), imported on first use: the import
-    of torch's pipelining package is slow, and only zero-bubble schedules need them."""
-    from torch.distributed.pipelining._backward import stage_backward_input, stage_backward_weight
-
-    return stage_backward_input, stage_backward_weight
-
-
-def pad_to_cost(timing: Costs | None, action: Action, started: float, clock) -> None:
-    """Timing mode: stretch a compute action to its cost, so the schedule's shape shows
-    even when ranks share fewer cores than there are ranks."""
-    if timing is not None:
-        remaining = timing.compute_time(action.kind, action.stage) - (clock() - started)
-        if remaining > 0:
-            time.sleep(remaining)
-
-
-class StepClock:
-    """Time zero of each step, the same instant on every rank.
-
-    Ranks on one machine read one monotonic clock: they agree on the earliest of
-    their post-barrier readings, so their timelines line up exactly, however busy
-    the CPUs. Across machines the clocks differ: each rank's zero is its own exit
-    from the barrier, off by the barrier's skew (well under a millisecond on a LAN).
-    """
-
-    def __init__(self, group=None, device=torch.device("cpu")):
-        self.group, self.device = group, torch.device(device)
-        self._shared: bool | None = None  # do all ranks read one clock? (asked once)
-
-    def origin(self) -> float:
-        """A barrier, then this step's time zero (seconds of `monotonic_clock`)."""
-        if not dist.is_initialized() or dist.get_world_size(self.group) == 1:
-            return monotonic_clock()
-        dist.barrier(group=self.group)
-        origin = monotonic_clock()
-        if self._shared is None:
-            self._shared = _ranks_share_a_clock(self.group)
-        if self._shared:
-            on = self.device if dist.get_backend(self.group) == "nccl" else torch.device("cpu")
-            earliest = torch.tensor([origin], dtype=torch.float64, device=on)
-            dist.all_reduce(earliest, op=dist.ReduceOp.MIN, group=self.group)
-            origin = earliest.item()
-        return origin
-
-
-def _ranks_share_a_clock(group) -> bool:
-    """True when every rank of `group` runs on this machine's boot (one monotonic clock)."""
-    try:
-        with open("/proc/sys/kernel/random/boot_id") as file:
-            boot = file.read().strip()
-    except OSError:  # not Linux: no way to tell, so assume separate clocks
-        boot = None
-    boots = [None] * dist.get_world_size(group)
-    dist.all_gather_object(boots, boot, group=group)
-    return boot is not None and len(set(boots)) == 1
-
-
-def is_dtensor(tensor: torch.Tensor) -> bool:
-    """True for a DTensor (FSDP's and TP's sharded tensors), without importing DTensor's package
-    (slow to import): if nobody imported it, no tensor is one."""
-    package = sys.modules.get("torch.distributed.tensor")
-    return package is not None and isinstance(tensor, package.DTensor)
-
-
-def local_tensor(tensor: torch.Tensor) -> torch.Tensor:
-    """The part of `tensor` this rank stores: a DTensor's local shard, or the tensor itself."""
-    return tensor.to_local() if is_dtensor(tensor) else tensor
-
-
-def full_tensor(tensor: torch.Tensor) -> torch.Tensor:
-    """The whole of a (possibly sharded) tensor. For a DTensor (FSDP, TP) this is a collective:
-    every rank of its mesh must ask for it, in the same order."""
-    if not is_dtensor(tensor):
-        return tensor
-    # Gathering a 2-D (dp x tp) shard warns that it takes two all-gathers: true, and fine here.
-    redistribute = logging.getLogger("torch.distributed.tensor._redistribute")
-    level = redistribute.level
-    redistribute.setLevel(logging.ERROR)
-    try:
-        return tensor.full_tensor()
-    finally:
-        redistribute.setLevel(level)
-
-
-def gradient_stats(modules, grads: dict[str, torch.Tensor] | None = None) -> dict[str, dict]:
-    """Per parameter: gradient norm, whether it is finite, whether any entry is non-zero (of the
-    whole gradient when it is sharded; pass `grads` from `gradients` not to gather it twice)."""
-    stats = {}
-    for module in modules:
-        for name, param in module.named_parameters():
-            grad = None if param.grad is None else grads[name] if grads is not None else full_tensor(param.grad)
-            stats[name] = dict(present=grad is not None,
-                               norm=float(grad.norm()) if grad is not None else 0.0,
-                               finite=bool(torch.isfinite(grad).all()) if grad is not None else False,
-                               nonzero=bool(grad.count_nonzero()) if grad is not None else False)
-    return stats
-
-
-def gradients(modules) -> dict[str, torch.Tensor]:
-    """Every parameter's whole gradient by name, on the CPU (for parity checks)."""
-    return {name: full_tensor(param.grad).detach().cpu().clone()
-            for module in modules for name, param in module.named_parameters()
-            if param.grad is not None}
-
-
-def gradient_report(modules, return_grads: bool) -> tuple[dict[str, dict], dict[str, torch.Tensor] | None]:
-    """(gradient_stats, gradients or None): a sharded gradient is gathered once for both."""
-    grads = gradients(modules) if return_grads else None
-    return gradient_stats(modules, grads), grads

@@ -33,6 +33,7 @@ from collections import defaultdict
 from dataclasses import dataclass, field
 from typing import Sequence
 
+from pplab.formatting import ShownAsText, format_bytes, text_table
 from pplab.schedules import (SCHEDULE_NAMES, TORCH_SCHEDULES, Action, Dependencies, Kind, Schedule, ScheduleError,
                              add_communication, build, from_torch, releases_activations, validate)
 from pplab.simulator import Costs, simulate
@@ -53,7 +54,7 @@ class Candidate:
 
 
 @dataclass(frozen=True, repr=False)
-class Found:
+class Found(ShownAsText):
     """The search's answer: the schedule, its simulated step time and memory, and what it tried."""
 
     schedule: Schedule
@@ -85,29 +86,27 @@ class Found:
         lines.append(f"tried {len(self.tried)} schedules ({fitting} fit) in {self.seconds:.2f} s")
         return "\n".join(lines)
 
-    def _repr_pretty_(self, printer, cycle) -> None:
-        printer.text(str(self))
-
     def table(self, top: int = 10) -> str:
         """The fastest `top` candidates that fit and every built-in that ran, as text."""
         rows = sorted((c for c in self.tried if c.step_time is not None), key=lambda c: c.step_time)
         shown = [c for c in rows if c.fits][:top] + [c for c in rows if c.builtin]
-        lines = [f"{'schedule':40s} {'step':>10s} {'peak':>12s}  fits"]
-        for c in sorted(set(shown), key=lambda c: c.step_time):
-            lines.append(f"{c.name:40s} {c.step_time:10.4g} {_amount(c.peak, self.unit):>12s}  "
-                         f"{'yes' if c.fits else 'no'}")
-        return "\n".join(lines)
+        return text_table(["schedule", "step", "peak", "fits"],
+                          ([c.name, f"{c.step_time:.4g}", _amount(c.peak, self.unit), "yes" if c.fits else "no"]
+                           for c in sorted(set(shown), key=lambda c: c.step_time)), right=(1, 2))
 
 
 def _amount(value: float | None, unit: str) -> str:
+    """A memory amount in the search's unit: bytes, or microbatches ("mb")."""
     if value is None:
         return "-"
-    if unit == "bytes":
-        return f"{value / 2**20:.2f} MiB"
-    return f"{value:g} mb"
+    return format_bytes(value) if unit == "bytes" else f"{value:g} mb"
 
 
 # ---------------------------------------------------------------- the search
+
+
+class NothingFitsError(ValueError):
+    """No schedule the search can build fits the memory limit (the message says what would)."""
 
 
 def search(n_ranks: int, n_microbatches: int, costs: Costs, memory_limit: float | None = None,
@@ -147,9 +146,9 @@ def search(n_ranks: int, n_microbatches: int, costs: Costs, memory_limit: float 
     if not fitting:
         measured = [c for c in tried if c.peak is not None]
         smallest = min(measured, key=lambda c: c.peak)
-        raise NothingFits(f"no schedule fits memory_limit={memory_limit:g} {unit} per rank: the smallest "
-                          f"budget that works is {smallest.peak:g} {unit} ({smallest.name}); "
-                          f"give memory_limit >= {smallest.peak:g}")
+        raise NothingFitsError(f"no schedule fits memory_limit={memory_limit:g} {unit} per rank: the "
+                               f"smallest budget that works is {smallest.peak:g} {unit} ({smallest.name}); "
+                               f"give memory_limit >= {smallest.peak:g}")
     fastest = min(c.step_time for c in fitting)
     ties = [c for c in fitting if c.step_time <= fastest * (1 + 1e-9)]  # equal but for rounding
     best = next((c for c in ties if c.builtin), ties[0])  # a tie goes to the built-in
@@ -184,10 +183,6 @@ def _check_costs(costs) -> None:
     if not isinstance(costs, Costs):
         raise ValueError(f"costs={costs!r} must be a pplab.Costs (a profile gives them: "
                          f"profile.costs(split_backward=True))")
-
-
-class NothingFits(ValueError):
-    """No schedule the search can build fits the memory limit (the message says what would)."""
 
 
 def _check_sizes(n_ranks, n_microbatches, memory_limit, n_virtual=1) -> None:
@@ -439,7 +434,7 @@ def _inputs_of_passes(pipeline: Schedule, backward_kind: Kind, costs: Costs) -> 
 
 
 @dataclass(frozen=True, repr=False)
-class Balanced:
+class Balanced(ShownAsText):
     """The layers per stage that the search found fastest, with the schedule for them."""
 
     balance: tuple[int, ...]
@@ -455,12 +450,8 @@ class Balanced:
 
     @property
     def even_balance(self) -> tuple[int, ...]:
-        n_layers, n_stages = sum(self.balance), len(self.balance)
-        base, extra = divmod(n_layers, n_stages)
-        return tuple(base + (1 if s < extra else 0) for s in range(n_stages))
-
-    def _repr_pretty_(self, printer, cycle) -> None:
-        printer.text(str(self))
+        """The default split of the same layers over the same stages (extras on early stages)."""
+        return _even(sum(self.balance), len(self.balance))
 
 
 def stage_costs(layer_costs: Costs, balance: Sequence[int]) -> Costs:
@@ -530,11 +521,11 @@ def search_balance(layer_costs: Costs, n_ranks: int, n_microbatches: int, memory
         try:
             results[split] = search(n_ranks, n_microbatches, stage_costs(layer_costs, split), memory_limit,
                                     stage_saved, n_virtual, split_backward, include_torch, show=False)
-        except NothingFits:
+        except NothingFitsError:
             continue
     if even not in results:
-        raise NothingFits(f"no schedule fits memory_limit={memory_limit} with the even split {list(even)}: "
-                          f"raise the limit")
+        raise NothingFitsError(f"no schedule fits memory_limit={memory_limit} with the even split "
+                               f"{list(even)}: raise the limit")
     best = min(results, key=lambda split: (results[split].step_time, split != even))
     return Balanced(best, results[best], results[even],
                     tuple((split, found.step_time) for split, found in results.items()))

@@ -219,28 +219,6 @@ class Timeline:
         """A new timeline shifted so that it starts at time 0."""
         return self.shift(-self.start)
 
-    @classmethod
-    def merge(
-        cls,
-        parts: Sequence[Timeline | Sequence[Event]],
-        offsets: Sequence[float] | None = None,
-        label: str | None = None,
-    ) -> Timeline:
-        """Merge per-rank timelines onto one clock: part i's times get offsets[i] added."""
-        offsets = [0.0] * len(parts) if offsets is None else list(offsets)
-        if len(offsets) != len(parts):
-            raise ValueError(f"merge got {len(parts)} timelines but {len(offsets)} offsets")
-        events, n_ranks = [], 0
-        for part, offset in zip(parts, offsets):
-            part_events = part.events if isinstance(part, Timeline) else list(part)
-            events += [e.shifted(offset) for e in part_events]
-            if isinstance(part, Timeline):
-                n_ranks = max(n_ranks, part.n_ranks)
-        if label is None:
-            labels = {p.label for p in parts if isinstance(p, Timeline)}
-            label = labels.pop() if len(labels) == 1 else ""
-        return cls(events, max(n_ranks, max((e.rank for e in events), default=-1) + 1), label)
-
     # -- metrics
 
     def step_time(self) -> float:
@@ -276,10 +254,6 @@ class Timeline:
             if e.is_compute:
                 intervals[e.rank].append((e.start, e.end))
         return [_union_length(spans) for spans in intervals]
-
-    def utilisation(self, rank: int | None = None) -> float:
-        """Busy over step time, 1 - bubble_fraction."""
-        return 1.0 - self.bubble_fraction(rank)
 
     def inflight(self, rank: int) -> list[tuple[float, int]]:
         """Activations held over time on a rank, as (time, count from then on) steps."""

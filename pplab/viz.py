@@ -23,6 +23,7 @@ from matplotlib.patches import Patch, Rectangle
 from matplotlib.ticker import PercentFormatter
 from matplotlib.transforms import blended_transform_factory
 
+from pplab.formatting import byte_unit, format_bytes
 from pplab.trace import Event, Timeline
 
 # ---------------------------------------------------------------- style
@@ -330,7 +331,7 @@ def plot_memory(timeline: Timeline, title: str | None = None) -> Figure:
     axes = fig.subplots(n_ranks, 1, sharex=True, sharey=True, squeeze=False)[:, 0]
     use_bytes = timeline.n_ranks > 0 and all(timeline.inflight_bytes(r) is not None for r in range(timeline.n_ranks))
     most = max((timeline.peak_inflight_bytes(r) for r in range(timeline.n_ranks)), default=0) if use_bytes else 0
-    scale, unit = _byte_unit(most) if use_bytes else (1, "")
+    scale, unit = byte_unit(most) if use_bytes else (1, "")
     highest = 0.0
     for rank, ax in enumerate(axes):
         steps = timeline.inflight_bytes(rank) if use_bytes else timeline.inflight(rank)
@@ -339,7 +340,7 @@ def plot_memory(timeline: Timeline, title: str | None = None) -> Figure:
         highest = max([highest, *(v for _, v in values)])
         note = f"peak {timeline.peak_inflight(rank)}"
         if use_bytes:
-            note += f" ({human_bytes(timeline.peak_inflight_bytes(rank))})"
+            note += f" ({format_bytes(timeline.peak_inflight_bytes(rank))})"
         ax.text(1.005, 0.5, note, transform=ax.transAxes, ha="left", va="center", fontsize=8)
         ax.set_ylabel(f"rank {rank}", rotation=0, ha="right", va="center")
         ax.spines[["top", "right"]].set_visible(False)
@@ -362,20 +363,6 @@ def _draw_steps(ax: Axes, steps: list[tuple[float, float]], t0: float, t1: float
     values = [0] + [v for _, v in steps] + [steps[-1][1] if steps else 0]
     ax.step(times, values, where="post", color="#0072B2", linewidth=1.2)
     ax.fill_between(times, values, step="post", color="#56B4E9", alpha=0.35, linewidth=0)
-
-
-_BYTE_UNITS = [(1 << 30, "GiB"), (1 << 20, "MiB"), (1 << 10, "KiB"), (1, "B")]
-
-
-def _byte_unit(n: float) -> tuple[int, str]:
-    """The largest binary unit that `n` bytes fill at least once, e.g. (1 << 20, "MiB")."""
-    return next(((size, name) for size, name in _BYTE_UNITS if n >= size), (1, "B"))
-
-
-def human_bytes(n: float) -> str:
-    """Bytes as a person reads them: "512 B", "6.0 MiB"."""
-    size, name = _byte_unit(n)
-    return f"{n:.0f} B" if size == 1 else f"{n / size:.1f} {name}"
 
 
 # ---------------------------------------------------------------- bubbles

@@ -103,8 +103,8 @@ fresh_two_hosts = pytest.fixture(two_hosts_and_a_lab)  # for a fault, which leav
 
 def measure_link(nbytes_list):
     """On each rank: the one-way time of a message of each size, pplab's StageLink (engine namespace)."""
+    from pplab.profiler import hop_costs_on_rank
     from pplab.rank_context import rank_context
-    from pplab.prediction import hop_costs_on_rank
 
     me = rank_context()
     return [hop_costs_on_rank(me.rank, me.world_size, nbytes, repeats=20) for nbytes in nbytes_list]

@@ -45,7 +45,7 @@ def test_bad_pipelines_are_rejected_before_any_rank_runs(lab2):
     with pytest.raises(ValueError, match="unknown schedule 'zigzag'"):
         lab2.pipeline(CONFIG, schedule="zigzag", microbatches=4)
     with pytest.raises(ValueError, match="schedule is for 3 ranks but the pipeline has 2"):
-        lab2.pipeline(CONFIG, schedule=pplab.build_schedule("1f1b", 3, 3))
+        lab2.pipeline(CONFIG, schedule=pplab.schedules.build("1f1b", 3, 3))
     run = lab2.pipeline(CONFIG, schedule="gpipe", microbatches=4)
     with pytest.raises(ValueError, match="n_microbatches=4 does not divide the batch size 6"):
         run.step(next(batches(6, 16)))

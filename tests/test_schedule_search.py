@@ -10,7 +10,7 @@ from pplab.checks import compare_with_reference
 from pplab.data import batches
 from ranks import run_ranks
 from pplab.rank_pipeline import PipelineSpec, merge_steps, run_jobs_on_rank, split_for_ranks
-from pplab.schedule_search import list_schedule, search, search_balance, stage_costs
+from pplab.schedule_search import NothingFitsError, list_schedule, search, search_balance, stage_costs
 from pplab.schedules import Schedule, add_communication, validate
 from pplab.simulator import Costs, simulate
 
@@ -75,9 +75,12 @@ def test_the_memory_limit_is_never_exceeded_in_simulation(limit):
 
 @pytest.mark.quick
 def test_a_budget_nothing_fits_names_the_smallest_that_works():
-    with pytest.raises(ValueError, match=r"smallest budget that works is 1 microbatches .*memory_limit >= 1"):
+    with pytest.raises(NothingFitsError, match=r"smallest budget that works is 1 microbatches .*memory_limit >= 1"):
         search(4, 8, SLOW_LINK, memory_limit=0.5)
     assert max(search(4, 8, SLOW_LINK, memory_limit=1).peak_memory) == 1
+    with pytest.raises(NothingFitsError, match=r"with the even split \[4, 4\]: raise the limit"):
+        search_balance(HEAVY_HEAD_LAYERS, 2, 8, memory_limit=0.5)
+    assert issubclass(NothingFitsError, ValueError)  # a bad argument, caught as one
 
 
 @pytest.mark.quick

@@ -36,7 +36,6 @@ def test_step_busy_and_bubble_of_a_hand_made_pipeline():
     assert timeline.busy_time(1) == 3.0
     assert timeline.bubble_fraction(0) == 0.5
     assert timeline.bubble_fraction() == 0.5  # (p-1)/(m+p-1) with p=2, m=1
-    assert timeline.utilisation(1) == 0.5
 
 
 def test_summary_reads_step_bubble_and_peak_per_rank():
@@ -106,24 +105,6 @@ def test_bytes_are_none_when_forwards_carry_none():
     assert timeline.peak_inflight_bytes(0) is None
     assert timeline.inflight_bytes(0) is None
     assert timeline.peak_inflight_per_rank() == [1, 1]
-
-
-def test_merge_puts_per_rank_timelines_on_one_clock():
-    # Each rank measured on its own clock; offsets bring them onto rank 0's.
-    rank0 = Timeline([Event(0, "F", 0, 0, 100.0, 101.0)], label="measured")
-    rank1 = Timeline([Event(1, "F", 1, 0, 5.0, 6.0)], n_ranks=2, label="measured")
-    merged = Timeline.merge([rank0, rank1], offsets=[0.0, 96.0])
-    assert merged.n_ranks == 2
-    assert merged.label == "measured"
-    assert [(e.rank, e.start, e.end) for e in merged.events] == [(0, 100.0, 101.0), (1, 101.0, 102.0)]
-    assert merged.step_time() == 2.0
-
-
-def test_merge_accepts_event_lists_and_checks_offsets():
-    merged = Timeline.merge([[Event(0, "F", 0, 0, 0, 1)], [Event(2, "F", 2, 0, 1, 2)]])
-    assert merged.n_ranks == 3
-    with pytest.raises(ValueError, match="2 timelines but 1 offsets"):
-        Timeline.merge([[], []], offsets=[0.0])
 
 
 def test_normalised_starts_at_zero_and_keeps_durations():

@@ -173,9 +173,11 @@ def imported_modules(module_name: str) -> set[str]:
 
 @pytest.mark.parametrize("module, allowed_pplab", [
     ("trace", set()),
+    ("formatting", set()),
     ("simulator", {"pplab.schedules", "pplab.schedules.compiled", "pplab.trace"}),
-    ("viz", {"pplab.trace"}),
-    ("schedule_search", {"pplab.schedules", "pplab.simulator", "pplab.trace"}),
+    ("viz", {"pplab.trace", "pplab.formatting"}),
+    ("schedule_search", {"pplab.schedules", "pplab.simulator", "pplab.trace", "pplab.formatting"}),
+    ("prediction", {"pplab.schedules", "pplab.simulator", "pplab.trace", "pplab.formatting"}),
 ])
 def test_modules_keep_to_their_floor(module, allowed_pplab):
     imports = imported_modules(module)

@@ -18,7 +18,6 @@ import os
 import socket
 import sys
 import threading
-import time
 
 import torch
 import torch.distributed as dist
@@ -26,7 +25,7 @@ import torch.distributed as dist
 from pplab.cluster.plan import RankSpec
 from pplab.comm import PipelineTimeoutError
 from pplab.launch import free_port
-from pplab.rank_context import RankContext, publish, rank_context, set_rank_context
+from pplab.rank_context import RankContext, publish, set_rank_context
 
 EVENT_KEY_PREFIX = "pplab-event-"
 # The data key under which a rank notes that its call broke the process group (with why).

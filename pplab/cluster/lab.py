@@ -22,6 +22,7 @@ import time
 import uuid
 import weakref
 from dataclasses import replace
+from collections.abc import Sequence
 from typing import Callable, Iterator
 
 from pplab.arguments import check_positive_int, check_positive_seconds

@@ -9,11 +9,11 @@ a new group, so a call on the old engines cannot mark the new ones.
 
 from __future__ import annotations
 
-import html
 from dataclasses import astuple, dataclass, fields
 from typing import Callable, Iterable
 
 from pplab.cluster import records
+from pplab.formatting import ShownAsText, html_table, text_table
 
 
 @dataclass(frozen=True)
@@ -65,26 +65,13 @@ class RankGroup:
         self.last_errors = errors
 
 
-class RankTable(tuple):
+class RankTable(ShownAsText, tuple):
     """Rows of RankInfo ordered by rank; prints as a table (text or HTML)."""
 
-    def _cells(self) -> tuple[list[str], list[list[str]]]:
-        headers = [field.name for field in fields(RankInfo)]
-        return headers, [[str(value) for value in astuple(row)] for row in self]
+    HEADER = [field.name for field in fields(RankInfo)]
 
     def __str__(self) -> str:
-        headers, rows = self._cells()
-        widths = [max(len(cell) for cell in column) for column in zip(headers, *rows)]
-        lines = ["  ".join(cell.ljust(width) for cell, width in zip(line, widths))
-                 for line in [headers, *rows]]
-        return "\n".join(lines)
-
-    def __repr__(self) -> str:
-        return str(self)
+        return text_table(self.HEADER, map(astuple, self))
 
     def _repr_html_(self) -> str:
-        headers, rows = self._cells()
-        head = "".join(f"<th>{html.escape(cell)}</th>" for cell in headers)
-        body = "".join("<tr>" + "".join(f"<td>{html.escape(cell)}</td>" for cell in row) + "</tr>"
-                       for row in rows)
-        return f"<table><thead><tr>{head}</tr></thead><tbody>{body}</tbody></table>"
+        return html_table(self.HEADER, map(astuple, self))

@@ -9,7 +9,6 @@ each boundary, gradient statistics. What runs on the ranks is in `pplab.session.
 
 from __future__ import annotations
 
-import dataclasses
 import uuid
 from collections.abc import Sequence
 

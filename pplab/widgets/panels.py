@@ -13,6 +13,7 @@ from collections.abc import Callable, Sequence
 
 import ipywidgets as widgets
 
+from pplab.formatting import format_bytes
 from pplab.trace import Timeline
 from pplab.widgets.render import AMBER, RED, show_png, table
 
@@ -195,8 +196,6 @@ class ShapesView(widgets.VBox):
 
     def show(self, boundaries: Sequence) -> None:
         """Show one step's boundary records (`StepResult.shapes`)."""
-        from pplab.viz import human_bytes
-
         self.flagged = []
         rows = []
         for b in sorted(boundaries, key=lambda b: (b.source, b.microbatch)):
@@ -206,7 +205,7 @@ class ShapesView(widgets.VBox):
                 self.flagged.append((b.source, b.microbatch))
             note = f"shape changed (was {usual})" if changed else ""
             rows.append(([f"stage {b.source} → {b.source + 1}", b.microbatch, tuple(b.shape), b.dtype,
-                          human_bytes(b.bytes), note], RED if changed else ""))
+                          format_bytes(b.bytes), note], RED if changed else ""))
         caption = "activations that crossed each stage boundary"
         if self.flagged:
             caption += f": {len(self.flagged)} shape change(s), flagged red"

@@ -8,10 +8,11 @@ per second (`Throttle`).
 
 from __future__ import annotations
 
-import html
 import io
 import time
 from typing import Iterable
+
+from pplab.formatting import html_table
 
 PNG_DPI = 90
 
@@ -31,14 +32,10 @@ def png(fig, dpi: int = PNG_DPI) -> bytes:
 
 
 def table(header: list[str], rows: Iterable[tuple[list, str]], caption: str = "") -> str:
-    """An HTML table; each row is (cells, CSS style of the row, e.g. 'color:#c00')."""
-    head = "".join(f"<th style='text-align:left;padding:0 8px'>{html.escape(str(h))}</th>" for h in header)
-    body = "".join(
-        f"<tr style='{style}'>" + "".join(f"<td style='padding:0 8px'>{html.escape(str(c))}</td>" for c in cells)
-        + "</tr>" for cells, style in rows)
-    title = f"<caption style='text-align:left;font-weight:bold'>{html.escape(caption)}</caption>" if caption else ""
-    return (f"<table style='border-collapse:collapse;font-size:12px;font-family:sans-serif'>"
-            f"{title}<tr>{head}</tr>{body}</table>")
+    """A panel's HTML table; each row is (cells, CSS style of the row, e.g. 'color:#c00')."""
+    rows = list(rows)
+    return html_table(header, [cells for cells, _ in rows], caption, row_styles=[style for _, style in rows],
+                      compact=True)
 
 
 RED = "color:#c00000;font-weight:bold"
