@@ -18,6 +18,7 @@ import time
 
 import psutil
 import pytest
+from timing import SLACK
 import torch
 
 import pplab
@@ -180,7 +181,7 @@ def test_bad_arguments_are_rejected_before_anything_starts(arguments, named, ipy
     started = time.monotonic()
     with pytest.raises(ValueError, match=named.replace("(", r"\(").replace(".", r"\.")):
         pplab.Lab(**arguments, verbose=False)
-    assert time.monotonic() - started < 2, "rejected only after starting something"
+    assert time.monotonic() - started < SLACK, "rejected only after starting something"
     assert {process.pid for process in lab_processes(ipython_dir)} <= before
 
 
@@ -441,7 +442,7 @@ def test_a_rank_that_raises_is_named_with_its_traceback(fragile_lab):
     started = time.monotonic()
     with pytest.raises(RankFailedError) as caught:
         fragile_lab.run(raise_on_rank, 1, False)
-    assert time.monotonic() - started < 3
+    assert time.monotonic() - started < fragile_lab.grace + SLACK
     error = caught.value
     assert error.rank == 1 and error.ename == "ValueError" and error.still_running == []
     assert "rank 1 raised ValueError in raise_on_rank():\nboom from rank 1\n" in str(error)
@@ -458,7 +459,7 @@ def test_ranks_left_waiting_for_a_failed_rank_get_a_bounded_time_then_restart_wo
         fragile_lab.run(raise_on_rank, 1, True)
     waited = time.monotonic() - started
     assert caught.value.rank == 1 and caught.value.still_running == [0]
-    assert waited < fragile_lab.grace + 2
+    assert waited < fragile_lab.grace + SLACK
     assert "Ranks [0] had not finished 1 s later: waiting for rank 1" in str(caught.value)
     assert "lab.restart()" in str(caught.value)
     with pytest.raises(LabNeedsRestartError, match="lab.restart()"):
@@ -473,7 +474,7 @@ def test_a_rank_whose_process_dies_is_named_then_restart_works(fragile_lab):
     started = time.monotonic()
     with pytest.raises(RankDiedError) as caught:
         fragile_lab.run(exit_on_rank, 1, timeout=20)
-    assert time.monotonic() - started < 3
+    assert time.monotonic() - started < SLACK  # noticed, not waited out (the call's timeout is 20 s)
     assert caught.value.ranks == [1]
     assert "rank 1 (engine" in str(caught.value) and "lab.restart()" in str(caught.value)
     assert [row.state for row in fragile_lab.status()] == ["idle", "dead"]
@@ -488,7 +489,7 @@ def test_a_rank_blocked_in_recv_past_the_run_timeout_is_named_then_restart_works
     started = time.monotonic()
     with pytest.raises(RankTimeoutError) as caught:
         fragile_lab.run(recv_that_never_comes, timeout=1.5)
-    assert 1.5 <= time.monotonic() - started < 3.5
+    assert 1.5 <= time.monotonic() - started < 1.5 + SLACK  # never before the timeout
     assert caught.value.ranks == [1]
     assert "Ranks [1] were still running (ranks [0] had finished)." in str(caught.value)
     assert "lab.restart()" in str(caught.value)
@@ -517,7 +518,7 @@ def test_the_process_group_timeout_turns_a_blocked_recv_into_an_error(fragile_la
     started = time.monotonic()
     with pytest.raises(RankFailedError) as caught:
         fragile_lab.run(recv_that_never_comes, timeout=30)
-    assert time.monotonic() - started < fragile_lab.timeout + 4
+    assert time.monotonic() - started < fragile_lab.timeout + SLACK
     assert caught.value.rank == 1
     fragile_lab.restart()  # a timed-out gloo pair is not to be trusted
     assert_healthy(fragile_lab)
@@ -681,7 +682,7 @@ def test_connect_to_a_cluster_id_with_no_files_says_which_clusters_have_them_at_
                        match=r"cluster_id='theirs': .*ipcontroller-theirs-client.json does not exist "
                              r"\(clusters with files there: ours\)"):
         pplab.Lab.connect(profile=None, profile_dir=str(tmp_path), cluster_id="theirs", verbose=False)
-    assert time.monotonic() - started < 2
+    assert time.monotonic() - started < SLACK
 
 
 def test_connect_to_a_controller_that_does_not_answer_names_its_address(tmp_path, monkeypatch):
@@ -706,4 +707,4 @@ def test_connect_to_a_controller_that_does_not_answer_names_its_address(tmp_path
                        match=rf"the controller of cluster 'gone' does not answer at tcp://127.0.0.1:{port} .* "
                              rf"within 2 s"):
         pplab.Lab.connect(profile=None, profile_dir=str(tmp_path), cluster_id="gone", verbose=False)
-    assert time.monotonic() - started < 8
+    assert time.monotonic() - started < 2 + SLACK
