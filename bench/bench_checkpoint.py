@@ -62,11 +62,11 @@ import torch
 import torch.distributed as dist
 
 import pplab
-from pplab.checkpoint import Checkpointer
+from pplab.rank.checkpoint import Checkpointer
 from pplab.checkpoint_files import data_files, share
-from pplab.launch import run_ranks
-from pplab.rank_pipeline import PipelineSpec, RankPipeline
-from pplab.train import RankTrainer, TrainOptions
+from pplab.drivers.local import run_ranks
+from pplab.rank.rank_pipeline import PipelineSpec, RankPipeline
+from pplab.rank.train import RankTrainer, TrainOptions
 
 RESULTS = Path(__file__).parent / "results" / "checkpoint.json"
 RANKS, MICROBATCHES, SCHEDULE = 2, 4, "1f1b"

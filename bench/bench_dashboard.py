@@ -98,7 +98,7 @@ def percentile(values: list[float], q: int) -> float:
 def measure_mode(lab, mode: str, rounds: int, steps: int) -> dict:
     """Interleaved rounds of the four variants on one pipeline; per-step medians, ratios, breakdown."""
     import pplab
-    from pplab.widgets import dashboard as dashboard_module
+    from pplab.views.widgets import dashboard as dashboard_module
 
     poll_seconds, live_interval = dashboard_module.POLL_SECONDS, dashboard_module.LIVE_INTERVAL
     timing = pplab.Costs(**TIMING) if mode == "timing" else None
@@ -197,8 +197,8 @@ def measure_render(repeats: int) -> dict:
     from pplab.schedules import build
     from pplab.simulator import Costs, simulate
     from pplab.trace import Timeline
-    from pplab.widgets.render import png
-    from pplab.widgets.svg import timeline_svg
+    from pplab.views.widgets.render import png
+    from pplab.views.widgets.svg import timeline_svg
 
     schedule = build(SCHEDULE, 4, MICROBATCHES)
     predicted = simulate(schedule, Costs(**TIMING))
@@ -241,7 +241,7 @@ def main() -> int:
     import torch
 
     import pplab
-    from pplab.widgets import dashboard as dashboard_module
+    from pplab.views.widgets import dashboard as dashboard_module
 
     load_before = os.getloadavg()
     modes = {}

@@ -29,7 +29,7 @@ from pathlib import Path
 import torch
 
 import pplab
-from pplab.cluster.namespaces import NamespaceHosts
+from pplab.drivers.cluster.namespaces import NamespaceHosts
 from pplab.simulator import costs_from_timeline
 
 RESULTS = Path(__file__).parent / "results" / "hosts.json"
@@ -43,8 +43,8 @@ LINKS_TBF = [("clean", {}), ("100 Mbit/s", dict(rate_mbit=100)), ("20 Mbit/s", d
 
 def measure_link(nbytes_list):
     """On each rank: the one-way time of a message of each size (pplab's StageLink)."""
-    from pplab.profiler import hop_costs_on_rank
-    from pplab.rank_context import rank_context
+    from pplab.rank.profiler import hop_costs_on_rank
+    from pplab.rank.rank_context import rank_context
 
     me = rank_context()
     return [hop_costs_on_rank(me.rank, me.world_size, nbytes, repeats=20) for nbytes in nbytes_list]

@@ -143,7 +143,7 @@ def main() -> int:
     import ipyparallel
     import torch
 
-    from pplab.cluster.plan import loopback_interface
+    from pplab.drivers.cluster.plan import loopback_interface
 
     with tempfile.TemporaryDirectory(prefix="pplab-bench-") as scratch:
         # Both sides get the same settings a lab uses: one thread, gloo on loopback.

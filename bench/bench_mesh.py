@@ -42,11 +42,11 @@ import torch.distributed as dist
 
 import pplab
 from pplab.data import batches
-from pplab.launch import run_ranks
-from pplab.mesh import Mesh, all_gathers_per_unit, communicated_bytes, memory_held, optimizer_state_bytes
+from pplab.drivers.local import run_ranks
+from pplab.rank.mesh import Mesh, all_gathers_per_unit, communicated_bytes, memory_held, optimizer_state_bytes
 from pplab.model import LlamaModel
 from pplab.partition import layer_ranges
-from pplab.rank_pipeline import PipelineSpec, RankPipeline, split_for_ranks
+from pplab.rank.rank_pipeline import PipelineSpec, RankPipeline, split_for_ranks
 from pplab.trace import Timeline
 
 RESULTS = Path(__file__).parent / "results" / "mesh.json"

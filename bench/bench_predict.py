@@ -29,10 +29,10 @@ import torch
 
 import pplab
 from pplab.data import batches
-from pplab.launch import run_ranks
+from pplab.drivers.local import run_ranks
 from pplab.prediction import predict
-from pplab.profiler import hop_costs_on_rank, profile
-from pplab.rank_pipeline import PipelineSpec, merge_steps, run_jobs_on_rank, split_for_ranks
+from pplab.rank.profiler import hop_costs_on_rank, profile
+from pplab.rank.rank_pipeline import PipelineSpec, merge_steps, run_jobs_on_rank, split_for_ranks
 
 RESULTS = Path(__file__).parent / "results" / "predict.json"
 CONFIG = pplab.LlamaConfig.tiny()

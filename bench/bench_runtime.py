@@ -27,8 +27,8 @@ import torch.distributed as dist
 
 import pplab
 from pplab.data import batches
-from pplab.launch import run_ranks
-from pplab.rank_pipeline import PipelineSpec, RankPipeline, merge_steps, run_jobs_on_rank, split_for_ranks
+from pplab.drivers.local import run_ranks
+from pplab.rank.rank_pipeline import PipelineSpec, RankPipeline, merge_steps, run_jobs_on_rank, split_for_ranks
 from pplab.schedules import theory
 from pplab.simulator import Costs, simulate
 

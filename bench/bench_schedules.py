@@ -34,8 +34,8 @@ import torch
 
 import pplab
 from pplab.data import batches
-from pplab.launch import run_ranks
-from pplab.rank_pipeline import PipelineSpec, merge_steps, run_jobs_on_rank, split_for_ranks
+from pplab.drivers.local import run_ranks
+from pplab.rank.rank_pipeline import PipelineSpec, merge_steps, run_jobs_on_rank, split_for_ranks
 from pplab.schedule_search import search, search_balance, stage_costs
 from pplab.schedules import build, validate
 from pplab.schedules.compiled import no_cyclic_gc

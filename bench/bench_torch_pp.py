@@ -48,9 +48,9 @@ import torch.distributed as dist
 
 import pplab
 from pplab.data import batches
-from pplab.gradients import gradient_stats
-from pplab.launch import run_ranks
-from pplab.rank_pipeline import PipelineSpec, RankPipeline, split_for_ranks
+from pplab.rank.gradients import gradient_stats
+from pplab.drivers.local import run_ranks
+from pplab.rank.rank_pipeline import PipelineSpec, RankPipeline, split_for_ranks
 
 RESULTS = Path(__file__).parent / "results" / "torch_pp.json"
 RANKS, MICROBATCHES, SCHEDULE = 2, 8, "1f1b"

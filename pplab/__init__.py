@@ -1,9 +1,20 @@
 """pplab: a lab kit to understand, teach and measure pipeline parallelism in PyTorch.
 
+The folders are the floors; lower floors never import higher ones:
+
+    pplab/*.py, schedules/   the core: model, data, schedules, trace, simulator, search
+    pplab/rank/              what runs on a rank: runtime, torch's schedules, mesh,
+                             checks, checkpoints, training
+    pplab/drivers/           where ranks live: local processes, torchrun, a cluster of engines
+    pplab/session/           the client side of a pipeline, over any driver
+    pplab/views/             pictures, live widgets, the course's exercises
+    pplab/cli.py             the `pplab` command
+
 Every name below loads its module on first use: `import pplab` is instant, and
 `import pplab.schedules` (or `trace`, `simulator`) loads neither torch nor the
 cluster layer (ipyparallel) nor matplotlib. Schedules are used from their own
-module, as the notebooks do: `from pplab.schedules import build, theory`.
+module, as the notebooks do: `from pplab.schedules import build, theory`; the public
+modules of the upper floors by their short names: `from pplab import viz, checkpoint`.
 """
 
 import importlib as _importlib
@@ -19,49 +30,57 @@ _EXPORTS = {
     "generate": "pplab.model",
     "build_stage": "pplab.partition",
     "layer_ranges": "pplab.partition",
-    "reference_step": "pplab.reference",
+    "reference_step": "pplab.rank.reference",
     "simulate": "pplab.simulator",
     "Costs": "pplab.simulator",
     "Event": "pplab.trace",
     "Timeline": "pplab.trace",
-    "TrainOptions": "pplab.train",
-    "load_model": "pplab.checkpoint",
-    "Mesh": "pplab.mesh",
-    "profile": "pplab.profiler",
+    "TrainOptions": "pplab.rank.train",
+    "load_model": "pplab.rank.checkpoint",
+    "Mesh": "pplab.rank.mesh",
+    "profile": "pplab.rank.profiler",
     "predict": "pplab.prediction",
     "search": "pplab.schedule_search",  # floor 2: it runs the simulator, so it sits beside it
     "search_balance": "pplab.schedule_search",
-    "Lab": "pplab.session",  # floor 5: a lab of engines as ranks that builds pipelines, from Jupyter
+    "Lab": "pplab.views.lab",  # engines as ranks, from Jupyter: pipelines with live views
     "RankPool": "pplab.session",  # the same on local processes: command line, tests, scripts
-    "cleanup": "pplab.cluster",
+    "cleanup": "pplab.drivers.cluster",
 }
-_MODULES = ("data", "schedules", "trace", "viz", "checkpoint", "train", "mesh", "faults")
-
-# Reachable as attributes after a bare `import pplab` (e.g. `pplab.cluster.LabError`).
-_SUBPACKAGES = ("cluster",)
+# public module -> where it lives (`pplab.viz`, `from pplab import checkpoint`)
+_MODULES = {
+    "data": "pplab.data", "schedules": "pplab.schedules", "trace": "pplab.trace",
+    "simulator": "pplab.simulator", "viz": "pplab.views.viz", "widgets": "pplab.views.widgets",
+    "exercises": "pplab.views.exercises", "checkpoint": "pplab.rank.checkpoint", "train": "pplab.rank.train",
+    "mesh": "pplab.rank.mesh", "faults": "pplab.rank.faults", "cluster": "pplab.drivers.cluster",
+    "session": "pplab.session",
+}
 
 __all__ = [*_EXPORTS, *_MODULES]
 
 if _TYPE_CHECKING:  # what static checkers and editors see
-    from pplab import checkpoint, data, faults, mesh, schedules, train, trace, viz
-    from pplab.checkpoint import load_model
-    from pplab.cluster import cleanup
-    from pplab.mesh import Mesh
+    from pplab import data, schedules, session, simulator, trace
+    from pplab.drivers import cluster
+    from pplab.rank import checkpoint, faults, mesh, train
+    from pplab.views import exercises, viz, widgets
+    from pplab.rank.checkpoint import load_model
+    from pplab.drivers.cluster import cleanup
+    from pplab.rank.mesh import Mesh
     from pplab.model import LlamaConfig, LlamaModel, build_model, generate
     from pplab.partition import build_stage, layer_ranges
     from pplab.prediction import predict
-    from pplab.profiler import profile
-    from pplab.reference import reference_step
+    from pplab.rank.profiler import profile
+    from pplab.rank.reference import reference_step
     from pplab.schedule_search import search, search_balance
-    from pplab.session import Lab, RankPool
+    from pplab.session import RankPool
+    from pplab.views.lab import Lab
     from pplab.simulator import Costs, simulate
     from pplab.trace import Event, Timeline
-    from pplab.train import TrainOptions
+    from pplab.rank.train import TrainOptions
 
 
 def __getattr__(name: str):
-    if name in _MODULES or name in _SUBPACKAGES:
-        return _importlib.import_module(f"pplab.{name}")
+    if name in _MODULES:
+        return _importlib.import_module(_MODULES[name])
     if name not in _EXPORTS:
         raise AttributeError(f"module 'pplab' has no attribute {name!r}")
     value = getattr(_importlib.import_module(_EXPORTS[name]), name)
@@ -70,4 +89,4 @@ def __getattr__(name: str):
 
 
 def __dir__() -> list[str]:
-    return sorted({*globals(), *__all__, *_SUBPACKAGES})
+    return sorted({*globals(), *__all__})

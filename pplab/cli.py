@@ -26,13 +26,13 @@ def demo(args: argparse.Namespace) -> int:
     # torch and matplotlib only here: `pplab simulate` starts without them.
     import torch
 
-    from pplab import viz
-    from pplab.checks import check_gradient_flow, compare_with_reference
+    from pplab.views import viz
+    from pplab.rank.checks import check_gradient_flow, compare_with_reference
     from pplab.data import batches
-    from pplab.launch import TorchrunRanks, under_torchrun
+    from pplab.drivers.local import TorchrunRanks, under_torchrun
     from pplab.model import LlamaConfig, build_model
-    from pplab.rank_pipeline import PipelineSpec
-    from pplab.reference import reference_step
+    from pplab.rank.rank_pipeline import PipelineSpec
+    from pplab.rank.reference import reference_step
     from pplab.session import PipelineRun, RankPool
 
     config = LlamaConfig.tiny()
@@ -127,7 +127,7 @@ def demo(args: argparse.Namespace) -> int:
 
 def simulate_command(args: argparse.Namespace) -> int:
     """Predict a schedule's timeline on a cost model: picture, Chrome trace and numbers; no processes."""
-    from pplab import viz  # matplotlib only when drawing
+    from pplab.views import viz  # matplotlib only when drawing
 
     interleaved = args.schedule.lower() == "interleaved-1f1b"
     n_virtual = args.virtual if args.virtual is not None else (2 if interleaved else 1)
@@ -259,11 +259,11 @@ def train_command(args: argparse.Namespace) -> int:
 
     if args.resume is not None:  # found and its manifest read before torch loads or any rank starts
         resume_path(args.resume, args.checkpoint_dir)
-    from pplab.launch import run_as_torchrun_rank, under_torchrun
+    from pplab.drivers.local import run_as_torchrun_rank, under_torchrun
     from pplab.model import LlamaConfig
-    from pplab.rank_pipeline import PipelineSpec
+    from pplab.rank.rank_pipeline import PipelineSpec
     from pplab.session import RankPool
-    from pplab.train import TrainOptions, train_on_rank
+    from pplab.rank.train import TrainOptions, train_on_rank
 
     ranks = int(os.environ["WORLD_SIZE"]) if under_torchrun() else args.ranks
     options = TrainOptions(
@@ -314,7 +314,7 @@ def train_command(args: argparse.Namespace) -> int:
 
 def cleanup(args: argparse.Namespace) -> int:
     """Stop lab clusters left behind by killed kernels (all labs with --force)."""
-    from pplab.cluster import cleanup as stop_orphans
+    from pplab.drivers.cluster import cleanup as stop_orphans
 
     stopped = stop_orphans(force=args.force)
     print(f"pplab cleanup: {len(stopped)} lab(s) stopped" if stopped else "pplab cleanup: nothing to stop")
@@ -447,7 +447,7 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     """Entry point of the `pplab` command: 0 when all went well, 1 when a check failed, 2 for bad input."""
     args = build_parser().parse_args(argv)  # argparse itself exits 2 on malformed options
-    from pplab.launch import LocalRankError
+    from pplab.drivers.local import LocalRankError
 
     try:
         try:

@@ -1,7 +1,7 @@
 """Predict before you run: a schedule's step time, bubble and peak memory per rank, from
 per-stage costs measured on one device.
 
-A `Profile` holds what `pplab.profiler.profile` measured for each stage (`StageProfile`):
+A `Profile` holds what `pplab.rank.profiler.profile` measured for each stage (`StageProfile`):
 the median seconds of its forward (F), full backward (B) and the zero-bubble halves of
 the backward (I and W), the bytes a forward saves for backward, the boundary message, and
 the static memory (parameters, gradients and AdamW's two moments); and, once measured, the
@@ -83,7 +83,7 @@ class Profile(ShownAsText):
         return self.costs(split_backward="I" in _kinds(schedule))
 
     def with_link(self, hop: dict) -> "Profile":
-        """The same profile with a measured link (what `pplab.profiler.hop_costs_on_rank` returns):
+        """The same profile with a measured link (what `pplab.rank.profiler.hop_costs_on_rank` returns):
         a message arrives one hop after it is posted; posting takes the sender `send` seconds."""
         send = min(hop["send"], hop["pplab"])
         return replace(self, latency=hop["pplab"] - send, send_cost=send)

@@ -24,7 +24,7 @@ import psutil
 import pytest
 
 LAB_PROCESS_MARKERS = ("ipyparallel.controller", "ipyparallel.engine", "ipcontroller",
-                       "ipengine", "pplab.cluster.forkserver")
+                       "ipengine", "pplab.drivers.cluster.forkserver")
 
 
 def lab_processes(ipython_dir: str) -> list[psutil.Process]:

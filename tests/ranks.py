@@ -1,6 +1,6 @@
 """Ranks for the tests: one RankPool per world size, started once and kept for the whole session.
 
-`run_ranks(world_size, fn, *args)` is `pplab.launch.run_ranks` on the session's pool of that
+`run_ranks(world_size, fn, *args)` is `pplab.drivers.local.run_ranks` on the session's pool of that
 size: torch is imported and the process group joined once per size, not once per call. A
 call that fails ends the pool's processes and the next call starts fresh ones, so a test
 that breaks its ranks leaves nothing to the next. conftest stops the pools at the end.
@@ -8,25 +8,25 @@ that breaks its ranks leaves nothing to the next. conftest stops the pools at th
 
 from __future__ import annotations
 
-from pplab import launch
+from pplab.drivers import local
 
-_pools: dict[int, launch.RankPool] = {}
+_pools: dict[int, local.RankPool] = {}
 
 
-def pool(world_size: int) -> launch.RankPool:
+def pool(world_size: int) -> local.RankPool:
     """The session's pool of `world_size` ranks (started on first use)."""
     if world_size not in _pools or _pools[world_size].state == "stopped":
-        _pools[world_size] = launch.RankPool(world_size)
+        _pools[world_size] = local.RankPool(world_size)
     return _pools[world_size]
 
 
 def run_ranks(world_size: int, fn, *args, timeout: float = 120.0, init_timeout: float | None = None) -> list:
     """fn(rank, world_size, *args) on the session's pool of `world_size` ranks; results by rank.
 
-    `init_timeout` is accepted for the callers of `launch.run_ranks` and not needed: after a
+    `init_timeout` is accepted for the callers of `local.run_ranks` and not needed: after a
     rank fails, a pool ends the others when their grace is over, whatever they wait for.
     """
-    return launch.run_ranks(world_size, fn, *args, timeout=timeout, pool=pool(world_size))
+    return local.run_ranks(world_size, fn, *args, timeout=timeout, pool=pool(world_size))
 
 
 def stop_pools() -> None:

@@ -48,7 +48,7 @@ def _browser_or_skip():
 @pytest.fixture
 def jupyter_lab(tmp_path, ipython_dir):
     """JupyterLab serving a folder with the dashboard notebook, on loopback; stopped afterwards."""
-    from pplab.launch import free_port
+    from pplab.drivers.local import free_port
 
     _browser_or_skip()
     notebook = nbformat.v4.new_notebook(

@@ -8,15 +8,15 @@ import pytest
 import torch
 
 from pplab import checkpoint
-from pplab.checkpoint import CheckpointError, Checkpointer, rank_module
+from pplab.rank.checkpoint import CheckpointError, Checkpointer, rank_module
 from pplab.data import batches
-from pplab.launch import LocalRankError
+from pplab.drivers.local import LocalRankError
 from ranks import run_ranks
 from pplab.model import LlamaConfig, build_model
 from pplab.partition import build_stage
-from pplab.rank_pipeline import PipelineSpec, RankPipeline
-from pplab.reference import reference_step
-from pplab.train import RankTrainer, TrainOptions, make_optimizer, train_on_rank
+from pplab.rank.rank_pipeline import PipelineSpec, RankPipeline
+from pplab.rank.reference import reference_step
+from pplab.rank.train import RankTrainer, TrainOptions, make_optimizer, train_on_rank
 
 CONFIG = LlamaConfig.tiny()
 BASE = dict(steps=6, batch_size=8, seq_len=32, warmup=2, eval_every=0)

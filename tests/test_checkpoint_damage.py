@@ -20,12 +20,12 @@ import torch
 import torch.distributed as dist
 
 from pplab import checkpoint
-from pplab.checkpoint import CheckpointError, Checkpointer, rank_module
+from pplab.rank.checkpoint import CheckpointError, Checkpointer, rank_module
 from ranks import run_ranks
 from pplab.model import LlamaConfig
 from pplab.partition import build_stage
-from pplab.rank_pipeline import PipelineSpec, RankPipeline
-from pplab.train import RankTrainer, TrainOptions, make_optimizer, train_on_rank
+from pplab.rank.rank_pipeline import PipelineSpec, RankPipeline
+from pplab.rank.train import RankTrainer, TrainOptions, make_optimizer, train_on_rank
 
 
 CONFIG = LlamaConfig.tiny()

@@ -1,6 +1,6 @@
 """Check reports read well: short plain-text lines for terminals, a table for notebooks."""
 
-from pplab.checks import GradientFlowReport, ParityReport
+from pplab.rank.checks import GradientFlowReport, ParityReport
 import pytest
 
 pytestmark = pytest.mark.quick  # starts no process (conftest makes sure)

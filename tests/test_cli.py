@@ -12,7 +12,7 @@ import pytest
 import torch
 
 import pplab
-from pplab.cluster import records
+from pplab.drivers.cluster import records
 from pplab.schedules import build
 from pplab.simulator import Costs, simulate
 from pplab.trace import Timeline

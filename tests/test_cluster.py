@@ -22,10 +22,10 @@ from timing import SLACK
 import torch
 
 import pplab
-from pplab.cluster import (LabError, LabNeedsRestartError, RankDiedError, RankFailedError,
+from pplab.drivers.cluster import (LabError, LabNeedsRestartError, RankDiedError, RankFailedError,
                            RankTimeoutError, publish, rank_context, records)
-from pplab.cluster.plan import assign_ranks, check_gpus, choose_backend_device, gpus_for_seat, local_ranks
-from pplab.cluster.status import RankInfo, RankTable
+from pplab.drivers.cluster.plan import assign_ranks, check_gpus, choose_backend_device, gpus_for_seat, local_ranks
+from pplab.drivers.cluster.status import RankInfo, RankTable
 
 # -- functions that run on the ranks ------------------------------------------------------
 
@@ -242,7 +242,7 @@ def test_a_function_that_publishes_runs_outside_a_lab_engine_too():
 
 
 def test_an_error_breaks_the_process_group_by_its_type_or_its_cause():
-    from pplab.cluster.engine import breaks_process_group
+    from pplab.drivers.cluster.engine import breaks_process_group
     from pplab.comm import PipelineTimeoutError
 
     class LookalikeError(Exception):
@@ -640,7 +640,7 @@ def ctrl_c_while_waiting_in(function, until):
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize("waiting_in", ["result", "events"])
 def test_an_interrupted_call_makes_the_lab_ask_for_a_restart(fragile_lab, waiting_in):
-    from pplab.cluster import RankCall
+    from pplab.drivers.cluster import RankCall
 
     started = time.monotonic()
     with ctrl_c_while_waiting_in(getattr(RankCall, waiting_in),
@@ -661,7 +661,7 @@ def test_an_interrupted_call_makes_the_lab_ask_for_a_restart(fragile_lab, waitin
 
 @pytest.mark.timeout(120)
 def test_an_engine_that_dies_at_start_fails_the_start_at_once(ipython_dir, monkeypatch):
-    import pplab.cluster.launchers as launchers
+    import pplab.drivers.cluster.launchers as launchers
     from conftest import lab_processes
 
     monkeypatch.setattr(launchers, "ENGINE_ARGS", [*launchers.ENGINE_ARGS, "--no-such-flag"])
@@ -689,7 +689,7 @@ def test_connect_to_a_controller_that_does_not_answer_names_its_address(tmp_path
     """A stale connection file (its controller gone): a clear error after the connect timeout."""
     import socket
 
-    from pplab.cluster import launchers
+    from pplab.drivers.cluster import launchers
 
     monkeypatch.setattr(launchers, "CONNECT_SECONDS", 2)
     with socket.socket() as probe:  # a port nothing listens on

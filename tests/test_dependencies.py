@@ -11,9 +11,9 @@ import dataclasses
 
 import pytest
 
-from pplab.rank_pipeline import PipelineSpec
+from pplab.rank.rank_pipeline import PipelineSpec
 from pplab.model import LlamaConfig
-from pplab.schedules import (SCHEDULE_NAMES, Action, DeadlockError, Dependencies, Kind, Schedule,
+from pplab.schedules import (SCHEDULE_NAMES, from_text, Action, DeadlockError, Dependencies, Kind, Schedule,
                              ScheduleError, build, check_runnable, from_torch, validate)
 from pplab.schedules.compiled import KINDS, boundaries, compile_schedule, peer_stages
 from pplab import simulator
@@ -170,7 +170,7 @@ def test_schedules_are_immutable():
 
 
 def test_one_deadlock_error_for_validate_and_simulate():
-    deadlock = Schedule.from_text(["0RECV_B0 0F0 0SEND_F0 0B0", "1RECV_F0 1F0 1B0 1SEND_B0"])
+    deadlock = from_text(["0RECV_B0 0F0 0SEND_F0 0B0", "1RECV_F0 1F0 1B0 1SEND_B0"])
     with pytest.raises(DeadlockError):
         validate(deadlock)
     with pytest.raises(DeadlockError):

@@ -12,7 +12,7 @@ from timing import SLACK
 
 import pplab
 from pplab import faults
-from pplab.cluster import RankDiedError, RankFailedError
+from pplab.drivers.cluster import RankDiedError, RankFailedError
 
 
 CONFIG = pplab.LlamaConfig.tiny()

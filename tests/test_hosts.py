@@ -12,7 +12,7 @@ import time
 import pytest
 
 import pplab
-from pplab.cluster.namespaces import INTERFACE, NamespaceHosts
+from pplab.drivers.cluster.namespaces import INTERFACE, NamespaceHosts
 
 WHY_NOT = NamespaceHosts.why_not()
 pytestmark = pytest.mark.skipif(WHY_NOT is not None, reason=f"namespace hosts: {WHY_NOT}")
@@ -60,7 +60,7 @@ def sent_bytes():
     import os
     import socket
 
-    from pplab.cluster.namespaces import INTERFACE
+    from pplab.drivers.cluster.namespaces import INTERFACE
 
     with open(f"/sys/class/net/{INTERFACE}/statistics/tx_bytes") as f:
         return socket.gethostname(), os.environ.get("GLOO_SOCKET_IFNAME"), int(f.read())
@@ -103,8 +103,8 @@ fresh_two_hosts = pytest.fixture(two_hosts_and_a_lab)  # for a fault, which leav
 
 def measure_link(nbytes_list):
     """On each rank: the one-way time of a message of each size, pplab's StageLink (engine namespace)."""
-    from pplab.profiler import hop_costs_on_rank
-    from pplab.rank_context import rank_context
+    from pplab.rank.profiler import hop_costs_on_rank
+    from pplab.rank.rank_context import rank_context
 
     me = rank_context()
     return [hop_costs_on_rank(me.rank, me.world_size, nbytes, repeats=20) for nbytes in nbytes_list]
@@ -218,8 +218,8 @@ def test_a_rank_stalled_on_the_other_host_is_named_within_the_labs_timeout(fresh
 
 def test_training_across_hosts_resumes_after_a_kill_as_if_never_stopped(fresh_two_hosts, tmp_path):
     from ranks import run_ranks
-    from pplab.rank_pipeline import PipelineSpec
-    from pplab.train import TrainOptions, train_on_rank
+    from pplab.rank.rank_pipeline import PipelineSpec
+    from pplab.rank.train import TrainOptions, train_on_rank
 
     hosts, lab = fresh_two_hosts
     options = dict(steps=6, batch_size=8, seq_len=32, warmup=2, eval_every=100)

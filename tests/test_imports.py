@@ -17,15 +17,15 @@ import pytest
 import pplab
 
 CORE = ["pplab.arguments", "pplab.model", "pplab.data", "pplab.schedules", "pplab.trace", "pplab.formatting",
-        "pplab.partition", "pplab.simulator", "pplab.prediction", "pplab.comm", "pplab.runtime",
-        "pplab.step_clock", "pplab.memory", "pplab.split_backward", "pplab.shards", "pplab.gradients",
-        "pplab.reference", "pplab.checks", "pplab.rank_pipeline", "pplab.launch", "pplab.torch_pp",
-        "pplab.checkpoint", "pplab.checkpoint_files", "pplab.train", "pplab.mesh", "pplab.profiler",
-        "pplab.faults", "pplab.rank_context",
+        "pplab.partition", "pplab.simulator", "pplab.prediction", "pplab.comm", "pplab.rank.runtime",
+        "pplab.rank.step_clock", "pplab.rank.memory", "pplab.rank.split_backward", "pplab.rank.shards", "pplab.rank.gradients",
+        "pplab.rank.reference", "pplab.rank.checks", "pplab.rank.rank_pipeline", "pplab.drivers.local", "pplab.rank.torch_pp",
+        "pplab.checkpoint", "pplab.checkpoint_files", "pplab.train", "pplab.mesh", "pplab.rank.profiler",
+        "pplab.faults", "pplab.rank.rank_context",
         "pplab.session.on_rank"]  # train and the session's rank side run under torchrun: no Jupyter either
 UPPER_FLOORS = ["ipyparallel", "IPython", "ipywidgets", "matplotlib", "pplab.cluster"]
 PURE_PYTHON = ["pplab", "pplab.schedules", "pplab.trace", "pplab.formatting", "pplab.simulator",
-               "pplab.prediction", "pplab.checkpoint_files", "pplab.rank_context"]  # not even torch
+               "pplab.prediction", "pplab.checkpoint_files", "pplab.rank.rank_context"]  # not even torch
 
 
 
@@ -90,9 +90,9 @@ def test_the_top_level_names_load_on_first_use():
     script = ("import sys, pplab\n"
               "assert 'pplab.cluster' not in sys.modules\n"
               "lab_class = pplab.Lab\n"
-              "assert 'pplab.cluster' in sys.modules and lab_class.__module__ == 'pplab.session.drivers'\n"
+              "assert 'pplab.cluster' in sys.modules and lab_class.__module__ == 'pplab.views.lab'\n"
               "assert 'matplotlib' not in sys.modules\n"
-              "pplab.viz\n"
+              "pplab.views.viz\n"
               "assert 'matplotlib' in sys.modules\n")
     done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr

@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 from conftest import lab_processes
-from pplab.cluster import records
+from pplab.drivers.cluster import records
 
 ATTENDEE = """
 import json, sys, time

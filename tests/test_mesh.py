@@ -12,10 +12,10 @@ import pytest
 import pplab
 from pplab.data import batches
 from ranks import run_ranks
-from pplab.mesh import Mesh, all_gathers_per_unit, communicated_bytes, memory_held, optimizer_state_bytes
-from pplab.rank_pipeline import PipelineSpec, RankPipeline, merge_steps, run_jobs_on_rank, split_for_ranks
-from pplab.reference import reference_step
-from pplab.checks import compare_with_reference
+from pplab.rank.mesh import Mesh, all_gathers_per_unit, communicated_bytes, memory_held, optimizer_state_bytes
+from pplab.rank.rank_pipeline import PipelineSpec, RankPipeline, merge_steps, run_jobs_on_rank, split_for_ranks
+from pplab.rank.reference import reference_step
+from pplab.rank.checks import compare_with_reference
 from pplab.schedules import build
 
 
@@ -212,12 +212,12 @@ def test_pp_x_dp_x_tp_on_8_ranks_matches_one_device():
 
 TORCHRUN_SCRIPT = '''
 import functools
-from pplab.checks import compare_with_reference
+from pplab.rank.checks import compare_with_reference
 from pplab.data import batches
-from pplab.launch import run_as_torchrun_rank
+from pplab.drivers.local import run_as_torchrun_rank
 from pplab.model import LlamaConfig
-from pplab.rank_pipeline import PipelineSpec, merge_steps, run_jobs_on_rank, split_for_ranks
-from pplab.reference import reference_step
+from pplab.rank.rank_pipeline import PipelineSpec, merge_steps, run_jobs_on_rank, split_for_ranks
+from pplab.rank.reference import reference_step
 
 config = LlamaConfig.tiny()
 spec = PipelineSpec.create(config, "1f1b", 4, 4, impl="torch", mesh={"pp": 2, "dp": 2})

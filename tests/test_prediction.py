@@ -5,9 +5,9 @@ import pytest
 import pplab
 from pplab.data import batches
 from pplab.prediction import Profile, StageProfile, predict
-from pplab.profiler import profile
+from pplab.rank.profiler import profile
 from ranks import run_ranks
-from pplab.rank_pipeline import PipelineSpec, merge_steps, run_jobs_on_rank, split_for_ranks
+from pplab.rank.rank_pipeline import PipelineSpec, merge_steps, run_jobs_on_rank, split_for_ranks
 from pplab.schedules import build, theory
 from pplab.simulator import Costs
 

@@ -8,13 +8,13 @@ import pytest
 import torch
 
 import pplab
-from pplab.checks import check_gradient_flow, compare_with_reference
+from pplab.rank.checks import check_gradient_flow, compare_with_reference
 from pplab.comm import PipelineTimeoutError
 from pplab.data import batches
-from pplab.launch import LocalRankError
+from pplab.drivers.local import LocalRankError
 from ranks import run_ranks
-from pplab.rank_pipeline import PipelineSpec, merge_steps, run_jobs_on_rank, split_for_ranks
-from pplab.schedules import Action, Schedule, build
+from pplab.rank.rank_pipeline import PipelineSpec, merge_steps, run_jobs_on_rank, split_for_ranks
+from pplab.schedules import Action, Schedule, build, from_text
 
 
 CONFIG = pplab.LlamaConfig.tiny()
@@ -190,7 +190,7 @@ def test_nccl_matching_order_is_checked_on_schedules():
 
     for name, v in (("gpipe", 1), ("1f1b", 1), ("zb-h1", 1), ("interleaved-1f1b", 2)):
         assert in_order_mismatch(build(name, 4, 8, v)) is None, name
-    crossed = Schedule.from_text(["0F0 0F1 0SEND_F0 0SEND_F1 0RECV_B0 0RECV_B1 0B0 0B1",
+    crossed = from_text(["0F0 0F1 0SEND_F0 0SEND_F1 0RECV_B0 0RECV_B1 0B0 0B1",
                                   "1RECV_F1 1RECV_F0 1F0 1F1 1B0 1B1 1SEND_B0 1SEND_B1"])
     assert in_order_mismatch(crossed) == "rank 1 receives rank 0's messages in another order than rank 0 sends them"
 
@@ -199,7 +199,7 @@ def test_torch_v_shaped_plans_and_a_hand_written_schedule_run_exactly():
     from pplab.schedules import from_torch
 
     schedules = [from_torch("ZBVZeroBubble", 2, 4, 2), from_torch("DualPipeV", 2, 4, 2),
-                 Schedule.from_text(["0F0 0F1 0B0 0F2 0B1 0B2", "1F0 1B0 1F1 1B1 1F2 1B2"], name="mine")]
+                 from_text(["0F0 0F1 0B0 0F2 0B1 0B2", "1F0 1B0 1F1 1B1 1F2 1B2"], name="mine")]
     assert schedules[0].placement == (0, 1, 1, 0)  # stages 1 and 2 meet on rank 1: a local hand-off
     specs_and_batches = [(PipelineSpec.create(CONFIG, s, 2), next(batches(2 * s.n_microbatches, SEQ_LEN)))
                          for s in schedules]
@@ -210,7 +210,7 @@ def test_torch_v_shaped_plans_and_a_hand_written_schedule_run_exactly():
 
 
 def test_a_schedule_that_never_runs_backward_trips_the_leak_check():
-    forward_only = Schedule.from_text(["0F0 0SEND_F0", "1RECV_F0 1F0"], name="forward-only")
+    forward_only = from_text(["0F0 0SEND_F0", "1RECV_F0 1F0"], name="forward-only")
     spec = PipelineSpec(CONFIG, forward_only, timeout=5.0)  # bypasses validate(), on purpose
     data = split_for_ranks(spec, next(batches(2, SEQ_LEN)))
     with pytest.raises(LocalRankError, match=r"still holds tensors after the step: \{'inputs': \['\(0, 0\)'\], "
@@ -219,7 +219,7 @@ def test_a_schedule_that_never_runs_backward_trips_the_leak_check():
 
 
 def _watched_step(rank, world_size, spec, data):
-    from pplab.rank_pipeline import RankPipeline
+    from pplab.rank.rank_pipeline import RankPipeline
 
     told = []
     pipeline = RankPipeline(spec, rank)
@@ -229,7 +229,7 @@ def _watched_step(rank, world_size, spec, data):
 
 
 def test_a_watcher_is_told_each_start_and_each_event_as_the_step_goes():
-    from pplab.runtime import Now
+    from pplab.rank.runtime import Now
     from pplab.trace import Event
 
     spec = PipelineSpec.create(CONFIG, "1f1b", 2, 3)
@@ -258,8 +258,8 @@ def _matmuls_per_backward_action(rank, world_size, specs, data):
 
     from torch.utils._python_dispatch import TorchDispatchMode
 
-    from pplab.rank_pipeline import RankPipeline
-    from pplab.runtime import RankRuntime
+    from pplab.rank.rank_pipeline import RankPipeline
+    from pplab.rank.runtime import RankRuntime
 
     class Matmuls(TorchDispatchMode):
         def __init__(self, counts):
@@ -308,7 +308,7 @@ def test_receives_are_posted_one_compute_ahead():
     """Before each compute, the runtime posts the receives of the next comm batch (gloo moves
     a message only once its receive is posted): rank 1 of 1F1B posts microbatch 1's
     activation while it still runs microbatch 0."""
-    from pplab.runtime import _upcoming_receives
+    from pplab.rank.runtime import _upcoming_receives
     actions = build("1f1b", 2, 3).actions[1]
     upcoming = {str(a): [str(r) for r in receives]
                 for a, receives in zip(actions, _upcoming_receives(actions)) if a.is_compute}

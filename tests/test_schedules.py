@@ -12,6 +12,7 @@ from pplab.schedules import (
     ScheduleError,
     add_communication,
     build,
+    from_text,
     from_torch,
     loop_placement,
     peak_inflight_at,
@@ -101,11 +102,11 @@ def test_parse_rejects_bad_text(text):
 def test_schedule_text_round_trip():
     schedule = build("zb-h1", 3, 5)
     text = [" ".join(str(a) for a in acts) for acts in schedule.actions]
-    assert Schedule.from_text(text, name="zb-h1") == schedule
+    assert from_text(text, name="zb-h1") == schedule
 
 
 def test_from_text_infers_sizes_and_adds_communication():
-    schedule = Schedule.from_text(["0F0 0F1 0B0 0B1", "1F0 1B0 1F1 1B1"])
+    schedule = from_text(["0F0 0F1 0B0 0B1", "1F0 1B0 1F1 1B1"])
     assert (schedule.n_ranks, schedule.n_stages, schedule.n_microbatches, schedule.n_virtual) == (2, 2, 2, 1)
     assert [str(a) for a in schedule.actions[1]] == [
         "1RECV_F0", "1F0", "1B0", "1SEND_B0", "1RECV_F1", "1F1", "1B1", "1SEND_B1",
@@ -115,7 +116,7 @@ def test_from_text_infers_sizes_and_adds_communication():
 
 
 def test_from_text_reads_a_v_shaped_placement():
-    schedule = Schedule.from_text(["0F0 3F0 3B0 0B0", "1F0 2F0 2B0 1B0"])
+    schedule = from_text(["0F0 3F0 3B0 0B0", "1F0 2F0 2B0 1B0"])
     assert schedule.placement == (0, 1, 1, 0)
     assert [schedule.stage_to_rank(s) for s in range(4)] == [0, 1, 1, 0]
     assert schedule.stages_of(0) == [0, 3]
@@ -126,7 +127,7 @@ def test_from_text_reads_a_v_shaped_placement():
 
 def test_from_text_rejects_a_stage_on_two_ranks():
     with pytest.raises(ScheduleError, match="stage 0 appears on rank 0 and on rank 1"):
-        Schedule.from_text(["0F0 0B0", "0F1 0B1"])
+        from_text(["0F0 0B0", "0F1 0B1"])
 
 
 def test_loop_placement_by_default():
@@ -298,20 +299,20 @@ def rejection(schedule, blocking_sends=False):
     ],
 )
 def test_invalid_schedules_name_the_first_offence(per_rank, message):
-    assert rejection(Schedule.from_text(per_rank)) == message
+    assert rejection(from_text(per_rank)) == message
 
 
 def test_microbatch_out_of_range():
-    schedule = Schedule.from_text(["0F0 0B0 0F1 0B1"], n_microbatches=1)
+    schedule = from_text(["0F0 0B0 0F1 0B1"], n_microbatches=1)
     assert rejection(schedule) == (
         "rank 0 action 0F1 at position 2: microbatch 1 does not exist (microbatches are 0..0)"
     )
 
 
 def test_missing_forward():
-    schedule = Schedule.from_text(["0F0 0B0 0B1"], n_microbatches=2)
+    schedule = from_text(["0F0 0B0 0B1"], n_microbatches=2)
     assert "rank 0 action 0B1 at position 2: backward of microbatch 1 on stage 0 comes before its forward 0F1" in rejection(schedule)
-    assert rejection(Schedule.from_text(["0F0 0B0"], n_microbatches=2)).startswith("rank 0 never runs 0F1:")
+    assert rejection(from_text(["0F0 0B0"], n_microbatches=2)).startswith("rank 0 never runs 0F1:")
 
 
 def test_action_on_the_wrong_rank():
@@ -320,7 +321,7 @@ def test_action_on_the_wrong_rank():
 
 
 def test_ranks_that_each_receive_first_deadlock():
-    schedule = Schedule.from_text(["0RECV_B0 0F0 0SEND_F0 0B0", "1RECV_F0 1F0 1B0 1SEND_B0"])
+    schedule = from_text(["0RECV_B0 0F0 0SEND_F0 0B0", "1RECV_F0 1F0 1B0 1SEND_B0"])
     assert rejection(schedule) == (
         "deadlock with buffered sends (isend), no rank can go on: "
         "rank 0 at position 0 on 0RECV_B0 waits for 1SEND_B0 on rank 1 "
@@ -506,18 +507,18 @@ def test_theory_recognises_schedules_by_order_not_name():
     # 1F1B's compute order, hand-edited: the first rank runs GPipe-style.
     text = [" ".join(str(a) for a in acts) for acts in build("1f1b", 2, 3).compute_only().actions]
     text[0] = "0F0 0F1 0F2 0B0 0B1 0B2"
-    edited = Schedule.from_text(text, name="1f1b")
+    edited = from_text(text, name="1f1b")
     result = theory(edited)
     assert result.bubble_fraction is None
     assert result.conditions.startswith("no closed form")
     assert result.peak_inflight == (3, 1)
-    renamed = Schedule.from_text([" ".join(str(a) for a in acts) for acts in build("gpipe", 3, 4).actions], name="mine")
+    renamed = from_text([" ".join(str(a) for a in acts) for acts in build("gpipe", 3, 4).actions], name="mine")
     assert theory(renamed).bubble_fraction == pytest.approx(2 / 6)
 
 
 def test_theory_rejects_an_invalid_schedule():
     with pytest.raises(ScheduleError):
-        theory(Schedule.from_text(["0B0 0F0"]))
+        theory(from_text(["0B0 0F0"]))
 
 
 # ---------------------------------------------------------------- torch's plans
@@ -631,7 +632,7 @@ def test_theory_gives_no_textbook_number_when_messages_are_moved():
     from pplab.simulator import simulate
 
     # GPipe's compute order, but rank 0 sends both activations only after both forwards.
-    late_sends = Schedule.from_text(["0F0 0F1 0SEND_F0 0SEND_F1 0RECV_B0 0B0 0RECV_B1 0B1",
+    late_sends = from_text(["0F0 0F1 0SEND_F0 0SEND_F1 0RECV_B0 0B0 0RECV_B1 0B1",
                                      "1RECV_F0 1F0 1B0 1SEND_B0 1RECV_F1 1F1 1B1 1SEND_B1"])
     validate(late_sends)
     assert simulate(late_sends).bubble_fraction() == pytest.approx(0.4)   # not 1/3
@@ -643,9 +644,9 @@ def test_positions_in_errors_are_those_of_the_hand_written_compute_order():
     with pytest.raises(ScheduleError, match=r"rank 1 action 1B0 at position 0 \(counting compute actions "
                                             r"only\): backward of microbatch 0 on stage 1 comes before its "
                                             r"forward 1F0, which comes later, at position 1"):
-        validate(Schedule.from_text(["0F0 0B0", "1B0 1F0"]))
+        validate(from_text(["0F0 0B0", "1B0 1F0"]))
     with pytest.raises(ScheduleError, match="already ran as 0B0 at position 1: use either B or the pair I and W"):
-        validate(Schedule.from_text(["0F0 0B0 0I0 0W0", "1F0 1B0"]))
+        validate(from_text(["0F0 0B0 0I0 0W0", "1F0 1B0"]))
 
 
 def test_measured_costs_within_one_percent_count_as_the_same():

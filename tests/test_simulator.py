@@ -5,7 +5,7 @@ import math
 
 import pytest
 
-from pplab.schedules import Schedule, ScheduleError, build, theory
+from pplab.schedules import Schedule, ScheduleError, build, from_text, theory
 from pplab.simulator import Costs, DeadlockError, simulate
 from pplab.trace import Event, Timeline
 
@@ -121,7 +121,7 @@ def test_compute_only_schedule_moves_data_implicitly():
 
 def test_v_shaped_placement_hands_over_on_the_same_rank_without_messages():
     # Stages 1 and 2 share rank 1; stages 0 and 3 share rank 0: one long chain.
-    schedule = Schedule.from_text(["0F0 3F0 3B0 0B0", "1F0 2F0 2B0 1B0"])
+    schedule = from_text(["0F0 3F0 3B0 0B0", "1F0 2F0 2B0 1B0"])
     timeline = simulate(schedule)
     assert timeline.step_time() == 4 * 1.0 + 4 * 2.0
     assert timeline.bubble_fraction() == 0.5
@@ -133,7 +133,7 @@ def test_v_shaped_placement_hands_over_on_the_same_rank_without_messages():
 def test_a_deadlocking_schedule_raises_naming_the_stuck_ranks():
     # Rank 0 waits for the gradient of microbatch 0 before sending microbatch 1;
     # rank 1 waits for microbatch 1 before doing microbatch 0.
-    schedule = Schedule.from_text(["0F0 0B0 0F1 0B1", "1F1 1B1 1F0 1B0"])
+    schedule = from_text(["0F0 0B0 0F1 0B1", "1F1 1B1 1F0 1B0"])
     with pytest.raises(DeadlockError, match=r"rank 0 at action 0RECV_B0.*waits for the send 1SEND_B0.*"
                                             r"rank 1 at action 1RECV_F1.*waits for the send 0SEND_F1"):
         simulate(schedule)
@@ -141,12 +141,12 @@ def test_a_deadlocking_schedule_raises_naming_the_stuck_ranks():
 
 def test_a_backward_before_its_forward_is_a_deadlock_not_a_hang():
     with pytest.raises(DeadlockError, match="1B0.*its forward 1F0"):
-        simulate(Schedule.from_text(["0F0 0B0", "1B0 1F0"]))
+        simulate(from_text(["0F0 0B0", "1B0 1F0"]))
 
 
 def test_a_repeated_action_is_an_error():
     with pytest.raises(ScheduleError, match="0F0 appears twice"):
-        simulate(Schedule.from_text(["0F0 0F0 0B0"]))
+        simulate(from_text(["0F0 0F0 0B0"]))
 
 
 # ---------------------------------------------------------------- Costs checks

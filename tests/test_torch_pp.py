@@ -10,12 +10,12 @@ from collections import Counter
 import pytest
 
 import pplab
-from pplab.checks import check_gradient_flow, compare_with_reference
+from pplab.rank.checks import check_gradient_flow, compare_with_reference
 from pplab.data import batches
 from ranks import run_ranks
-from pplab.rank_pipeline import PipelineSpec, merge_steps, run_jobs_on_rank, split_for_ranks
+from pplab.rank.rank_pipeline import PipelineSpec, merge_steps, run_jobs_on_rank, split_for_ranks
 from pplab.schedules import TORCH_SCHEDULES, from_torch
-from pplab.torch_pp import torch_schedule
+from pplab.rank.torch_pp import torch_schedule
 
 
 CONFIG = pplab.LlamaConfig.tiny()

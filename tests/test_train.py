@@ -7,8 +7,8 @@ from pplab.data import CharTokenizer, batches, split_microbatches
 from ranks import run_ranks
 from pplab.model import LlamaConfig, build_model, generate, loss_fn
 from pplab.partition import layer_ranges, stage_of_parameter
-from pplab.rank_pipeline import PipelineSpec
-from pplab.train import TrainOptions, lr_factor, make_optimizer, train_on_rank
+from pplab.rank.rank_pipeline import PipelineSpec
+from pplab.rank.train import TrainOptions, lr_factor, make_optimizer, train_on_rank
 
 
 CONFIG = LlamaConfig.tiny()
@@ -103,7 +103,7 @@ def test_the_embedded_corpus_trains_visibly_and_generates_corpus_like_text(tmp_p
     history = run_ranks(2, train_on_rank, spec, options, None, False, timeout=400)[0]
     (_, first), *_, (_, last) = history.eval_losses
     assert last < 0.5 * history.records[0].loss and last < first
-    from pplab.checkpoint import load_model
+    from pplab.rank.checkpoint import load_model
 
     tokenizer = CharTokenizer()
     text = tokenizer.decode(generate(load_model(tmp_path), tokenizer.encode("the "), 40))

@@ -4,10 +4,10 @@ import pytest
 
 pytest.importorskip("ipywidgets")
 
-from pplab.runtime import Boundary, Now  # noqa: E402
+from pplab.rank.runtime import Boundary, Now  # noqa: E402
 from pplab.schedules import build, theory  # noqa: E402
 from pplab.simulator import Costs, costs_from_timeline, simulate  # noqa: E402
-from pplab.widgets import (BubblesView, GradientsView, MemoryView, ShapesView,  # noqa: E402
+from pplab.views.widgets import (BubblesView, GradientsView, MemoryView, ShapesView,  # noqa: E402
                            TimelineView, WhatIf, WhereView)
 
 pytestmark = pytest.mark.quick  # starts no process (conftest makes sure)
@@ -113,8 +113,8 @@ def test_what_if_starts_from_the_costs_a_measured_run_shows():
 
 
 def test_training_view_follows_the_records_and_shows_the_latest_step():
-    from pplab.train import TrainRecord
-    from pplab.widgets import TrainingView
+    from pplab.rank.train import TrainRecord
+    from pplab.views.widgets import TrainingView
 
     view = TrainingView(total_steps=10, redraw_seconds=3600)  # only the first add redraws by itself
     timeline = simulate(build("1f1b", 2, 4), Costs(forward=1, backward=2))

@@ -28,7 +28,7 @@ from pplab.schedules.actions import (COMM_KINDS, COMPUTE_KINDS, RELEASE_KINDS, S
 from pplab.schedules.schedule import (DeadlockError, Schedule, ScheduleError, from_lists, loop_placement,
                                       v_placement)
 from pplab.schedules.dependencies import Dependencies, Need
-from pplab.schedules.communication import add_communication
+from pplab.schedules.communication import add_communication, from_text
 from pplab.schedules.builders import SCHEDULE_NAMES, build
 from pplab.schedules.validation import check_runnable, validate
 from pplab.schedules.textbook import Theory, peak_inflight_at, theory
@@ -39,7 +39,7 @@ __all__ = [
     "message_peer", "message_sender", "message_receiver", "message_boundary", "releases_activations",
     "Schedule", "ScheduleError", "DeadlockError", "from_lists", "loop_placement", "v_placement",
     "Dependencies", "Need",
-    "add_communication",
+    "add_communication", "from_text",
     "SCHEDULE_NAMES", "build",
     "validate", "check_runnable",
     "Theory", "theory", "peak_inflight_at",

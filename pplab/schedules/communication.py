@@ -22,13 +22,30 @@ def add_communication(
     same rank share memory and get no communication. Existing communication
     actions are dropped and derived afresh, so the pass is idempotent.
     A plain list of per-rank compute lists is accepted too (sizes inferred
-    as in :meth:`Schedule.from_text`).
+    as in :func:`from_text`).
     """
     if not isinstance(schedule, Schedule):
         schedule = from_lists(schedule, None, placement, "custom")
     compute = schedule.compute_only()
     rule = Dependencies(compute, with_communication=True)
     return schedule.with_actions([_with_communication(acts, rule) for acts in compute.actions])
+
+
+def from_text(
+    per_rank: Sequence[str],
+    n_microbatches: int | None = None,
+    placement: tuple[int, ...] | None = None,
+    name: str = "custom",
+) -> Schedule:
+    """Build a schedule from one line of text actions per rank.
+
+    Sizes are inferred from the text; without ``placement`` each stage
+    lives on the rank whose line mentions it. Communication actions are
+    added (see :func:`add_communication`) when the text has none.
+    """
+    actions = [[Action.parse(word) for word in line.split()] for line in per_rank]
+    schedule = from_lists(actions, n_microbatches, placement, name)
+    return schedule if schedule.has_communication else add_communication(schedule)
 
 
 def _with_communication(compute_actions: Sequence[Action], rule: Dependencies) -> list[Action]:

@@ -87,26 +87,6 @@ class Schedule:
         """True when the lists hold sends and receives (else data is taken to move by itself)."""
         return any(a.is_comm for acts in self.actions for a in acts)
 
-    @classmethod
-    def from_text(
-        cls,
-        per_rank: Sequence[str],
-        n_microbatches: int | None = None,
-        placement: tuple[int, ...] | None = None,
-        name: str = "custom",
-    ) -> Schedule:
-        """Build a schedule from one line of text actions per rank.
-
-        Sizes are inferred from the text; without ``placement`` each stage
-        lives on the rank whose line mentions it. Communication actions are
-        added (see :func:`add_communication`) when the text has none.
-        """
-        from pplab.schedules.communication import add_communication  # it builds on this module
-
-        actions = [[Action.parse(word) for word in line.split()] for line in per_rank]
-        schedule = from_lists(actions, n_microbatches, placement, name)
-        return schedule if schedule.has_communication else add_communication(schedule)
-
     def compute_only(self) -> Schedule:
         """The same schedule without its communication actions."""
         return self.with_actions([[a for a in acts if a.is_compute] for acts in self.actions])

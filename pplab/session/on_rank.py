@@ -4,19 +4,19 @@ Ranks are long-lived (lab engines, a pool's processes), so each keeps its `RankP
 in a registry keyed by the run's id, and its trainer (optimizer, LR schedule, step)
 beside it. The client side is `pplab.session.pipeline`; these functions are called
 through a driver's `run` / `run_async`, on every rank, and publish through
-`pplab.rank_context`, so they work the same on every driver.
+`pplab.rank.rank_context`, so they work the same on every driver.
 """
 
 from __future__ import annotations
 
 import dataclasses
 
-from pplab import faults
-from pplab.mesh import memory_held, optimizer_state_bytes
-from pplab.rank_context import Feed, rank_context
-from pplab.rank_pipeline import PipelineSpec, RankPipeline
-from pplab.runtime import RankStep
-from pplab.train import RankTrainer, TrainHistory, TrainOptions
+from pplab.rank import faults
+from pplab.rank.mesh import memory_held, optimizer_state_bytes
+from pplab.rank.rank_context import Feed, rank_context
+from pplab.rank.rank_pipeline import PipelineSpec, RankPipeline
+from pplab.rank.runtime import RankStep
+from pplab.rank.train import RankTrainer, TrainHistory, TrainOptions
 
 _pipelines: dict[str, RankPipeline] = {}
 _trainers: dict[str, RankTrainer] = {}
@@ -44,7 +44,7 @@ def step_on_rank(run_id: str, per_rank_data: list[dict], return_grads: bool,
     """Run one step of the pipeline `run_id` with this rank's share of the data.
 
     With `live_interval`, what the rank starts and every event it records are published
-    while the step runs (see `pplab.rank_context.Feed`), for live views.
+    while the step runs (see `pplab.rank.rank_context.Feed`), for live views.
     """
     context = rank_context()
     pipeline, data = _pipeline(run_id), per_rank_data[context.rank]

@@ -16,26 +16,26 @@ import torch
 
 from pplab.arguments import check_positive_seconds
 from pplab.checkpoint_files import CheckpointError, read_manifest, resume_path
-from pplab.checks import (BoundaryTable, GradientFlowReport, ParityReport, check_gradient_flow,
+from pplab.rank.checks import (BoundaryTable, GradientFlowReport, ParityReport, check_gradient_flow,
                           compare_with_reference)
 from pplab.data import Batch, batches
-from pplab.mesh import Mesh, MemoryTable
+from pplab.rank.mesh import Mesh, MemoryTable
 from pplab.model import LlamaConfig, LlamaModel
-from pplab.rank_context import RankError, StillRunning
-from pplab.rank_pipeline import PipelineSpec, StepResult, merge_steps, split_for_ranks
-from pplab.reference import reference_step
+from pplab.rank.rank_context import RankError, StillRunning
+from pplab.rank.rank_pipeline import PipelineSpec, StepResult, merge_steps, split_for_ranks
+from pplab.rank.reference import reference_step
 from pplab.schedules import Schedule
 from pplab.session.on_rank import build_on_rank, drop_on_rank, memory_on_rank, step_on_rank, train_on_rank
 from pplab.simulator import Costs, simulate
 from pplab.trace import Timeline
-from pplab.train import ProgressBar, TrainHistory, TrainOptions, check_trainable
+from pplab.rank.train import ProgressBar, TrainHistory, TrainOptions, check_trainable
 
 class PipelineRun:
     """A pipeline built on the ranks of a driver (a lab, a RankPool): step it, check it, train it."""
 
     def __init__(self, lab, config: LlamaConfig, schedule: str | Schedule = "1f1b",
                  microbatches: int | None = None, n_virtual: int = 1, **options):
-        """`lab`: the ranks' driver (`pplab.Lab`, `pplab.launch.RankPool`, see pplab.session)."""
+        """`lab`: the ranks' driver (`pplab.Lab`, `pplab.drivers.local.RankPool`, see pplab.session)."""
         self.lab = lab
         self.spec = PipelineSpec.create(config, schedule, lab.world_size, microbatches, n_virtual, **options)
         self.run_id = f"run-{uuid.uuid4().hex[:8]}"  # unique even with two clients on one cluster
@@ -114,8 +114,8 @@ class PipelineRun:
         `steps` is the run's length (the LR schedule's horizon); `until` stops earlier (a
         later call with the same options goes on). Other keywords are `TrainOptions`
         fields (batch_size, lr, eval_every, checkpoint_dir, checkpoint_every, resume, ...).
-        In a notebook a `TrainingView` shows progress, loss curves and the latest step;
-        elsewhere a progress bar. The records are also kept in `run.history`.
+        With `show`, a progress bar (in a notebook, a lab's run shows a live `TrainingView`:
+        progress, loss curves and the latest step). The records are also kept in `run.history`.
         """
         check_trainable(self.spec)  # before any rank starts
         if steps is not None:
@@ -128,7 +128,7 @@ class PipelineRun:
         if train_options.resume is not None:  # the run goes back (or on) to the checkpoint's step
             first_step = read_manifest(resume_path(train_options.resume, train_options.checkpoint_dir))["step"]
         call = self.lab.run_async(train_on_rank, self.run_id, train_options, until, live_interval)
-        view = _training_display(train_options.steps if until is None else until, first_step, show)
+        view = self.training_display(train_options.steps if until is None else until, first_step, show)
         by_step: dict[int, list] = {}
 
         def show_arrived() -> None:
@@ -164,15 +164,13 @@ class PipelineRun:
         self.history.resumed_from = history.resumed_from or self.history.resumed_from
         return history
 
-    def dashboard(self, batch: Batch | Sequence[Batch] | None = None, **options):
-        """A live dashboard of this pipeline (pplab.widgets.Dashboard): display it, then run steps."""
-        from pplab.widgets import Dashboard
+    def training_display(self, total_steps: int, first_step: int, show: bool):
+        """What shows a training run's progress: anything with `add(record, timeline)` and `close()`.
 
-        if self.spec.world_size != self.schedule.n_ranks:
-            raise ValueError(f"the live dashboard draws one row per pipeline rank, but this mesh has "
-                             f"dp={self.mesh.dp} and tp={self.mesh.tp}: step the run and draw its timeline "
-                             f"with pplab.viz.plot_timeline(result.timeline, rank_labels=run.rank_labels)")
-        return Dashboard(self, batch, **options)
+        Here a terminal's progress bar (or nothing); a notebook's run shows a live view instead
+        (pplab.views.lab.NotebookRun).
+        """
+        return ProgressBar(total_steps, first_step) if show else _NoDisplay()
 
     def check_parity(self, batch: Batch | Sequence[Batch] | None = None, loss_rtol: float = 1e-6,
                      grad_atol: float = 1e-5) -> ParityReport:
@@ -216,38 +214,12 @@ class PipelineRun:
         return f"<PipelineRun {runtime}: {where}, {s.n_stages} stages, {s.n_microbatches} microbatches>"
 
 
-def _training_display(total_steps: int, first_step: int, show: bool):
-    """A TrainingView in a notebook, a tqdm bar in a terminal, or nothing."""
-    if show:
-        try:
-            from IPython import get_ipython
-
-            in_notebook = get_ipython() is not None and "IPKernelApp" in get_ipython().config
-        except ImportError:
-            in_notebook = False
-        if in_notebook:
-            from IPython.display import display
-
-            from pplab.widgets.training import TrainingView
-
-            view = TrainingView(total_steps, first_step)
-            display(view)
-            return _ViewDisplay(view)
-        return ProgressBar(total_steps, first_step)
-    return _ViewDisplay(None)
-
-
-class _ViewDisplay:
-    def __init__(self, view):
-        self.view = view
-
+class _NoDisplay:
     def add(self, record, timeline) -> None:
-        if self.view is not None:
-            self.view.add(record, timeline)
+        pass
 
     def close(self) -> None:
-        if self.view is not None:
-            self.view.redraw()
+        pass
 
 
 class LiveStep:

@@ -19,11 +19,11 @@ import torch
 
 from pplab.arguments import check_positive_int
 from pplab.data import Batch
-from pplab.mesh import CollectiveLog, Mesh, MeshPlace, parallelize_stage
+from pplab.rank.mesh import CollectiveLog, Mesh, MeshPlace, parallelize_stage
 from pplab.model import IGNORE_INDEX, LlamaConfig
 from pplab.partition import build_stage, layer_ranges
-from pplab.reference import as_microbatches
-from pplab.runtime import Boundary, RankRuntime, RankStep
+from pplab.rank.reference import as_microbatches
+from pplab.rank.runtime import Boundary, RankRuntime, RankStep
 from pplab.schedules import Schedule, build, check_runnable, validate
 from pplab.simulator import Costs
 from pplab.trace import Timeline
@@ -45,7 +45,7 @@ class PipelineSpec:
     timing: Costs | None = None
     record: bool = True
     impl: str = "pplab"  # the hand-written runtime, or "torch": torch.distributed.pipelining
-    torch_name: str | None = None  # with impl="torch": the schedule's name in pplab.torch_pp
+    torch_name: str | None = None  # with impl="torch": the schedule's name in pplab.rank.torch_pp
     mesh: Mesh | None = None  # PP as one dimension of a mesh with FSDP (dp) and TP (tp)
 
     @classmethod
@@ -68,7 +68,7 @@ class PipelineSpec:
             if not isinstance(schedule, str) or microbatches is None:
                 raise ValueError("impl='torch' runs torch's own schedules: give one by name (e.g. "
                                  "schedule='1f1b') and microbatches=<count>")
-            from pplab.torch_pp import torch_schedule
+            from pplab.rank.torch_pp import torch_schedule
 
             torch_name, schedule = schedule, torch_schedule(schedule, n_ranks, microbatches, n_virtual)
         elif isinstance(schedule, str):
@@ -141,7 +141,7 @@ class RankPipeline:
             for stage in self.stages.values():
                 parallelize_stage(stage, self.place.device_mesh, spec.mesh, collectives)
         if spec.impl == "torch":
-            from pplab.torch_pp import TorchRankRuntime
+            from pplab.rank.torch_pp import TorchRankRuntime
 
             self.runtime = TorchRankRuntime(spec.torch_name, schedule, rank, self.stages, self.device,
                                             spec.timing, group, spec.record, self.place, collectives)
@@ -275,7 +275,7 @@ def run_jobs_on_rank(rank: int, world_size: int, jobs: Sequence[tuple[PipelineSp
                      return_grads: bool = True, device="cpu", steps: int | None = None) -> list:
     """For each (spec, per-rank data) job, build this rank's stages and run one step (or `steps` steps).
 
-    The entry point for plain processes (`pplab.launch.run_ranks`) and torchrun scripts.
+    The entry point for plain processes (`pplab.drivers.local.run_ranks`) and torchrun scripts.
     Without `steps`, one RankStep per job; with `steps=n`, per job a list of n RankSteps
     on the same stages (gradients zeroed before each): with no optimizer every step must
     repeat the first, so anything one step leaks into the next shows.

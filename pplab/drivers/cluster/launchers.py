@@ -31,8 +31,8 @@ import sys
 import time
 import uuid
 
-from pplab.cluster import records
-from pplab.cluster.errors import LabError, LabStartError
+from pplab.drivers.cluster import records
+from pplab.drivers.cluster.errors import LabError, LabStartError
 
 # The controller accepts an engine only after its heart beats: a 100 ms beat instead of
 # 3 s saves seconds at start; 100 missed beats (10 s) before it declares an engine dead
@@ -174,7 +174,7 @@ class LocalCluster:
                        "IPP_CLUSTER_ID": self.cluster_id, "IPP_PROFILE_DIR": self.profile_dir}
         with open(self._fork_server_log(), "ab") as log:
             return subprocess.Popen(
-                [sys.executable, "-m", "pplab.cluster.forkserver", str(self.ranks),
+                [sys.executable, "-m", "pplab.drivers.cluster.forkserver", str(self.ranks),
                  *self._engine_args()],
                 env=environment, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
                 start_new_session=True)  # like ipyparallel's: a notebook interrupt must not reach it

@@ -2,7 +2,7 @@
 
 `RankPool(world_size)` starts one process per rank once (torch imported once, the
 process group joined once, gloo on loopback, or NCCL) and keeps them: `pool.run(fn,
-*args)` calls `fn(*args)` on every rank (which asks `pplab.rank_context` who it is)
+*args)` calls `fn(*args)` on every rank (which asks `pplab.rank.rank_context` who it is)
 and returns the results ordered by rank; `pool.run_async` returns at once with a call
 that streams what the ranks `publish`. It is the interface a lab offers, so a pipeline
 session runs on either.
@@ -33,7 +33,7 @@ import weakref
 from datetime import timedelta
 
 from pplab.arguments import check_positive_int, check_positive_seconds
-from pplab.rank_context import RankContext, RankError, RankEvent, StillRunning, rank_context, set_rank_context
+from pplab.rank.rank_context import RankContext, RankError, RankEvent, StillRunning, rank_context, set_rank_context
 
 
 class LocalRankError(RankError):

@@ -22,11 +22,11 @@ from collections.abc import Sequence
 import torch
 
 from pplab.arguments import check_positive_int
-from pplab.memory import SavedBytes
+from pplab.rank.memory import SavedBytes
 from pplab.model import LlamaConfig, loss_fn
 from pplab.partition import build_stage, layer_ranges
 from pplab.prediction import Profile, StageProfile
-from pplab.split_backward import input_gradient, weight_gradients
+from pplab.rank.split_backward import input_gradient, weight_gradients
 
 
 def profile(config: LlamaConfig, microbatch_size: int, seq_len: int, n_stages: int,
@@ -134,7 +134,7 @@ def hop_costs_on_rank(rank: int, world_size: int, nbytes: int, repeats: int = 20
     """One-way seconds of a boundary message between ranks 0 and 1: pplab's StageLink (batching,
     bounded waits, recording) and a bare isend/irecv ping-pong of the same tensor, interleaved.
 
-    Run it on 2 ranks (e.g. `pplab.launch.run_ranks(2, hop_costs_on_rank, nbytes)`); each
+    Run it on 2 ranks (e.g. `pplab.drivers.local.run_ranks(2, hop_costs_on_rank, nbytes)`); each
     round trip carries an activation forward and its gradient back, as a pipeline's hops do.
     Returns, on every rank, the medians and all the samples (seconds, one way).
     """

@@ -10,8 +10,8 @@ from __future__ import annotations
 import ipywidgets as widgets
 
 from pplab.trace import Timeline
-from pplab.widgets.panels import TimelineView, _image
-from pplab.widgets.render import Throttle, show_png
+from pplab.views.widgets.panels import TimelineView, _image
+from pplab.views.widgets.render import Throttle, show_png
 
 
 class TrainingView(widgets.VBox):
@@ -42,7 +42,7 @@ class TrainingView(widgets.VBox):
         """Draw what has arrived (also called once at the end, so the last step is shown)."""
         if not self.records:
             return
-        from pplab import viz
+        from pplab.views import viz
 
         last = self.records[-1]
         held_out = [r.eval_loss for r in self.records if r.eval_loss is not None]

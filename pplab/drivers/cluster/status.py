@@ -12,7 +12,7 @@ from __future__ import annotations
 from dataclasses import astuple, dataclass, fields
 from typing import Callable, Iterable
 
-from pplab.cluster import records
+from pplab.drivers.cluster import records
 from pplab.formatting import ShownAsText, html_table, text_table
 
 

@@ -12,7 +12,7 @@ import contextlib
 import torch
 from torch import nn
 
-from pplab.shards import local_tensor
+from pplab.rank.shards import local_tensor
 
 
 class SavedBytes:

@@ -33,7 +33,7 @@ import tempfile
 import time
 import uuid
 
-from pplab.cluster.launchers import ENGINE_ARGS  # the same engines a local lab starts
+from pplab.drivers.cluster.launchers import ENGINE_ARGS  # the same engines a local lab starts
 
 CONTROL, DATA = "pplab0", "pplab1"  # each host's interfaces, the same names on every host
 INTERFACE = DATA  # what gloo uses (gloo_ifname)

@@ -1,7 +1,7 @@
 """What a step left in the parameters' gradients: each one whole, and its health.
 
 After a step every rank reports, per parameter, the gradient's norm and whether it is
-present, finite and not all zero (what `pplab.checks.check_gradient_flow` reads), and on
+present, finite and not all zero (what `pplab.rank.checks.check_gradient_flow` reads), and on
 request the gradients themselves (what the parity check compares with one device's).
 A sharded gradient (FSDP, TP) is gathered whole first, once for both. Floor 3.
 """
@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from pplab.shards import full_tensor
+from pplab.rank.shards import full_tensor
 
 
 def gradient_report(modules, return_grads: bool) -> tuple[dict[str, dict], dict[str, torch.Tensor] | None]:

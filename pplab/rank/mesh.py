@@ -32,9 +32,9 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from pplab.arguments import check_positive_int
 from pplab.formatting import ShownAsText, format_bytes, html_table, text_table
-from pplab.memory import SavedBytes
+from pplab.rank.memory import SavedBytes
 from pplab.model import LlamaConfig, LlamaModel
-from pplab.shards import local_tensor
+from pplab.rank.shards import local_tensor
 from pplab.trace import Event
 
 MESH_DIMS = ("pp", "dp", "tp")  # outermost first: the order of the global rank layout

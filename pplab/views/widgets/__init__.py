@@ -7,11 +7,11 @@ work. Each panel also works alone, on static or simulated timelines:
 progress, loss curves and latest step.
 """
 
-from pplab.widgets.panels import (BubblesView, GradientsView, MemoryView, ShapesView, TimelineView,
+from pplab.views.widgets.panels import (BubblesView, GradientsView, MemoryView, ShapesView, TimelineView,
                                   WhereView)
-from pplab.widgets.whatif import WhatIf
-from pplab.widgets.training import TrainingView
-from pplab.widgets.dashboard import Dashboard
+from pplab.views.widgets.whatif import WhatIf
+from pplab.views.widgets.training import TrainingView
+from pplab.views.widgets.dashboard import Dashboard
 
 __all__ = ["Dashboard", "TimelineView", "BubblesView", "ShapesView", "GradientsView", "MemoryView", "WhereView", "WhatIf",
            "TrainingView"]

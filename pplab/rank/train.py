@@ -31,13 +31,13 @@ import torch.distributed as dist
 
 import pplab
 from pplab.arguments import check_positive_int
-from pplab.checkpoint import Checkpointer, rank_module
+from pplab.rank.checkpoint import Checkpointer, rank_module
 from pplab.checkpoint_files import check_config, read_manifest, resume_path
 from pplab.data import batches
 from pplab.model import LlamaConfig, LlamaModel, loss_fn
 from pplab.partition import layer_ranges
-from pplab.rank_pipeline import PipelineSpec, RankPipeline, split_for_ranks
-from pplab.reference import as_microbatches
+from pplab.rank.rank_pipeline import PipelineSpec, RankPipeline, split_for_ranks
+from pplab.rank.reference import as_microbatches
 
 
 @dataclass(frozen=True)

@@ -12,8 +12,8 @@ custom placements) hand tensors over locally, through the same detach-and-keep
 boundary a network hop has, so every stage's backward stays its own action.
 
 What the executor uses lives beside it: the step's clock and timing mode's padding in
-`pplab.step_clock`, the meter of saved activation bytes in `pplab.memory`, the I/W split
-of a backward in `pplab.split_backward`, the gradients' report in `pplab.gradients`.
+`pplab.rank.step_clock`, the meter of saved activation bytes in `pplab.rank.memory`, the I/W split
+of a backward in `pplab.rank.split_backward`, the gradients' report in `pplab.rank.gradients`.
 """
 
 from __future__ import annotations
@@ -27,14 +27,14 @@ import torch.distributed as dist
 from torch import nn
 
 from pplab.comm import PipelineTimeoutError, StageLink, dtype_name, in_order_mismatch, monotonic_clock
-from pplab.faults import strike
-from pplab.gradients import gradient_report
-from pplab.memory import ForwardBytes
+from pplab.rank.faults import strike
+from pplab.rank.gradients import gradient_report
+from pplab.rank.memory import ForwardBytes
 from pplab.model import loss_fn
 from pplab.schedules import Action, Dependencies, Kind, Schedule, check_runnable
 from pplab.simulator import Costs
-from pplab.split_backward import input_gradient, torch_split_backward, weight_gradients
-from pplab.step_clock import StepClock, pad_to_cost
+from pplab.rank.split_backward import input_gradient, torch_split_backward, weight_gradients
+from pplab.rank.step_clock import StepClock, pad_to_cost
 from pplab.trace import Event
 
 Key = tuple[int, int]  # (stage, microbatch)

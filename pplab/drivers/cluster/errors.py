@@ -6,7 +6,7 @@ happened, who waited on whom, and the fix on lines of their own.
 
 from __future__ import annotations
 
-from pplab.rank_context import RankError
+from pplab.rank.rank_context import RankError
 
 # The last line of every error after which only fresh engines help.
 RESTART_HINT = "Call lab.restart() to get fresh ranks."

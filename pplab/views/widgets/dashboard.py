@@ -17,13 +17,13 @@ import time
 
 import ipywidgets as widgets
 
-from pplab.rank_pipeline import IMPLEMENTATIONS
+from pplab.rank.rank_pipeline import IMPLEMENTATIONS
 from pplab.schedules import SCHEDULE_NAMES, TORCH_SCHEDULES, theory
 from pplab.simulator import Costs, costs_from_timeline, simulate
 from pplab.trace import Timeline
-from pplab.widgets.panels import (BubblesView, GradientsView, MemoryView, ShapesView, TimelineView,
+from pplab.views.widgets.panels import (BubblesView, GradientsView, MemoryView, ShapesView, TimelineView,
                                   WhereView)
-from pplab.widgets.render import RED, Throttle
+from pplab.views.widgets.render import RED, Throttle
 
 POLL_SECONDS = 0.05  # how often the dashboard looks for what the ranks published
 LIVE_INTERVAL = 0.05  # how often a rank publishes what it has done
@@ -87,7 +87,7 @@ class Dashboard(widgets.VBox):
 
     def check_parity(self):
         """One more step, compared with one device: loss and every gradient; differences go to the gradient panel."""
-        from pplab.rank_context import RankError
+        from pplab.rank.rank_context import RankError
 
         if self.running:
             raise RuntimeError("the dashboard is running steps: call stop() first")
@@ -115,7 +115,7 @@ class Dashboard(widgets.VBox):
 
     def _steps(self, steps: int, raise_errors: bool):
         """Run the steps, yielding whenever there is time to wait (the caller sleeps or awaits)."""
-        from pplab.rank_context import RankError
+        from pplab.rank.rank_context import RankError
 
         self.running, self._stop_requested = True, False
         self._enable_controls(False)
@@ -164,7 +164,7 @@ class Dashboard(widgets.VBox):
     def _take(self, items) -> None:
         """Put what the ranks published into the 'where each rank is' panel, and redraw it
         (also with nothing new: how long a rank has waited keeps growing)."""
-        from pplab.runtime import Now
+        from pplab.rank.runtime import Now
 
         for _, item in items:
             if isinstance(item, Now):
@@ -303,7 +303,7 @@ class Dashboard(widgets.VBox):
     def _say_error(self, error: Exception) -> None:
         """The error's message, line by line, without the remote traceback (it would push the
         panels off the screen; the raised error, or `lab.last_errors`, still has it)."""
-        from pplab.rank_context import RankError
+        from pplab.rank.rank_context import RankError
 
         message = error.summary if isinstance(error, RankError) else str(error)
         self._say("<br>".join(html.escape(line) for line in message.splitlines()), error=True)

@@ -15,7 +15,7 @@ import ipywidgets as widgets
 
 from pplab.formatting import format_bytes
 from pplab.trace import Timeline
-from pplab.widgets.render import AMBER, RED, show_png, table
+from pplab.views.widgets.render import AMBER, RED, show_png, table
 
 FULL_WIDTH = widgets.Layout(width="100%")
 
@@ -52,7 +52,7 @@ class TimelineView(widgets.VBox):
         self.shown: Timeline | None = None
         self.draws = 0  # pictures (PNG) drawn
         self.live_draws = 0  # live (SVG) redraws
-        from pplab import viz  # matplotlib's import takes a second: pay it now, not in the first live redraw
+        from pplab.views import viz  # matplotlib's import takes a second: pay it now, not in the first live redraw
 
         self._colours = viz.kind_colours()
         super().__init__([self.picker, self.caption, self.live, self.image])
@@ -62,7 +62,7 @@ class TimelineView(widgets.VBox):
 
     def show(self, timeline: Timeline | None, predicted: Timeline | None = None, note: str = "") -> None:
         """Draw `timeline` under `predicted` (if given) as a picture."""
-        from pplab import viz
+        from pplab.views import viz
 
         has_events = timeline is not None and len(timeline) > 0
         if has_events and predicted is not None:
@@ -76,7 +76,7 @@ class TimelineView(widgets.VBox):
 
     def show_live(self, timeline: Timeline, predicted: Timeline | None = None, note: str = "") -> None:
         """Draw a step in progress (or any timeline, quickly) as SVG."""
-        from pplab.widgets.svg import timeline_svg
+        from pplab.views.widgets.svg import timeline_svg
 
         self.live.value = timeline_svg(timeline, predicted, self._colours)
         self.live.layout.display, self.image.layout.display = None, "none"
@@ -228,7 +228,7 @@ class GradientsView(widgets.VBox):
 
     def show(self, grad_stats: dict, parity=None, stage_of: Callable[[str], int] | None = None) -> None:
         """Show `StepResult.grad_stats`; `parity` is a `ParityReport` from `run.check_parity()`."""
-        from pplab.checks import check_gradient_flow
+        from pplab.rank.checks import check_gradient_flow
 
         self.red = dict(check_gradient_flow(grad_stats).failures)
         diffs = getattr(parity, "grad_diffs", {})
@@ -264,7 +264,7 @@ class MemoryView(widgets.VBox):
 
     def show(self, timeline: Timeline) -> None:
         """Draw the activations each rank holds for a backward, over `timeline`."""
-        from pplab import viz
+        from pplab.views import viz
 
         if len(timeline):
             show_png(self.image, viz.plot_memory(timeline))
@@ -314,7 +314,7 @@ class WhereView(widgets.VBox):
         self.render()
 
     def update(self, now, seen_at: float | None = None) -> None:
-        """Take a rank's latest `pplab.runtime.Now` (what it started, whom it waits on)."""
+        """Take a rank's latest `pplab.rank.runtime.Now` (what it started, whom it waits on)."""
         self.latest[now.rank] = now
         self.seen_at[now.rank] = time.monotonic() if seen_at is None else seen_at
 

@@ -156,7 +156,7 @@ def _role_hint(role: str) -> str:
 # --- 3 · send and receive, with gradients (a 2-rank lab) ------------------------------------------
 
 def _forward_backward_on_rank(forward_backward, config, batch) -> dict:
-    from pplab.rank_context import rank_context
+    from pplab.rank.rank_context import rank_context
     from pplab.partition import build_stage
 
     rank = rank_context().rank
@@ -173,7 +173,7 @@ def check_send_recv(lab, forward_backward, seed: int = 0) -> Verdict:
     received, with which rank 0 runs its backward. Judged against one device, on a 2-rank lab."""
     from pplab.data import batches
     from pplab.model import LlamaConfig
-    from pplab.reference import reference_step
+    from pplab.rank.reference import reference_step
 
     name = "send and receive, with gradients"
     if lab.world_size != 2:
@@ -208,7 +208,7 @@ def _run_on_lab(lab, name: str, on_rank, learner_code, *args):
     """Run `on_rank(learner_code, *args)` on every rank, where the learner's function finds the
     names it uses as in the notebook; a failure (a deadlock's timeout among them) becomes a
     verdict naming the ranks, and the lab is restarted for the next try."""
-    from pplab.cluster import LabError
+    from pplab.drivers.cluster import LabError
 
     if getattr(learner_code, "__code__", None) is None:
         return Verdict(name, False, f"give a function defined with def, not {type(learner_code).__name__}")
@@ -306,7 +306,7 @@ def check_schedule(lab, lines, n_microbatches: int = 4, max_in_flight: int | Non
     microbatch, hold at most `max_in_flight` activations on a rank, never deadlock, and match
     one device when run on the lab."""
     from pplab.model import LlamaConfig
-    from pplab.schedules import Schedule, ScheduleError, peak_inflight_at, validate
+    from pplab.schedules import ScheduleError, from_text, peak_inflight_at, validate
 
     name = "a schedule by hand"
     if lines is None or lines is ... or (isinstance(lines, (list, tuple)) and ... in lines):
@@ -315,7 +315,7 @@ def check_schedule(lab, lines, n_microbatches: int = 4, max_in_flight: int | Non
         return Verdict(name, False, f"give a list with one string per rank, e.g. [\"0F0 0F1 0B0 ...\", "
                                     f"\"1F0 1B0 ...\"], not {type(lines).__name__}")
     try:
-        schedule = Schedule.from_text(list(lines), name="yours")
+        schedule = from_text(list(lines), name="yours")
         validate(schedule)
     except (ScheduleError, ValueError) as error:
         return Verdict(name, False, str(error))
@@ -327,7 +327,7 @@ def check_schedule(lab, lines, n_microbatches: int = 4, max_in_flight: int | Non
             if peak > max_in_flight:
                 return Verdict(name, False, f"rank {rank} holds the activations of {peak} microbatches at once "
                                             f"(after {at}); the limit is {max_in_flight}: run a backward sooner")
-    from pplab.cluster import LabError
+    from pplab.drivers.cluster import LabError
 
     try:
         run = lab.pipeline(LlamaConfig.tiny(), schedule=schedule)
@@ -348,9 +348,9 @@ def check_schedule(lab, lines, n_microbatches: int = 4, max_in_flight: int | Non
 # --- 5 · global-norm clipping (a 2-rank lab) ----------------------------------------------------------
 
 def _clip_on_rank(clip_global_norm, config, batch, max_norm: float) -> dict:
-    from pplab.rank_context import rank_context
+    from pplab.rank.rank_context import rank_context
     from pplab.partition import build_stage
-    from pplab.reference import reference_step
+    from pplab.rank.reference import reference_step
 
     context = rank_context()
     stage = build_stage(config, context.rank, context.world_size)
@@ -372,7 +372,7 @@ def check_clipping(lab, clip_global_norm, seed: int = 0) -> Verdict:
 
     from pplab.data import batches
     from pplab.model import LlamaConfig
-    from pplab.reference import reference_step
+    from pplab.rank.reference import reference_step
 
     name = "global-norm clipping"
     config = LlamaConfig.tiny()

@@ -12,7 +12,7 @@ import ipywidgets as widgets
 from pplab.schedules import SCHEDULE_NAMES, Kind, Schedule, build, theory
 from pplab.simulator import Costs, costs_from_timeline, simulate
 from pplab.trace import Timeline
-from pplab.widgets.render import RED, show_png, table
+from pplab.views.widgets.render import RED, show_png, table
 
 EVERY_STAGE = "every stage"
 FREE_BANDWIDTH = 1e12
@@ -103,7 +103,7 @@ class WhatIf(widgets.VBox):
 
     def redraw(self) -> None:
         """Simulate and draw; a size the schedule cannot take is shown, not raised."""
-        from pplab import viz
+        from pplab.views import viz
 
         try:
             schedule = self.schedule()

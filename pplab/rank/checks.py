@@ -12,8 +12,8 @@ from dataclasses import dataclass, field
 import torch
 
 from pplab.formatting import ShownAsText, html_table, text_table
-from pplab.reference import ReferenceResult
-from pplab.runtime import Boundary
+from pplab.rank.reference import ReferenceResult
+from pplab.rank.runtime import Boundary
 
 
 # --- gradient flow -------------------------------------------------------------------------

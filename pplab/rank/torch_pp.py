@@ -22,13 +22,13 @@ import torch
 from torch import nn
 
 from pplab.comm import dtype_name, monotonic_clock
-from pplab.gradients import gradient_report
-from pplab.memory import ForwardBytes
+from pplab.rank.gradients import gradient_report
+from pplab.rank.memory import ForwardBytes
 from pplab.model import loss_fn
-from pplab.runtime import Boundary, Now, RankStep
+from pplab.rank.runtime import Boundary, Now, RankStep
 from pplab.schedules import TORCH_SCHEDULES, Action, Kind, Schedule, build, from_torch
 from pplab.simulator import Costs
-from pplab.step_clock import StepClock, pad_to_cost
+from pplab.rank.step_clock import StepClock, pad_to_cost
 from pplab.trace import Event
 
 def torch_schedule(name: str, n_ranks: int, n_microbatches: int, n_virtual: int = 1) -> Schedule:

@@ -16,11 +16,11 @@ import re
 import time
 from typing import Iterator
 
-from pplab.cluster.engine import PROCESS_GROUP_BROKEN_KEY, event_key
-from pplab.cluster.errors import (REMOTE_TRACEBACK, RESTART_HINT, RankDiedError, RankFailedError,
+from pplab.drivers.cluster.engine import PROCESS_GROUP_BROKEN_KEY, event_key
+from pplab.drivers.cluster.errors import (REMOTE_TRACEBACK, RESTART_HINT, RankDiedError, RankFailedError,
                                   RankTimeoutError)
-from pplab.cluster.status import RankGroup
-from pplab.rank_context import RankEvent, StillRunning
+from pplab.drivers.cluster.status import RankGroup
+from pplab.rank.rank_context import RankEvent, StillRunning
 
 POLL_SECONDS = 0.1  # how often a waiting client looks for dead ranks and new events
 OUTPUT_DRAIN_SECONDS = 2.0  # events may trail a rank's result by a moment: wait this long for them

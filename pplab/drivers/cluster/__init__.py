@@ -16,14 +16,14 @@ rendezvous and lifecycle only: pipelines on a lab are the session's
 (`pplab.session`, whose `pplab.Lab` adds `lab.pipeline(...)`).
 """
 
-from pplab.cluster.calls import RankCall
-from pplab.cluster.errors import (LabError, LabNeedsRestartError, LabStartError, RankDiedError,
+from pplab.drivers.cluster.calls import RankCall
+from pplab.drivers.cluster.errors import (LabError, LabNeedsRestartError, LabStartError, RankDiedError,
                                   RankFailedError, RankTimeoutError)
-from pplab.cluster.lab import Lab
-from pplab.cluster.plan import gpus_for_seat
-from pplab.cluster.records import cleanup
-from pplab.cluster.status import RankInfo, RankTable
-from pplab.rank_context import RankContext, RankEvent, publish, rank_context
+from pplab.drivers.cluster.lab import Lab
+from pplab.drivers.cluster.plan import gpus_for_seat
+from pplab.drivers.cluster.records import cleanup
+from pplab.drivers.cluster.status import RankInfo, RankTable
+from pplab.rank.rank_context import RankContext, RankEvent, publish, rank_context
 
 __all__ = [
     "Lab", "cleanup", "gpus_for_seat", "publish", "rank_context", "RankContext", "RankCall", "RankEvent",

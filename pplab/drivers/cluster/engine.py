@@ -22,10 +22,10 @@ import threading
 import torch
 import torch.distributed as dist
 
-from pplab.cluster.plan import RankSpec
+from pplab.drivers.cluster.plan import RankSpec
 from pplab.comm import PipelineTimeoutError
-from pplab.launch import free_port
-from pplab.rank_context import RankContext, publish, set_rank_context
+from pplab.drivers.local import free_port
+from pplab.rank.rank_context import RankContext, publish, set_rank_context
 
 EVENT_KEY_PREFIX = "pplab-event-"
 # The data key under which a rank notes that its call broke the process group (with why).
@@ -163,7 +163,7 @@ _current_call = {"id": None, "next": 0}
 
 
 def _publish_event(payload: object) -> None:
-    """The engine's way to `publish` (pplab.rank_context): one data key per event of the call."""
+    """The engine's way to `publish` (pplab.rank.rank_context): one data key per event of the call."""
     from IPython import get_ipython
 
     data_pub = get_ipython().data_pub

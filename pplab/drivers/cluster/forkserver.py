@@ -1,6 +1,6 @@
 """Start engines fast: import torch and ipyparallel once, then fork one engine per rank.
 
-Run as ``python -m pplab.cluster.forkserver COUNT [ipengine options...]``. Most of an
+Run as ``python -m pplab.drivers.cluster.forkserver COUNT [ipengine options...]``. Most of an
 engine's start-up is importing torch and ipyparallel; doing it once and forking
 shares that work between all ranks (Linux only: fork after import is unsafe on
 macOS). This process then stays as the engines' supervisor: SIGTERM stops all of
@@ -31,7 +31,7 @@ def preload() -> None:
     import ipykernel.ipkernel  # noqa: F401
     import ipyparallel.engine.app  # noqa: F401
 
-    import pplab.cluster.engine  # noqa: F401
+    import pplab.drivers.cluster.engine  # noqa: F401
 
 
 def start_engine(index: int, engine_argv: list[str]) -> int:

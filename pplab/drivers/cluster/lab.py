@@ -26,14 +26,14 @@ from collections.abc import Sequence
 from typing import Callable, Iterator
 
 from pplab.arguments import check_positive_int, check_positive_seconds
-from pplab.cluster import engine, records
-from pplab.cluster.calls import RankCall
-from pplab.cluster.errors import RESTART_HINT, LabError, LabNeedsRestartError, LabStartError
-from pplab.cluster.launchers import ConnectedCluster, LocalCluster
-from pplab.cluster.plan import (RankSpec, assign_ranks, check_gpus, check_threads, choose_backend_device,
+from pplab.drivers.cluster import engine, records
+from pplab.drivers.cluster.calls import RankCall
+from pplab.drivers.cluster.errors import RESTART_HINT, LabError, LabNeedsRestartError, LabStartError
+from pplab.drivers.cluster.launchers import ConnectedCluster, LocalCluster
+from pplab.drivers.cluster.plan import (RankSpec, assign_ranks, check_gpus, check_threads, choose_backend_device,
                                 local_ranks, loopback_interface)
-from pplab.cluster.status import RankGroup, RankInfo, RankTable
-from pplab.rank_context import RankEvent
+from pplab.drivers.cluster.status import RankGroup, RankInfo, RankTable
+from pplab.rank.rank_context import RankEvent
 
 TEARDOWN_SECONDS = 5.0
 

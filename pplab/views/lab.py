@@ -1,0 +1,67 @@
+"""The lab as a notebook uses it: its pipelines show their training live and open a dashboard.
+
+`pplab.Lab` is this `Lab`: the session's lab (pplab.session), whose `pipeline(...)` builds a
+`NotebookRun`, a `PipelineRun` with the views of this floor.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from pplab.data import Batch
+from pplab.session.drivers import Lab as _SessionLab
+from pplab.session.pipeline import PipelineRun
+
+
+class NotebookRun(PipelineRun):
+    """A pipeline on a lab's ranks, with live views: a dashboard, and training shown as it goes."""
+
+    def dashboard(self, batch: Batch | Sequence[Batch] | None = None, **options):
+        """A live dashboard of this pipeline (pplab.widgets.Dashboard): display it, then run steps."""
+        from pplab.views.widgets import Dashboard
+
+        if self.spec.world_size != self.schedule.n_ranks:
+            raise ValueError(f"the live dashboard draws one row per pipeline rank, but this mesh has "
+                             f"dp={self.mesh.dp} and tp={self.mesh.tp}: step the run and draw its timeline "
+                             f"with pplab.viz.plot_timeline(result.timeline, rank_labels=run.rank_labels)")
+        return Dashboard(self, batch, **options)
+
+    def training_display(self, total_steps: int, first_step: int, show: bool):
+        """In a notebook a `TrainingView` (progress, loss curves, the latest step); else the session's."""
+        if not (show and _in_notebook()):
+            return super().training_display(total_steps, first_step, show)
+        from IPython.display import display
+
+        from pplab.views.widgets.training import TrainingView
+
+        view = TrainingView(total_steps, first_step)
+        display(view)
+        return _RedrawnAtTheEnd(view)
+
+
+class Lab(_SessionLab):
+    __doc__ = _SessionLab.__doc__
+    run_class = NotebookRun
+
+
+def _in_notebook() -> bool:
+    """True in a Jupyter kernel (where widgets show)."""
+    try:
+        from IPython import get_ipython
+    except ImportError:
+        return False
+    shell = get_ipython()
+    return shell is not None and "IPKernelApp" in shell.config
+
+
+class _RedrawnAtTheEnd:
+    """A TrainingView fed step by step, drawn once more when the run ends."""
+
+    def __init__(self, view):
+        self.view = view
+
+    def add(self, record, timeline) -> None:
+        self.view.add(record, timeline)
+
+    def close(self) -> None:
+        self.view.redraw()

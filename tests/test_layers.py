@@ -1,0 +1,104 @@
+"""The folders are the floors: every import in pplab goes to its own floor or a lower one, and
+no modules import each other in a circle. Read from the source, imports inside functions included
+(a lazy import is still a dependency)."""
+
+import ast
+from pathlib import Path
+
+import pytest
+
+import pplab
+
+pytestmark = pytest.mark.quick  # starts no process (conftest makes sure)
+
+PACKAGE = Path(pplab.__file__).parent
+# The core's own two floors (DESIGN.md): data types and schedules, then what computes on them.
+CORE_FLOORS = {"arguments": 1, "model": 1, "data": 1, "trace": 1, "formatting": 1, "checkpoint_files": 1,
+               "schedules": 1, "partition": 2, "simulator": 2, "prediction": 2, "schedule_search": 2, "comm": 2}
+FOLDER_FLOORS = {"rank": 3, "drivers": 4, "session": 5, "views": 6}
+COMMAND = 7  # cli.py and __main__.py: the `pplab` command
+
+
+def module_name(path: Path) -> str:
+    parts = path.relative_to(PACKAGE.parent).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def floor(module: str) -> int:
+    """The floor of a pplab module, from where it lives."""
+    parts = module.split(".")[1:]
+    if not parts:
+        raise ValueError("pplab itself has no floor")
+    if parts[0] in FOLDER_FLOORS:
+        return FOLDER_FLOORS[parts[0]]
+    if parts[0] in ("cli", "__main__"):
+        return COMMAND
+    return CORE_FLOORS[parts[0]]
+
+
+def imports_of(path: Path) -> set[str]:
+    """The pplab modules a file imports, anywhere in it (`from a import b` counts b if it is a module)."""
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            found |= {alias.name for alias in node.names if alias.name.startswith("pplab.")}
+        elif isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("pplab"):
+            for alias in node.names:
+                submodule = f"{node.module}.{alias.name}"
+                found.add(submodule if submodule in MODULES else node.module)
+    return {name for name in found if name != "pplab"}
+
+
+# `pplab/__init__.py` is the front door: it names every floor's public parts, loading each on use.
+FILES = {module_name(path): path for path in PACKAGE.rglob("*.py") if path != PACKAGE / "__init__.py"}
+MODULES = set(FILES)
+IMPORTS = {module: imports_of(path) for module, path in FILES.items()}
+
+
+def test_every_module_has_a_floor():
+    assert [module for module in MODULES if floor(module) is None] == []
+
+
+@pytest.mark.parametrize("module", sorted(MODULES))
+def test_imports_go_down_or_stay_on_the_floor(module):
+    upward = sorted(f"{name} (floor {floor(name)})" for name in IMPORTS[module]
+                    if name in MODULES and floor(name) > floor(module))
+    assert upward == [], f"{module} (floor {floor(module)}) imports from above: {upward}"
+
+
+def test_no_module_imports_through_the_front_door():
+    """`from pplab import x` loads x lazily, which would hide its floor from these checks."""
+    front_door = sorted(module for module, path in FILES.items() for node in ast.walk(ast.parse(path.read_text()))
+                        if isinstance(node, ast.ImportFrom) and node.module == "pplab")
+    assert front_door == [], f"these modules import names from pplab itself: {front_door}"
+
+
+def test_no_modules_import_each_other_in_a_circle():
+    edges = {module: {name for name in IMPORTS[module] if name in MODULES} for module in MODULES}
+    # A package imports its own modules to offer their names; a module asking its package for a
+    # sibling's name is no circle of modules, so a package's edges to its own submodules are left out.
+    for module in edges:
+        edges[module] = {name for name in edges[module] if not name.startswith(module + ".")}
+    done, on_path, circles = set(), [], []
+
+    def visit(module):
+        if module in on_path:
+            circles.append(on_path[on_path.index(module):] + [module])
+            return
+        if module in done:
+            return
+        on_path.append(module)
+        for name in sorted(edges[module]):
+            visit(name)
+        on_path.pop()
+        done.add(module)
+
+    for module in sorted(edges):
+        visit(module)
+    assert circles == [], "import circles: " + "; ".join(" -> ".join(circle) for circle in circles)
+
+
+def test_the_floors_are_what_the_readme_says():
+    readme = (PACKAGE.parent / "README.md").read_text()
+    for folder in FOLDER_FLOORS:
+        assert f"`{folder}/`" in readme, f"the README's layout does not name pplab/{folder}/"
