@@ -103,6 +103,20 @@ class Event:
         return replace(self, start=self.start + seconds, end=self.end + seconds)
 
 
+@dataclass(frozen=True)
+class Now:
+    """What a rank starts at `since` (seconds on the step's clock), for live views.
+
+    `doing` is an action ("1F3"), a batch of messages ("1SEND_F3 1RECV_B0") or "done";
+    `waits_for` names, for each receive in it, the peer rank and the send it waits on.
+    """
+
+    rank: int
+    doing: str
+    since: float
+    waits_for: tuple[tuple[int, str], ...] = ()
+
+
 def _sort_key(event: Event):
     """Events sort by rank, then time; the rest only makes the order total (-1 stands for None)."""
     stage = -1 if event.stage is None else event.stage

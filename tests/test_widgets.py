@@ -4,7 +4,8 @@ import pytest
 
 pytest.importorskip("ipywidgets")
 
-from pplab.rank.runtime import Boundary, Now  # noqa: E402
+from pplab.rank.runtime import Boundary  # noqa: E402
+from pplab.trace import Now  # noqa: E402
 from pplab.schedules import build, theory  # noqa: E402
 from pplab.simulator import Costs, costs_from_timeline, simulate  # noqa: E402
 from pplab.views.widgets import (BubblesView, GradientsView, MemoryView, ShapesView,  # noqa: E402

@@ -26,7 +26,7 @@ from pplab.rank.reference import as_microbatches
 from pplab.rank.runtime import Boundary, RankRuntime, RankStep
 from pplab.schedules import Schedule, build, check_runnable, validate
 from pplab.simulator import Costs
-from pplab.trace import Timeline
+from pplab.trace import Event, Timeline
 
 
 IMPLEMENTATIONS = ("pplab", "torch")  # the hand-written runtime, torch.distributed.pipelining
@@ -167,16 +167,24 @@ class RankPipeline:
         """One step on this rank with the data `split_for_ranks` prepared for it (`watch`: see RankRuntime.step)."""
         if zero_grad:
             self.zero_grad()
+        # On a dp mesh, microbatches are numbered within the whole batch: what a watcher is
+        # told too, so that a streamed event and a returned one are the same event.
+        first = self.place.first_microbatch(self.spec.schedule.n_microbatches) if self.place else 0
+        numbered = watch if watch is None or not first else (
+            lambda item: watch(_renumbered(item, first) if isinstance(item, Event) else item))
         result = self.runtime.step(data.get("inputs"), data.get("targets"),
-                                   data.get("activation_shapes"), return_grads, watch)
-        if self.place and self.spec.mesh.dp > 1:  # number the microbatches of the whole batch
-            first = self.place.first_microbatch(self.spec.schedule.n_microbatches)
+                                   data.get("activation_shapes"), return_grads, numbered)
+        if first:
             result.microbatch_losses = {first + mb: loss for mb, loss in result.microbatch_losses.items()}
             result.boundaries = [dataclasses.replace(b, microbatch=first + b.microbatch)
                                  for b in result.boundaries]
-            result.events = [e if e.microbatch is None else dataclasses.replace(e, microbatch=first + e.microbatch)
-                             for e in result.events]
+            result.events = [_renumbered(e, first) for e in result.events]
         return result
+
+
+def _renumbered(event: Event, first: int) -> Event:
+    """The event with its microbatch counted from `first` (a dp replica's share of the batch)."""
+    return event if event.microbatch is None else dataclasses.replace(event, microbatch=first + event.microbatch)
 
 
 def split_for_ranks(spec: PipelineSpec, batch: Batch | Sequence[Batch],

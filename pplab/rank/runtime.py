@@ -35,7 +35,7 @@ from pplab.schedules import Action, Dependencies, Kind, Schedule, check_runnable
 from pplab.simulator import Costs
 from pplab.rank.split_backward import input_gradient, torch_split_backward, weight_gradients
 from pplab.rank.step_clock import StepClock, pad_to_cost
-from pplab.trace import Event
+from pplab.trace import Event, Now
 
 Key = tuple[int, int]  # (stage, microbatch)
 
@@ -49,20 +49,6 @@ class Boundary:
     shape: tuple[int, ...]
     dtype: str
     bytes: int
-
-
-@dataclass(frozen=True)
-class Now:
-    """What a rank starts at `since` (seconds on the step's clock), for live views.
-
-    `doing` is an action ("1F3"), a batch of messages ("1SEND_F3 1RECV_B0") or "done";
-    `waits_for` names, for each receive in it, the peer rank and the send it waits on.
-    """
-
-    rank: int
-    doing: str
-    since: float
-    waits_for: tuple[tuple[int, str], ...] = ()
 
 
 class _Teller:
@@ -99,6 +85,7 @@ class RankStep:
     boundaries: list[Boundary]
     grad_stats: dict[str, dict]
     grads: dict[str, torch.Tensor] | None = None
+    streamed: int = 0  # events published while the step ran, and so left out of `events`
 
 
 @dataclass

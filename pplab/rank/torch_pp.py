@@ -25,11 +25,11 @@ from pplab.comm import dtype_name, monotonic_clock
 from pplab.rank.gradients import gradient_report
 from pplab.rank.memory import ForwardBytes
 from pplab.model import loss_fn
-from pplab.rank.runtime import Boundary, Now, RankStep
+from pplab.rank.runtime import Boundary, RankStep
 from pplab.schedules import TORCH_SCHEDULES, Action, Kind, Schedule, build, from_torch
 from pplab.simulator import Costs
 from pplab.rank.step_clock import StepClock, pad_to_cost
-from pplab.trace import Event
+from pplab.trace import Event, Now
 
 def torch_schedule(name: str, n_ranks: int, n_microbatches: int, n_virtual: int = 1) -> Schedule:
     """The pplab schedule torch will run for `name` (checked on the client, torch's constraints included).

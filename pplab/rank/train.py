@@ -38,6 +38,7 @@ from pplab.model import LlamaConfig, LlamaModel, loss_fn
 from pplab.partition import layer_ranges
 from pplab.rank.rank_pipeline import PipelineSpec, RankPipeline, split_for_ranks
 from pplab.rank.reference import as_microbatches
+from pplab.trace import Event, Now
 
 
 @dataclass(frozen=True)
@@ -157,7 +158,6 @@ class RankTrainer:
         with torch.device("meta"):
             names = [name for name, _ in LlamaModel(spec.config).named_parameters()]
         self.slot = {name: index for index, name in enumerate(names)}  # the full model's order
-        self.last_events: list = []
         self.step = 0            # steps done
         self.data_position = 0   # batches consumed
         self.checkpointer = None
@@ -173,14 +173,13 @@ class RankTrainer:
 
     # --- one step -----------------------------------------------------------------------
 
-    def train_step(self) -> TrainRecord:
-        """One optimizer step on the next batch."""
+    def train_step(self, watch: Callable[[Event | Now], None] | None = None) -> TrainRecord:
+        """One optimizer step on the next batch (`watch` is told what the step does, as in RankPipeline.step)."""
         started = time.perf_counter()
         batch = next(batches(self.options.batch_size, self.options.seq_len, self.options.data_seed,
                              split="train", start=self.data_position))
         lr = self.optimizer.param_groups[0]["lr"]
-        rank_step = self.pipeline.step(split_for_ranks(self.pipeline.spec, batch)[self.rank])
-        self.last_events = rank_step.events  # for live views: what this rank did in the step
+        rank_step = self.pipeline.step(split_for_ranks(self.pipeline.spec, batch)[self.rank], watch=watch)
         grad_norm = self.clip_gradients()
         self.optimizer.step()
         self.scheduler.step()
@@ -265,16 +264,20 @@ class RankTrainer:
 
     # --- the loop ---------------------------------------------------------------------------
 
-    def train(self, until: int | None = None,
-              on_step: Callable[[TrainRecord], None] | None = None) -> TrainHistory:
-        """Steps until step `until` (default: options.steps), evaluating and saving as configured."""
+    def train(self, until: int | None = None, on_step: Callable[[TrainRecord], None] | None = None,
+              watch: Callable[[Event | Now], None] | None = None) -> TrainHistory:
+        """Steps until step `until` (default: options.steps), evaluating and saving as configured.
+
+        `on_step` gets each step's record when the step is done; `watch` what each step does
+        while it runs (its events and what the rank starts), for live views.
+        """
         until = self.options.steps if until is None else until
         if not isinstance(until, int) or until < self.step:
             raise ValueError(f"until={until!r}: this run has done {self.step} steps; give a step >= "
                              f"{self.step}")
         history = TrainHistory(resumed_from=self.resumed_from)
         while self.step < until:
-            record = self.train_step()
+            record = self.train_step(watch)
             every = self.options.eval_every
             if every and (self.step % every == 0 or self.step == until):
                 record.eval_loss = self.evaluate()
@@ -316,7 +319,6 @@ class RankTrainer:
                                   self.pipeline.spec.config)
         self.step, self.data_position = int(state["step"]), int(state["data_position"])
         self.resumed_from = state["path"]
-        self.last_events = []
 
 
 def _check_every_rank_has_parameters(spec: PipelineSpec) -> None:

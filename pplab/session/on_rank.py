@@ -1,5 +1,10 @@
 """What a pipeline session runs on each rank: its stages, built once and kept, stepped and trained.
 
+What a rank publishes while a call runs is one of three types, each sent once: an `Event`
+(something it did, as it ends), a `Now` (what it starts, whom it waits on) and, in
+training, a `TrainRecord` (a step done, after that step's events). A live step's events
+travel only on the stream: the step's result says how many there were.
+
 Ranks are long-lived (lab engines, a pool's processes), so each keeps its `RankPipeline`
 in a registry keyed by the run's id, and its trainer (optimizer, LR schedule, step)
 beside it. The client side is `pplab.session.pipeline`; these functions are called
@@ -10,13 +15,17 @@ through a driver's `run` / `run_async`, on every rank, and publish through
 from __future__ import annotations
 
 import dataclasses
+from collections import Counter
 
 from pplab.rank import faults
 from pplab.rank.mesh import memory_held, optimizer_state_bytes
 from pplab.rank.rank_context import Feed, rank_context
 from pplab.rank.rank_pipeline import PipelineSpec, RankPipeline
 from pplab.rank.runtime import RankStep
-from pplab.rank.train import RankTrainer, TrainHistory, TrainOptions
+from pplab.rank.train import RankTrainer, TrainHistory, TrainOptions, TrainRecord
+from pplab.trace import Event, Now
+
+RANK_ITEMS = (Event, Now, TrainRecord)  # what a rank publishes (see above)
 
 _pipelines: dict[str, RankPipeline] = {}
 _trainers: dict[str, RankTrainer] = {}
@@ -52,7 +61,8 @@ def step_on_rank(run_id: str, per_rank_data: list[dict], return_grads: bool,
         if live_interval is None:
             return pipeline.step(data, return_grads=return_grads)
         with Feed(live_interval) as feed:
-            return pipeline.step(data, return_grads=return_grads, watch=feed.put)
+            streamed = _Streamed(feed)
+            return streamed.left_out_of(pipeline.step(data, return_grads=return_grads, watch=streamed))
 
 
 def train_on_rank(run_id: str, options: TrainOptions, until: int | None,
@@ -70,8 +80,31 @@ def train_on_rank(run_id: str, options: TrainOptions, until: int | None,
                and dataclasses.replace(trainer.options, resume=None) == options)
     if not goes_on:
         trainer = _trainers[run_id] = RankTrainer(pipeline, options)
-    with Feed(live_interval) as feed, faults.in_run(run_id):
-        return trainer.train(until, on_step=lambda record: feed.put((record, trainer.last_events)))
+    with Feed(live_interval) as feed, faults.in_run(run_id):  # each step's events, then its record
+        return trainer.train(until, on_step=feed.put, watch=feed.put)
+
+
+class _Streamed:
+    """Hands what a step tells to the feed, keeping count of the events, so that the step's result
+    does not carry them a second time."""
+
+    def __init__(self, feed: Feed):
+        self.feed, self.events = feed, Counter()
+
+    def __call__(self, item: Event | Now) -> None:
+        if isinstance(item, Event):
+            self.events[item] += 1
+        self.feed.put(item)
+
+    def left_out_of(self, step: RankStep) -> RankStep:
+        """The step without the events that went out on the stream (and how many those were)."""
+        sent, kept = Counter(self.events), []
+        for event in step.events:
+            if sent[event]:
+                sent[event] -= 1
+            else:
+                kept.append(event)
+        return dataclasses.replace(step, events=kept, streamed=sum(self.events.values()))
 
 
 def memory_on_rank(run_id: str) -> dict:

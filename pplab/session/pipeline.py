@@ -9,6 +9,8 @@ each boundary, gradient statistics. What runs on the ranks is in `pplab.session.
 
 from __future__ import annotations
 
+import dataclasses
+import time
 import uuid
 from collections.abc import Sequence
 
@@ -25,10 +27,14 @@ from pplab.rank.rank_context import RankError, StillRunning
 from pplab.rank.rank_pipeline import PipelineSpec, StepResult, merge_steps, split_for_ranks
 from pplab.rank.reference import reference_step
 from pplab.schedules import Schedule
-from pplab.session.on_rank import build_on_rank, drop_on_rank, memory_on_rank, step_on_rank, train_on_rank
+from pplab.session.on_rank import (RANK_ITEMS, build_on_rank, drop_on_rank, memory_on_rank, step_on_rank,
+                                   train_on_rank)
 from pplab.simulator import Costs, simulate
-from pplab.trace import Timeline
-from pplab.rank.train import ProgressBar, TrainHistory, TrainOptions, check_trainable
+from pplab.trace import Event, Now, Timeline
+from pplab.rank.train import ProgressBar, TrainHistory, TrainOptions, TrainRecord, check_trainable
+
+STREAM_DRAIN_SECONDS = 10.0  # how long a live step's result waits for events trailing it
+
 
 class PipelineRun:
     """A pipeline built on the ranks of a driver (a lab, a RankPool): step it, check it, train it."""
@@ -129,17 +135,25 @@ class PipelineRun:
             first_step = read_manifest(resume_path(train_options.resume, train_options.checkpoint_dir))["step"]
         call = self.lab.run_async(train_on_rank, self.run_id, train_options, until, live_interval)
         view = self.training_display(train_options.steps if until is None else until, first_step, show)
-        by_step: dict[int, list] = {}
+        world_size = self.lab.world_size
+        since_last_record: dict[int, list[Event]] = {rank: [] for rank in range(world_size)}
+        by_step: dict[int, dict[int, tuple[TrainRecord, list[Event]]]] = {}
 
         def show_arrived() -> None:
-            for event in call.poll_events():
-                for _, (record, events) in event.payload:
-                    by_step.setdefault(record.step, []).append((event.rank, record, events))
-                    if len(by_step[record.step]) == self.lab.world_size:  # every rank is past it
-                        ranks = sorted(by_step.pop(record.step), key=lambda item: item[0])
-                        timeline = Timeline([e for _, _, es in ranks for e in es], self.lab.world_size,
-                                            label=f"step {record.step}")
-                        view.add(ranks[0][1], timeline)
+            # Each rank sends a step's events, then the step's record: the events since a rank's
+            # last record are that step's. A step is shown once every rank is past it.
+            for published in call.poll_events():
+                for _, item in published.payload:
+                    if isinstance(checked(item), Event):
+                        since_last_record[published.rank].append(item)
+                    elif isinstance(item, TrainRecord):
+                        step = by_step.setdefault(item.step, {})
+                        step[published.rank], since_last_record[published.rank] = (
+                            item, since_last_record[published.rank]), []
+                        if len(step) == world_size:
+                            del by_step[item.step]
+                            events = [event for rank in sorted(step) for event in step[rank][1]]
+                            view.add(step[0][0], Timeline(events, world_size, label=f"step {item.step}"))
 
         try:
             while True:
@@ -222,21 +236,41 @@ class _NoDisplay:
         pass
 
 
+def checked(item):
+    """`item` if it is of a type ranks publish (pplab.session.on_rank.RANK_ITEMS), else a TypeError."""
+    if not isinstance(item, RANK_ITEMS):
+        raise TypeError(f"a rank published a {type(item).__name__}; ranks publish only "
+                        f"{', '.join(kind.__name__ for kind in RANK_ITEMS)}")
+    return item
+
+
 class LiveStep:
-    """One step running on the ranks: what they published so far, then the merged result."""
+    """One step running on the ranks: what they published so far, then the merged result.
+
+    With a live interval, the ranks' events come only on the stream (each rank's result says
+    how many it sent): the result waits for all of them, a bounded time.
+    """
 
     def __init__(self, run: PipelineRun, call):
         self.run, self.call = run, call
-        self.events: list = []  # the step's events that have arrived, from every rank
+        self.events: list[Event] = []  # the step's events that have arrived, from every rank
+        self._by_rank: dict[int, list[Event]] = {rank: [] for rank in range(run.spec.world_size)}
+        self._unseen: list[tuple[float, Event | Now]] = []  # arrived, not yet given out by poll()
         self._result: StepResult | None = None
 
-    def poll(self) -> list[tuple[float, object]]:
+    def poll(self) -> list[tuple[float, Event | Now]]:
         """What arrived since the last look, as (time the rank put it, Event or Now), without waiting."""
-        from pplab.trace import Event
-
-        items = [item for event in self.call.poll_events() for item in event.payload]
-        self.events += [item for _, item in items if isinstance(item, Event)]
+        self._receive()
+        items, self._unseen = self._unseen, []
         return items
+
+    def _receive(self) -> None:
+        for published in self.call.poll_events():
+            for put_at, item in published.payload:
+                if isinstance(checked(item), Event):
+                    self.events.append(item)
+                    self._by_rank[published.rank].append(item)
+                self._unseen.append((put_at, item))
 
     def wait(self, timeout: float) -> None:
         """Block until every rank has finished, or `timeout` seconds (errors are left to `finished`)."""
@@ -260,7 +294,25 @@ class LiveStep:
     def result(self) -> StepResult:
         """Wait for every rank; the merged step (also kept as `run.last`)."""
         if self._result is None:
-            self._result = merge_steps(self.call.result())
-            self.call.wait_for_events()  # a rank's last published items may trail its result
+            rank_steps = self.call.result()
+            self._wait_for_streamed(rank_steps)
+            self.call.wait_for_events()  # what a rank told after its last event (it is "done") may trail
+            self._result = merge_steps([dataclasses.replace(step, events=[*self._by_rank[step.rank], *step.events])
+                                        for step in rank_steps])
             self.run.last = self._result
         return self._result
+
+    def _wait_for_streamed(self, rank_steps, seconds: float = STREAM_DRAIN_SECONDS) -> None:
+        """Until every event each rank streamed has arrived (they may trail its result), at most `seconds`."""
+        deadline = time.monotonic() + seconds
+        while True:
+            self._receive()
+            missing = {step.rank: (len(self._by_rank[step.rank]), step.streamed) for step in rank_steps
+                       if len(self._by_rank[step.rank]) < step.streamed}
+            if not missing:
+                return
+            if time.monotonic() > deadline:
+                rank, (arrived, sent) = next(iter(missing.items()))
+                raise RuntimeError(f"rank {rank} streamed {sent} events of its step, but {arrived} arrived "
+                                   f"within {seconds:g} s: the timeline would miss some; step again")
+            self.call.wait_for_events(0.1)

@@ -164,7 +164,7 @@ class Dashboard(widgets.VBox):
     def _take(self, items) -> None:
         """Put what the ranks published into the 'where each rank is' panel, and redraw it
         (also with nothing new: how long a rank has waited keeps growing)."""
-        from pplab.rank.runtime import Now
+        from pplab.trace import Now
 
         for _, item in items:
             if isinstance(item, Now):

@@ -314,7 +314,7 @@ class WhereView(widgets.VBox):
         self.render()
 
     def update(self, now, seen_at: float | None = None) -> None:
-        """Take a rank's latest `pplab.rank.runtime.Now` (what it started, whom it waits on)."""
+        """Take a rank's latest `pplab.trace.Now` (what it started, whom it waits on)."""
         self.latest[now.rank] = now
         self.seen_at[now.rank] = time.monotonic() if seen_at is None else seen_at
 
