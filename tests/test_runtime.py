@@ -159,6 +159,12 @@ def test_bad_microbatches_are_refused_on_the_client(overrides, message):
 
 
 @pytest.mark.quick
+def test_a_bad_microbatch_count_is_named_as_the_caller_typed_it():
+    with pytest.raises(ValueError, match=r"^microbatches=0 must be at least 1, e.g. microbatches=4"):
+        PipelineSpec.create(CONFIG, "1f1b", 2, 0)
+
+
+@pytest.mark.quick
 def test_a_ready_schedule_must_agree_with_the_arguments():
     schedule = build("1f1b", 2, 4)
     with pytest.raises(ValueError, match="the schedule is for 4 microbatches but 8 were asked for"):

@@ -59,6 +59,8 @@ class PipelineSpec:
         """
         if impl not in IMPLEMENTATIONS:
             raise ValueError(f"impl={impl!r}: choose one of {', '.join(map(repr, IMPLEMENTATIONS))}")
+        if microbatches is not None:  # named as the caller typed it (the schedule API says n_microbatches)
+            check_positive_int("microbatches", microbatches, example=4)
         if mesh is not None:
             mesh = Mesh.of(mesh)
             mesh.check(config, n_ranks, impl)
