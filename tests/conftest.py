@@ -23,6 +23,11 @@ import os
 import psutil
 import pytest
 
+# This process, and the notebook kernels nbmake starts, share the cores with the ranks: one
+# torch thread each, as every rank has (DESIGN.md). Two OpenMP threads spinning against busy
+# ranks made a one-device reference step 6-17 times slower. (Read by torch when it loads.)
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+
 LAB_PROCESS_MARKERS = ("ipyparallel.controller", "ipyparallel.engine", "ipcontroller",
                        "ipengine", "pplab.drivers.cluster.forkserver")
 
