@@ -20,10 +20,11 @@ CORE = ["pplab.arguments", "pplab.model", "pplab.data", "pplab.schedules", "ppla
         "pplab.partition", "pplab.simulator", "pplab.prediction", "pplab.comm", "pplab.rank.runtime",
         "pplab.rank.step_clock", "pplab.rank.memory", "pplab.rank.split_backward", "pplab.rank.shards", "pplab.rank.gradients",
         "pplab.rank.reference", "pplab.rank.checks", "pplab.rank.rank_pipeline", "pplab.drivers.local", "pplab.rank.torch_pp",
-        "pplab.checkpoint", "pplab.checkpoint_files", "pplab.train", "pplab.mesh", "pplab.rank.profiler",
-        "pplab.faults", "pplab.rank.rank_context",
+        "pplab.rank.checkpoint", "pplab.checkpoint_files", "pplab.rank.train", "pplab.rank.mesh", "pplab.rank.profiler",
+        "pplab.rank.faults", "pplab.rank.rank_context",
         "pplab.session.on_rank"]  # train and the session's rank side run under torchrun: no Jupyter either
-UPPER_FLOORS = ["ipyparallel", "IPython", "ipywidgets", "matplotlib", "pplab.cluster"]
+UPPER_FLOORS = ["ipyparallel", "IPython", "ipywidgets", "matplotlib", "pplab.drivers.cluster",
+                "pplab.views"]
 PURE_PYTHON = ["pplab", "pplab.schedules", "pplab.trace", "pplab.formatting", "pplab.simulator",
                "pplab.prediction", "pplab.checkpoint_files", "pplab.rank.rank_context"]  # not even torch
 
@@ -88,11 +89,11 @@ def test_schedules_trace_and_simulator_load_no_torch(module, imports_seen):
 
 def test_the_top_level_names_load_on_first_use():
     script = ("import sys, pplab\n"
-              "assert 'pplab.cluster' not in sys.modules\n"
+              "assert 'pplab.drivers.cluster' not in sys.modules\n"
               "lab_class = pplab.Lab\n"
-              "assert 'pplab.cluster' in sys.modules and lab_class.__module__ == 'pplab.views.lab'\n"
+              "assert 'pplab.drivers.cluster' in sys.modules and lab_class.__module__ == 'pplab.views.lab'\n"
               "assert 'matplotlib' not in sys.modules\n"
-              "pplab.views.viz\n"
+              "pplab.viz\n"
               "assert 'matplotlib' in sys.modules\n")
     done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr
