@@ -7,11 +7,12 @@
     lab.restart()                 # after a hang or a crash
     lab.stop()                    # nothing left running
 
-Modules, top to bottom: `plan` (backend/device, rank order), `errors`, `engine`
-(what runs on each engine), `forkserver` (fast engine start), `records` (on-disk
-records and `cleanup`), `status` (the ranks of a start and what calls learned about
-them), `calls` (waiting, errors, streaming), `launchers` (a local cluster or a
-connected one) and `lab` (the Lab itself). The cluster knows engines, ranks,
+Modules, top to bottom: `plan` (backend/device, rank order), `errors`,
+`gloo_adapter` and `ipyparallel_adapter` (the one place for what the lab relies on in
+gloo and ipyparallel beyond what they promise), `engine` (what runs on each engine),
+`forkserver` (fast engine start), `records` (on-disk records and `cleanup`), `status`
+(the ranks of a start and what calls learned about them), `calls` (waiting, errors,
+streaming), `launchers` (a local cluster or a connected one) and `lab` (the Lab itself). The cluster knows engines, ranks,
 rendezvous and lifecycle only: pipelines on a lab are the session's
 (`pplab.session`, whose `pplab.Lab` adds `lab.pipeline(...)`).
 """

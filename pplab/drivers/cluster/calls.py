@@ -17,26 +17,14 @@ import time
 from typing import Iterator
 
 from pplab.drivers.cluster.engine import PROCESS_GROUP_BROKEN_KEY, event_key
-from pplab.drivers.cluster.errors import (REMOTE_TRACEBACK, RESTART_HINT, RankDiedError, RankFailedError,
-                                  RankTimeoutError)
+from pplab.drivers.cluster.errors import RESTART_HINT, RankDiedError, RankFailedError, RankTimeoutError
+from pplab.drivers.cluster.ipyparallel_adapter import engine_died, results_per_engine
 from pplab.drivers.cluster.status import RankGroup
 from pplab.rank.rank_context import RankEvent, StillRunning
 
 POLL_SECONDS = 0.1  # how often a waiting client looks for dead ranks and new events
 OUTPUT_DRAIN_SECONDS = 2.0  # events may trail a rank's result by a moment: wait this long for them
 _ANSI_ESCAPES = re.compile(r"\x1b\[[0-9;]*m")
-
-
-def _one_result_per_rank(async_result) -> list:
-    """Split an AsyncResult over the ranks into one single-result AsyncResult per rank.
-
-    (AsyncResult.split() returns a lone result unsplit, as a list of one.)
-    """
-    from ipyparallel import AsyncResult
-
-    return [AsyncResult(async_result._client, children=child, targets=[target],
-                        fname=async_result._fname, owner=False)
-            for child, target in zip(async_result._children, async_result._targets)]
 
 
 def _remote_parts(error: BaseException) -> tuple[str, str, str]:
@@ -46,22 +34,13 @@ def _remote_parts(error: BaseException) -> tuple[str, str, str]:
     return type(error).__name__, str(error), ""
 
 
-def _engine_died(error: BaseException) -> bool:
-    """True for the error ipyparallel puts in place of the result of an engine that died."""
-    # ipyparallel raises an EngineError on the client when an engine unregisters with work
-    # outstanding, then turns it into a RemoteError like any error from an engine: only
-    # the class name is left, and no typed alternative exists. This is the one place
-    # that reads it.
-    return _remote_parts(error)[0] == "EngineError"
-
-
 class RankCall:
     """A function running on every rank: its results ordered by rank, its events as they arrive."""
 
     def __init__(self, ranks: RankGroup, async_result, name: str, timeout: float | None,
                  grace: float):
         self._ranks = ranks
-        self._per_rank = _one_result_per_rank(async_result)
+        self._per_rank = results_per_engine(async_result)  # the call's targets are in rank order
         self._name = name
         self._timeout = timeout
         self._grace = grace
@@ -165,7 +144,7 @@ class RankCall:
                   if result.ready() and not result.successful()]
         running = self.running_ranks()
         died = self._dead | {rank for rank in failed
-                             if _engine_died(self._per_rank[rank].exception())}
+                             if engine_died(self._per_rank[rank].exception())}
         if died or failed:
             if self._first_failure_at is None:
                 self._first_failure_at = time.monotonic()
@@ -203,9 +182,10 @@ class RankCall:
                       RESTART_HINT]
             rank, note = next(iter(broken.items()))
             self._ranks.needs_restart(f"rank {rank}'s process group failed ({note})")
-        lines.append(f"{REMOTE_TRACEBACK} (rank {first}):\n{traceback}")
+        summary = "\n".join(lines)
         self._ranks.record_errors({rank: self._per_rank[rank].exception() for rank in failed})
-        return RankFailedError("\n".join(lines), rank=first, ename=ename, evalue=evalue,
+        return RankFailedError(f"{summary}\n\nRemote traceback (rank {first}):\n{traceback}",
+                               summary=summary, rank=first, ename=ename, evalue=evalue,
                                traceback=traceback, still_running=running)
 
     def _process_group_notes(self, failed: list[int]) -> dict[int, str]:

@@ -22,8 +22,9 @@ import threading
 import torch
 import torch.distributed as dist
 
-from pplab.drivers.cluster.plan import RankSpec
 from pplab.comm import PipelineTimeoutError
+from pplab.drivers.cluster.gloo_adapter import gloo_transport_failed
+from pplab.drivers.cluster.plan import RankSpec
 from pplab.drivers.local import free_port
 from pplab.rank.rank_context import RankContext, publish, set_rank_context
 
@@ -32,10 +33,8 @@ EVENT_KEY_PREFIX = "pplab-event-"
 PROCESS_GROUP_BROKEN_KEY = "pplab-process-group-broken"
 # After these a rank's process group cannot be used again: a timed-out P2P wait of the
 # runtime leaves gloo's pair closed; a backend error leaves the communicator unusable.
+# (So does gloo's untyped error of a raw send/recv: gloo_adapter recognises it.)
 BREAKING_ERRORS = (PipelineTimeoutError, dist.DistBackendError)
-# gloo's transport raises a plain RuntimeError for a raw send/recv that timed out or lost its
-# peer ("[.../gloo/transport/tcp/pair.cc:553] Connection closed by peer"); the pair is closed.
-GLOO_TRANSPORT_WORDS = "gloo/transport/"
 
 
 def event_key(sequence: int) -> str:
@@ -139,9 +138,7 @@ def breaks_process_group(error: BaseException) -> bool:
     """True if `error`, or an error it was raised from or while handling, leaves the group unusable."""
     seen = set()
     while error is not None and id(error) not in seen:
-        if isinstance(error, BREAKING_ERRORS):
-            return True
-        if isinstance(error, RuntimeError) and GLOO_TRANSPORT_WORDS in str(error):
+        if isinstance(error, BREAKING_ERRORS) or gloo_transport_failed(error):
             return True
         seen.add(id(error))
         error = error.__cause__ or error.__context__

@@ -10,17 +10,21 @@ from pplab.rank.rank_context import RankError
 
 # The last line of every error after which only fresh engines help.
 RESTART_HINT = "Call lab.restart() to get fresh ranks."
-# What starts the rank's own traceback at the end of a RankFailedError's message.
-REMOTE_TRACEBACK = "\nRemote traceback"
 
 
 class LabError(RankError):
     """Something went wrong with the lab's engines or with a call running on them."""
 
+    def __init__(self, message: str, *, summary: str | None = None):
+        super().__init__(message)
+        # Kept apart when the error is built, so that it is never cut out of the message's
+        # text afterwards (where a rank's own message could hold anything).
+        self._summary = (message if summary is None else summary).strip()
+
     @property
     def summary(self) -> str:
-        """The message without the rank's traceback: what happened and the fix (for a status line)."""
-        return str(self).split(REMOTE_TRACEBACK)[0].strip()
+        """What happened and the fix, without the rank's traceback (for a status line)."""
+        return self._summary
 
 
 class LabStartError(LabError):
@@ -30,9 +34,9 @@ class LabStartError(LabError):
 class RankFailedError(LabError):
     """A rank raised an exception; carries its rank, exception type and remote traceback."""
 
-    def __init__(self, message: str, *, rank: int, ename: str, evalue: str, traceback: str,
-                 still_running: list[int]):
-        super().__init__(message)
+    def __init__(self, message: str, *, summary: str, rank: int, ename: str, evalue: str,
+                 traceback: str, still_running: list[int]):
+        super().__init__(message, summary=summary)
         self.rank = rank
         self.ename = ename
         self.evalue = evalue

@@ -1,0 +1,140 @@
+"""The adapters: what the lab relies on in ipyparallel and gloo beyond their promises, checked for real.
+
+pplab reads ipyparallel's private attributes, and recognises ipyparallel's and gloo's
+errors by class name or text, in one place each (pplab/drivers/cluster/*_adapter.py).
+Each test here gives its adapter the real thing (an AsyncResult of a real call, the error
+of an engine that really died, gloo's own error of a receive that timed out), so an
+upgrade that changes what an adapter relies on fails here, naming it.
+
+Functions sent to the ranks are defined at module level (the engines import this module).
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import os
+
+import pytest
+import torch
+
+from pplab.drivers.cluster import LabError, RankFailedError
+from pplab.drivers.cluster.gloo_adapter import gloo_transport_failed
+from pplab.drivers.cluster.ipyparallel_adapter import engine_died, results_per_engine
+
+# -- functions that run on the ranks ------------------------------------------------------
+
+
+def engine_pid():
+    return os.getpid()
+
+
+def exit_on_rank_1_while_rank_0_raises():
+    """Rank 1's process ends mid-call; rank 0 raises an ordinary error."""
+    import torch.distributed as dist
+
+    if dist.get_rank() == 1:
+        os._exit(3)
+    raise ValueError("rank 0 is alive and raising")
+
+
+def what_gloo_transport_failed_says_of_a_receive_that_times_out():
+    """Rank 1 waits for a message rank 0 never sends, until gloo's own timeout; the adapter's verdict."""
+    import torch.distributed as dist
+
+    if dist.get_rank() != 1:
+        return None  # returns at once, its engine still running: the pair stays open
+    try:
+        dist.recv(torch.zeros(1), src=0)
+    except Exception as error:
+        return type(error).__name__, str(error), gloo_transport_failed(error)
+    return "the receive returned"
+
+
+def raise_a_message_that_looks_like_a_traceback():
+    raise ValueError("first line\nRemote traceback (rank 9): only words in the message")
+
+
+# -- ipyparallel ----------------------------------------------------------------------------
+
+
+@pytest.mark.timeout(60)
+def test_results_per_engine_are_what_split_gives_for_each_engine(lab2):
+    import ipyparallel as ipp
+
+    engines = lab2.view.targets  # in rank order
+    call = lab2.view.apply_async(engine_pid)
+    # What the adapter reads: AsyncResult's private attributes, of these types.
+    assert isinstance(call._client, ipp.Client) and isinstance(call._fname, str)
+    assert call._targets == engines and len(call._children) == len(engines)
+
+    ours, split = results_per_engine(call), call.split()
+    assert all(isinstance(result, concurrent.futures.Future) for result in ours)  # RankCall waits on them
+    assert [result.get(20) for result in ours] == [result.get(20) for result in split] == call.get(20)
+    assert [result.msg_ids for result in ours] == [result.msg_ids for result in split]
+    assert [result.metadata["engine_id"] for result in ours] == engines
+    assert all(isinstance(result.metadata["data"], dict) for result in ours)  # where events arrive
+
+    # Why the adapter exists: a call on one engine, split() gives back unsplit (a list of one).
+    lone = lab2.client[engines[1:]].apply_async(engine_pid)
+    [alone] = results_per_engine(lone)
+    assert alone.get(20) == call.get()[1]
+    assert lone.split()[0].get() == [alone.get()], \
+        "AsyncResult.split() now splits a lone result: results_per_engine could use it instead"
+
+
+@pytest.mark.timeout(90)
+def test_engine_died_recognises_what_ipyparallel_gives_for_an_engine_that_died(fragile_lab):
+    try:
+        # Straight to ipyparallel, with no RankCall noticing the dead process first.
+        call = fragile_lab.view.apply_async(exit_on_rank_1_while_rank_0_raises)
+        raised, died = results_per_engine(call)
+        # The controller misses the engine's heartbeats (10 s: launchers.CONTROLLER_ARGS),
+        # then the client puts an error in place of the stranded result.
+        died.wait(40)
+        assert died.ready(), "ipyparallel gave no result for an engine that died"
+        error = died.exception()
+        assert engine_died(error), f"not recognised: {type(error).__name__}: {error}"
+        raised.wait(20)
+        assert not engine_died(raised.exception())  # an ordinary error of a live rank
+    finally:
+        fragile_lab.restart()  # the lab never learned that rank 1 is gone
+
+
+# -- gloo -----------------------------------------------------------------------------------
+
+
+@pytest.mark.timeout(60)
+def test_gloo_transport_failed_recognises_gloos_error_of_a_receive_that_timed_out(fragile_lab):
+    try:
+        verdicts = fragile_lab.run(what_gloo_transport_failed_says_of_a_receive_that_times_out,
+                                   timeout=fragile_lab.timeout + 20)
+        assert verdicts[0] is None and verdicts[1] != "the receive returned"
+        ename, message, recognised = verdicts[1]
+        assert recognised, f"gloo's error no longer reads as its transport's: {ename}: {message}"
+    finally:
+        fragile_lab.restart()  # the pair gloo closed is not to be used again
+    with pytest.raises(RuntimeError) as other:  # torch's own RuntimeError, not gloo's
+        torch.zeros(2) + torch.zeros(3)
+    assert not gloo_transport_failed(other.value)
+
+
+# -- summaries, kept apart when the error is built ------------------------------------------------
+
+
+@pytest.mark.quick
+def test_a_lab_error_without_a_traceback_is_its_own_summary():
+    assert LabError("what happened\nthe fix\n").summary == "what happened\nthe fix"
+    assert LabError("what happened\nlogs...", summary="what happened").summary == "what happened"
+
+
+@pytest.mark.timeout(60)
+def test_a_failed_calls_summary_is_what_precedes_the_traceback_whatever_the_rank_said(lab2):
+    with pytest.raises(RankFailedError) as caught:
+        lab2.run(raise_a_message_that_looks_like_a_traceback)
+    error = caught.value
+    assert error.summary == (f"rank {error.rank} raised ValueError in "
+                             f"raise_a_message_that_looks_like_a_traceback():\nfirst line\n"
+                             f"Remote traceback (rank 9): only words in the message\n"
+                             f"Ranks [{1 - error.rank}] raised too (see lab.last_errors).")
+    assert str(error).startswith(f"{error.summary}\n\nRemote traceback (rank {error.rank}):\n")
+    assert lab2.state == "running"
