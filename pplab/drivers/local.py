@@ -296,7 +296,7 @@ class RankPool:
 
     def restart(self) -> None:
         """Replace every process by a fresh one (a new process group)."""
-        self._end_processes(kill=True)
+        self._end_processes(patience=1.0)
         self._start()
 
     def stop(self) -> None:
@@ -305,7 +305,7 @@ class RankPool:
             return
         self._stopped = True
         _running_pools.discard(self)
-        self._end_processes(kill=False)
+        self._end_processes(patience=5.0)
 
     def __enter__(self) -> "RankPool":
         return self
@@ -315,7 +315,7 @@ class RankPool:
 
     def __del__(self) -> None:
         if not getattr(self, "_stopped", True):
-            self._end_processes(kill=True)
+            self._end_processes(patience=1.0)
 
     def __repr__(self) -> str:
         return f"<RankPool {self.world_size} ranks, {self.backend}: {self.state}>"
@@ -339,23 +339,26 @@ class RankPool:
             except queue.Empty:
                 dead = [r for r, p in enumerate(self._processes) if p.exitcode is not None]
                 if dead or time.monotonic() > deadline:
-                    self._end_processes(kill=True)
+                    self._end_processes(patience=0.0)
                     why = f"ranks {dead} died" if dead else f"not every rank was up after {self.init_timeout + 60:g} s"
                     raise LocalRankError(f"the pool's ranks did not start: {why}") from None
                 continue
             if kind == "error":
-                self._end_processes(kill=True)
+                self._end_processes(patience=0.0)
                 raise LocalRankError(f"rank {rank} could not join the process group: {_one_line(*value[:2])}",
                                      {rank: f"failed: {_one_line(*value[:2])}"}, {rank: value[:2]})
             ready.add(rank)
 
-    def _end_processes(self, kill: bool) -> None:
-        """End the ranks: asked to leave (they finish their call first), or killed."""
-        if not kill:
-            for inbox in self._inboxes:
-                inbox.put(_STOP)
+    def _end_processes(self, patience: float) -> None:
+        """End the ranks: asked to leave, and killed if still there after `patience` seconds.
+
+        A rank waiting for its next call leaves at once, cleanly; a killed process leaves its
+        queues' semaphores behind (multiprocessing's resource tracker then complains on stderr).
+        """
+        for inbox in self._inboxes:
+            inbox.put(_STOP)
         started = [process for process in self._processes if process.pid is not None]
-        deadline = time.monotonic() + (0 if kill else 5.0)
+        deadline = time.monotonic() + patience
         for process in started:
             process.join(max(0.0, deadline - time.monotonic()))
         for process in started:
@@ -384,8 +387,8 @@ class RankPool:
     def _finished(self, call: "PoolCall", failed: bool) -> None:
         """A call is over; after a failure the ranks are ended (the next call starts fresh ones)."""
         self._calls.pop(call.call_id, None)
-        if failed:
-            self._end_processes(kill=True)
+        if failed:  # the ranks that reported leave by themselves; one stuck in a wait is killed
+            self._end_processes(patience=2.0)
 
 
 class PoolCall:
@@ -491,7 +494,7 @@ _running_pools: "weakref.WeakSet[RankPool]" = weakref.WeakSet()
 @atexit.register
 def _stop_running_pools() -> None:
     for pool in list(_running_pools):
-        pool._end_processes(kill=True)
+        pool._end_processes(patience=1.0)
 
 
 def under_torchrun() -> bool:
