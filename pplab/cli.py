@@ -29,7 +29,7 @@ def demo(args: argparse.Namespace) -> int:
     from pplab.views import viz
     from pplab.rank.checks import check_gradient_flow, compare_with_reference
     from pplab.data import batches
-    from pplab.drivers.local import TorchrunRanks, under_torchrun
+    from pplab.drivers.torchrun import TorchrunRanks, under_torchrun
     from pplab.model import LlamaConfig, build_model
     from pplab.rank.rank_pipeline import PipelineSpec
     from pplab.rank.reference import reference_step
@@ -259,7 +259,7 @@ def train_command(args: argparse.Namespace) -> int:
 
     if args.resume is not None:  # found and its manifest read before torch loads or any rank starts
         resume_path(args.resume, args.checkpoint_dir)
-    from pplab.drivers.local import run_as_torchrun_rank, under_torchrun
+    from pplab.drivers.torchrun import run_as_torchrun_rank, under_torchrun
     from pplab.model import LlamaConfig
     from pplab.rank.rank_pipeline import PipelineSpec
     from pplab.session import RankPool

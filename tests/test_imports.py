@@ -19,7 +19,7 @@ import pplab
 CORE = ["pplab.arguments", "pplab.model", "pplab.data", "pplab.schedules", "pplab.trace", "pplab.formatting",
         "pplab.partition", "pplab.simulator", "pplab.prediction", "pplab.comm", "pplab.rank.runtime",
         "pplab.rank.step_clock", "pplab.rank.memory", "pplab.rank.split_backward", "pplab.rank.shards", "pplab.rank.gradients",
-        "pplab.rank.reference", "pplab.rank.checks", "pplab.rank.rank_pipeline", "pplab.drivers.local", "pplab.rank.torch_pp",
+        "pplab.rank.reference", "pplab.rank.checks", "pplab.rank.rank_pipeline", "pplab.drivers.local", "pplab.drivers.torchrun", "pplab.rank.torch_pp",
         "pplab.rank.checkpoint", "pplab.checkpoint_files", "pplab.rank.train", "pplab.rank.mesh", "pplab.rank.profiler",
         "pplab.rank.faults", "pplab.rank.rank_context",
         "pplab.session.on_rank"]  # train and the session's rank side run under torchrun: no Jupyter either

@@ -214,7 +214,7 @@ TORCHRUN_SCRIPT = '''
 import functools
 from pplab.rank.checks import compare_with_reference
 from pplab.data import batches
-from pplab.drivers.local import run_as_torchrun_rank
+from pplab.drivers.torchrun import run_as_torchrun_rank
 from pplab.model import LlamaConfig
 from pplab.rank.rank_pipeline import PipelineSpec, merge_steps, run_jobs_on_rank, split_for_ranks
 from pplab.rank.reference import reference_step

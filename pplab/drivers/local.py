@@ -87,7 +87,7 @@ def _join_group(rank: int, world_size: int, port: int, backend: str, init_timeou
     return device
 
 
-def _failure(error: BaseException) -> tuple[str, str, str]:
+def error_report(error: BaseException) -> tuple[str, str, str]:
     """(exception type, message, traceback text) of an error raised on this rank."""
     return type(error).__name__, str(error), traceback.format_exc()
 
@@ -104,7 +104,7 @@ def _rank_main(rank, world_size, port, backend, init_timeout, fn, args, results)
         finally:
             dist.destroy_process_group()
     except BaseException as error:  # report everything, then exit non-zero
-        results.put((rank, "error", _failure(error)))
+        results.put((rank, "error", error_report(error)))
         raise SystemExit(1)
 
 
@@ -133,15 +133,23 @@ def run_ranks(world_size: int, fn, *args, backend: str = "gloo", timeout: float 
     try:
         return _collect(processes, results, timeout, grace)
     finally:
-        # A rank that reported is returning: let it exit on its own (a killed process leaks
-        # its semaphores), then stop whatever is still running.
-        deadline = time.monotonic() + 2.0
-        for process in processes:
-            process.join(max(0.0, deadline - time.monotonic()))
-        for process in processes:
-            if process.is_alive():
-                process.kill()
-            process.join(5)
+        _end(processes, patience=2.0)  # a rank that reported is returning: let it
+
+
+def _end(processes, patience: float) -> None:
+    """Give the processes `patience` seconds to exit by themselves, then kill the rest.
+
+    A process that exits by itself cleans up; a killed one leaves its queues' semaphores
+    behind, and multiprocessing's resource tracker then complains on stderr.
+    """
+    started = [process for process in processes if process.pid is not None]
+    deadline = time.monotonic() + patience
+    for process in started:
+        process.join(max(0.0, deadline - time.monotonic()))
+    for process in started:
+        if process.is_alive():
+            process.kill()
+        process.join(5)
 
 
 def _collect(processes, results, timeout: float, grace: float) -> list:
@@ -171,7 +179,7 @@ def _collect(processes, results, timeout: float, grace: float) -> list:
         if status == "error":
             ename, evalue, trace = value
             raised[rank] = (ename, evalue)
-            fail(rank, f"failed:\n{ename}: {evalue}\n{trace}", f"failed: {_one_line(ename, evalue)}")
+            fail(rank, f"failed:\n{ename}: {evalue}\n{trace}", f"failed: {one_line(ename, evalue)}")
         else:
             collected[rank] = pickle.loads(value)
     if failures:
@@ -180,7 +188,8 @@ def _collect(processes, results, timeout: float, grace: float) -> list:
     return [collected[rank] for rank in range(len(processes))]
 
 
-def _one_line(ename: str, evalue: str) -> str:
+def one_line(ename: str, evalue: str) -> str:
+    """An error as one line: its type and the first line of its message."""
     return f"{ename}: {evalue}".splitlines()[0]
 
 
@@ -194,7 +203,7 @@ def _pool_rank_main(rank, world_size, port, backend, init_timeout, inbox, outbox
     try:
         device = _join_group(rank, world_size, port, backend, init_timeout)
     except BaseException as error:
-        outbox.put((None, rank, "error", _failure(error)))
+        outbox.put((None, rank, "error", error_report(error)))
         raise SystemExit(1)
     import torch
     import torch.distributed as dist
@@ -218,7 +227,7 @@ def _pool_rank_main(rank, world_size, port, backend, init_timeout, inbox, outbox
         try:
             reply = ("ok", pickle.dumps(fn(*args, **kwargs)))
         except BaseException as error:  # reported; the pool replaces its ranks after a failure
-            reply = ("error", _failure(error))
+            reply = ("error", error_report(error))
         outbox.put((call_id, rank, *reply))
         gc.collect()  # what the call left in cycles goes now, not during the next call
     set_rank_context(None)
@@ -345,26 +354,16 @@ class RankPool:
                 continue
             if kind == "error":
                 self._end_processes(patience=0.0)
-                raise LocalRankError(f"rank {rank} could not join the process group: {_one_line(*value[:2])}",
-                                     {rank: f"failed: {_one_line(*value[:2])}"}, {rank: value[:2]})
+                raise LocalRankError(f"rank {rank} could not join the process group: {one_line(*value[:2])}",
+                                     {rank: f"failed: {one_line(*value[:2])}"}, {rank: value[:2]})
             ready.add(rank)
 
     def _end_processes(self, patience: float) -> None:
-        """End the ranks: asked to leave, and killed if still there after `patience` seconds.
-
-        A rank waiting for its next call leaves at once, cleanly; a killed process leaves its
-        queues' semaphores behind (multiprocessing's resource tracker then complains on stderr).
-        """
+        """End the ranks: asked to leave (one waiting for its next call leaves at once), and
+        killed if still there after `patience` seconds."""
         for inbox in self._inboxes:
             inbox.put(_STOP)
-        started = [process for process in self._processes if process.pid is not None]
-        deadline = time.monotonic() + patience
-        for process in started:
-            process.join(max(0.0, deadline - time.monotonic()))
-        for process in started:
-            if process.is_alive():
-                process.kill()
-            process.join(5)
+        _end(self._processes, patience)
         for q in (*self._inboxes, *([self._outbox] if self._outbox is not None else [])):
             q.close()
             q.cancel_join_thread()  # nobody reads them any more
@@ -477,7 +476,7 @@ class PoolCall:
         failures, causes = {}, {}
         for rank, (ename, evalue, trace) in sorted(self._raised.items()):
             failures[rank] = f"failed:\n{ename}: {evalue}\n{trace}"
-            causes[rank] = f"failed: {_one_line(ename, evalue)}"
+            causes[rank] = f"failed: {one_line(ename, evalue)}"
         for rank in died:
             failures[rank] = causes[rank] = f"died (exit code {self.pool._processes[rank].exitcode}) without reporting"
         if timed_out and not failures:
@@ -495,106 +494,3 @@ _running_pools: "weakref.WeakSet[RankPool]" = weakref.WeakSet()
 def _stop_running_pools() -> None:
     for pool in list(_running_pools):
         pool._end_processes(patience=1.0)
-
-
-def under_torchrun() -> bool:
-    """True in a process that torchrun (or any launcher setting RANK and WORLD_SIZE) started."""
-    return "RANK" in os.environ and "WORLD_SIZE" in os.environ
-
-
-class TorchrunRanks:
-    """The ranks torchrun started, as a session's driver: each process is one rank and the client too.
-
-    Every process runs the same session code; `run(fn, *args)` calls fn on this rank and
-    gives every process the results of all ranks (one all-gather), so each can merge and
-    check them alike (rank 0 reports). Nobody listens to `publish` here.
-    """
-
-    state = "running"
-
-    def __init__(self, timeout: float = 60.0):
-        """Join torchrun's process group (NCCL and one GPU per process where there are GPUs, else gloo)."""
-        import torch
-        import torch.distributed as dist
-
-        if os.environ.get("MASTER_ADDR") in ("127.0.0.1", "localhost"):
-            os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")  # one host: gloo on loopback
-        local_rank = int(os.environ.get("LOCAL_RANK", 0))
-        use_cuda = torch.cuda.is_available() and torch.cuda.device_count() > local_rank
-        self.device = torch.device("cuda", local_rank) if use_cuda else torch.device("cpu")
-        if use_cuda:
-            torch.cuda.set_device(self.device)
-        else:
-            torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", 1)))
-        self.backend = "nccl" if use_cuda else "gloo"
-        dist.init_process_group(self.backend, timeout=timedelta(seconds=timeout))
-        self.timeout, self.rank, self.world_size = timeout, dist.get_rank(), dist.get_world_size()
-        set_rank_context(RankContext(self.rank, self.world_size, local_rank,
-                                     int(os.environ.get("LOCAL_WORLD_SIZE", self.world_size)), self.backend,
-                                     self.device))
-        self.rank_processes = ((socket.gethostname(), os.getpid()),)  # never replaced
-
-    def _check_usable(self) -> None:
-        pass
-
-    def run(self, fn, *args, timeout: float | None = None, **kwargs) -> list:
-        """fn(*args, **kwargs) on this rank; every rank's result, by rank, on every process."""
-        import torch.distributed as dist
-
-        try:
-            outcome = ("ok", fn(*args, **kwargs))
-        except Exception as error:  # every rank learns who failed, instead of waiting for it
-            outcome = ("error", _failure(error))
-        gathered = [None] * self.world_size
-        dist.all_gather_object(gathered, outcome)
-        raised = {rank: value for rank, (status, value) in enumerate(gathered) if status == "error"}
-        if raised:
-            raise LocalRankError("\n".join(f"rank {r} failed:\n{e}: {v}\n{t}" for r, (e, v, t) in raised.items()),
-                                 {r: f"failed: {_one_line(e, v)}" for r, (e, v, _) in raised.items()},
-                                 {r: (e, v) for r, (e, v, _) in raised.items()})
-        return [value for _, value in gathered]
-
-    def run_async(self, fn, *args, timeout: float | None = None, **kwargs) -> "_FinishedCall":
-        """Run it now (each process is its own client): a call that has finished."""
-        return _FinishedCall(self.run(fn, *args, timeout=timeout, **kwargs))
-
-    def stop(self) -> None:
-        """Leave the process group, once every rank is past its last call."""
-        import torch.distributed as dist
-
-        # Every rank past the last gather before any tears its connections down: a rank that
-        # left while another still received was seen to abort in gloo's teardown (rarely).
-        dist.barrier()
-        gc.collect()  # what cycles hold of the ranks' communication goes while the group lives
-        set_rank_context(None)
-        dist.destroy_process_group()
-
-    def __enter__(self) -> "TorchrunRanks":
-        return self
-
-    def __exit__(self, *exc_info) -> None:
-        self.stop()
-
-
-class _FinishedCall:
-    """A call that ran to its end before it was returned."""
-
-    def __init__(self, results: list):
-        self._results = results
-
-    def poll_events(self) -> list[RankEvent]:
-        return []
-
-    def wait_for_events(self, seconds: float = 0.0) -> None:
-        pass
-
-    def result(self, timeout: float | None = None) -> list:
-        return self._results
-
-
-def run_as_torchrun_rank(fn, *args, timeout: float = 60.0):
-    """Join torchrun's process group, call `fn(rank, world_size, *args, device=...)`, and give rank 0
-    the results by rank (None on the other ranks)."""
-    with TorchrunRanks(timeout) as ranks:
-        results = ranks.run(fn, ranks.rank, ranks.world_size, *args, device=ranks.device)
-    return results if ranks.rank == 0 else None

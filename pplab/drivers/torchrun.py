@@ -1,0 +1,121 @@
+"""The ranks torchrun starts, as a driver: every process is one rank and its own client.
+
+`TorchrunRanks()` joins torchrun's process group (NCCL and one GPU per process where
+there are GPUs, gloo otherwise) and offers what a session needs of its ranks (see
+`pplab.session`), so `pplab demo` runs the same session code under torchrun as on a
+`RankPool`. `run_as_torchrun_rank(fn, *args)` is the plain entry point: `fn(rank,
+world_size, *args, device=...)` on each process, the results by rank on rank 0.
+"""
+
+from __future__ import annotations
+
+import gc
+import os
+import socket
+from datetime import timedelta
+
+from pplab.drivers.local import LocalRankError, error_report, one_line
+from pplab.rank.rank_context import RankContext, RankEvent, set_rank_context
+
+
+def under_torchrun() -> bool:
+    """True in a process that torchrun (or any launcher setting RANK and WORLD_SIZE) started."""
+    return "RANK" in os.environ and "WORLD_SIZE" in os.environ
+
+
+class TorchrunRanks:
+    """The ranks torchrun started, as a session's driver: each process is one rank and the client too.
+
+    Every process runs the same session code; `run(fn, *args)` calls fn on this rank and
+    gives every process the results of all ranks (one all-gather), so each can merge and
+    check them alike (rank 0 reports). Nobody listens to `publish` here.
+    """
+
+    state = "running"
+
+    def __init__(self, timeout: float = 60.0):
+        """Join torchrun's process group (NCCL and one GPU per process where there are GPUs, else gloo)."""
+        import torch
+        import torch.distributed as dist
+
+        if os.environ.get("MASTER_ADDR") in ("127.0.0.1", "localhost"):
+            os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")  # one host: gloo on loopback
+        local_rank = int(os.environ.get("LOCAL_RANK", 0))
+        use_cuda = torch.cuda.is_available() and torch.cuda.device_count() > local_rank
+        self.device = torch.device("cuda", local_rank) if use_cuda else torch.device("cpu")
+        if use_cuda:
+            torch.cuda.set_device(self.device)
+        else:
+            torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", 1)))
+        self.backend = "nccl" if use_cuda else "gloo"
+        dist.init_process_group(self.backend, timeout=timedelta(seconds=timeout))
+        self.timeout, self.rank, self.world_size = timeout, dist.get_rank(), dist.get_world_size()
+        set_rank_context(RankContext(self.rank, self.world_size, local_rank,
+                                     int(os.environ.get("LOCAL_WORLD_SIZE", self.world_size)), self.backend,
+                                     self.device))
+        self.rank_processes = ((socket.gethostname(), os.getpid()),)  # never replaced
+
+    def _check_usable(self) -> None:
+        pass
+
+    def run(self, fn, *args, timeout: float | None = None, **kwargs) -> list:
+        """fn(*args, **kwargs) on this rank; every rank's result, by rank, on every process."""
+        import torch.distributed as dist
+
+        try:
+            outcome = ("ok", fn(*args, **kwargs))
+        except Exception as error:  # every rank learns who failed, instead of waiting for it
+            outcome = ("error", error_report(error))
+        gathered = [None] * self.world_size
+        dist.all_gather_object(gathered, outcome)
+        raised = {rank: value for rank, (status, value) in enumerate(gathered) if status == "error"}
+        if raised:
+            raise LocalRankError("\n".join(f"rank {r} failed:\n{e}: {v}\n{t}" for r, (e, v, t) in raised.items()),
+                                 {r: f"failed: {one_line(e, v)}" for r, (e, v, _) in raised.items()},
+                                 {r: (e, v) for r, (e, v, _) in raised.items()})
+        return [value for _, value in gathered]
+
+    def run_async(self, fn, *args, timeout: float | None = None, **kwargs) -> "_FinishedCall":
+        """Run it now (each process is its own client): a call that has finished."""
+        return _FinishedCall(self.run(fn, *args, timeout=timeout, **kwargs))
+
+    def stop(self) -> None:
+        """Leave the process group, once every rank is past its last call."""
+        import torch.distributed as dist
+
+        # Every rank past the last gather before any tears its connections down: a rank that
+        # left while another still received was seen to abort in gloo's teardown (rarely).
+        dist.barrier()
+        gc.collect()  # what cycles hold of the ranks' communication goes while the group lives
+        set_rank_context(None)
+        dist.destroy_process_group()
+
+    def __enter__(self) -> "TorchrunRanks":
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        self.stop()
+
+
+class _FinishedCall:
+    """A call that ran to its end before it was returned."""
+
+    def __init__(self, results: list):
+        self._results = results
+
+    def poll_events(self) -> list[RankEvent]:
+        return []
+
+    def wait_for_events(self, seconds: float = 0.0) -> None:
+        pass
+
+    def result(self, timeout: float | None = None) -> list:
+        return self._results
+
+
+def run_as_torchrun_rank(fn, *args, timeout: float = 60.0):
+    """Join torchrun's process group, call `fn(rank, world_size, *args, device=...)`, and give rank 0
+    the results by rank (None on the other ranks)."""
+    with TorchrunRanks(timeout) as ranks:
+        results = ranks.run(fn, ranks.rank, ranks.world_size, *args, device=ranks.device)
+    return results if ranks.rank == 0 else None
