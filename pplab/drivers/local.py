@@ -27,10 +27,12 @@ import pickle
 import queue
 import random
 import socket
+import threading
 import time
 import traceback
 import weakref
 from datetime import timedelta
+from multiprocessing import connection
 
 from pplab.arguments import check_positive_int, check_positive_seconds
 from pplab.rank.rank_context import RankContext, RankError, RankEvent, StillRunning, rank_context, set_rank_context
@@ -195,15 +197,23 @@ def one_line(ename: str, evalue: str) -> str:
 
 # --- a pool of ranks kept between calls ------------------------------------------------------
 
-_STOP = None  # what a pool sends a rank to make it leave
+# A pool talks to each rank over a pipe of its own: no queue, so no semaphore that a killed
+# rank could leave behind (multiprocessing's resource tracker complains about those on stderr).
+_STOP = b""  # what a pool sends a rank to make it leave
 
 
-def _pool_rank_main(rank, world_size, port, backend, init_timeout, inbox, outbox):
+def _pool_rank_main(rank, world_size, port, backend, init_timeout, link):
     """A pool's rank: join the group once, then run each call sent, until told to stop."""
+    lock = threading.Lock()  # the call's thread and its feed's thread both send
+
+    def send(*message) -> None:
+        with lock:
+            link.send(message)
+
     try:
         device = _join_group(rank, world_size, port, backend, init_timeout)
     except BaseException as error:
-        outbox.put((None, rank, "error", error_report(error)))
+        send(None, "error", error_report(error))
         raise SystemExit(1)
     import torch
     import torch.distributed as dist
@@ -212,14 +222,14 @@ def _pool_rank_main(rank, world_size, port, backend, init_timeout, inbox, outbox
 
     def publish(payload) -> None:  # rank_context.publish, from any thread of the call
         seq, current["seq"] = current["seq"], current["seq"] + 1
-        outbox.put((current["call"], rank, "event", (seq, pickle.dumps(payload))))
+        send(current["call"], "event", (seq, pickle.dumps(payload)))
 
     set_rank_context(RankContext(rank, world_size, rank, world_size, backend, device), publish)
     # Each call starts from the random state a fresh process has, so results do not
     # depend on what ran before on the pool.
     fresh_torch, fresh_python = torch.get_rng_state(), random.getstate()
-    outbox.put((None, rank, "ready", os.getpid()))
-    while (message := inbox.get()) is not _STOP:
+    send(None, "ready", os.getpid())
+    while (message := link.recv_bytes()) != _STOP:
         call_id, fn, args, kwargs = pickle.loads(message)
         current.update(call=call_id, seq=0)
         torch.set_rng_state(fresh_torch)
@@ -228,7 +238,7 @@ def _pool_rank_main(rank, world_size, port, backend, init_timeout, inbox, outbox
             reply = ("ok", pickle.dumps(fn(*args, **kwargs)))
         except BaseException as error:  # reported; the pool replaces its ranks after a failure
             reply = ("error", error_report(error))
-        outbox.put((call_id, rank, *reply))
+        send(call_id, *reply)
         gc.collect()  # what the call left in cycles goes now, not during the next call
     set_rank_context(None)
     dist.destroy_process_group()
@@ -255,8 +265,7 @@ class RankPool:
         self.timeout, self.init_timeout, self.grace = timeout, init_timeout, grace
         self._context = mp.get_context("spawn")
         self._processes: list = []
-        self._inboxes: list = []
-        self._outbox = None
+        self._links: list = []  # a pipe to each rank, by rank (closed once its rank is gone)
         self._calls: dict[int, PoolCall] = {}
         self._call_ids = itertools.count()
         self._stopped = False
@@ -292,8 +301,12 @@ class RankPool:
             self._start()
         call_id = next(self._call_ids)
         message = pickle.dumps((call_id, fn, args, kwargs))  # once, not once per rank
-        for inbox in self._inboxes:
-            inbox.put(message)
+        for rank, link in enumerate(self._links):
+            try:
+                link.send_bytes(message)
+            except OSError:  # its process is gone: this call fails, the next one starts afresh
+                self._end_processes(patience=0.0)
+                raise LocalRankError(f"rank {rank}'s process has ended; call again for fresh ranks") from None
         name = f"{getattr(fn, '__name__', type(fn).__name__)}()"
         call = PoolCall(self, call_id, name, self.timeout if timeout is None else timeout)
         self._calls[call_id] = call
@@ -333,53 +346,62 @@ class RankPool:
 
     def _start(self) -> None:
         """Start the ranks and wait until every one has joined the process group."""
-        port, self._outbox = free_port(), self._context.Queue()
-        self._inboxes = [self._context.Queue() for _ in range(self.world_size)]
+        port, links = free_port(), [self._context.Pipe() for _ in range(self.world_size)]
         self._processes = [self._context.Process(
             target=_pool_rank_main, daemon=True, name=f"pplab-rank-{rank}",
-            args=(rank, self.world_size, port, self.backend, self.init_timeout, self._inboxes[rank],
-                  self._outbox)) for rank in range(self.world_size)]
+            args=(rank, self.world_size, port, self.backend, self.init_timeout, links[rank][1]))
+            for rank in range(self.world_size)]
         for process in self._processes:
             process.start()
+        for _, rank_end in links:
+            rank_end.close()  # the rank holds it now: when the rank ends, our end reads the end of the pipe
+        self._links = [pool_end for pool_end, _ in links]
         ready, deadline = set(), time.monotonic() + self.init_timeout + 60  # imports come first
         while len(ready) < self.world_size:
-            try:
-                _, rank, kind, value = self._outbox.get(timeout=0.2)
-            except queue.Empty:
-                dead = [r for r, p in enumerate(self._processes) if p.exitcode is not None]
-                if dead or time.monotonic() > deadline:
+            for _, rank, kind, value in self._receive(0.2):
+                if kind == "error":
                     self._end_processes(patience=0.0)
-                    why = f"ranks {dead} died" if dead else f"not every rank was up after {self.init_timeout + 60:g} s"
-                    raise LocalRankError(f"the pool's ranks did not start: {why}") from None
-                continue
-            if kind == "error":
+                    raise LocalRankError(f"rank {rank} could not join the process group: {one_line(*value[:2])}",
+                                         {rank: f"failed: {one_line(*value[:2])}"}, {rank: value[:2]})
+                ready.add(rank)
+            dead = [r for r, p in enumerate(self._processes) if p.exitcode is not None and r not in ready]
+            if dead or (len(ready) < self.world_size and time.monotonic() > deadline):
                 self._end_processes(patience=0.0)
-                raise LocalRankError(f"rank {rank} could not join the process group: {one_line(*value[:2])}",
-                                     {rank: f"failed: {one_line(*value[:2])}"}, {rank: value[:2]})
-            ready.add(rank)
+                why = f"ranks {dead} died" if dead else f"not every rank was up after {self.init_timeout + 60:g} s"
+                raise LocalRankError(f"the pool's ranks did not start: {why}")
 
     def _end_processes(self, patience: float) -> None:
         """End the ranks: asked to leave (one waiting for its next call leaves at once), and
         killed if still there after `patience` seconds."""
-        for inbox in self._inboxes:
-            inbox.put(_STOP)
+        for link in self._links:
+            try:
+                link.send_bytes(_STOP)
+            except OSError:  # that rank is gone already
+                pass
         _end(self._processes, patience)
-        for q in (*self._inboxes, *([self._outbox] if self._outbox is not None else [])):
-            q.close()
-            q.cancel_join_thread()  # nobody reads them any more
-        self._processes, self._inboxes, self._outbox = [], [], None
+        for link in self._links:
+            link.close()
+        self._processes, self._links = [], []
         for call in self._calls.values():
             call._abandon()
         self._calls.clear()
 
+    def _receive(self, wait: float) -> list[tuple]:
+        """(call id, rank, kind, value) of what the ranks sent, waiting at most `wait` s for the first."""
+        messages = []
+        for link in connection.wait([link for link in self._links if not link.closed], timeout=wait):
+            rank = self._links.index(link)
+            try:
+                while link.poll():
+                    call_id, kind, value = link.recv()
+                    messages.append((call_id, rank, kind, value))
+            except (EOFError, OSError):  # the rank's process ended: nothing more will come
+                link.close()
+        return messages
+
     def _drain(self, wait: float) -> None:
         """Hand what the ranks sent to the calls it belongs to (waiting at most `wait` for the first)."""
-        while self._outbox is not None:
-            try:
-                call_id, rank, kind, value = self._outbox.get(timeout=wait) if wait else self._outbox.get_nowait()
-            except queue.Empty:
-                return
-            wait = 0
+        for call_id, rank, kind, value in self._receive(wait):
             if call_id in self._calls:
                 self._calls[call_id]._arrived(rank, kind, value)
 
