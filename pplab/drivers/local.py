@@ -295,8 +295,11 @@ class RankPool:
         self._check_usable()
         if timeout is not None:
             check_positive_seconds("timeout", timeout)
-        for running in list(self._calls.values()):
-            running.result()  # the ranks run one call at a time, in order
+        for running in list(self._calls.values()):  # the ranks run one call at a time, in order
+            try:
+                running.result()
+            except LocalRankError:  # that call's own failure (its result() says so); its ranks were replaced
+                pass
         if not self._processes:
             self._start()
         call_id = next(self._call_ids)
