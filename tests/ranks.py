@@ -20,11 +20,10 @@ def pool(world_size: int) -> local.RankPool:
     return _pools[world_size]
 
 
-def run_ranks(world_size: int, fn, *args, timeout: float = 120.0, init_timeout: float | None = None) -> list:
+def run_ranks(world_size: int, fn, *args, timeout: float = 120.0) -> list:
     """fn(rank, world_size, *args) on the session's pool of `world_size` ranks; results by rank.
 
-    `init_timeout` is accepted for the callers of `local.run_ranks` and not needed: after a
-    rank fails, a pool ends the others when their grace is over, whatever they wait for.
+    After a rank fails, the pool ends the others once their grace is over, whatever they wait for.
     """
     return local.run_ranks(world_size, fn, *args, timeout=timeout, pool=pool(world_size))
 

@@ -62,7 +62,7 @@ def train_with_a_crash_before_commit(rank, world_size, spec, options, device="cp
 def test_a_rank_killed_during_a_save_leaves_the_previous_checkpoint_loadable(tmp_path, uninterrupted):
     options = TrainOptions(**BASE, checkpoint_dir=str(tmp_path), checkpoint_every=2)
     with pytest.raises(LocalRankError, match="rank 1"):
-        run_ranks(2, train_with_a_crash_before_commit, spec_for(2), options, timeout=120, init_timeout=10)
+        run_ranks(2, train_with_a_crash_before_commit, spec_for(2), options, timeout=120)
     assert (tmp_path / ".step-00000004.partial").is_dir()  # written, never made visible
     assert checkpoint.latest(tmp_path) == checkpoint.step_directory(tmp_path, 2)
     resumed = train(2, TrainOptions(**{**options.__dict__, "resume": "latest"}))

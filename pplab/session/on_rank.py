@@ -43,8 +43,8 @@ def build_on_rank(run_id: str, spec: PipelineSpec) -> dict:
 
 def _pipeline(run_id: str) -> RankPipeline:
     if run_id not in _pipelines:
-        raise LookupError(f"pipeline {run_id} is not built on rank {rank_context().rank} (was "
-                          f"the lab restarted?): call lab.pipeline(...) again")
+        raise LookupError(f"pipeline {run_id} is not built on rank {rank_context().rank} (were the "
+                          f"ranks replaced since?): build the pipeline again (lab.pipeline(...))")
     return _pipelines[run_id]
 
 
