@@ -50,6 +50,18 @@ def lab_processes(ipython_dir: str) -> list[psutil.Process]:
     return found
 
 
+# Files whose tests make network namespaces: one worker runs them all, one after the other.
+NAMESPACE_FILES = {"test_hosts.py", "12_multi_host_and_faults.ipynb"}
+
+
+def pytest_collection_modifyitems(config, items):
+    """Under xdist (`-n`, on by default) a file's tests stay on one worker, so that its
+    module-scoped labs and kernels start once; the files in NAMESPACE_FILES share one."""
+    for item in items:
+        name = item.path.name
+        item.add_marker(pytest.mark.xdist_group("namespaces" if name in NAMESPACE_FILES else name))
+
+
 @pytest.fixture(scope="session", autouse=True)
 def ipython_dir(tmp_path_factory):
     """A temporary IPYTHONDIR for the session; fails the run if a lab process outlives it."""
