@@ -3,6 +3,9 @@
 * `ipython_dir` (session, automatic): a temporary IPYTHONDIR, so tests never touch
   the user's profiles; at the end of the run it FAILS the run if any controller,
   engine or engine fork server started under it is still alive (and kills it).
+Under pytest-xdist (on by default, see pyproject) each worker is a session of its own: its
+own IPYTHONDIR, session lab and pools.
+
 * `lab2`: a 2-rank CPU/gloo lab shared by the whole session (restarted first if an
   earlier test left it needing a restart). Use it for anything that does not
   break or reconfigure the lab.
