@@ -12,12 +12,12 @@ import time
 from pathlib import Path
 
 import pplab
-from pplab.schedules import SCHEDULE_NAMES, Kind, build, theory, validate
+from pplab.schedules import SCHEDULE_NAMES, TORCH_SCHEDULES, Kind, build, schedule_name, theory, validate
 from pplab.simulator import Costs, simulate
 
 DEMO_SCHEDULES = {  # per runtime: (schedule, stages per rank)
     "pplab": (("gpipe", 1), ("1f1b", 1), ("interleaved-1f1b", 2), ("zb-h1", 1)),
-    "torch": (("gpipe", 1), ("1f1b", 1), ("interleaved-1f1b", 2), ("ZBVZeroBubble", 2)),
+    "torch": (("gpipe", 1), ("1f1b", 1), ("interleaved-1f1b", 2), ("zbv-zero-bubble", 2)),
 }
 
 
@@ -74,7 +74,7 @@ def demo(args: argparse.Namespace) -> int:
     failures, schedules = 0, []
     for run, results in runs:
         spec = run.spec
-        name = f"torch-{spec.torch_name}" if spec.impl == "torch" else spec.schedule.name
+        name = f"torch-{spec.schedule.name}" if spec.impl == "torch" else spec.schedule.name
         costs = spec.timing
         parities = [compare_with_reference(r.loss, r.grads, reference) for r in results]
         flows = [check_gradient_flow(r.grad_stats, reference.grads) for r in results]
@@ -129,22 +129,22 @@ def simulate_command(args: argparse.Namespace) -> int:
     """Predict a schedule's timeline on a cost model: picture, Chrome trace and numbers; no processes."""
     from pplab.views import viz  # matplotlib only when drawing
 
-    interleaved = args.schedule.lower() == "interleaved-1f1b"
+    name = schedule_name(args.schedule)
+    interleaved = name == "interleaved-1f1b"
     n_virtual = args.virtual if args.virtual is not None else (2 if interleaved else 1)
     if interleaved and n_virtual < 2:
         raise ValueError(f"--virtual {n_virtual}: interleaved-1f1b runs 2 or more stages per rank; "
                          f"give --virtual 2 or more, or simulate 1f1b for one stage per rank")
-    if args.schedule.lower() in SCHEDULE_NAMES and not interleaved and n_virtual != 1:
-        raise ValueError(f"--virtual {n_virtual}: {args.schedule.lower()} runs one stage per rank; leave "
+    if name in SCHEDULE_NAMES and not interleaved and n_virtual != 1:
+        raise ValueError(f"--virtual {n_virtual}: {name} runs one stage per rank; leave "
                          f"--virtual out, or simulate interleaved-1f1b for several stages per rank")
-    schedule = build(args.schedule, args.ranks, args.microbatches, n_virtual)
+    schedule = build(name, args.ranks, args.microbatches, n_virtual)
     validate(schedule)
     costs = _costs(args, schedule)
     timeline = simulate(schedule, costs)
     textbook = theory(schedule, costs)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    name = schedule.name
     picture, trace, numbers = out / f"{name}.png", out / f"{name}.trace.json", out / f"{name}.json"
     sizes = f"p={schedule.n_ranks}, m={schedule.n_microbatches}" + (
         f", v={schedule.n_virtual}" if schedule.n_virtual > 1 else "")
@@ -278,7 +278,7 @@ def train_command(args: argparse.Namespace) -> int:
     speaker = os.environ.get("RANK", "0") == "0"
     if speaker:
         where = "ranks started by torchrun" if under_torchrun() else "local ranks (gloo)"
-        print(f"pplab train: {args.schedule} ({args.impl}) on {ranks} {where}, {args.microbatches} "
+        print(f"pplab train: {spec.schedule.name} ({args.impl}) on {ranks} {where}, {args.microbatches} "
               f"microbatches, {options.steps} steps"
               + (f", resuming from {options.resume}" if options.resume else ""), flush=True)
     started = time.perf_counter()
@@ -384,7 +384,7 @@ def build_parser() -> argparse.ArgumentParser:
                     "(PNG), a Chrome trace and the numbers (JSON). Durations are in cost units: "
                     "give seconds to compare with a measured run. Each duration is one number, "
                     "or one per stage separated by commas.")
-    run_simulate.add_argument("schedule", metavar="SCHEDULE", help=f"one of {', '.join(SCHEDULE_NAMES)}")
+    run_simulate.add_argument("schedule", metavar="SCHEDULE", help=f"one of {', '.join(SCHEDULE_NAMES)} (any case; '-', '_' or nothing between words)")
     run_simulate.add_argument("--ranks", type=_positive_int, required=True)
     run_simulate.add_argument("--microbatches", type=_positive_int, required=True)
     run_simulate.add_argument("--virtual", type=_positive_int, default=None,
@@ -413,8 +413,9 @@ def build_parser() -> argparse.ArgumentParser:
                     "Runs --ranks local processes, or one rank per process under torchrun "
                     "(torchrun --standalone --nproc_per_node=N -m pplab train ...).")
     run_train.add_argument("--ranks", type=_positive_int, default=2, help="local ranks (torchrun decides its own)")
-    run_train.add_argument("--schedule", default="1f1b", help=f"one of {', '.join(SCHEDULE_NAMES)} "
-                           f"(with --impl torch: a torch schedule name)")
+    run_train.add_argument("--schedule", default="1f1b", help=f"one of {', '.join(SCHEDULE_NAMES)}; with "
+                           f"--impl torch also {', '.join(n for n in TORCH_SCHEDULES if n not in SCHEDULE_NAMES)} "
+                           f"(any case; torch's class names work too)")
     run_train.add_argument("--impl", choices=("pplab", "torch"), default="pplab")
     run_train.add_argument("--microbatches", type=_positive_int, default=4)
     run_train.add_argument("--virtual", type=_positive_int, default=1, help="stages per rank")

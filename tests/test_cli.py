@@ -45,7 +45,7 @@ def test_demo_runs_torchs_schedules_with_impl_torch(tmp_path):
                           capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stdout + done.stderr
     assert "torch.distributed.pipelining" in done.stdout
-    for name in ("torch-gpipe", "torch-1f1b", "torch-interleaved-1f1b", "torch-ZBVZeroBubble"):
+    for name in ("torch-gpipe", "torch-1f1b", "torch-interleaved-1f1b", "torch-zbv-zero-bubble"):
         assert (out / f"{name}.png").stat().st_size > 10_000, name
     assert done.stdout.count("parity ok") == 4 and "FAILED" not in done.stdout
 
@@ -118,7 +118,7 @@ def test_simulate_maps_weight_and_latency_onto_the_cost_model(tmp_path):
 
 @pytest.mark.parametrize("arguments, message", [
     (("zb-h2", "--ranks", "4", "--microbatches", "8"),
-     "unknown schedule 'zb-h2': known schedules are gpipe, 1f1b, interleaved-1f1b, zb-h1"),
+     "unknown schedule 'zb-h2': known schedules are gpipe, 1f1b, interleaved-1f1b, zb-h1, looped-bfs"),
     (("1f1b", "--ranks", "0", "--microbatches", "8"), "argument --ranks: '0' is not a whole number >= 1"),
     (("1f1b", "--ranks", "2", "--microbatches", "-3"), "argument --microbatches: '-3'"),
     (("interleaved-1f1b", "--ranks", "2", "--microbatches", "4", "--virtual", "1"),

@@ -126,7 +126,7 @@ def test_the_runtime_control_switches_to_torchs_schedules(lab2):
     dashboard = lab2.pipeline(CONFIG, schedule="1f1b", microbatches=4, timing=TIMING).dashboard()
     try:
         dashboard.implementation.value = "torch"  # 1f1b exists in both: rebuilt under torch
-        assert dashboard.run.spec.impl == "torch" and "ZBVZeroBubble" in dashboard.schedule_name.options
+        assert dashboard.run.spec.impl == "torch" and "zbv-zero-bubble" in dashboard.schedule_name.options
         (result,) = dashboard.run_steps(1)
         assert sorted({e.kind for e in result.timeline.compute_events()}) == ["B", "F"]  # torch ran it
         assert dashboard.timeline.live_draws >= 1 and dashboard.where.states == {0: "done", 1: "done"}

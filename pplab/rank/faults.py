@@ -98,7 +98,7 @@ def _arm(run, action: str, kind: str, seconds: float) -> int:
 
     if run.spec.impl != "pplab":
         raise ValueError(f"faults are armed in pplab's runtime, but this run uses torch's "
-                         f"{run.spec.torch_name}: build the run with impl='pplab'")
+                         f"{run.schedule.name}: build the run with impl='pplab'")
     if run.spec.mesh is not None:
         raise ValueError("faults are armed on pipeline-only runs; this one is on a "
                          f"pp={run.mesh.pp} x dp={run.mesh.dp} x tp={run.mesh.tp} mesh")

@@ -45,7 +45,6 @@ class PipelineSpec:
     timing: Costs | None = None
     record: bool = True
     impl: str = "pplab"  # the hand-written runtime, or "torch": torch.distributed.pipelining
-    torch_name: str | None = None  # with impl="torch": the schedule's name in pplab.rank.torch_pp
     mesh: Mesh | None = None  # PP as one dimension of a mesh with FSDP (dp) and TP (tp)
 
     @classmethod
@@ -65,14 +64,13 @@ class PipelineSpec:
             mesh = Mesh.of(mesh)
             mesh.check(config, n_ranks, impl)
             n_ranks = mesh.pp
-        torch_name = None
         if impl == "torch":
             if not isinstance(schedule, str) or microbatches is None:
                 raise ValueError("impl='torch' runs torch's own schedules: give one by name (e.g. "
                                  "schedule='1f1b') and microbatches=<count>")
             from pplab.rank.torch_pp import torch_schedule
 
-            torch_name, schedule = schedule, torch_schedule(schedule, n_ranks, microbatches, n_virtual)
+            schedule = torch_schedule(schedule, n_ranks, microbatches, n_virtual)
         elif isinstance(schedule, str):
             if microbatches is None:
                 raise ValueError(f"schedule={schedule!r} needs microbatches=<count>")
@@ -88,7 +86,7 @@ class PipelineSpec:
                              f"I and W, and each would recompute the checkpointed blocks (torch's "
                              f"checkpoint recomputes once per forward); use a schedule with whole "
                              f"backwards (gpipe, 1f1b, interleaved-1f1b) or leave checkpointing out")
-        spec = cls(config, schedule, impl=impl, torch_name=torch_name, mesh=mesh, **options)
+        spec = cls(config, schedule, impl=impl, mesh=mesh, **options)
         if not spec.timeout > 0:
             raise ValueError(f"timeout={spec.timeout!r}: give the seconds a rank may wait for a "
                              f"neighbour, > 0")
@@ -145,7 +143,7 @@ class RankPipeline:
         if spec.impl == "torch":
             from pplab.rank.torch_pp import TorchRankRuntime
 
-            self.runtime = TorchRankRuntime(spec.torch_name, schedule, rank, self.stages, self.device,
+            self.runtime = TorchRankRuntime(schedule, rank, self.stages, self.device,
                                             spec.timing, group, spec.record, self.place, collectives)
         else:  # (a mesh here has pp only: Mesh.check refuses dp and tp without torch's schedules)
             self.runtime = RankRuntime(schedule, rank, self.stages, self.device, spec.timeout,

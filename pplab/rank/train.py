@@ -300,7 +300,7 @@ class RankTrainer:
         spec = self.pipeline.spec
         manifest = {"pplab": pplab.__version__, "torch": torch.__version__,
                     "config": asdict(spec.config), "n_stages": spec.schedule.n_stages,
-                    "schedule": spec.torch_name or spec.schedule.name, "impl": spec.impl,
+                    "schedule": spec.schedule.name, "impl": spec.impl,
                     "world_size": spec.schedule.n_ranks,
                     "options": {k: v for k, v in asdict(self.options).items()
                                 if k in ("batch_size", "seq_len", "data_seed", "steps")}}

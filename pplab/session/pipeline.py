@@ -221,7 +221,7 @@ class PipelineRun:
 
     def __repr__(self) -> str:
         s = self.schedule
-        runtime = f"torch's {self.spec.torch_name}" if self.spec.impl == "torch" else s.name
+        runtime = f"torch's {s.name}" if self.spec.impl == "torch" else s.name
         mesh = self.spec.mesh
         where = (f"{mesh.world_size} ranks as pp={mesh.pp} x dp={mesh.dp} x tp={mesh.tp}" if mesh
                  else f"{s.n_ranks} ranks")

@@ -229,7 +229,7 @@ class Dashboard(widgets.VBox):
 
     def _build_controls(self) -> None:
         schedule, impl = self.run.schedule, self.run.spec.impl
-        current = self.run.spec.torch_name or schedule.name
+        current = schedule.name
         names = _schedule_names(impl)
         names = names if current in names else [current, *names]
         short, labelled = widgets.Layout(width="190px"), {"description_width": "initial"}

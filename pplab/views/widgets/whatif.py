@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import ipywidgets as widgets
 
-from pplab.schedules import SCHEDULE_NAMES, Kind, Schedule, build, theory
+from pplab.schedules import SCHEDULE_NAMES, Kind, Schedule, build, schedule_name, theory
 from pplab.simulator import Costs, costs_from_timeline, simulate
 from pplab.trace import Timeline
 from pplab.views.widgets.render import RED, show_png, table
@@ -31,10 +31,10 @@ class WhatIf(widgets.VBox):
             n_ranks, n_microbatches, n_virtual = schedule.n_ranks, schedule.n_microbatches, schedule.n_virtual
             name = schedule.name
         else:
-            name = schedule.lower()
-            if name not in SCHEDULE_NAMES:
-                raise ValueError(f"unknown schedule {schedule!r}: choose one of {', '.join(SCHEDULE_NAMES)}, "
-                                 f"or pass a Schedule")
+            name = schedule_name(schedule)
+            if name not in SCHEDULE_NAMES:  # the sliders rebuild the schedule: pplab must build it
+                raise ValueError(f"WhatIf's sliders build pplab's schedules ({', '.join(SCHEDULE_NAMES)}); "
+                                 f"for {name}, pass its plan: WhatIf(from_torch({name!r}, n_ranks, ...))")
             n_virtual = n_virtual or (2 if name == "interleaved-1f1b" else 1)
         self.measured = measured
         self.activation_bytes = activation_bytes
