@@ -102,7 +102,7 @@ def measure_mode(lab, mode: str, rounds: int, steps: int) -> dict:
 
     poll_seconds, live_interval = dashboard_module.POLL_SECONDS, dashboard_module.LIVE_INTERVAL
     timing = pplab.Costs(**TIMING) if mode == "timing" else None
-    run = lab.pipeline(pplab.LlamaConfig.tiny(), schedule=SCHEDULE, microbatches=MICROBATCHES, timing=timing)
+    run = lab.pipeline(pplab.LlamaConfig.tiny(), schedule=SCHEDULE, n_microbatches=MICROBATCHES, timing=timing)
     try:
         dashboard = run.dashboard()
         watches = instrument(dashboard)
@@ -247,7 +247,7 @@ def main() -> int:
     modes = {}
     with tempfile.TemporaryDirectory(prefix="pplab-bench-") as scratch:
         os.environ["IPYTHONDIR"] = os.path.join(scratch, "ipython")  # no user profile touched
-        lab = pplab.Lab(ranks=RANKS, verbose=False)
+        lab = pplab.Lab(n_ranks=RANKS, verbose=False)
         try:
             for mode in args.modes:
                 print(f"step time, {mode} mode: {args.rounds} interleaved rounds of {args.steps} steps "

@@ -59,10 +59,10 @@ def main() -> None:
     activation = MICROBATCH_SIZE * SEQ_LEN * CONFIG.hidden_size * 4
     batch = next(pplab.data.batches(MICROBATCH_SIZE * MICROBATCHES, SEQ_LEN))
     rows = {}
-    with NamespaceHosts(hosts=2, engines_per_host=1) as hosts:
-        lab = pplab.Lab.connect(**hosts.connect_options(), ranks=2, timeout=60, verbose=False)
+    with NamespaceHosts(n_hosts=2, engines_per_host=1) as hosts:
+        lab = pplab.Lab.connect(**hosts.connect_options(), n_ranks=2, timeout=60, verbose=False)
         try:
-            run = lab.pipeline(CONFIG, schedule="1f1b", microbatches=MICROBATCHES)
+            run = lab.pipeline(CONFIG, schedule="1f1b", n_microbatches=MICROBATCHES)
             compute = costs_from_timeline([run.step(batch).timeline for _ in range(3)][-1], 2)
             links = LINKS_NETEM if hosts.has_netem() else LINKS_TBF
             for label, shaping in links:

@@ -37,40 +37,40 @@ def demo(args: argparse.Namespace) -> int:
 
     config = LlamaConfig.tiny()
     if under_torchrun():  # torchrun decides the ranks; only rank 0 speaks
-        args.ranks = int(os.environ["WORLD_SIZE"])
+        args.n_ranks = int(os.environ["WORLD_SIZE"])
     speaker = os.environ.get("RANK", "0") == "0"
     if speaker:
         where = "ranks started by torchrun" if under_torchrun() else "local ranks (gloo)"
         print(f"pplab demo: tiny LLaMA ({sum(p.numel() for p in build_model(config).parameters()):,} "
-              f"parameters, {config.num_hidden_layers} layers) on {args.ranks} {where}, "
-              f"{args.microbatches} microbatches, {args.steps} step{'s' if args.steps != 1 else ''} "
+              f"parameters, {config.num_hidden_layers} layers) on {args.n_ranks} {where}, "
+              f"{args.n_microbatches} microbatches, {args.steps} step{'s' if args.steps != 1 else ''} "
               f"per schedule, timing mode F={args.forward}s B={2 * args.forward}s, "
               f"{'torch.distributed.pipelining' if args.impl == 'torch' else 'the hand-written runtime'}")
-    batch = next(batches(args.microbatch_size * args.microbatches, args.seq_len, seed=args.seed))
+    batch = next(batches(args.microbatch_size * args.n_microbatches, args.seq_len, seed=args.seed))
     plans = []
     for name, n_virtual in DEMO_SCHEDULES[args.impl]:
         # An interleaved chunk holds 1/v of a stage's layers, so it costs 1/v as much.
         costs = Costs(forward=args.forward / n_virtual, backward=2 * args.forward / n_virtual)
         options = dict(impl=args.impl, seed=args.seed, timing=costs, timeout=300)
-        PipelineSpec.create(config, name, args.ranks, args.microbatches, n_virtual, **options)  # checked first
+        PipelineSpec.create(config, name, args.n_ranks, args.n_microbatches, n_virtual, **options)  # checked first
         plans.append((name, n_virtual, options))
     out = Path(args.out)  # made only once the arguments are known to be good
     out.mkdir(parents=True, exist_ok=True)
     started = time.perf_counter()
     if not under_torchrun():
-        print(f"starting {args.ranks} ranks and running {len(plans)} schedules on them ...", flush=True)
+        print(f"starting {args.n_ranks} ranks and running {len(plans)} schedules on them ...", flush=True)
     # No optimizer: every step must give the first step's loss and the reference's gradients;
     # a step that differs shows state left over from the one before (gradients not zeroed, ...).
-    with (TorchrunRanks() if under_torchrun() else RankPool(args.ranks)) as ranks:
+    with (TorchrunRanks() if under_torchrun() else RankPool(args.n_ranks)) as ranks:
         runs = []
         for name, n_virtual, options in plans:
-            run = PipelineRun(ranks, config, name, args.microbatches, n_virtual, **options)
+            run = PipelineRun(ranks, config, name, args.n_microbatches, n_virtual, **options)
             runs.append((run, [run.step(batch, return_grads=True) for _ in range(args.steps)]))
             run.close()
     if not speaker:
         return 0
     print(f"done in {time.perf_counter() - started:.1f} s")
-    reference = reference_step(config, batch, args.microbatches, seed=args.seed)
+    reference = reference_step(config, batch, args.n_microbatches, seed=args.seed)
     failures, schedules = 0, []
     for run, results in runs:
         spec = run.spec
@@ -99,8 +99,8 @@ def demo(args: argparse.Namespace) -> int:
         viz.save(viz.compare_timelines(simulate(spec.schedule, costs), first.timeline), out / f"{name}.png")
         first.timeline.to_chrome_trace(out / f"{name}.trace.json")
         schedules.append(dict(
-            name=name, impl=spec.impl, ranks=spec.schedule.n_ranks, virtual=spec.schedule.n_virtual,
-            microbatches=spec.schedule.n_microbatches,
+            name=name, impl=spec.impl, n_ranks=spec.schedule.n_ranks, n_virtual=spec.schedule.n_virtual,
+            n_microbatches=spec.schedule.n_microbatches,
             losses=losses, losses_equal=repeatable,
             parity=dict(passed=parity_ok, max_abs_grad_diff=max(p.max_abs_diff for p in parities),
                         max_abs_grad_diff_per_step=[p.max_abs_diff for p in parities],
@@ -131,14 +131,14 @@ def simulate_command(args: argparse.Namespace) -> int:
 
     name = schedule_name(args.schedule)
     interleaved = name == "interleaved-1f1b"
-    n_virtual = args.virtual if args.virtual is not None else (2 if interleaved else 1)
+    n_virtual = args.n_virtual if args.n_virtual is not None else (2 if interleaved else 1)
     if interleaved and n_virtual < 2:
-        raise ValueError(f"--virtual {n_virtual}: interleaved-1f1b runs 2 or more stages per rank; "
-                         f"give --virtual 2 or more, or simulate 1f1b for one stage per rank")
+        raise ValueError(f"--n-virtual {n_virtual}: interleaved-1f1b runs 2 or more stages per rank; "
+                         f"give --n-virtual 2 or more, or simulate 1f1b for one stage per rank")
     if name in SCHEDULE_NAMES and not interleaved and n_virtual != 1:
-        raise ValueError(f"--virtual {n_virtual}: {name} runs one stage per rank; leave "
-                         f"--virtual out, or simulate interleaved-1f1b for several stages per rank")
-    schedule = build(name, args.ranks, args.microbatches, n_virtual)
+        raise ValueError(f"--n-virtual {n_virtual}: {name} runs one stage per rank; leave "
+                         f"--n-virtual out, or simulate interleaved-1f1b for several stages per rank")
+    schedule = build(name, args.n_ranks, args.n_microbatches, n_virtual)
     validate(schedule)
     costs = _costs(args, schedule)
     timeline = simulate(schedule, costs)
@@ -153,8 +153,8 @@ def simulate_command(args: argparse.Namespace) -> int:
     timeline.to_chrome_trace(trace)
     report = dict(
         command="pplab simulate", pplab_version=pplab.__version__, arguments=_arguments(args),
-        schedule=schedule.name, ranks=schedule.n_ranks, microbatches=schedule.n_microbatches,
-        virtual=schedule.n_virtual, costs=dataclasses.asdict(costs),
+        schedule=schedule.name, n_ranks=schedule.n_ranks, n_microbatches=schedule.n_microbatches,
+        n_virtual=schedule.n_virtual, costs=dataclasses.asdict(costs),
         cost_per_stage={kind.value: [costs.compute_time(kind, s) for s in range(schedule.n_stages)]
                         for kind in _compute_kinds(schedule)},
         step_time=timeline.step_time(), bubble_fraction=timeline.bubble_fraction(),
@@ -265,20 +265,20 @@ def train_command(args: argparse.Namespace) -> int:
     from pplab.session import RankPool
     from pplab.rank.train import TrainOptions, train_on_rank
 
-    ranks = int(os.environ["WORLD_SIZE"]) if under_torchrun() else args.ranks
+    ranks = int(os.environ["WORLD_SIZE"]) if under_torchrun() else args.n_ranks
     options = TrainOptions(
         steps=args.steps, batch_size=args.batch_size, seq_len=args.seq_len, lr=args.lr,
         min_lr=args.min_lr if args.min_lr is not None else args.lr / 10, warmup=args.warmup,
         clip=args.clip or None, data_seed=args.data_seed, eval_every=args.eval_every,
         checkpoint_dir=args.checkpoint_dir, checkpoint_every=args.checkpoint_every, keep=args.keep,
         async_save=args.async_save, resume=args.resume)
-    spec = PipelineSpec.create(LlamaConfig.tiny(), args.schedule, ranks, args.microbatches,
-                               args.virtual, impl=args.impl, seed=args.seed)
+    spec = PipelineSpec.create(LlamaConfig.tiny(), args.schedule, ranks, args.n_microbatches,
+                               args.n_virtual, impl=args.impl, seed=args.seed)
     options.check(spec.schedule.n_microbatches, spec.config)  # bad options fail here, before any rank starts
     speaker = os.environ.get("RANK", "0") == "0"
     if speaker:
         where = "ranks started by torchrun" if under_torchrun() else "local ranks (gloo)"
-        print(f"pplab train: {spec.schedule.name} ({args.impl}) on {ranks} {where}, {args.microbatches} "
+        print(f"pplab train: {spec.schedule.name} ({args.impl}) on {ranks} {where}, {args.n_microbatches} "
               f"microbatches, {options.steps} steps"
               + (f", resuming from {options.resume}" if options.resume else ""), flush=True)
     started = time.perf_counter()
@@ -289,7 +289,7 @@ def train_command(args: argparse.Namespace) -> int:
         history = histories[0]
     else:
         with RankPool(ranks, timeout=args.timeout) as pool:
-            run = pool.pipeline(spec.config, args.schedule, args.microbatches, args.virtual, impl=args.impl,
+            run = pool.pipeline(spec.config, args.schedule, args.n_microbatches, args.n_virtual, impl=args.impl,
                                 seed=args.seed)
             history = run.train(**dataclasses.asdict(options))
     records = history.records
@@ -363,8 +363,8 @@ def build_parser() -> argparse.ArgumentParser:
     commands = parser.add_subparsers(dest="command", required=True)
     run_demo = commands.add_parser("demo", help="every schedule on local ranks, checked and drawn (CPU)",
                                    parents=[ranks_run])
-    run_demo.add_argument("--ranks", type=_positive_int, default=4)
-    run_demo.add_argument("--microbatches", type=_positive_int, default=8)
+    run_demo.add_argument("--n-ranks", type=_positive_int, default=4)
+    run_demo.add_argument("--n-microbatches", type=_positive_int, default=8)
     run_demo.add_argument("--microbatch-size", type=_positive_int, default=2)
     run_demo.add_argument("--seq-len", type=_positive_int, default=32)
     run_demo.add_argument("--forward", type=_number, default=0.05,
@@ -385,9 +385,9 @@ def build_parser() -> argparse.ArgumentParser:
                     "give seconds to compare with a measured run. Each duration is one number, "
                     "or one per stage separated by commas.")
     run_simulate.add_argument("schedule", metavar="SCHEDULE", help=f"one of {', '.join(SCHEDULE_NAMES)} (any case; '-', '_' or nothing between words)")
-    run_simulate.add_argument("--ranks", type=_positive_int, required=True)
-    run_simulate.add_argument("--microbatches", type=_positive_int, required=True)
-    run_simulate.add_argument("--virtual", type=_positive_int, default=None,
+    run_simulate.add_argument("--n-ranks", type=_positive_int, required=True)
+    run_simulate.add_argument("--n-microbatches", type=_positive_int, required=True)
+    run_simulate.add_argument("--n-virtual", type=_positive_int, default=None,
                               help="stages per rank (interleaved-1f1b: default 2; others: 1)")
     run_simulate.add_argument("--forward", type=_per_stage, default=1.0,
                               help="forward F of one stage (an interleaved chunk is a stage; default 1)")
@@ -410,15 +410,15 @@ def build_parser() -> argparse.ArgumentParser:
         parents=[ranks_run],
         description="Train the tiny LLaMA-style model on the embedded corpus: AdamW, warm-up then "
                     "cosine, global-norm clipping, held-out evaluation, distributed checkpoints. "
-                    "Runs --ranks local processes, or one rank per process under torchrun "
+                    "Runs --n-ranks local processes, or one rank per process under torchrun "
                     "(torchrun --standalone --nproc_per_node=N -m pplab train ...).")
-    run_train.add_argument("--ranks", type=_positive_int, default=2, help="local ranks (torchrun decides its own)")
+    run_train.add_argument("--n-ranks", type=_positive_int, default=2, help="local ranks (torchrun decides its own)")
     run_train.add_argument("--schedule", default="1f1b", help=f"one of {', '.join(SCHEDULE_NAMES)}; with "
                            f"--impl torch also {', '.join(n for n in TORCH_SCHEDULES if n not in SCHEDULE_NAMES)} "
                            f"(any case; torch's class names work too)")
     run_train.add_argument("--impl", choices=("pplab", "torch"), default="pplab")
-    run_train.add_argument("--microbatches", type=_positive_int, default=4)
-    run_train.add_argument("--virtual", type=_positive_int, default=1, help="stages per rank")
+    run_train.add_argument("--n-microbatches", type=_positive_int, default=4)
+    run_train.add_argument("--n-virtual", type=_positive_int, default=1, help="stages per rank")
     run_train.add_argument("--steps", type=_positive_int, default=200, help="the run's length (LR horizon)")
     run_train.add_argument("--batch-size", type=_positive_int, default=16)
     run_train.add_argument("--seq-len", type=_positive_int, default=64)

@@ -6,10 +6,10 @@
 * `lab2`: a 2-rank CPU/gloo lab shared by the whole session (restarted first if an
   earlier test left it needing a restart). Use it for anything that does not
   break or reconfigure the lab.
-* `lab_factory`: `lab_factory(ranks=4, timeout=3, ...)` starts a lab of your own;
+* `lab_factory`: `lab_factory(n_ranks=4, timeout=3, ...)` starts a lab of your own;
   every lab it started is stopped after the test, passed or failed.
 
-Plain-process ranks come from `tests/ranks.py`: one RankPool per world size, stopped
+Plain-process ranks come from `tests/ranks.py`: one RankPool per number of ranks, stopped
 with the session.
 
 The quick tier (`pytest -m quick`, the inner loop) is the tests marked `quick`: they
@@ -94,7 +94,7 @@ def _reusable_lab(timeout: float):
     """A 2-rank CPU lab kept across tests; stopped when its fixture's scope ends."""
     import pplab
 
-    lab = pplab.Lab(ranks=2, device="cpu", timeout=timeout, grace=1, verbose=False)
+    lab = pplab.Lab(n_ranks=2, device="cpu", timeout=timeout, grace=1, verbose=False)
     yield lab
     lab.stop()
 
@@ -135,10 +135,10 @@ def lab_factory(ipython_dir):
 
     labs = []
 
-    def start(ranks: int = 2, **options):
+    def start(n_ranks: int = 2, **options):
         options.setdefault("verbose", False)
         options.setdefault("device", "cpu")  # the tests are about gloo on CPU, GPUs or not
-        lab = pplab.Lab(ranks=ranks, **options)
+        lab = pplab.Lab(n_ranks=n_ranks, **options)
         labs.append(lab)
         return lab
 

@@ -15,7 +15,7 @@ TIMING = Costs(forward=0.05, backward=0.1)  # a 1F1B step of 4 microbatches on 2
 
 
 def test_a_multi_step_run_updates_the_panels_while_it_runs(lab2):
-    run = lab2.pipeline(CONFIG, schedule="1f1b", microbatches=4, timing=TIMING)
+    run = lab2.pipeline(CONFIG, schedule="1f1b", n_microbatches=4, timing=TIMING)
     try:
         dashboard = run.dashboard()
         results = dashboard.run_steps(3)
@@ -40,7 +40,7 @@ def test_a_multi_step_run_updates_the_panels_while_it_runs(lab2):
 def test_a_waiting_rank_shows_whom_it_waits_for_while_it_waits(lab2):
     # Stage 0's forwards take 1.2 s: rank 1 sits in its first receive, visibly, long before any timeout.
     slow_start = Costs(forward=[1.2, 0.01], backward=0.01)
-    run = lab2.pipeline(CONFIG, schedule="gpipe", microbatches=2, timing=slow_start)
+    run = lab2.pipeline(CONFIG, schedule="gpipe", n_microbatches=2, timing=slow_start)
     try:
         dashboard = run.dashboard(stalled_after=0.6)
         seen = []
@@ -65,7 +65,7 @@ def test_a_waiting_rank_shows_whom_it_waits_for_while_it_waits(lab2):
 
 
 def test_stop_ends_a_background_run_after_the_current_step(lab2):
-    run = lab2.pipeline(CONFIG, schedule="1f1b", microbatches=4, timing=TIMING)
+    run = lab2.pipeline(CONFIG, schedule="1f1b", n_microbatches=4, timing=TIMING)
     try:
         dashboard = run.dashboard()
 
@@ -84,21 +84,21 @@ def test_stop_ends_a_background_run_after_the_current_step(lab2):
 
 
 def test_changing_a_control_rebuilds_on_the_ranks_and_bad_sizes_are_said(lab2):
-    dashboard = lab2.pipeline(CONFIG, schedule="1f1b", microbatches=4).dashboard()
+    dashboard = lab2.pipeline(CONFIG, schedule="1f1b", n_microbatches=4).dashboard()
     try:
         dashboard.schedule_name.value = "gpipe"
         assert dashboard.run.schedule.name == "gpipe" and dashboard.run.schedule.n_microbatches == 4
         (result,) = dashboard.run_steps(1)
         assert result.timeline.n_ranks == 2
         before = dashboard.run
-        dashboard.virtual.value = 2  # gpipe runs one stage per rank
+        dashboard.n_virtual.value = 2  # gpipe runs one stage per rank
         assert dashboard.run is before and "runs one stage per rank" in dashboard.status.value
     finally:
         dashboard.run.close()
 
 
 def test_parity_differences_go_to_the_gradient_panel(lab2):
-    dashboard = lab2.pipeline(CONFIG, schedule="zb-h1", microbatches=2).dashboard()
+    dashboard = lab2.pipeline(CONFIG, schedule="zb-h1", n_microbatches=2).dashboard()
     try:
         report = dashboard.check_parity()
         assert report.passed and "matches one device" in dashboard.status.value
@@ -110,7 +110,7 @@ def test_parity_differences_go_to_the_gradient_panel(lab2):
 def test_an_error_is_raised_by_run_steps_and_shown_in_the_status_line(lab2):
     import torch
 
-    run = lab2.pipeline(CONFIG, schedule="1f1b", microbatches=2)
+    run = lab2.pipeline(CONFIG, schedule="1f1b", n_microbatches=2)
     try:
         too_big = torch.full((4, 8), CONFIG.vocab_size)  # token ids outside the vocabulary
         dashboard = run.dashboard(batch=(too_big, too_big))
@@ -122,10 +122,10 @@ def test_an_error_is_raised_by_run_steps_and_shown_in_the_status_line(lab2):
         run.close()
 
 
-def test_the_runtime_control_switches_to_torchs_schedules(lab2):
-    dashboard = lab2.pipeline(CONFIG, schedule="1f1b", microbatches=4, timing=TIMING).dashboard()
+def test_the_impl_control_switches_to_torchs_schedules(lab2):
+    dashboard = lab2.pipeline(CONFIG, schedule="1f1b", n_microbatches=4, timing=TIMING).dashboard()
     try:
-        dashboard.implementation.value = "torch"  # 1f1b exists in both: rebuilt under torch
+        dashboard.impl.value = "torch"  # 1f1b exists in both: rebuilt under torch
         assert dashboard.run.spec.impl == "torch" and "zbv-zero-bubble" in dashboard.schedule_name.options
         (result,) = dashboard.run_steps(1)
         assert sorted({e.kind for e in result.timeline.compute_events()}) == ["B", "F"]  # torch ran it

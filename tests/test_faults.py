@@ -19,7 +19,7 @@ CONFIG = pplab.LlamaConfig.tiny()
 
 
 def test_a_fault_that_cannot_fire_is_refused_before_any_rank_is_asked(lab2):
-    run = lab2.pipeline(CONFIG, schedule="1f1b", microbatches=4)
+    run = lab2.pipeline(CONFIG, schedule="1f1b", n_microbatches=4)
     try:
         with pytest.raises(ValueError, match=r"action='1X3' is not an action: give one like '1F3'"):
             faults.stall(run, "1X3", seconds=1)
@@ -40,7 +40,7 @@ def test_a_fault_that_cannot_fire_is_refused_before_any_rank_is_asked(lab2):
 def test_a_rank_stalled_inside_a_forward_is_named_by_the_rank_that_waits_for_it(fragile_lab):
     """Rank 1 sleeps 8 s in its forward of microbatch 1: rank 0 gives up after the lab's 3 s on
     the gradient it needs, and the dashboard shows rank 0 stalled on rank 1, and rank 1 in 1F1."""
-    run = fragile_lab.pipeline(CONFIG, schedule="1f1b", microbatches=4)
+    run = fragile_lab.pipeline(CONFIG, schedule="1f1b", n_microbatches=4)
     assert run.spec.timeout == fragile_lab.timeout == 3  # the lab's bound, not a default of its own
     run.step()
     dashboard = run.dashboard(stalled_after=1.0)
@@ -56,11 +56,11 @@ def test_a_rank_stalled_inside_a_forward_is_named_by_the_rank_that_waits_for_it(
     assert "rank 0 waited 3 s for the gradient of microbatch 1" in dashboard.status.value
     assert fragile_lab.state.startswith("needs restart")
     fragile_lab.restart()
-    assert fragile_lab.pipeline(CONFIG, schedule="1f1b", microbatches=4).check_parity().passed
+    assert fragile_lab.pipeline(CONFIG, schedule="1f1b", n_microbatches=4).check_parity().passed
 
 
 def test_a_rank_that_dies_at_an_action_is_named_by_its_peer(fragile_lab):
-    run = fragile_lab.pipeline(CONFIG, schedule="gpipe", microbatches=4)
+    run = fragile_lab.pipeline(CONFIG, schedule="gpipe", n_microbatches=4)
     pid = fragile_lab.status()[1].pid
     assert faults.die(run, "1B2") == 1
     with pytest.raises(RankDiedError) as failure:
@@ -74,12 +74,12 @@ def test_a_rank_that_dies_at_an_action_is_named_by_its_peer(fragile_lab):
                      r"rank 1 \(action 0(SEND|RECV)_B(?P=mb)\)", message), message
     assert fragile_lab.status()[1].state == "dead"
     fragile_lab.restart()
-    assert fragile_lab.pipeline(CONFIG, schedule="gpipe", microbatches=4).check_parity().passed
+    assert fragile_lab.pipeline(CONFIG, schedule="gpipe", n_microbatches=4).check_parity().passed
 
 
 def test_a_fault_fires_only_in_its_own_run_and_closing_the_run_forgets_it(lab2):
-    run = lab2.pipeline(CONFIG, schedule="1f1b", microbatches=2)
-    other = lab2.pipeline(CONFIG, schedule="1f1b", microbatches=2)
+    run = lab2.pipeline(CONFIG, schedule="1f1b", n_microbatches=2)
+    other = lab2.pipeline(CONFIG, schedule="1f1b", n_microbatches=2)
     try:
         faults.die(run, "1F1")
         assert other.step().loss > 0 and lab2.state == "running"  # another run: nothing fires

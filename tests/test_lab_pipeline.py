@@ -15,7 +15,7 @@ def my_rank():
 
 
 def test_step_parity_gradient_flow_and_shapes_on_a_lab(lab2):
-    run = lab2.pipeline(CONFIG, schedule="1f1b", microbatches=4)
+    run = lab2.pipeline(CONFIG, schedule="1f1b", n_microbatches=4)
     result = run.step()
     assert result.timeline.n_ranks == 2
     assert {e.rank for e in result.timeline.events} == {0, 1}
@@ -33,7 +33,7 @@ def test_step_parity_gradient_flow_and_shapes_on_a_lab(lab2):
 
 @pytest.mark.parametrize("schedule, microbatches, n_virtual", [("interleaved-1f1b", 4, 2), ("zb-h1", 3, 1)])
 def test_interleaved_and_zero_bubble_match_one_device_on_a_lab(lab2, schedule, microbatches, n_virtual):
-    run = lab2.pipeline(CONFIG, schedule=schedule, microbatches=microbatches, n_virtual=n_virtual)
+    run = lab2.pipeline(CONFIG, schedule=schedule, n_microbatches=microbatches, n_virtual=n_virtual)
     batch = next(batches(2 * microbatches, 24, seed=5))
     for _ in range(2):  # a second step on the same stages starts from zeroed gradients
         parity = run.check_parity(batch)
@@ -43,10 +43,10 @@ def test_interleaved_and_zero_bubble_match_one_device_on_a_lab(lab2, schedule, m
 
 def test_bad_pipelines_are_rejected_before_any_rank_runs(lab2):
     with pytest.raises(ValueError, match="unknown schedule 'zigzag'"):
-        lab2.pipeline(CONFIG, schedule="zigzag", microbatches=4)
+        lab2.pipeline(CONFIG, schedule="zigzag", n_microbatches=4)
     with pytest.raises(ValueError, match="schedule is for 3 ranks but the pipeline has 2"):
         lab2.pipeline(CONFIG, schedule=pplab.schedules.build("1f1b", 3, 3))
-    run = lab2.pipeline(CONFIG, schedule="gpipe", microbatches=4)
+    run = lab2.pipeline(CONFIG, schedule="gpipe", n_microbatches=4)
     with pytest.raises(ValueError, match="n_microbatches=4 does not divide the batch size 6"):
         run.step(next(batches(6, 16)))
     assert run.step().loss > 0  # nothing was left half-done on the ranks
@@ -69,7 +69,7 @@ def test_a_broken_process_group_makes_the_lab_ask_for_a_restart(lab2):
 
 
 def test_a_pipeline_stepped_after_a_restart_says_to_build_it_again(lab2):
-    run = lab2.pipeline(CONFIG, schedule="gpipe", microbatches=2)
+    run = lab2.pipeline(CONFIG, schedule="gpipe", n_microbatches=2)
     lab2.restart()
     with pytest.raises(RuntimeError, match=r"built on ranks that were replaced since \(a restart.*: "
                                            r"build the pipeline again \(lab.pipeline\(...\)\)"):
@@ -86,14 +86,14 @@ def test_training_on_a_lab_is_the_training_of_plain_processes_and_reshards(lab2,
     spec = PipelineSpec.create(CONFIG, "interleaved-1f1b", 2, 4, 2)
     plain = run_ranks(2, train_on_rank, spec, TrainOptions(**options), None, False, timeout=120)[0]
 
-    run = lab2.pipeline(CONFIG, "interleaved-1f1b", microbatches=4, n_virtual=2)
+    run = lab2.pipeline(CONFIG, "interleaved-1f1b", n_microbatches=4, n_virtual=2)
     first = run.train(until=4, show=False, checkpoint_dir=str(tmp_path), checkpoint_every=2, **options)
     rest = run.train(show=False, checkpoint_dir=str(tmp_path), checkpoint_every=2, **options)  # goes on
     assert first.losses + rest.losses == plain.losses
     assert set(plain.eval_losses) <= set(run.history.eval_losses)  # and one where the first call stopped
     run.close()
     # 4 stages saved; 2 stages resume from step 4 and take the same step 5.
-    fewer = lab2.pipeline(CONFIG, "1f1b", microbatches=4)
+    fewer = lab2.pipeline(CONFIG, "1f1b", n_microbatches=4)
     resumed = fewer.train(until=5, show=False, resume=str(tmp_path / "step-00000004"), **options)
     assert resumed.losses == plain.losses[4:5]
     fewer.close()

@@ -31,8 +31,8 @@ def say(name, text):  # whole or not at all: the test may read at any moment
     (folder / f"{name}.tmp").replace(folder / name)
 
 
-lab = pplab.Lab(ranks=2, device="cpu", verbose=False)
-run = lab.pipeline(pplab.LlamaConfig.tiny(), schedule="1f1b", microbatches=4)
+lab = pplab.Lab(n_ranks=2, device="cpu", verbose=False)
+run = lab.pipeline(pplab.LlamaConfig.tiny(), schedule="1f1b", n_microbatches=4)
 assert run.check_parity().passed
 files = Path(lab.profile_dir, "security").glob(f"ipcontroller-{lab.cluster_id}-*.json")
 ports = sorted({port for path in files for value in json.loads(path.read_text()).values()

@@ -162,7 +162,7 @@ def test_mixed_precision_runs_in_bf16_and_stays_close():
 def test_bad_meshes_are_refused_before_any_rank_starts(mesh, options, message):
     options = {"impl": "torch", "schedule": "1f1b", **options}
     with pytest.raises(ValueError, match=message):
-        PipelineSpec.create(CONFIG, n_ranks=4, microbatches=MICROBATCHES, mesh=mesh, **options)
+        PipelineSpec.create(CONFIG, n_ranks=4, n_microbatches=MICROBATCHES, mesh=mesh, **options)
 
 
 @pytest.mark.quick
@@ -183,8 +183,8 @@ def test_rank_layout_puts_tp_fastest_and_pp_slowest():
 
 
 def test_a_mesh_on_a_lab(lab_factory):
-    lab = lab_factory(ranks=4, timeout=20)
-    run = lab.pipeline(CONFIG, schedule="1f1b", microbatches=MICROBATCHES, impl="torch",
+    lab = lab_factory(n_ranks=4, timeout=20)
+    run = lab.pipeline(CONFIG, schedule="1f1b", n_microbatches=MICROBATCHES, impl="torch",
                        mesh={"pp": 2, "dp": 2})
     assert "4 ranks as pp=2 x dp=2 x tp=1" in repr(run)
     assert [p["coordinates"] for p in run.placement] == [run.mesh.coordinates(r) for r in range(4)]

@@ -160,18 +160,18 @@ def test_bad_microbatches_are_refused_on_the_client(overrides, message):
 
 @pytest.mark.quick
 def test_a_bad_microbatch_count_is_named_as_the_caller_typed_it():
-    with pytest.raises(ValueError, match=r"^microbatches=0 must be at least 1, e.g. microbatches=4"):
+    with pytest.raises(ValueError, match=r"^n_microbatches=0 must be at least 1, e.g. n_microbatches=4"):
         PipelineSpec.create(CONFIG, "1f1b", 2, 0)
 
 
 @pytest.mark.quick
 def test_a_ready_schedule_must_agree_with_the_arguments():
     schedule = build("1f1b", 2, 4)
-    with pytest.raises(ValueError, match="the schedule is for 4 microbatches but 8 were asked for"):
-        PipelineSpec.create(CONFIG, schedule, 2, microbatches=8)
+    with pytest.raises(ValueError, match="the schedule is for n_microbatches=4 but n_microbatches=8 was asked for"):
+        PipelineSpec.create(CONFIG, schedule, 2, n_microbatches=8)
     with pytest.raises(ValueError, match="timeout=0"):
         PipelineSpec.create(CONFIG, schedule, 2, timeout=0)
-    assert PipelineSpec.create(CONFIG, schedule, 2, microbatches=4).schedule is schedule
+    assert PipelineSpec.create(CONFIG, schedule, 2, n_microbatches=4).schedule is schedule
 
 
 def test_timing_mode_pads_every_action_and_ranks_share_one_clock():

@@ -109,7 +109,7 @@ def test_impl_is_checked():
 
 
 def test_a_lab_pipeline_switches_to_torch_with_one_argument(lab2):
-    run = lab2.pipeline(CONFIG, schedule="1f1b", microbatches=4, impl="torch",
+    run = lab2.pipeline(CONFIG, schedule="1f1b", n_microbatches=4, impl="torch",
                         timing=pplab.Costs(forward=0.02, backward=0.04))
     try:
         parity = run.check_parity()

@@ -1,13 +1,14 @@
 """Plain local processes as ranks: the driver for the CLI, tests, benchmarks and scripts.
 
-`RankPool(world_size)` starts one process per rank once (torch imported once, the
+`RankPool(n_ranks)` starts one process per rank once (torch imported once, the
 process group joined once, gloo on loopback, or NCCL) and keeps them: `pool.run(fn,
 *args)` calls `fn(*args)` on every rank (which asks `pplab.rank.rank_context` who it is)
 and returns the results ordered by rank; `pool.run_async` returns at once with a call
 that streams what the ranks `publish`. It is the interface a lab offers, so a pipeline
 session runs on either.
 
-`run_ranks(world_size, fn, *args)` calls `fn(rank, world_size, *args)`, torchrun's way:
+`run_ranks(n_ranks, fn, *args)` calls `fn(rank, world_size, *args)`, torchrun's way (`world_size`,
+torch.distributed's word, is the number of ranks):
 on a pool when given one, else in fresh processes for this one call (for code that
 must own its process group).
 
@@ -110,26 +111,26 @@ def _rank_main(rank, world_size, port, backend, init_timeout, fn, args, results)
         raise SystemExit(1)
 
 
-def run_ranks(world_size: int, fn, *args, backend: str = "gloo", timeout: float = 120.0,
+def run_ranks(n_ranks: int, fn, *args, backend: str = "gloo", timeout: float = 120.0,
               init_timeout: float = 30.0, grace: float = 3.0, pool: RankPool | None = None) -> list:
-    """Run `fn(rank, world_size, *args)` on `pool`, or in `world_size` fresh processes; results by rank.
+    """Run `fn(rank, world_size, *args)` on `pool`, or in `n_ranks` fresh processes; results by rank.
 
     When a rank fails, the others get `grace` seconds to report their own failure
     (a neighbour's timeout usually follows), then all are stopped and every
     failure is raised together, the first one first.
     """
-    check_positive_int("world_size", world_size)
+    check_positive_int("n_ranks", n_ranks)
     if pool is not None:
-        if pool.world_size != world_size:
-            raise ValueError(f"world_size={world_size}, but the pool has {pool.world_size} ranks: give a "
-                             f"pool of {world_size} ranks, or no pool")
+        if pool.world_size != n_ranks:
+            raise ValueError(f"n_ranks={n_ranks}, but the pool has {pool.world_size} ranks: give a "
+                             f"pool of {n_ranks} ranks, or no pool")
         return pool.run(with_rank, fn, *args, timeout=timeout)
     context = mp.get_context("spawn")
     results = context.Queue()
     port = free_port()
     processes = [context.Process(target=_rank_main, daemon=True,
-                                 args=(rank, world_size, port, backend, init_timeout, fn, args, results))
-                 for rank in range(world_size)]
+                                 args=(rank, n_ranks, port, backend, init_timeout, fn, args, results))
+                 for rank in range(n_ranks)]
     for process in processes:
         process.start()
     try:
@@ -245,7 +246,7 @@ def _pool_rank_main(rank, world_size, port, backend, init_timeout, link):
 
 
 class RankPool:
-    """`world_size` local processes kept as ranks: run functions on all of them, many times.
+    """`n_ranks` local processes kept as ranks: run functions on all of them, many times.
 
         with RankPool(2) as pool:
             losses = pool.run(fn, spec)          # fn(spec) on each rank, results by rank
@@ -256,12 +257,15 @@ class RankPool:
     process; the next call starts fresh ones. `stop()` (or leaving the `with`) ends them.
     """
 
-    def __init__(self, world_size: int, *, backend: str = "gloo", timeout: float = 120.0,
+    def __init__(self, n_ranks: int, *, backend: str = "gloo", timeout: float = 120.0,
                  init_timeout: float = 30.0, grace: float = 3.0):
-        """`timeout`: the default for a call; `init_timeout`: joining the group, and every wait in it."""
-        check_positive_int("world_size", world_size)
+        """`timeout`: the default for a call; `init_timeout`: joining the group, and every wait in it.
+
+        `pool.world_size` is `n_ranks` (torch.distributed's word for the number of ranks).
+        """
+        check_positive_int("n_ranks", n_ranks)
         check_positive_seconds("timeout", timeout)
-        self.world_size, self.backend = world_size, backend
+        self.world_size, self.backend = n_ranks, backend
         self.timeout, self.init_timeout, self.grace = timeout, init_timeout, grace
         self._context = mp.get_context("spawn")
         self._processes: list = []

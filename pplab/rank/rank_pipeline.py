@@ -49,7 +49,7 @@ class PipelineSpec:
 
     @classmethod
     def create(cls, config: LlamaConfig, schedule: str | Schedule, n_ranks: int,
-               microbatches: int | None = None, n_virtual: int = 1, impl: str = "pplab",
+               n_microbatches: int | None = None, n_virtual: int = 1, impl: str = "pplab",
                mesh: Mesh | dict | None = None, **options) -> "PipelineSpec":
         """Build (or take) the schedule, validate it and check it fits the model, before any rank runs.
 
@@ -58,25 +58,25 @@ class PipelineSpec:
         """
         if impl not in IMPLEMENTATIONS:
             raise ValueError(f"impl={impl!r}: choose one of {', '.join(map(repr, IMPLEMENTATIONS))}")
-        if microbatches is not None:  # named as the caller typed it (the schedule API says n_microbatches)
-            check_positive_int("microbatches", microbatches, example=4)
+        if n_microbatches is not None:
+            check_positive_int("n_microbatches", n_microbatches, example=4)
         if mesh is not None:
             mesh = Mesh.of(mesh)
             mesh.check(config, n_ranks, impl)
             n_ranks = mesh.pp
         if impl == "torch":
-            if not isinstance(schedule, str) or microbatches is None:
+            if not isinstance(schedule, str) or n_microbatches is None:
                 raise ValueError("impl='torch' runs torch's own schedules: give one by name (e.g. "
-                                 "schedule='1f1b') and microbatches=<count>")
+                                 "schedule='1f1b') and n_microbatches=<count>")
             from pplab.rank.torch_pp import torch_schedule
 
-            schedule = torch_schedule(schedule, n_ranks, microbatches, n_virtual)
+            schedule = torch_schedule(schedule, n_ranks, n_microbatches, n_virtual)
         elif isinstance(schedule, str):
-            if microbatches is None:
-                raise ValueError(f"schedule={schedule!r} needs microbatches=<count>")
-            schedule = build(schedule, n_ranks, microbatches, n_virtual)
+            if n_microbatches is None:
+                raise ValueError(f"schedule={schedule!r} needs n_microbatches=<count>")
+            schedule = build(schedule, n_ranks, n_microbatches, n_virtual)
         else:
-            _check_matches(schedule, n_ranks, microbatches, n_virtual)
+            _check_matches(schedule, n_ranks, n_microbatches, n_virtual)
         if impl == "pplab":  # torch runs its own plan; pplab's runtime runs exactly this one
             validate(schedule)
             check_runnable(schedule)
@@ -113,16 +113,16 @@ class PipelineSpec:
         return self.mesh.coordinates(rank)["pp"] if self.mesh else rank
 
 
-def _check_matches(schedule: Schedule, n_ranks: int, microbatches, n_virtual: int) -> None:
+def _check_matches(schedule: Schedule, n_ranks: int, n_microbatches, n_virtual: int) -> None:
     """A ready-made schedule fixes its sizes: arguments that disagree are mistakes, not hints."""
     if schedule.n_ranks != n_ranks:
         raise ValueError(f"the schedule is for {schedule.n_ranks} ranks but the pipeline has "
                          f"{n_ranks}; build it for {n_ranks} ranks")
-    for what, given, actual in (("microbatches", microbatches, schedule.n_microbatches),
+    for what, given, actual in (("n_microbatches", n_microbatches, schedule.n_microbatches),
                                 ("n_virtual", n_virtual, schedule.n_virtual)):
         if given is not None and given != actual and not (what == "n_virtual" and given == 1):
-            raise ValueError(f"the schedule is for {actual} {what} but {given} were asked for; "
-                             f"build the schedule for {given} or leave the argument out")
+            raise ValueError(f"the schedule is for {what}={actual} but {what}={given} was asked for; "
+                             f"build the schedule for {what}={given} or leave {what} out")
 
 
 class RankPipeline:

@@ -19,7 +19,7 @@ class _BuildsPipelines:
 
     run_class = PipelineRun  # what `pipeline` builds (a notebook's lab builds a richer one)
 
-    def pipeline(self, config, schedule: str | Schedule = "1f1b", microbatches: int | None = None,
+    def pipeline(self, config, schedule: str | Schedule = "1f1b", n_microbatches: int | None = None,
                  n_virtual: int = 1, **options) -> PipelineRun:
         """Build a pipeline's stages on every rank (schedule validated first); step it with `.step()`.
 
@@ -27,7 +27,7 @@ class _BuildsPipelines:
         """
         self._check_usable()
         options.setdefault("timeout", self.timeout)
-        return self.run_class(self, config, schedule, microbatches, n_virtual, **options)
+        return self.run_class(self, config, schedule, n_microbatches, n_virtual, **options)
 
 
 class Lab(_BuildsPipelines, _ClusterLab):

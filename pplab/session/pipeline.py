@@ -40,10 +40,10 @@ class PipelineRun:
     """A pipeline built on the ranks of a driver (a lab, a RankPool): step it, check it, train it."""
 
     def __init__(self, lab, config: LlamaConfig, schedule: str | Schedule = "1f1b",
-                 microbatches: int | None = None, n_virtual: int = 1, **options):
+                 n_microbatches: int | None = None, n_virtual: int = 1, **options):
         """`lab`: the ranks' driver (`pplab.Lab`, `pplab.drivers.local.RankPool`, see pplab.session)."""
         self.lab = lab
-        self.spec = PipelineSpec.create(config, schedule, lab.world_size, microbatches, n_virtual, **options)
+        self.spec = PipelineSpec.create(config, schedule, lab.world_size, n_microbatches, n_virtual, **options)
         self.run_id = f"run-{uuid.uuid4().hex[:8]}"  # unique even with two clients on one cluster
         self.last: StepResult | None = None
         self.history = TrainHistory()  # every step that `train` ran, across calls

@@ -178,7 +178,7 @@ def check_send_recv(lab, forward_backward, seed: int = 0) -> Verdict:
     name = "send and receive, with gradients"
     if lab.world_size != 2:
         return Verdict(name, False, f"this exercise runs on 2 ranks; the lab has {lab.world_size}: "
-                                    f"start it with pplab.Lab(ranks=2)")
+                                    f"start it with pplab.Lab(n_ranks=2)")
     config = LlamaConfig.tiny()
     batch = next(batches(2, 16, seed=seed))
     ran = _run_on_lab(lab, name, _forward_backward_on_rank, forward_backward, config, batch)
@@ -214,7 +214,7 @@ def _run_on_lab(lab, name: str, on_rank, learner_code, *args):
         return Verdict(name, False, f"give a function defined with def, not {type(learner_code).__name__}")
     if lab.device != "cpu":
         return Verdict(name, False, f"this exercise's tensors live on the CPU, but the lab runs on "
-                                    f"{lab.device}: start it with pplab.Lab(ranks=2, device='cpu')")
+                                    f"{lab.device}: start it with pplab.Lab(n_ranks=2, device='cpu')")
     try:
         imports, shared = _globals_used(learner_code)
         lab.run(_bind_on_rank, imports)

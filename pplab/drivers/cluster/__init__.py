@@ -1,6 +1,6 @@
 """The lab cluster: ipyparallel engines as torch.distributed ranks, driven from a notebook.
 
-    lab = pplab.Lab(ranks=4)      # start: engines up, ranks assigned, process group ready
+    lab = pplab.Lab(n_ranks=4)    # start: engines up, ranks assigned, process group ready
     lab.run(fn, *args)            # fn on every rank, results ordered by rank
     for event in lab.stream(fn):  # events that ranks publish() while fn runs
         ...

@@ -234,12 +234,14 @@ class Dashboard(widgets.VBox):
         names = names if current in names else [current, *names]
         short, labelled = widgets.Layout(width="190px"), {"description_width": "initial"}
         self.schedule_name = widgets.Dropdown(options=names, value=current, description="schedule")
-        self.microbatches = widgets.BoundedIntText(schedule.n_microbatches, min=1, max=256,
-                                                   description="microbatches", layout=short, style=labelled)
-        self.virtual = widgets.BoundedIntText(schedule.n_virtual, min=1, max=8, description="stages per rank",
-                                              layout=short, style=labelled)
-        self.implementation = widgets.Dropdown(options=IMPLEMENTATIONS, value=impl,
-                                               description="runtime", layout=widgets.Layout(width="180px"))
+        # Each control is labelled with the keyword of lab.pipeline(...) it sets.
+        self.n_microbatches = widgets.BoundedIntText(schedule.n_microbatches, min=1, max=256,
+                                                     description="n_microbatches", layout=short, style=labelled)
+        self.n_virtual = widgets.BoundedIntText(schedule.n_virtual, min=1, max=8,
+                                                description="n_virtual (stages per rank)",
+                                                layout=widgets.Layout(width="250px"), style=labelled)
+        self.impl = widgets.Dropdown(options=IMPLEMENTATIONS, value=impl, description="impl",
+                                     layout=widgets.Layout(width="180px"))
         self.timing = widgets.Checkbox(self.run.spec.timing is not None, description="timing mode",
                                        indent=False, layout=widgets.Layout(width="110px"))
         self.step_count = widgets.BoundedIntText(5, min=1, max=10_000, description="steps", layout=short,
@@ -252,20 +254,20 @@ class Dashboard(widgets.VBox):
         self.progress = widgets.IntProgress(0, min=0, max=1, layout=widgets.Layout(width="220px"))
         self.status = widgets.HTML()
         self.controls = widgets.VBox([
-            widgets.HBox([self.schedule_name, self.microbatches, self.virtual, self.implementation, self.timing]),
+            widgets.HBox([self.schedule_name, self.n_microbatches, self.n_virtual, self.impl, self.timing]),
             widgets.HBox([self.step_button, self.step_count, self.run_button, self.stop_button,
                           self.parity_button])])
         self.step_button.on_click(lambda _: self.start(1))
         self.run_button.on_click(lambda _: self.start(self.step_count.value))
         self.stop_button.on_click(lambda _: self.stop())
         self.parity_button.on_click(lambda _: self.check_parity())
-        for control in (self.schedule_name, self.microbatches, self.virtual, self.timing):
+        for control in (self.schedule_name, self.n_microbatches, self.n_virtual, self.timing):
             control.observe(lambda _: self.rebuild(), names="value")
-        self.implementation.observe(lambda _: self._implementation_changed(), names="value")
+        self.impl.observe(lambda _: self._impl_changed(), names="value")
 
-    def _implementation_changed(self) -> None:
-        """Another runtime knows other schedule names: offer them (keeping the schedule if it has it)."""
-        names = _schedule_names(self.implementation.value)
+    def _impl_changed(self) -> None:
+        """Another implementation knows other schedules: offer them (keeping the schedule if it has it)."""
+        names = _schedule_names(self.impl.value)
         if self.schedule_name.value in names:
             self.schedule_name.options = names  # keeps the value: rebuild below
             self.rebuild()
@@ -278,9 +280,9 @@ class Dashboard(widgets.VBox):
             return
         lab, config = self.run.lab, self.run.config
         try:
-            new = lab.pipeline(config, schedule=self.schedule_name.value, microbatches=self.microbatches.value,
-                               n_virtual=self.virtual.value, timing=TIMING_COSTS if self.timing.value else None,
-                               impl=self.implementation.value)
+            new = lab.pipeline(config, schedule=self.schedule_name.value, n_microbatches=self.n_microbatches.value,
+                               n_virtual=self.n_virtual.value, timing=TIMING_COSTS if self.timing.value else None,
+                               impl=self.impl.value)
         except ValueError as error:  # sizes the schedule cannot take: say so, keep the old pipeline
             self._say_error(error)
             return
@@ -292,7 +294,7 @@ class Dashboard(widgets.VBox):
         self._say(f"rebuilt: {new!r}")
 
     def _enable_controls(self, enabled: bool) -> None:
-        for control in (self.schedule_name, self.microbatches, self.virtual, self.timing,
+        for control in (self.schedule_name, self.n_microbatches, self.n_virtual, self.timing,
                         self.step_button, self.run_button, self.step_count, self.parity_button):
             control.disabled = not enabled
         self.stop_button.disabled = enabled
@@ -310,7 +312,7 @@ class Dashboard(widgets.VBox):
 
 
 def _schedule_names(impl: str) -> list[str]:
-    """The schedule names a runtime knows."""
+    """The schedules an implementation runs (impl="pplab" or "torch")."""
     if impl == "torch":
         return list(TORCH_SCHEDULES)
     return list(SCHEDULE_NAMES)
