@@ -60,7 +60,7 @@ def main() -> None:
     batch = next(pplab.data.batches(MICROBATCH_SIZE * MICROBATCHES, SEQ_LEN))
     rows = {}
     with NamespaceHosts(n_hosts=2, engines_per_host=1) as hosts:
-        lab = pplab.Lab.connect(**hosts.connect_options(), n_ranks=2, timeout=60, verbose=False)
+        lab = pplab.Lab.connect(**hosts.connect_options(), n_ranks=2, op_timeout=60, verbose=False)
         try:
             run = lab.pipeline(CONFIG, schedule="1f1b", n_microbatches=MICROBATCHES)
             compute = costs_from_timeline([run.step(batch).timeline for _ in range(3)][-1], 2)

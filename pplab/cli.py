@@ -51,7 +51,7 @@ def demo(args: argparse.Namespace) -> int:
     for name, n_virtual in DEMO_SCHEDULES[args.impl]:
         # An interleaved chunk holds 1/v of a stage's layers, so it costs 1/v as much.
         costs = Costs(forward=args.forward / n_virtual, backward=2 * args.forward / n_virtual)
-        options = dict(impl=args.impl, seed=args.seed, timing=costs, timeout=300)
+        options = dict(impl=args.impl, seed=args.seed, timing=costs, op_timeout=300)
         PipelineSpec.create(config, name, args.n_ranks, args.n_microbatches, n_virtual, **options)  # checked first
         plans.append((name, n_virtual, options))
     out = Path(args.out)  # made only once the arguments are known to be good
@@ -384,7 +384,8 @@ def build_parser() -> argparse.ArgumentParser:
                     "(PNG), a Chrome trace and the numbers (JSON). Durations are in cost units: "
                     "give seconds to compare with a measured run. Each duration is one number, "
                     "or one per stage separated by commas.")
-    run_simulate.add_argument("schedule", metavar="SCHEDULE", help=f"one of {', '.join(SCHEDULE_NAMES)} (any case; '-', '_' or nothing between words)")
+    run_simulate.add_argument("schedule", metavar="SCHEDULE", help=f"one of {', '.join(SCHEDULE_NAMES)} "
+                                                                   f"(any case; '-', '_' or nothing between words)")
     run_simulate.add_argument("--n-ranks", type=_positive_int, required=True)
     run_simulate.add_argument("--n-microbatches", type=_positive_int, required=True)
     run_simulate.add_argument("--n-virtual", type=_positive_int, default=None,

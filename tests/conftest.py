@@ -6,7 +6,7 @@
 * `lab2`: a 2-rank CPU/gloo lab shared by the whole session (restarted first if an
   earlier test left it needing a restart). Use it for anything that does not
   break or reconfigure the lab.
-* `lab_factory`: `lab_factory(n_ranks=4, timeout=3, ...)` starts a lab of your own;
+* `lab_factory`: `lab_factory(n_ranks=4, op_timeout=3, ...)` starts a lab of your own;
   every lab it started is stopped after the test, passed or failed.
 
 Plain-process ranks come from `tests/ranks.py`: one RankPool per number of ranks, stopped
@@ -90,11 +90,11 @@ def _quick_tests_start_no_process(request, monkeypatch):
     monkeypatch.setattr(os, "fork", refuse)
 
 
-def _reusable_lab(timeout: float):
+def _reusable_lab(op_timeout: float):
     """A 2-rank CPU lab kept across tests; stopped when its fixture's scope ends."""
     import pplab
 
-    lab = pplab.Lab(n_ranks=2, device="cpu", timeout=timeout, grace=1, verbose=False)
+    lab = pplab.Lab(n_ranks=2, device="cpu", op_timeout=op_timeout, grace=1, verbose=False)
     yield lab
     lab.stop()
 
@@ -108,12 +108,12 @@ def _ready(lab):
 
 @pytest.fixture(scope="session")
 def _session_lab(ipython_dir):
-    yield from _reusable_lab(timeout=20)
+    yield from _reusable_lab(op_timeout=20)
 
 
 @pytest.fixture(scope="module")
 def _fragile_lab(ipython_dir):
-    yield from _reusable_lab(timeout=3)
+    yield from _reusable_lab(op_timeout=3)
 
 
 @pytest.fixture

@@ -171,7 +171,7 @@ def all_gone(pids, within=10.0):
     ({"n_ranks": 2, "backend": "nccl", "device": "cpu"}, "backend='nccl'"),
     pytest.param({"n_ranks": 2, "backend": "nccl"}, "backend='nccl' needs one GPU per rank",
                  marks=pytest.mark.skipif(torch.cuda.device_count() >= 2, reason="has 2 GPUs")),
-    ({"n_ranks": 2, "timeout": 0}, "timeout=0"),
+    ({"n_ranks": 2, "op_timeout": 0}, "op_timeout=0"),
     ({"n_ranks": 2, "threads": 0}, "threads=0"),
 ])
 def test_bad_arguments_are_rejected_before_anything_starts(arguments, named, ipython_dir):
@@ -518,7 +518,7 @@ def test_the_process_group_timeout_turns_a_blocked_recv_into_an_error(fragile_la
     started = time.monotonic()
     with pytest.raises(RankFailedError) as caught:
         fragile_lab.run(recv_that_never_comes, timeout=30)
-    assert time.monotonic() - started < fragile_lab.timeout + SLACK
+    assert time.monotonic() - started < fragile_lab.op_timeout + SLACK
     assert caught.value.rank == 1
     fragile_lab.restart()  # a timed-out gloo pair is not to be trusted
     assert_healthy(fragile_lab)

@@ -41,7 +41,7 @@ def test_a_rank_stalled_inside_a_forward_is_named_by_the_rank_that_waits_for_it(
     """Rank 1 sleeps 8 s in its forward of microbatch 1: rank 0 gives up after the lab's 3 s on
     the gradient it needs, and the dashboard shows rank 0 stalled on rank 1, and rank 1 in 1F1."""
     run = fragile_lab.pipeline(CONFIG, schedule="1f1b", n_microbatches=4)
-    assert run.spec.timeout == fragile_lab.timeout == 3  # the lab's bound, not a default of its own
+    assert run.spec.op_timeout == fragile_lab.op_timeout == 3  # the lab's bound, not a default of its own
     run.step()
     dashboard = run.dashboard(stalled_after=1.0)
     assert faults.stall(run, "1F1", seconds=8) == 1

@@ -39,7 +39,7 @@ def hosts():
 
 @pytest.fixture(scope="module")
 def lab(hosts):
-    lab = pplab.Lab.connect(**hosts.connect_options(), n_ranks=4, timeout=30, verbose=False)
+    lab = pplab.Lab.connect(**hosts.connect_options(), n_ranks=4, op_timeout=30, verbose=False)
     try:
         yield lab
     finally:
@@ -51,7 +51,7 @@ def test_a_wrong_interface_name_is_refused_within_seconds_naming_the_ones_there(
     with pytest.raises(pplab.cluster.RankFailedError,
                        match=r"gloo_ifname='eth9': host pplab-\w+-h\d has no such network interface; "
                              r"it has lo, pplab0, pplab1"):
-        pplab.Lab.connect(**{**hosts.connect_options(), "gloo_ifname": "eth9"}, n_ranks=4, timeout=8, verbose=False)
+        pplab.Lab.connect(**{**hosts.connect_options(), "gloo_ifname": "eth9"}, n_ranks=4, op_timeout=8, verbose=False)
     assert time.monotonic() - started < 15
 
 
@@ -88,7 +88,7 @@ def two_hosts_and_a_lab():
     made = NamespaceHosts(n_hosts=2, engines_per_host=1).start()
     lab = None
     try:
-        lab = pplab.Lab.connect(**made.connect_options(), n_ranks=2, timeout=8, verbose=False)
+        lab = pplab.Lab.connect(**made.connect_options(), n_ranks=2, op_timeout=8, verbose=False)
         yield made, lab
     finally:
         if lab is not None:
@@ -152,7 +152,7 @@ def test_a_slow_link_is_predicted_from_the_link_pplab_measures(two_hosts):
 
 def a_slow_step_under_way(hosts, lab):
     """A pipeline (every wait between ranks bounded by 8 s) whose step takes about a second, started."""
-    run = lab.pipeline(CONFIG, schedule="1f1b", n_microbatches=8, timeout=8)
+    run = lab.pipeline(CONFIG, schedule="1f1b", n_microbatches=8, op_timeout=8)
     assert run.step().loss > 0
     hosts.shape_link(rate_mbit=5)
     running = run.start_step(next(pplab.data.batches(4 * 8, 64)))  # 64 KiB activations
@@ -226,7 +226,7 @@ def test_training_across_hosts_resumes_after_a_kill_as_if_never_stopped(fresh_tw
     spec = PipelineSpec.create(CONFIG, "1f1b", 2, 4)
     uninterrupted = run_ranks(2, train_on_rank, spec, TrainOptions(**options), None, False, timeout=120)[0]
 
-    run = lab.pipeline(CONFIG, "1f1b", n_microbatches=4, timeout=8)
+    run = lab.pipeline(CONFIG, "1f1b", n_microbatches=4, op_timeout=8)
     first = run.train(until=4, show=False, checkpoint_dir=str(tmp_path), checkpoint_every=2, **options)
     assert first.losses == uninterrupted.losses[:4]
     running = run.start_step(next(pplab.data.batches(4 * 8, 64)))

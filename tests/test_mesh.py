@@ -183,7 +183,7 @@ def test_rank_layout_puts_tp_fastest_and_pp_slowest():
 
 
 def test_a_mesh_on_a_lab(lab_factory):
-    lab = lab_factory(n_ranks=4, timeout=20)
+    lab = lab_factory(n_ranks=4, op_timeout=20)
     run = lab.pipeline(CONFIG, schedule="1f1b", n_microbatches=MICROBATCHES, impl="torch",
                        mesh={"pp": 2, "dp": 2})
     assert "4 ranks as pp=2 x dp=2 x tp=1" in repr(run)

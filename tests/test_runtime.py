@@ -103,7 +103,7 @@ def without(schedule: Schedule, text: str) -> Schedule:
 
 def broken_job(text):
     schedule = without(build("1f1b", 2, 2), text)
-    spec = PipelineSpec(CONFIG, schedule, timeout=2.0)  # bypasses validate(), on purpose
+    spec = PipelineSpec(CONFIG, schedule, op_timeout=2.0)  # bypasses validate(), on purpose
     return spec, split_for_ranks(spec, next(batches(4, SEQ_LEN)))
 
 
@@ -169,8 +169,8 @@ def test_a_ready_schedule_must_agree_with_the_arguments():
     schedule = build("1f1b", 2, 4)
     with pytest.raises(ValueError, match="the schedule is for n_microbatches=4 but n_microbatches=8 was asked for"):
         PipelineSpec.create(CONFIG, schedule, 2, n_microbatches=8)
-    with pytest.raises(ValueError, match="timeout=0"):
-        PipelineSpec.create(CONFIG, schedule, 2, timeout=0)
+    with pytest.raises(ValueError, match="^op_timeout=0"):
+        PipelineSpec.create(CONFIG, schedule, 2, op_timeout=0)
     assert PipelineSpec.create(CONFIG, schedule, 2, n_microbatches=4).schedule is schedule
 
 
@@ -217,7 +217,7 @@ def test_torch_v_shaped_plans_and_a_hand_written_schedule_run_exactly():
 
 def test_a_schedule_that_never_runs_backward_trips_the_leak_check():
     forward_only = from_text(["0F0 0SEND_F0", "1RECV_F0 1F0"], name="forward-only")
-    spec = PipelineSpec(CONFIG, forward_only, timeout=5.0)  # bypasses validate(), on purpose
+    spec = PipelineSpec(CONFIG, forward_only, op_timeout=5.0)  # bypasses validate(), on purpose
     data = split_for_ranks(spec, next(batches(2, SEQ_LEN)))
     with pytest.raises(LocalRankError, match=r"still holds tensors after the step: \{'inputs': \['\(0, 0\)'\], "
                                                r"'outputs': \['\(0, 0\)'\]\}"):

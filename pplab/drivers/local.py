@@ -74,7 +74,7 @@ def with_rank(fn, *args):
     return fn(context.rank, context.world_size, *args)
 
 
-def _join_group(rank: int, world_size: int, port: int, backend: str, init_timeout: float):
+def _join_group(rank: int, world_size: int, port: int, backend: str, op_timeout: float):
     """Make this fresh process rank `rank` of a process group on loopback; its device."""
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), GLOO_SOCKET_IFNAME="lo",
                       OMP_NUM_THREADS="1")
@@ -86,7 +86,7 @@ def _join_group(rank: int, world_size: int, port: int, backend: str, init_timeou
     if backend == "nccl":
         device = torch.device("cuda", rank)
         torch.cuda.set_device(device)
-    dist.init_process_group(backend, rank=rank, world_size=world_size, timeout=timedelta(seconds=init_timeout))
+    dist.init_process_group(backend, rank=rank, world_size=world_size, timeout=timedelta(seconds=op_timeout))
     return device
 
 
@@ -95,11 +95,11 @@ def error_report(error: BaseException) -> tuple[str, str, str]:
     return type(error).__name__, str(error), traceback.format_exc()
 
 
-def _rank_main(rank, world_size, port, backend, init_timeout, fn, args, results):
+def _rank_main(rank, world_size, port, backend, op_timeout, fn, args, results):
     import torch.distributed as dist
 
     try:
-        _join_group(rank, world_size, port, backend, init_timeout)
+        _join_group(rank, world_size, port, backend, op_timeout)
         try:
             # Plain pickle copies tensors into bytes; the queue's default would pass a
             # shared-memory handle that dies with this process.
@@ -112,8 +112,11 @@ def _rank_main(rank, world_size, port, backend, init_timeout, fn, args, results)
 
 
 def run_ranks(n_ranks: int, fn, *args, backend: str = "gloo", timeout: float = 120.0,
-              init_timeout: float = 30.0, grace: float = 3.0, pool: RankPool | None = None) -> list:
+              op_timeout: float = 30.0, grace: float = 3.0, pool: RankPool | None = None) -> list:
     """Run `fn(rank, world_size, *args)` on `pool`, or in `n_ranks` fresh processes; results by rank.
+
+    `timeout`: how long this call may take; `op_timeout` (fresh processes): how long one wait
+    between ranks may take (a pool's ranks keep their own).
 
     When a rank fails, the others get `grace` seconds to report their own failure
     (a neighbour's timeout usually follows), then all are stopped and every
@@ -129,7 +132,7 @@ def run_ranks(n_ranks: int, fn, *args, backend: str = "gloo", timeout: float = 1
     results = context.Queue()
     port = free_port()
     processes = [context.Process(target=_rank_main, daemon=True,
-                                 args=(rank, n_ranks, port, backend, init_timeout, fn, args, results))
+                                 args=(rank, n_ranks, port, backend, op_timeout, fn, args, results))
                  for rank in range(n_ranks)]
     for process in processes:
         process.start()
@@ -203,7 +206,7 @@ def one_line(ename: str, evalue: str) -> str:
 _STOP = b""  # what a pool sends a rank to make it leave
 
 
-def _pool_rank_main(rank, world_size, port, backend, init_timeout, link):
+def _pool_rank_main(rank, world_size, port, backend, op_timeout, link):
     """A pool's rank: join the group once, then run each call sent, until told to stop."""
     lock = threading.Lock()  # the call's thread and its feed's thread both send
 
@@ -212,7 +215,7 @@ def _pool_rank_main(rank, world_size, port, backend, init_timeout, link):
             link.send(message)
 
     try:
-        device = _join_group(rank, world_size, port, backend, init_timeout)
+        device = _join_group(rank, world_size, port, backend, op_timeout)
     except BaseException as error:
         send(None, "error", error_report(error))
         raise SystemExit(1)
@@ -258,15 +261,17 @@ class RankPool:
     """
 
     def __init__(self, n_ranks: int, *, backend: str = "gloo", timeout: float = 120.0,
-                 init_timeout: float = 30.0, grace: float = 3.0):
-        """`timeout`: the default for a call; `init_timeout`: joining the group, and every wait in it.
+                 op_timeout: float = 30.0, grace: float = 3.0):
+        """`timeout`: how long a call may take (the default of `run(..., timeout=)`); `op_timeout`:
+        how long ONE wait between ranks may take (joining the group, a collective, a P2P op).
 
         `pool.world_size` is `n_ranks` (torch.distributed's word for the number of ranks).
         """
         check_positive_int("n_ranks", n_ranks)
         check_positive_seconds("timeout", timeout)
+        check_positive_seconds("op_timeout", op_timeout)
         self.world_size, self.backend = n_ranks, backend
-        self.timeout, self.init_timeout, self.grace = timeout, init_timeout, grace
+        self.timeout, self.op_timeout, self.grace = timeout, op_timeout, grace
         self._context = mp.get_context("spawn")
         self._processes: list = []
         self._links: list = []  # a pipe to each rank, by rank (closed once its rank is gone)
@@ -356,14 +361,14 @@ class RankPool:
         port, links = free_port(), [self._context.Pipe() for _ in range(self.world_size)]
         self._processes = [self._context.Process(
             target=_pool_rank_main, daemon=True, name=f"pplab-rank-{rank}",
-            args=(rank, self.world_size, port, self.backend, self.init_timeout, links[rank][1]))
+            args=(rank, self.world_size, port, self.backend, self.op_timeout, links[rank][1]))
             for rank in range(self.world_size)]
         for process in self._processes:
             process.start()
         for _, rank_end in links:
             rank_end.close()  # the rank holds it now: when the rank ends, our end reads the end of the pipe
         self._links = [pool_end for pool_end, _ in links]
-        ready, deadline = set(), time.monotonic() + self.init_timeout + 60  # imports come first
+        ready, deadline = set(), time.monotonic() + self.op_timeout + 60  # imports come first
         while len(ready) < self.world_size:
             for _, rank, kind, value in self._receive(0.2):
                 if kind == "error":
@@ -374,7 +379,7 @@ class RankPool:
             dead = [r for r, p in enumerate(self._processes) if p.exitcode is not None and r not in ready]
             if dead or (len(ready) < self.world_size and time.monotonic() > deadline):
                 self._end_processes(patience=0.0)
-                why = f"ranks {dead} died" if dead else f"not every rank was up after {self.init_timeout + 60:g} s"
+                why = f"ranks {dead} died" if dead else f"not every rank was up after {self.op_timeout + 60:g} s"
                 raise LocalRankError(f"the pool's ranks did not start: {why}")
 
     def _end_processes(self, patience: float) -> None:

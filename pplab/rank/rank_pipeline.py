@@ -41,7 +41,7 @@ class PipelineSpec:
     seed: int = 0
     balance: Sequence[int] | None = None
     allow_empty: bool = False
-    timeout: float = 30.0
+    op_timeout: float = 30.0
     timing: Costs | None = None
     record: bool = True
     impl: str = "pplab"  # the hand-written runtime, or "torch": torch.distributed.pipelining
@@ -87,8 +87,8 @@ class PipelineSpec:
                              f"checkpoint recomputes once per forward); use a schedule with whole "
                              f"backwards (gpipe, 1f1b, interleaved-1f1b) or leave checkpointing out")
         spec = cls(config, schedule, impl=impl, mesh=mesh, **options)
-        if not spec.timeout > 0:
-            raise ValueError(f"timeout={spec.timeout!r}: give the seconds a rank may wait for a "
+        if not spec.op_timeout > 0:
+            raise ValueError(f"op_timeout={spec.op_timeout!r}: give the seconds a rank may wait for a "
                              f"neighbour, > 0")
         if spec.timing is not None:
             if not isinstance(spec.timing, Costs):
@@ -146,7 +146,7 @@ class RankPipeline:
             self.runtime = TorchRankRuntime(schedule, rank, self.stages, self.device,
                                             spec.timing, group, spec.record, self.place, collectives)
         else:  # (a mesh here has pp only: Mesh.check refuses dp and tp without torch's schedules)
-            self.runtime = RankRuntime(schedule, rank, self.stages, self.device, spec.timeout,
+            self.runtime = RankRuntime(schedule, rank, self.stages, self.device, spec.op_timeout,
                                        spec.record, spec.timing, group)
 
     def parameters(self):

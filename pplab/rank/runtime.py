@@ -105,7 +105,7 @@ class RankRuntime:
     """Runs one rank's action list of a schedule with that rank's stage modules."""
 
     def __init__(self, schedule: Schedule, rank: int, stages: dict[int, nn.Module],
-                 device="cpu", timeout: float = 30.0, record: bool = True,
+                 device="cpu", op_timeout: float = 30.0, record: bool = True,
                  timing: Costs | None = None, group=None):
         missing = set(schedule.stages_of(rank)) - set(stages)
         if missing:
@@ -114,7 +114,7 @@ class RankRuntime:
         check_runnable(schedule)
         self.schedule, self.rank, self.stages = schedule, rank, stages
         self.rule = Dependencies(schedule)
-        self.device, self.timeout, self.record, self.timing = torch.device(device), timeout, record, timing
+        self.device, self.op_timeout, self.record, self.timing = torch.device(device), op_timeout, record, timing
         self.group = group
         self.last_stage = schedule.n_stages - 1
         self._forward_bytes = ForwardBytes()  # keyed by (stage, input shape, dtype)
@@ -138,7 +138,7 @@ class RankRuntime:
         """
         self._check_data(inputs, targets)
         self._check_backend_can_match(handshake=activation_shapes is None)
-        link = StageLink(self.schedule, self.rank, self.device, self.timeout,
+        link = StageLink(self.schedule, self.rank, self.device, self.op_timeout,
                          handshake=activation_shapes is None, group=self.group, record=self.record)
         state, events, boundaries = _StepState(received=link.mailbox.received), [], []
         try:

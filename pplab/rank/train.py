@@ -234,7 +234,7 @@ class RankTrainer:
         """Every microbatch through the stages in order, activations sent to the next stage's rank."""
         spec, schedule = self.pipeline.spec, self.pipeline.spec.schedule
         stages, device = self.pipeline.stages, self.pipeline.device
-        timeout = timedelta(seconds=spec.timeout)
+        op_timeout = timedelta(seconds=spec.op_timeout)
         losses, sends = {}, []
         for mb, (input_ids, target_ids) in enumerate(as_microbatches(batch, schedule.n_microbatches)):
             x = None
@@ -246,14 +246,14 @@ class RankTrainer:
                 elif schedule.stage_to_rank(stage - 1) != self.rank:
                     x = torch.empty((*input_ids.shape, spec.config.hidden_size), device=device,
                                     dtype=next(stages[stage].parameters()).dtype)
-                    self._peer(dist.irecv, x, schedule.stage_to_rank(stage - 1)).wait(timeout)
+                    self._peer(dist.irecv, x, schedule.stage_to_rank(stage - 1)).wait(op_timeout)
                 x = stages[stage](x)
                 if stage == schedule.n_stages - 1:
                     losses[mb] = float(loss_fn(x, target_ids.to(device)))
                 elif schedule.stage_to_rank(stage + 1) != self.rank:
                     sends.append(self._peer(dist.isend, x, schedule.stage_to_rank(stage + 1)))
         for send in sends:
-            send.wait(timeout)
+            send.wait(op_timeout)
         return self._from_last_stage(losses)
 
     def _peer(self, operation, tensor, rank: int):

@@ -4,7 +4,7 @@ A `PipelineRun` builds a pipeline's stages on the ranks, steps it, checks it aga
 device, trains it and streams what the ranks do. It needs of its ranks only what every
 driver offers:
 
-    ranks.world_size, ranks.timeout, ranks.state, ranks.rank_processes
+    ranks.world_size, ranks.op_timeout, ranks.state, ranks.rank_processes
     ranks.run(fn, *args, timeout=...)        -> results by rank    (fn(*args) on every rank)
     ranks.run_async(fn, *args, timeout=...)  -> call: call.poll_events(), call.result(timeout=...),
                                                 call.wait_for_events()

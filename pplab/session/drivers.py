@@ -23,10 +23,10 @@ class _BuildsPipelines:
                  n_virtual: int = 1, **options) -> PipelineRun:
         """Build a pipeline's stages on every rank (schedule validated first); step it with `.step()`.
 
-        A wait between ranks gives up after the driver's `timeout` unless `timeout=` says otherwise.
+        A wait between ranks gives up after the driver's `op_timeout` unless `op_timeout=` says otherwise.
         """
         self._check_usable()
-        options.setdefault("timeout", self.timeout)
+        options.setdefault("op_timeout", self.op_timeout)
         return self.run_class(self, config, schedule, n_microbatches, n_virtual, **options)
 
 

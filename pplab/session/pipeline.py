@@ -47,9 +47,9 @@ class PipelineRun:
         self.run_id = f"run-{uuid.uuid4().hex[:8]}"  # unique even with two clients on one cluster
         self.last: StepResult | None = None
         self.history = TrainHistory()  # every step that `train` ran, across calls
-        # Every wait between ranks is bounded by spec.timeout; timing mode adds the step's own length.
+        # Every wait between ranks is bounded by spec.op_timeout; timing mode adds the step's own length.
         padded = simulate(self.spec.schedule, self.spec.timing).step_time() if self.spec.timing else 0.0
-        self._call_timeout = self.spec.timeout + 120.0 + 2 * padded
+        self._call_timeout = self.spec.op_timeout + 120.0 + 2 * padded
         self.placement = lab.run(build_on_rank, self.run_id, self.spec, timeout=self._call_timeout)
         self._built_on = lab.rank_processes
 

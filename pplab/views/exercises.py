@@ -4,7 +4,7 @@ Each exercise notebook (`notebooks/*exercise*.ipynb`) has a marked cell where th
 writes one piece, and a checker cell that calls one function here. A checker never raises
 for a wrong answer: it returns a `Verdict` that prints as a short report, so a notebook
 with an unwritten exercise still runs top to bottom. Checkers that need ranks run the
-code on a lab; a deadlock there ends within the lab's timeout, and the checker restarts
+code on a lab; a deadlock there ends within the lab's op_timeout, and the checker restarts
 the lab for the next try.
 
     warmup_forwards(rank, n_ranks, n_microbatches)       -> check_warmup
@@ -220,7 +220,7 @@ def _run_on_lab(lab, name: str, on_rank, learner_code, *args):
         lab.run(_bind_on_rank, imports)
         if shared:
             lab.view.push(shared, block=True)
-        return lab.run(on_rank, learner_code, *args, timeout=lab.timeout + 60)
+        return lab.run(on_rank, learner_code, *args, timeout=lab.op_timeout + 60)
     except LabError as error:
         if getattr(error, "ename", "") == "NotImplementedError":
             _restart_if_needed(lab)
@@ -233,7 +233,7 @@ def _run_on_lab(lab, name: str, on_rank, learner_code, *args):
         if waited:  # gloo's words for a receive that gave up; the other side's error follows from it
             others = sorted(set(every_error) - set(waited))
             said = (f"rank{'s' if len(waited) > 1 else ''} {', '.join(map(str, waited))} waited "
-                    f"{lab.timeout:g} s for a message that never came"
+                    f"{lab.op_timeout:g} s for a message that never came"
                     + (f"; then rank{'s' if len(others) > 1 else ''} {', '.join(map(str, others))} lost "
                        f"the connection" if others else "") + ".")
             hint = ("\nIf both ranks receive first, neither sends: a deadlock; let one side send first. "

@@ -120,13 +120,14 @@ class Lab:
     _stopped = True  # until a start begins (also for __del__ of a lab whose arguments failed)
 
     def __init__(self, n_ranks: int = 2, *, backend: str = "auto", device: str = "auto",
-                 timeout: float = 60.0, threads: int | None = 1, grace: float = 3.0,
+                 op_timeout: float = 60.0, threads: int | None = 1, grace: float = 3.0,
                  start_timeout: float = 120.0, controller_ip: str = "127.0.0.1",
                  fork: bool | None = None, profile_dir: str | None = None,
                  gpus: Sequence[int] | None = None, activate: bool = True, verbose: bool = True):
         """Start a local lab: a controller and `n_ranks` engines joined in one process group.
 
-        timeout: seconds before a rendezvous, collective or P2P op on a rank gives up.
+        op_timeout: seconds ONE wait between ranks (a rendezvous, a collective, a P2P op) may take
+            before it gives up; `lab.run(fn, timeout=...)` is how long this client waits for a call.
         threads: torch threads per rank (None keeps torch's default).
         grace: seconds the other ranks get to finish after the first rank raises.
         controller_ip: the controller listens on loopback only unless you change this.
@@ -135,7 +136,7 @@ class Lab:
             workshop its own; see pplab.cluster.gpus_for_seat); default: 0..n_ranks-1 if there are enough.
         """
         check_positive_int("n_ranks", n_ranks, example=2)
-        self._configure(n_ranks=n_ranks, backend=backend, device=device, timeout=timeout,
+        self._configure(n_ranks=n_ranks, backend=backend, device=device, op_timeout=op_timeout,
                         threads=threads, grace=grace, start_timeout=start_timeout,
                         activate=activate, verbose=verbose)
         if gpus is not None:
@@ -156,7 +157,7 @@ class Lab:
     @classmethod
     def connect(cls, profile: str | None = "default", cluster_id: str = "", *,
                 profile_dir: str | None = None, n_ranks: int | None = None,
-                backend: str = "auto", device: str = "auto", timeout: float = 60.0,
+                backend: str = "auto", device: str = "auto", op_timeout: float = 60.0,
                 threads: int | None = 1, grace: float = 3.0, start_timeout: float = 120.0,
                 gloo_ifname: str | None = None, activate: bool = True,
                 verbose: bool = True, restart_engines: Callable[[], None] | None = None) -> "Lab":
@@ -168,7 +169,7 @@ class Lab:
         if n_ranks is not None:
             check_positive_int("n_ranks", n_ranks, example=2)
         lab = cls.__new__(cls)
-        lab._configure(n_ranks=n_ranks, backend=backend, device=device, timeout=timeout,
+        lab._configure(n_ranks=n_ranks, backend=backend, device=device, op_timeout=op_timeout,
                        threads=threads, grace=grace, start_timeout=start_timeout,
                        activate=activate, verbose=verbose)
         if profile_dir is None:  # where ipcluster keeps the profile (and we a rendezvous file)
@@ -180,11 +181,11 @@ class Lab:
         lab._bring_up(lab._launcher.start, "start")
         return lab
 
-    def _configure(self, *, n_ranks, backend, device, timeout, threads, grace, start_timeout,
+    def _configure(self, *, n_ranks, backend, device, op_timeout, threads, grace, start_timeout,
                    activate, verbose) -> None:
         """Check and keep the options shared by Lab() and Lab.connect()."""
         self._requested = {"n_ranks": n_ranks, "backend": backend, "device": device}
-        self.timeout = check_positive_seconds("timeout", timeout)
+        self.op_timeout = check_positive_seconds("op_timeout", op_timeout)
         self.grace = check_positive_seconds("grace", grace)
         self.start_timeout = check_positive_seconds("start_timeout", start_timeout)
         self.threads = check_threads(threads)
@@ -270,14 +271,14 @@ class Lab:
         gloo_ifname = self._launcher.gloo_ifname or (loopback_interface() if on_one_host else None)
         sys_path = tuple(sys.path)  # engines import what the notebook can (missing dirs are skipped)
         specs = [RankSpec(rank, len(order), local_rank, local_size, self.backend, self.device,
-                          rendezvous, self.timeout, self._launcher.threads_per_rank(self.threads),
+                          rendezvous, self.op_timeout, self._launcher.threads_per_rank(self.threads),
                           gloo_ifname, sys_path, self._gpus[rank] if self._gpus else None)
                  for rank, (local_rank, local_size) in enumerate(local_ranks(hosts))]
         joining = ipp.AsyncResult.join(*[self.client[engine_id].apply_async(engine.setup_rank, spec)
                                          for engine_id, spec in zip(order, specs)])
         self._view = self.client[order]  # a view in rank order: results come back by rank
         self._view.block = True  # what %%px cells use
-        RankCall(self._ranks, joining, "setting up the process group", self.timeout + 10,
+        RankCall(self._ranks, joining, "setting up the process group", self.op_timeout + 10,
                  self.grace).result()
 
     def _new_rendezvous(self, order: list[int], about: dict, on_one_host: bool) -> str:

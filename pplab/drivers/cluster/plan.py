@@ -26,7 +26,7 @@ class RankSpec:
     backend: str
     device: str  # "cpu" or "cuda"
     rendezvous: str  # init_method URL: file:///... on one host, tcp://host:port across hosts
-    timeout: float  # seconds, for the rendezvous and for every collective or P2P op
+    op_timeout: float  # seconds, for the rendezvous and for every collective or P2P op
     threads: int | None  # torch threads per rank; None keeps the engine's default
     gloo_ifname: str | None  # network interface for gloo/NCCL sockets; None lets them choose
     sys_path: tuple[str, ...] = ()  # entries of the client's sys.path to add on the engine
