@@ -44,6 +44,7 @@ _EXPORTS = {
     "search_balance": "pplab.schedule_search",
     "Lab": "pplab.views.lab",  # engines as ranks, from Jupyter: pipelines with live views
     "RankPool": "pplab.session",  # the same on local processes: command line, tests, scripts
+    "Pipeline": "pplab.session",  # what lab.pipeline(...) and pool.pipeline(...) build
     "cleanup": "pplab.drivers.cluster",
 }
 # public module -> where it lives (`pplab.viz`, `from pplab import checkpoint`)
@@ -71,7 +72,7 @@ if _TYPE_CHECKING:  # what static checkers and editors see
     from pplab.rank.profiler import profile
     from pplab.rank.reference import reference_step
     from pplab.schedule_search import search, search_balance
-    from pplab.session import RankPool
+    from pplab.session import Pipeline, RankPool
     from pplab.views.lab import Lab
     from pplab.simulator import Costs, simulate
     from pplab.trace import Event, Timeline

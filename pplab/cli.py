@@ -33,7 +33,7 @@ def demo(args: argparse.Namespace) -> int:
     from pplab.model import LlamaConfig, build_model
     from pplab.rank.rank_pipeline import PipelineSpec
     from pplab.rank.reference import reference_step
-    from pplab.session import PipelineRun, RankPool
+    from pplab.session import Pipeline, RankPool
 
     config = LlamaConfig.tiny()
     if under_torchrun():  # torchrun decides the ranks; only rank 0 speaks
@@ -47,33 +47,32 @@ def demo(args: argparse.Namespace) -> int:
               f"per schedule, timing mode F={args.forward}s B={2 * args.forward}s, "
               f"{'torch.distributed.pipelining' if args.impl == 'torch' else 'the hand-written runtime'}")
     batch = next(batches(args.microbatch_size * args.n_microbatches, args.seq_len, seed=args.seed))
-    plans = []
+    specs = []  # all checked before any rank starts
     for name, n_virtual in DEMO_SCHEDULES[args.impl]:
         # An interleaved chunk holds 1/v of a stage's layers, so it costs 1/v as much.
         costs = Costs(forward=args.forward / n_virtual, backward=2 * args.forward / n_virtual)
-        options = dict(impl=args.impl, seed=args.seed, timing=costs, op_timeout=300)
-        PipelineSpec.create(config, name, args.n_ranks, args.n_microbatches, n_virtual, **options)  # checked first
-        plans.append((name, n_virtual, options))
+        specs.append(PipelineSpec.create(config, name, args.n_ranks, args.n_microbatches, n_virtual,
+                                         impl=args.impl, seed=args.seed, timing=costs, op_timeout=300))
     out = Path(args.out)  # made only once the arguments are known to be good
     out.mkdir(parents=True, exist_ok=True)
     started = time.perf_counter()
     if not under_torchrun():
-        print(f"starting {args.n_ranks} ranks and running {len(plans)} schedules on them ...", flush=True)
+        print(f"starting {args.n_ranks} ranks and running {len(specs)} schedules on them ...", flush=True)
     # No optimizer: every step must give the first step's loss and the reference's gradients;
     # a step that differs shows state left over from the one before (gradients not zeroed, ...).
     with (TorchrunRanks() if under_torchrun() else RankPool(args.n_ranks)) as ranks:
-        runs = []
-        for name, n_virtual, options in plans:
-            run = PipelineRun(ranks, config, name, args.n_microbatches, n_virtual, **options)
-            runs.append((run, [run.step(batch, return_grads=True) for _ in range(args.steps)]))
-            run.close()
+        pipes = []
+        for spec in specs:
+            pipe = Pipeline(ranks, spec)
+            pipes.append((pipe, [pipe.step(batch, return_grads=True) for _ in range(args.steps)]))
+            pipe.close()
     if not speaker:
         return 0
     print(f"done in {time.perf_counter() - started:.1f} s")
     reference = reference_step(config, batch, args.n_microbatches, seed=args.seed)
     failures, schedules = 0, []
-    for run, results in runs:
-        spec = run.spec
+    for pipe, results in pipes:
+        spec = pipe.spec
         name = f"torch-{spec.schedule.name}" if spec.impl == "torch" else spec.schedule.name
         costs = spec.timing
         parities = [compare_with_reference(r.loss, r.grads, reference) for r in results]
@@ -254,7 +253,7 @@ def _figure(value: float | None) -> str:
 
 
 def train_command(args: argparse.Namespace) -> int:
-    """Train the tiny model on local ranks or under torchrun (the same loop as a lab's `run.train`)."""
+    """Train the tiny model on local ranks or under torchrun (the same loop as a lab pipeline's `train`)."""
     from pplab.checkpoint_files import resume_path
 
     if args.resume is not None:  # found and its manifest read before torch loads or any rank starts
@@ -262,7 +261,7 @@ def train_command(args: argparse.Namespace) -> int:
     from pplab.drivers.torchrun import run_as_torchrun_rank, under_torchrun
     from pplab.model import LlamaConfig
     from pplab.rank.rank_pipeline import PipelineSpec
-    from pplab.session import RankPool
+    from pplab.session import Pipeline, RankPool
     from pplab.rank.train import TrainOptions, train_on_rank
 
     ranks = int(os.environ["WORLD_SIZE"]) if under_torchrun() else args.n_ranks
@@ -289,9 +288,7 @@ def train_command(args: argparse.Namespace) -> int:
         history = histories[0]
     else:
         with RankPool(ranks, timeout=args.timeout) as pool:
-            run = pool.pipeline(spec.config, args.schedule, args.n_microbatches, args.n_virtual, impl=args.impl,
-                                seed=args.seed)
-            history = run.train(**dataclasses.asdict(options))
+            history = Pipeline(pool, spec).train(**dataclasses.asdict(options))
     records = history.records
     if records:
         evaluations = ", ".join(f"{step}: {loss:.3f}" for step, loss in history.eval_losses)

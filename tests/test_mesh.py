@@ -184,20 +184,20 @@ def test_rank_layout_puts_tp_fastest_and_pp_slowest():
 
 def test_a_mesh_on_a_lab(lab_factory):
     lab = lab_factory(n_ranks=4, op_timeout=20)
-    run = lab.pipeline(CONFIG, schedule="1f1b", n_microbatches=MICROBATCHES, impl="torch",
+    pipe = lab.pipeline(CONFIG, schedule="1f1b", n_microbatches=MICROBATCHES, impl="torch",
                        mesh={"pp": 2, "dp": 2})
-    assert "4 ranks as pp=2 x dp=2 x tp=1" in repr(run)
-    assert [p["coordinates"] for p in run.placement] == [run.mesh.coordinates(r) for r in range(4)]
-    parity = run.check_parity()
+    assert "4 ranks as pp=2 x dp=2 x tp=1" in repr(pipe)
+    assert [p["coordinates"] for p in pipe.placement] == [pipe.mesh.coordinates(r) for r in range(4)]
+    parity = pipe.check_parity()
     assert parity.passed, str(parity)
-    assert {"ALL_GATHER", "REDUCE_SCATTER"} <= {e.kind for e in run.last.timeline.events}
-    table = run.memory()
+    assert {"ALL_GATHER", "REDUCE_SCATTER"} <= {e.kind for e in pipe.last.timeline.events}
+    table = pipe.memory()
     assert all(0.45 < table.held(r) / table.unsharded(r) <= 0.55 for r in range(4)), str(table)
-    assert run.rank_labels[3] == "rank 3 · pp1 dp1"
+    assert pipe.rank_labels[3] == "rank 3 · pp1 dp1"
     with pytest.raises(ValueError, match="training runs a pipeline alone, but this one has dp=2 and tp=1"):
-        run.train(steps=2)
+        pipe.train(steps=2)
     with pytest.raises(ValueError, match="live dashboard draws one row per pipeline rank, but this mesh has dp=2"):
-        run.dashboard()
+        pipe.dashboard()
 
 
 def test_pp_x_dp_x_tp_on_8_ranks_matches_one_device():

@@ -109,16 +109,16 @@ def test_impl_is_checked():
 
 
 def test_a_lab_pipeline_switches_to_torch_with_one_argument(lab2):
-    run = lab2.pipeline(CONFIG, schedule="1f1b", n_microbatches=4, impl="torch",
+    pipe = lab2.pipeline(CONFIG, schedule="1f1b", n_microbatches=4, impl="torch",
                         timing=pplab.Costs(forward=0.02, backward=0.04))
     try:
-        parity = run.check_parity()
+        parity = pipe.check_parity()
         assert parity.passed, str(parity)
-        assert run.check_gradient_flow().passed
-        assert [row[:3] for row in run.boundary_shapes().rows()] == \
+        assert pipe.check_gradient_flow().passed
+        assert [row[:3] for row in pipe.boundary_shapes().rows()] == \
             [["0 -> 1", mb, (MICROBATCH_SIZE, 32, CONFIG.hidden_size)] for mb in range(4)]
-        timeline = run.last.timeline
+        timeline = pipe.last.timeline
         assert all(e.duration >= 0.02 for e in timeline.events if e.kind == "F")  # timing mode pads torch's passes
-        assert run.simulate().n_ranks == 2
+        assert pipe.simulate().n_ranks == 2
     finally:
-        run.close()
+        pipe.close()

@@ -1,4 +1,4 @@
-"""A pipeline run: what each rank holds between steps, what it is sent, what comes back.
+"""A pipeline on its ranks: what each rank holds between steps, what it is sent, what comes back.
 
 `PipelineSpec` is everything the ranks must agree on (model config, schedule,
 seed, partition, timeouts); it is small and picklable, so a notebook sends it
@@ -34,7 +34,11 @@ IMPLEMENTATIONS = ("pplab", "torch")  # the hand-written runtime, torch.distribu
 
 @dataclass
 class PipelineSpec:
-    """What every rank must agree on to run a pipeline."""
+    """What every rank must agree on to run a pipeline.
+
+    Its fields, but the schedule, are the keywords of `lab.pipeline(...)`, which documents them
+    (`pplab.session.drivers`); their defaults are written here and in `create`, the same.
+    """
 
     config: LlamaConfig
     schedule: Schedule
@@ -49,12 +53,15 @@ class PipelineSpec:
 
     @classmethod
     def create(cls, config: LlamaConfig, schedule: str | Schedule, n_ranks: int,
-               n_microbatches: int | None = None, n_virtual: int = 1, impl: str = "pplab",
-               mesh: Mesh | dict | None = None, **options) -> "PipelineSpec":
+               n_microbatches: int | None = None, n_virtual: int = 1, *, impl: str = "pplab",
+               seed: int = 0, balance: Sequence[int] | None = None, allow_empty: bool = False,
+               op_timeout: float = 30.0, timing: Costs | None = None, record: bool = True,
+               mesh: Mesh | dict | None = None) -> "PipelineSpec":
         """Build (or take) the schedule, validate it and check it fits the model, before any rank runs.
 
-        With a `mesh` (e.g. {"pp": 2, "dp": 2}), the `n_ranks` ranks form that mesh and the
-        schedule is one pipeline's, over the mesh's pp ranks.
+        The arguments are those of `lab.pipeline(...)` (pplab.session.drivers), with `n_ranks`
+        the number of ranks. With a `mesh` (e.g. {"pp": 2, "dp": 2}), the `n_ranks` ranks form
+        that mesh and the schedule is one pipeline's, over the mesh's pp ranks.
         """
         if impl not in IMPLEMENTATIONS:
             raise ValueError(f"impl={impl!r}: choose one of {', '.join(map(repr, IMPLEMENTATIONS))}")
@@ -86,7 +93,8 @@ class PipelineSpec:
                              f"I and W, and each would recompute the checkpointed blocks (torch's "
                              f"checkpoint recomputes once per forward); use a schedule with whole "
                              f"backwards (gpipe, 1f1b, interleaved-1f1b) or leave checkpointing out")
-        spec = cls(config, schedule, impl=impl, mesh=mesh, **options)
+        spec = cls(config, schedule, seed=seed, balance=balance, allow_empty=allow_empty, op_timeout=op_timeout,
+                   timing=timing, record=record, impl=impl, mesh=mesh)
         if not spec.op_timeout > 0:
             raise ValueError(f"op_timeout={spec.op_timeout!r}: give the seconds a rank may wait for a "
                              f"neighbour, > 0")

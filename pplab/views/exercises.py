@@ -330,11 +330,11 @@ def check_schedule(lab, lines, n_microbatches: int = 4, max_in_flight: int | Non
     from pplab.drivers.cluster import LabError
 
     try:
-        run = lab.pipeline(LlamaConfig.tiny(), schedule=schedule)
+        pipe = lab.pipeline(LlamaConfig.tiny(), schedule=schedule)
         try:
-            report = run.check_parity()
+            report = pipe.check_parity()
         finally:
-            run.close()
+            pipe.close()
     except LabError as error:
         restarted = _restart_if_needed(lab)
         return Verdict(name, False, error.summary

@@ -162,7 +162,7 @@ def _draw_timeline(ax: Axes, timeline: Timeline, title: str | None, until: float
     ax.set_ylim(n_ranks, 0)  # rank 0 on top
     if rank_labels is not None and len(rank_labels) != n_ranks:
         raise ValueError(f"rank_labels has {len(rank_labels)} names but the timeline has {n_ranks} ranks: "
-                         f"give one per rank (a mesh run's are run.rank_labels)")
+                         f"give one per rank (a mesh pipeline's are pipe.rank_labels)")
     labels = list(rank_labels) if rank_labels is not None else [f"rank {r}" for r in range(n_ranks)]
     ax.set_yticks([r + 0.5 for r in range(n_ranks)], labels)
     ax.tick_params(axis="y", length=0)

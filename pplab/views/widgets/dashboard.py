@@ -6,7 +6,7 @@ dashboard polls for them on the kernel's main thread (a plain loop in `run_steps
 an asyncio task in `start`, so the kernel stays free for other cells) and redraws
 the live timeline as SVG a few times per second. Finished steps go to the bubble,
 shape, gradient, memory and loss panels; the matplotlib pictures are drawn when a
-run ends, so that rendering does not take the CPU the ranks need.
+series of steps ends, so that rendering does not take the CPU the ranks need.
 """
 
 from __future__ import annotations
@@ -34,16 +34,17 @@ TIMING_COSTS = Costs(forward=0.05, backward=0.1)  # timing mode: the shape of a 
 class Dashboard(widgets.VBox):
     """Controls, where each rank is, the timeline, and panels for bubbles, shapes, gradients and memory."""
 
-    def __init__(self, run, batch=None, stalled_after: float = 2.0):
-        """`run` is a lab pipeline (`lab.pipeline(...)`); `batch` the data of every step (default: the run's)."""
-        self.run, self.batch = run, batch
+    def __init__(self, pipe, batch=None, stalled_after: float = 2.0):
+        """`pipe` is a lab pipeline (`lab.pipeline(...)`); `batch` the data of every step (default: the
+        pipeline's); `stalled_after`: seconds a wait lasts before its rank shows red."""
+        self.pipe, self.batch = pipe, batch
         self.results = []  # every finished step's StepResult
         self.latencies: list[float] = []  # seconds from a rank's note to its place in the widget state
         self.running = False
         self._stop_requested = False
         self._task: asyncio.Task | None = None
         self._build_controls()
-        self.where = WhereView(run.schedule.n_ranks, stalled_after)
+        self.where = WhereView(pipe.schedule.n_ranks, stalled_after)
         self.timeline = TimelineView()
         self.bubbles = BubblesView()
         self.shapes = ShapesView()
@@ -93,11 +94,11 @@ class Dashboard(widgets.VBox):
             raise RuntimeError("the dashboard is running steps: call stop() first")
         self._say("checking parity with one device")
         try:
-            report = self.run.check_parity(self.batch)
+            report = self.pipe.check_parity(self.batch)
         except (RankError, ValueError) as error:
             self._say_error(error)
             return None
-        self.gradients.show(self.run.last.grad_stats, report, self._stage_of())
+        self.gradients.show(self.pipe.last.grad_stats, report, self._stage_of())
         verdict = "matches one device" if report.passed else "DIFFERS from one device"
         self._say(f"parity: {verdict} (loss {report.loss:.6f} vs {report.reference_loss:.6f}, "
                   f"largest gradient difference {report.max_abs_diff:.1e})", error=not report.passed)
@@ -144,7 +145,7 @@ class Dashboard(widgets.VBox):
         predicted = self._predicted()
         number = len(self.results) + 1
         self._say(f"step {number} running ({index + 1} of {steps})")
-        live = self.run.start_step(self.batch, live_interval=LIVE_INTERVAL)
+        live = self.pipe.start_step(self.batch, live_interval=LIVE_INTERVAL)
         redraw = Throttle(LIVE_REDRAW_SECONDS)
         while not live.finished():
             self._take(live.poll())
@@ -195,10 +196,10 @@ class Dashboard(widgets.VBox):
 
     def _costs(self) -> tuple[Costs | None, str]:
         """The costs to predict with: timing mode's, else those measured in the last step."""
-        if self.run.spec.timing is not None:
-            return self.run.spec.timing, "predicted (timing costs)"
+        if self.pipe.spec.timing is not None:
+            return self.pipe.spec.timing, "predicted (timing costs)"
         if self.results:
-            return (costs_from_timeline(self.results[-1].timeline, self.run.schedule.n_stages),
+            return (costs_from_timeline(self.results[-1].timeline, self.pipe.schedule.n_stages),
                     "predicted (costs of the last step)")
         return None, ""
 
@@ -206,13 +207,13 @@ class Dashboard(widgets.VBox):
         costs, label = self._costs()
         if costs is None:
             return None
-        predicted = simulate(self.run.schedule, costs)
+        predicted = simulate(self.pipe.schedule, costs)
         return Timeline(predicted.events, predicted.n_ranks, label=label)
 
     def _set_references(self, picture: bool = True) -> None:
         costs, _ = self._costs()
-        textbook = theory(self.run.schedule, costs)
-        simulated = simulate(self.run.schedule, costs).bubble_fraction()
+        textbook = theory(self.pipe.schedule, costs)
+        simulated = simulate(self.pipe.schedule, costs).bubble_fraction()
         self.bubbles.set_reference(textbook.bubble_fraction, simulated,
                                    "" if textbook.bubble_fraction is not None else textbook.conditions,
                                    picture=picture)
@@ -220,7 +221,7 @@ class Dashboard(widgets.VBox):
     def _stage_of(self):
         from pplab.partition import layer_ranges, stage_of_parameter
 
-        spec = self.run.spec
+        spec = self.pipe.spec
         ranges = layer_ranges(spec.config.num_hidden_layers, spec.schedule.n_stages, spec.balance,
                               spec.allow_empty)
         return lambda name: stage_of_parameter(name, ranges)
@@ -228,7 +229,7 @@ class Dashboard(widgets.VBox):
     # -- controls ------------------------------------------------------------------------------
 
     def _build_controls(self) -> None:
-        schedule, impl = self.run.schedule, self.run.spec.impl
+        schedule, impl = self.pipe.schedule, self.pipe.spec.impl
         current = schedule.name
         names = _schedule_names(impl)
         names = names if current in names else [current, *names]
@@ -242,7 +243,7 @@ class Dashboard(widgets.VBox):
                                                 layout=widgets.Layout(width="250px"), style=labelled)
         self.impl = widgets.Dropdown(options=IMPLEMENTATIONS, value=impl, description="impl",
                                      layout=widgets.Layout(width="180px"))
-        self.timing = widgets.Checkbox(self.run.spec.timing is not None, description="timing mode",
+        self.timing = widgets.Checkbox(self.pipe.spec.timing is not None, description="timing mode",
                                        indent=False, layout=widgets.Layout(width="110px"))
         self.step_count = widgets.BoundedIntText(5, min=1, max=10_000, description="steps", layout=short,
                                                  style=labelled)
@@ -278,7 +279,7 @@ class Dashboard(widgets.VBox):
         """Build the pipeline the controls describe on the ranks (the old one is freed)."""
         if self.running:
             return
-        lab, config = self.run.lab, self.run.config
+        lab, config = self.pipe.lab, self.pipe.config
         try:
             new = lab.pipeline(config, schedule=self.schedule_name.value, n_microbatches=self.n_microbatches.value,
                                n_virtual=self.n_virtual.value, timing=TIMING_COSTS if self.timing.value else None,
@@ -286,8 +287,8 @@ class Dashboard(widgets.VBox):
         except ValueError as error:  # sizes the schedule cannot take: say so, keep the old pipeline
             self._say_error(error)
             return
-        self.run.close()
-        self.run, self.results = new, []
+        self.pipe.close()
+        self.pipe, self.results = new, []
         self.where.reset(new.schedule.n_ranks)
         self.bubbles.rows = []
         self._set_references()
