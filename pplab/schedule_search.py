@@ -490,10 +490,10 @@ def _layer_count(layer_costs: Costs) -> int:
     return len(layer_costs.forward)
 
 
-def search_balance(layer_costs: Costs, n_ranks: int, n_microbatches: int, memory_limit: float | None = None,
+def search_balance(n_ranks: int, n_microbatches: int, layer_costs: Costs, memory_limit: float | None = None,
                    saved_bytes: Sequence[int] | None = None, n_virtual: int = 1, split_backward: bool = True,
                    include_torch: bool = True, most: int = 64) -> Balanced:
-    """The layers per stage (and schedule) with the least simulated step time.
+    """The layers per stage (and schedule) with the least simulated step time (arguments in `search`'s order).
 
     `layer_costs` has one value per layer for F and B (or I and W): measure them with
     `pplab.profile(config, ..., n_stages=config.num_hidden_layers)`, whose first and last

@@ -144,7 +144,7 @@ def test_mixed_precision_runs_in_bf16_and_stays_close():
     spec, result, memory, reference = run_mesh(Mesh(pp=2, dp=2, mixed_precision=True))
     parity = compare_with_reference(result.loss, result.grads, reference, loss_rtol=1e-3, grad_atol=5e-3)
     assert parity.passed, str(parity)
-    assert {b.dtype for b in result.shapes} == {"bfloat16"}  # what crosses the stages
+    assert {b.dtype for b in result.boundary_shapes} == {"bfloat16"}  # what crosses the stages
 
 
 @pytest.mark.quick

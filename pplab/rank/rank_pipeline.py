@@ -183,9 +183,9 @@ class RankPipeline:
         result = self.runtime.step(data.get("inputs"), data.get("targets"),
                                    data.get("activation_shapes"), return_grads, numbered)
         if first:
-            result.microbatch_losses = {first + mb: loss for mb, loss in result.microbatch_losses.items()}
-            result.boundaries = [dataclasses.replace(b, microbatch=first + b.microbatch)
-                                 for b in result.boundaries]
+            result.losses_by_microbatch = {first + mb: loss for mb, loss in result.losses_by_microbatch.items()}
+            result.boundary_shapes = [dataclasses.replace(b, microbatch=first + b.microbatch)
+                                      for b in result.boundary_shapes]
             result.events = [_renumbered(e, first) for e in result.events]
         return result
 
@@ -258,12 +258,12 @@ def check_microbatch(config: LlamaConfig, index: int, input_ids: torch.Tensor,
 
 @dataclass
 class StepResult:
-    """One pipeline step seen from the client: loss, timeline, shapes, gradients."""
+    """One pipeline step seen from the client: loss, timeline, boundary shapes, gradients."""
 
     loss: float
-    microbatch_losses: list[float]
+    microbatch_losses: list[float]  # by microbatch index
     timeline: Timeline
-    shapes: list[Boundary]
+    boundary_shapes: list[Boundary]  # what crossed each stage boundary, by (boundary, microbatch)
     grad_stats: dict[str, dict]
     grads: dict[str, torch.Tensor] | None = None
     rank_steps: list[RankStep] = field(default_factory=list, repr=False)
@@ -273,7 +273,7 @@ def merge_steps(rank_steps: Sequence[RankStep], label: str = "measured") -> Step
     """Combine the ranks' reports (ordered by rank) into one StepResult."""
     losses = {}
     for rank_step in rank_steps:
-        losses.update(rank_step.microbatch_losses)
+        losses.update(rank_step.losses_by_microbatch)
     ordered = [losses[mb] for mb in sorted(losses)]
     grad_stats, grads = {}, {}
     for rank_step in rank_steps:
@@ -281,9 +281,9 @@ def merge_steps(rank_steps: Sequence[RankStep], label: str = "measured") -> Step
         grads.update(rank_step.grads or {})
     timeline = Timeline([e for r in rank_steps for e in r.events], n_ranks=len(rank_steps), label=label)
     # On a mesh, the TP ranks of a stage send the same activations: each boundary counts once.
-    unique = {(b.source, b.microbatch): b for r in rank_steps for b in r.boundaries}
-    shapes = [unique[key] for key in sorted(unique)]
-    return StepResult(sum(ordered) / len(ordered), ordered, timeline, shapes, grad_stats,
+    unique = {(b.source, b.microbatch): b for r in rank_steps for b in r.boundary_shapes}
+    boundary_shapes = [unique[key] for key in sorted(unique)]
+    return StepResult(sum(ordered) / len(ordered), ordered, timeline, boundary_shapes, grad_stats,
                       grads or None, list(rank_steps))
 
 

@@ -66,7 +66,7 @@ def recording_stage_class():
                 note.update(shape=tuple(output.shape), dtype=dtype_name(output),
                             bytes=self.forward_bytes.known[shape_key])
             if not self.is_last:
-                self.recorder.boundaries.append(Boundary(self.stage_index, fwd_chunk_id, tuple(output.shape),
+                self.recorder.boundary_shapes.append(Boundary(self.stage_index, fwd_chunk_id, tuple(output.shape),
                                                          note["dtype"], output.numel() * output.element_size()))
             return output
 
@@ -108,13 +108,13 @@ class _Recorder:
         self.clock = None
         self.watch = None
         self.events: list[Event] = []
-        self.boundaries: list[Boundary] = []
+        self.boundary_shapes: list[Boundary] = []
         self.pending: dict[Action, float] = {}  # receive -> when torch posted it
         self.last_end = 0.0  # end of this rank's latest compute
 
     def start(self, origin: float, watch) -> None:
         self.clock = lambda: monotonic_clock() - origin  # noqa: E731 - one clock for the step
-        self.watch, self.events, self.boundaries, self.pending, self.last_end = watch, [], [], {}, 0.0
+        self.watch, self.events, self.boundary_shapes, self.pending, self.last_end = watch, [], [], {}, 0.0
 
     def action(self, kind: Kind, stage: int, microbatch: int):
         return _Timed(self, Action(stage, kind, microbatch))
@@ -226,9 +226,9 @@ class TorchRankRuntime:
             collective_events = self.collectives.stop() if self.collectives is not None else []
         if watch is not None:
             watch(Now(self.rank, "done", self.recorder.clock()))
-        microbatch_losses = {mb: float(loss.detach()) for mb, loss in enumerate(losses or [])}
-        return RankStep(self.rank, [*self.recorder.events, *collective_events], microbatch_losses,
-                        list(self.recorder.boundaries), *gradient_report(self.stages.values(), return_grads))
+        losses_by_microbatch = {mb: float(loss.detach()) for mb, loss in enumerate(losses or [])}
+        return RankStep(self.rank, [*self.recorder.events, *collective_events], losses_by_microbatch,
+                        list(self.recorder.boundary_shapes), *gradient_report(self.stages.values(), return_grads))
 
 
 def _whole_batch(microbatches, what: str) -> torch.Tensor:

@@ -185,7 +185,7 @@ class RankTrainer:
         self.scheduler.step()
         self.step += 1
         self.data_position += 1
-        loss = self._from_last_stage(rank_step.microbatch_losses)
+        loss = self._from_last_stage(rank_step.losses_by_microbatch)
         return TrainRecord(self.step, loss, lr, grad_norm, time.perf_counter() - started)
 
     def clip_gradients(self) -> float:
@@ -206,11 +206,11 @@ class RankTrainer:
             torch.nn.utils.clip_grads_with_norm_(parameters, self.options.clip, total, foreach=False)
         return float(total)
 
-    def _from_last_stage(self, microbatch_losses: dict[int, float]) -> float:
+    def _from_last_stage(self, losses_by_microbatch: dict[int, float]) -> float:
         """The step's mean loss, known on the last stage's rank, given to every rank."""
         schedule = self.pipeline.spec.schedule
         owner = schedule.stage_to_rank(schedule.n_stages - 1)
-        mean = sum(microbatch_losses[mb] for mb in sorted(microbatch_losses)) / max(1, len(microbatch_losses))
+        mean = sum(losses_by_microbatch[mb] for mb in sorted(losses_by_microbatch)) / max(1, len(losses_by_microbatch))
         if not dist.is_initialized():
             return mean
         value = torch.tensor([mean if self.rank == owner else 0.0], dtype=torch.float64,

@@ -213,7 +213,7 @@ class Pipeline:
         """What crossed each stage boundary in the last step."""
         if self.last is None:
             self.step()
-        return BoundaryTable(self.last.shapes)
+        return BoundaryTable(self.last.boundary_shapes)
 
     def simulate(self, costs: Costs | None = None) -> Timeline:
         """The timeline the simulator predicts for this schedule (same type as a measured one)."""

@@ -158,7 +158,7 @@ class Dashboard(widgets.VBox):
         self.results.append(result)
         self.timeline.add_step(result.timeline, predicted, picture=False)
         self.bubbles.add(result.timeline, picture=False)
-        self.shapes.show(result.shapes)
+        self.shapes.show(result.boundary_shapes)
         self.gradients.show(result.grad_stats, stage_of=self._stage_of())
         self.memory.add_loss(result.loss, picture=False)
 

@@ -195,7 +195,7 @@ class ShapesView(widgets.VBox):
         self.show(boundaries or [])
 
     def show(self, boundaries: Sequence) -> None:
-        """Show one step's boundary records (`StepResult.shapes`)."""
+        """Show one step's boundary records (`StepResult.boundary_shapes`)."""
         self.flagged = []
         rows = []
         for b in sorted(boundaries, key=lambda b: (b.source, b.microbatch)):
