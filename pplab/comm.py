@@ -38,6 +38,8 @@ import torch.distributed as dist
 from pplab.schedules import Action, Kind, Schedule
 from pplab.trace import Event
 
+__all__ = ["StageLink", "PipelineTimeoutError", "encode_header", "decode_header", "MAX_DIMS", "message_tag"]
+
 MAX_DIMS = 6
 _DTYPES = [torch.float32, torch.float16, torch.bfloat16, torch.float64]
 

@@ -25,6 +25,8 @@ import os
 import signal
 import time
 
+__all__ = ["stall", "die", "FAULTS"]
+
 FAULTS = ("stall", "die")
 
 _armed: dict[tuple[str, str], tuple[str, float]] = {}  # on an engine: (pipeline id, action) -> (fault, seconds)

@@ -37,6 +37,10 @@ from pplab.model import LlamaConfig, LlamaModel
 from pplab.rank.shards import local_tensor
 from pplab.trace import Event
 
+__all__ = ["Mesh", "MeshPlace", "MESH_DIMS", "parallelize_stage", "apply_tensor_parallel",
+           "apply_activation_checkpointing", "apply_fsdp", "MemoryTable", "memory_held",
+           "optimizer_state_bytes", "communicated_bytes", "all_gathers_per_unit", "CollectiveLog"]
+
 MESH_DIMS = ("pp", "dp", "tp")  # outermost first: the order of the global rank layout
 
 

@@ -40,6 +40,9 @@ from pplab.rank.rank_pipeline import PipelineSpec, RankPipeline, split_for_ranks
 from pplab.rank.reference import as_microbatches
 from pplab.trace import Event, Now
 
+__all__ = ["TrainOptions", "TrainRecord", "TrainHistory", "RankTrainer", "train_on_rank", "lr_factor",
+           "make_optimizer"]
+
 
 @dataclass(frozen=True)
 class TrainOptions:

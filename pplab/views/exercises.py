@@ -21,6 +21,9 @@ import traceback
 import types
 from dataclasses import dataclass
 
+__all__ = ["check_stage_forward", "check_send_recv", "check_warmup", "check_clipping", "check_schedule",
+           "Verdict"]
+
 NOT_WRITTEN = "not written yet: replace `raise NotImplementedError` in the exercise cell with your code"
 
 

@@ -21,13 +21,14 @@ from pplab.drivers.cluster.calls import RankCall
 from pplab.drivers.cluster.errors import (LabError, LabNeedsRestartError, LabStartError, RankDiedError,
                                   RankFailedError, RankTimeoutError)
 from pplab.drivers.cluster.lab import Lab
+from pplab.drivers.cluster.namespaces import NamespaceHosts
 from pplab.drivers.cluster.plan import gpus_for_seat
 from pplab.drivers.cluster.records import cleanup
 from pplab.drivers.cluster.status import RankInfo, RankTable
 from pplab.rank.rank_context import RankContext, RankEvent, publish, rank_context
 
 __all__ = [
-    "Lab", "cleanup", "gpus_for_seat", "publish", "rank_context", "RankContext", "RankCall", "RankEvent",
+    "Lab", "cleanup", "gpus_for_seat", "NamespaceHosts", "publish", "rank_context", "RankContext", "RankCall", "RankEvent",
     "RankInfo", "RankTable", "LabError", "LabStartError", "LabNeedsRestartError",
     "RankFailedError", "RankDiedError", "RankTimeoutError",
 ]
