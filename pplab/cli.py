@@ -360,8 +360,10 @@ def build_parser() -> argparse.ArgumentParser:
     commands = parser.add_subparsers(dest="command", required=True)
     run_demo = commands.add_parser("demo", help="every schedule on local ranks, checked and drawn (CPU)",
                                    parents=[ranks_run])
-    run_demo.add_argument("--n-ranks", type=_positive_int, default=4)
-    run_demo.add_argument("--n-microbatches", type=_positive_int, default=8)
+    run_demo.add_argument("--n-ranks", type=_positive_int, default=4, metavar="N",
+                          help="local ranks to start (default 4; torchrun decides its own)")
+    run_demo.add_argument("--n-microbatches", type=_positive_int, default=8, metavar="N",
+                          help="microbatches per step (default 8)")
     run_demo.add_argument("--microbatch-size", type=_positive_int, default=2)
     run_demo.add_argument("--seq-len", type=_positive_int, default=32)
     run_demo.add_argument("--forward", type=_number, default=0.05,
@@ -383,9 +385,10 @@ def build_parser() -> argparse.ArgumentParser:
                     "or one per stage separated by commas.")
     run_simulate.add_argument("schedule", metavar="SCHEDULE", help=f"one of {', '.join(SCHEDULE_NAMES)} "
                                                                    f"(any case; '-', '_' or nothing between words)")
-    run_simulate.add_argument("--n-ranks", type=_positive_int, required=True)
-    run_simulate.add_argument("--n-microbatches", type=_positive_int, required=True)
-    run_simulate.add_argument("--n-virtual", type=_positive_int, default=None,
+    run_simulate.add_argument("--n-ranks", type=_positive_int, required=True, metavar="N", help="ranks")
+    run_simulate.add_argument("--n-microbatches", type=_positive_int, required=True, metavar="N",
+                              help="microbatches per step")
+    run_simulate.add_argument("--n-virtual", type=_positive_int, default=None, metavar="N",
                               help="stages per rank (interleaved-1f1b: default 2; others: 1)")
     run_simulate.add_argument("--forward", type=_per_stage, default=1.0,
                               help="forward F of one stage (an interleaved chunk is a stage; default 1)")
@@ -410,14 +413,19 @@ def build_parser() -> argparse.ArgumentParser:
                     "cosine, global-norm clipping, held-out evaluation, distributed checkpoints. "
                     "Runs --n-ranks local processes, or one rank per process under torchrun "
                     "(torchrun --standalone --nproc_per_node=N -m pplab train ...).")
-    run_train.add_argument("--n-ranks", type=_positive_int, default=2, help="local ranks (torchrun decides its own)")
+    run_train.add_argument("--n-ranks", type=_positive_int, default=2, metavar="N",
+                           help="local ranks to start (default 2; torchrun decides its own)")
     run_train.add_argument("--schedule", default="1f1b", help=f"one of {', '.join(SCHEDULE_NAMES)}; with "
                            f"--impl torch also {', '.join(n for n in TORCH_SCHEDULES if n not in SCHEDULE_NAMES)} "
                            f"(any case; torch's class names work too)")
-    run_train.add_argument("--impl", choices=("pplab", "torch"), default="pplab")
-    run_train.add_argument("--n-microbatches", type=_positive_int, default=4)
-    run_train.add_argument("--n-virtual", type=_positive_int, default=1, help="stages per rank")
-    run_train.add_argument("--steps", type=_positive_int, default=200, help="the run's length (LR horizon)")
+    run_train.add_argument("--impl", choices=("pplab", "torch"), default="pplab",
+                           help="the hand-written runtime, or torch.distributed.pipelining's schedules")
+    run_train.add_argument("--n-microbatches", type=_positive_int, default=4, metavar="N",
+                           help="microbatches per step (default 4)")
+    run_train.add_argument("--n-virtual", type=_positive_int, default=1, metavar="N",
+                           help="stages per rank (default 1; interleaved and torch's multi-stage schedules: 2+)")
+    run_train.add_argument("--steps", type=_positive_int, default=200,
+                           help="training steps: the LR schedule's horizon (default 200)")
     run_train.add_argument("--batch-size", type=_positive_int, default=16)
     run_train.add_argument("--seq-len", type=_positive_int, default=64)
     run_train.add_argument("--lr", type=functools.partial(_number, positive=True), default=3e-3)
@@ -434,7 +442,7 @@ def build_parser() -> argparse.ArgumentParser:
     run_train.add_argument("--async-save", action="store_true", help="write checkpoints in the background")
     run_train.add_argument("--resume", default=None, help="'latest' (in --checkpoint-dir) or a checkpoint path")
     run_train.add_argument("--timeout", type=functools.partial(_number, positive=True), default=3600,
-                           help="local ranks: seconds the whole run may take")
+                           help="local ranks: seconds the whole training may take (default 3600)")
     run_train.add_argument("--report", default=None, help="write every step's record as JSON to this file")
     run_train.set_defaults(handler=train_command)
     run_cleanup = commands.add_parser("cleanup", help="stop lab clusters left by killed kernels")
