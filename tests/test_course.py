@@ -1,6 +1,6 @@
 """The course's shape: every notebook says its goal and prerequisites, ends with a summary and
 stops the lab it started, and the contents table lists every one; the notebooks, their
-solutions and the README's snippets use only pplab's public API."""
+solutions and the snippets of the README and docs/ use only pplab's public API."""
 
 import ast
 import importlib
@@ -105,20 +105,21 @@ def non_public_uses(source: str, modules: dict[str, str] | None = None) -> list[
 
 
 def documents():
-    """Per notebook, solution file and the README: its Python snippets in order, as (where, source)."""
+    """Per notebook, solution file, the README and docs/: its Python snippets in order, as (where, source)."""
     for stem in STEMS:
         cells = nbformat.read(NOTEBOOKS / f"{stem}.ipynb", as_version=4).cells
         yield [(f"{stem}.ipynb cell {index}", cell.source) for index, cell in enumerate(cells)
                if cell.cell_type == "code"]
     for path in sorted((NOTEBOOKS / "solutions").glob("*.py")):
         yield [(f"solutions/{path.name}", path.read_text())]
-    readme = (ROOT / "README.md").read_text()
-    yield [(f"README.md python block {number}", textwrap.dedent(block))  # some sit in a list item
-           for number, block in enumerate(re.findall(r"```python\n(.*?)```", readme, re.S))]
+    for path in [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]:
+        blocks = re.findall(r"```python\n(.*?)```", path.read_text(), re.S)
+        yield [(f"{path.relative_to(ROOT)} python block {number}", textwrap.dedent(block))  # some sit in a list
+               for number, block in enumerate(blocks)]
 
 
 @pytest.mark.quick
-def test_the_notebooks_solutions_and_readme_use_only_the_public_api():
+def test_the_notebooks_solutions_readme_and_docs_use_only_the_public_api():
     found = []
     for snippets in documents():
         modules = {}  # a notebook's cells share their names
