@@ -3,6 +3,7 @@ stops the lab it started, and the contents table lists every one; the notebooks,
 solutions and the snippets of the README and docs/ use only pplab's public API."""
 
 import ast
+import functools
 import importlib
 import re
 import textwrap
@@ -41,6 +42,7 @@ def test_the_contents_table_lists_every_notebook_in_order():
 # -- the public API ----------------------------------------------------------------------------
 
 
+@functools.cache  # imports every public module: once, and only where a test asks
 def public_api() -> dict[str, set[str]]:
     """Each public module ("pplab", "pplab.viz", ...) -> the names its __all__ makes public."""
     api = {"pplab": set(pplab.__all__)}
@@ -49,7 +51,6 @@ def public_api() -> dict[str, set[str]]:
     return api
 
 
-API = public_api()
 # `from pplab.X import y` needs a file pplab/X; the short names of the upper floors (pplab.viz,
 # pplab.mesh, ...) are names in pplab, not files: those are imported as `from pplab import viz`.
 IMPORTABLE = {"pplab"} | {f"pplab.{short}" for short, module in pplab._MODULES.items()
@@ -57,7 +58,7 @@ IMPORTABLE = {"pplab"} | {f"pplab.{short}" for short, module in pplab._MODULES.i
 
 
 def where_public(name: str) -> str:
-    homes = sorted(f"{module}.{name}" for module, names in API.items() if name in names)
+    homes = sorted(f"{module}.{name}" for module, names in public_api().items() if name in names)
     return f"public as {' or '.join(homes)}" if homes else "public nowhere"
 
 
@@ -75,7 +76,7 @@ def non_public_uses(source: str, modules: dict[str, str] | None = None) -> list[
     tree = ast.parse(python_of(source))
     modules = {"pplab": "pplab"} if modules is None else modules
     modules.setdefault("pplab", "pplab")
-    found = []
+    api, found = public_api(), []
     for node in ast.walk(tree):
         if isinstance(node, ast.Import):
             for alias in node.names:
@@ -88,18 +89,18 @@ def non_public_uses(source: str, modules: dict[str, str] | None = None) -> list[
             for alias in node.names:
                 if node.module not in IMPORTABLE:
                     found.append(f"from {node.module} import {alias.name}: {where_public(alias.name)}")
-                elif alias.name not in API[node.module]:
+                elif alias.name not in api[node.module]:
                     found.append(f"{node.module}.{alias.name}: not in its __all__, {where_public(alias.name)}")
-                elif f"{node.module}.{alias.name}" in API:  # a public module, used by its name
+                elif f"{node.module}.{alias.name}" in api:  # a public module, used by its name
                     modules[alias.asname or alias.name] = f"{node.module}.{alias.name}"
     for node in ast.walk(tree):  # attribute paths: pplab.data.batches, viz.plot_timeline, ...
         if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id in modules:
             module = modules[node.value.id]
-            if node.attr not in API[module]:
+            if node.attr not in api[module]:
                 found.append(f"{module}.{node.attr}: not in its __all__, {where_public(node.attr)}")
         elif (isinstance(node, ast.Attribute) and isinstance(node.value, ast.Attribute)
               and isinstance(node.value.value, ast.Name) and modules.get(node.value.value.id) == "pplab"
-              and f"pplab.{node.value.attr}" in API and node.attr not in API[f"pplab.{node.value.attr}"]):
+              and f"pplab.{node.value.attr}" in api and node.attr not in api[f"pplab.{node.value.attr}"]):
             found.append(f"pplab.{node.value.attr}.{node.attr}: not in its __all__, {where_public(node.attr)}")
     return found
 

@@ -644,7 +644,6 @@ def test_the_table_of_torch_schedules_agrees_with_torch():
         torch_class = torch_schedules.get_schedule_class(entry.torch_name)
         assert entry.name == name and schedule_name(torch_class.__name__) == name
         assert entry.multi_stage == issubclass(torch_class, torch_schedules.PipelineScheduleMulti), name
-        assert entry.built_by_pplab == (name in SCHEDULE_NAMES), name
         plan = from_torch(entry.torch_name, 2, 4, entry.fewest_stages_per_rank)  # torch's class name works too
         assert plan.name == name
         assert (plan.placement == v_placement(2)) == entry.v_shaped, name
