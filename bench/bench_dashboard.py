@@ -4,10 +4,10 @@
    mode (no padding: the client's work competes with the ranks for the 2 cores) and in
    timing mode (F/B padded to 0.02/0.04 s), each round runs k steps four ways, timed, the
    order reversed every other round so that a machine getting busier affects all alike:
-     plain          k x `run.step()`
+     plain          k x `pipe.step()`
      dashboard      `dashboard.run_steps(k)`: ranks stream, the widget state follows, and the
                     matplotlib pictures are drawn once at the end (part of the run: counted)
-     feed_only      k x `run.start_step(live_interval=LIVE_INTERVAL).result()`: ranks publish,
+     feed_only      k x `pipe.start_step(live_interval=LIVE_INTERVAL).result()`: ranks publish,
                     the client just waits (the ranks' share of the cost)
      feed_and_poll  the dashboard's own loop (poll, wait up to POLL_SECONDS) without any widget work
    The result is the ratio of median per-step times, dashboard / plain (goal <= 1.05), with
@@ -102,23 +102,23 @@ def measure_mode(lab, mode: str, rounds: int, steps: int) -> dict:
 
     poll_seconds, live_interval = dashboard_module.POLL_SECONDS, dashboard_module.LIVE_INTERVAL
     timing = pplab.Costs(**TIMING) if mode == "timing" else None
-    run = lab.pipeline(pplab.LlamaConfig.tiny(), schedule=SCHEDULE, microbatches=MICROBATCHES, timing=timing)
+    pipe = lab.pipeline(pplab.LlamaConfig.tiny(), schedule=SCHEDULE, n_microbatches=MICROBATCHES, timing=timing)
     try:
-        dashboard = run.dashboard()
+        dashboard = pipe.dashboard()
         watches = instrument(dashboard)
         live_events = count_live_events(dashboard)
 
         def plain():
             for _ in range(steps):
-                run.step()
+                pipe.step()
 
         def feed_only():
             for _ in range(steps):
-                run.start_step(live_interval=live_interval).result()
+                pipe.start_step(live_interval=live_interval).result()
 
         def feed_and_poll():
             for _ in range(steps):
-                live = run.start_step(live_interval=live_interval)
+                live = pipe.start_step(live_interval=live_interval)
                 while not live.finished():
                     live.poll()
                     live.wait(poll_seconds)  # as the dashboard's blocking loop waits
@@ -188,7 +188,7 @@ def measure_mode(lab, mode: str, rounds: int, steps: int) -> dict:
             "met_without_final_draw": ratio_without_draw <= STEP_GOAL,
         }
     finally:
-        run.close()
+        pipe.close()
 
 
 def measure_render(repeats: int) -> dict:
@@ -247,7 +247,7 @@ def main() -> int:
     modes = {}
     with tempfile.TemporaryDirectory(prefix="pplab-bench-") as scratch:
         os.environ["IPYTHONDIR"] = os.path.join(scratch, "ipython")  # no user profile touched
-        lab = pplab.Lab(ranks=RANKS, verbose=False)
+        lab = pplab.Lab(n_ranks=RANKS, verbose=False)
         try:
             for mode in args.modes:
                 print(f"step time, {mode} mode: {args.rounds} interleaved rounds of {args.steps} steps "
@@ -278,7 +278,7 @@ def main() -> int:
                     "platform": platform.platform(),
                     "load_average_before": load_before, "load_average_after": os.getloadavg()},
         "setup": {"ranks": RANKS, "config": "LlamaConfig.tiny()", "schedule": SCHEDULE,
-                  "microbatches": MICROBATCHES, "batch": "run.default_batch()",
+                  "microbatches": MICROBATCHES, "batch": "pipe.default_batch()",
                   "POLL_SECONDS": dashboard_module.POLL_SECONDS,
                   "LIVE_INTERVAL": dashboard_module.LIVE_INTERVAL,
                   "LIVE_REDRAW_SECONDS": dashboard_module.LIVE_REDRAW_SECONDS,

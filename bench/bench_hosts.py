@@ -59,11 +59,11 @@ def main() -> None:
     activation = MICROBATCH_SIZE * SEQ_LEN * CONFIG.hidden_size * 4
     batch = next(pplab.data.batches(MICROBATCH_SIZE * MICROBATCHES, SEQ_LEN))
     rows = {}
-    with NamespaceHosts(hosts=2, engines_per_host=1) as hosts:
-        lab = pplab.Lab.connect(**hosts.connect_options(), ranks=2, timeout=60, verbose=False)
+    with NamespaceHosts(n_hosts=2, engines_per_host=1) as hosts:
+        lab = pplab.Lab.connect(**hosts.connect_options(), n_ranks=2, op_timeout=60, verbose=False)
         try:
-            run = lab.pipeline(CONFIG, schedule="1f1b", microbatches=MICROBATCHES)
-            compute = costs_from_timeline([run.step(batch).timeline for _ in range(3)][-1], 2)
+            pipe = lab.pipeline(CONFIG, schedule="1f1b", n_microbatches=MICROBATCHES)
+            compute = costs_from_timeline([pipe.step(batch).timeline for _ in range(3)][-1], 2)
             links = LINKS_NETEM if hosts.has_netem() else LINKS_TBF
             for label, shaping in links:
                 hosts.shape_link(**shaping)
@@ -72,8 +72,8 @@ def main() -> None:
                 latency = max(large["pplab"] - activation / bandwidth, 0.0)
                 costs = dataclasses.replace(compute, latency=latency, bandwidth=bandwidth,
                                             activation_bytes=activation, link_contention=True)
-                predicted = pplab.simulate(run.schedule, costs)
-                steps = [run.step(batch).timeline for _ in range(STEPS)][1:]
+                predicted = pplab.simulate(pipe.schedule, costs)
+                steps = [pipe.step(batch).timeline for _ in range(STEPS)][1:]
                 measured = statistics.median(t.step_time() for t in steps)
                 bubble = statistics.median(t.bubble_fraction() for t in steps)
                 rows[label] = dict(
@@ -84,7 +84,7 @@ def main() -> None:
                 print(f"{label:10s}: link {latency * 1e3:6.2f} ms + bytes / {bandwidth / 1e6:7.1f} MB/s; "
                       f"step measured {measured * 1e3:6.1f} ms, predicted {row['predicted_step_s'] * 1e3:6.1f} ms "
                       f"({row['error']:+.1%}); bubble {bubble:.0%} vs {row['predicted_bubble']:.0%}")
-            run.close()
+            pipe.close()
         finally:
             lab.stop()
     report = {"when": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),

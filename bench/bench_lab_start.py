@@ -6,15 +6,15 @@ the gloo process group is initialised and one barrier is done.
 * torchrun: `torchrun --standalone --nproc_per_node=N ready.py`, timed from launch
   until rank 0 has passed the barrier (it prints the time).
 * lab, fresh kernel: a new Python process that has already imported pplab (as a
-  notebook after its first cell) times `pplab.Lab(ranks=N)`, its first lab.
-* lab, warm kernel: `pplab.Lab(ranks=N)` again in this process (ipyparallel is
+  notebook after its first cell) times `pplab.Lab(n_ranks=N)`, its first lab.
+* lab, warm kernel: `pplab.Lab(n_ranks=N)` again in this process (ipyparallel is
   already imported, as for a second lab or a restart).
 
 The trials are interleaved (torchrun, lab, lab warm, then the next repeat in
 reverse order) so that a machine getting busier or quieter affects all alike; the
 ratio (lab / torchrun, medians) is the result, not the absolute seconds.
 
-Run: python bench/bench_lab_start.py [--repeats 3] [--ranks 2 4]
+Run: python bench/bench_lab_start.py [--repeats 3] [--n-ranks 2 4]
 Writes bench/results/lab_start.json.
 """
 
@@ -47,7 +47,7 @@ FRESH_LAB_SCRIPT = """\
 import sys, time
 import pplab
 started = time.perf_counter()
-lab = pplab.Lab(ranks=int(sys.argv[1]), verbose=False)
+lab = pplab.Lab(n_ranks=int(sys.argv[1]), verbose=False)
 print(f"READY {time.perf_counter() - started!r}", flush=True)
 lab.stop()
 """
@@ -76,7 +76,7 @@ def time_warm_lab(ranks: int) -> float:
     import pplab
 
     started = time.perf_counter()
-    lab = pplab.Lab(ranks=ranks, verbose=False)
+    lab = pplab.Lab(n_ranks=ranks, verbose=False)
     elapsed = time.perf_counter() - started
     lab.stop()
     return elapsed
@@ -97,7 +97,7 @@ def time_noop_calls(ranks: int, calls: int) -> dict:
     """Median milliseconds of lab.run(noop), and of ipyparallel's own apply underneath it."""
     import pplab
 
-    with pplab.Lab(ranks=ranks, verbose=False) as lab:
+    with pplab.Lab(n_ranks=ranks, verbose=False) as lab:
         for _ in range(20):  # warm up both paths
             lab.run(noop)
             lab.view.apply_async(noop).get()
@@ -135,7 +135,7 @@ def measure_start(ranks: int, repeats: int, script: str, environment: dict) -> d
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--ranks", type=int, nargs="+", default=[2, 4])
+    parser.add_argument("--n-ranks", type=int, nargs="+", default=[2, 4])
     parser.add_argument("--noop-calls", type=int, default=200)
     parser.add_argument("--output", default=RESULT_PATH)
     args = parser.parse_args()
@@ -154,7 +154,7 @@ def main() -> int:
             file.write(TORCHRUN_SCRIPT)
 
         start = {}
-        for ranks in args.ranks:
+        for ranks in args.n_ranks:
             print(f"time to ready ranks, N={ranks} (interleaved, {args.repeats} repeats)")
             start[str(ranks)] = measure_start(ranks, args.repeats, script, environment)
         print(f"lab.run(noop) on a warm 2-rank lab, {args.noop_calls} calls")

@@ -142,7 +142,7 @@ def run_found(steps: int = 5) -> dict:
     microbatch_size, seq_len, p, m, limit = 4, 64, 2, 8, 2
     layers = pplab.profile(config, microbatch_size, seq_len, config.num_hidden_layers, show=False)
     layer_costs = layers.costs(split_backward=True)
-    balanced = search_balance(layer_costs, p, m, memory_limit=limit)
+    balanced = search_balance(p, m, layer_costs, memory_limit=limit)
     best = balanced.even.best_builtin
     contenders = {"found": (balanced.found.schedule, balanced.balance),
                   "best built-in, even split": (best.schedule, balanced.even_balance)}

@@ -14,7 +14,11 @@ Every name below loads its module on first use: `import pplab` is instant, and
 `import pplab.schedules` (or `trace`, `simulator`) loads neither torch nor the
 cluster layer (ipyparallel) nor matplotlib. Schedules are used from their own
 module, as the notebooks do: `from pplab.schedules import build, theory`; the public
-modules of the upper floors by their short names: `from pplab import viz, checkpoint`.
+modules of the upper floors by their short names: `from pplab import viz, checkpoint`
+(a name, not a file: `from pplab.viz import ...` does not work; `pplab.viz.save` does).
+
+The public API is `__all__` here and the `__all__` of each public module (`_MODULES`);
+the notebooks, their solutions and the README use nothing else (tests/test_course.py).
 """
 
 import importlib as _importlib
@@ -39,28 +43,31 @@ _EXPORTS = {
     "load_model": "pplab.rank.checkpoint",
     "Mesh": "pplab.rank.mesh",
     "profile": "pplab.rank.profiler",
+    "hop_costs_on_rank": "pplab.rank.profiler",  # run on two ranks: the time of one hop between them
     "predict": "pplab.prediction",
     "search": "pplab.schedule_search",  # floor 2: it runs the simulator, so it sits beside it
     "search_balance": "pplab.schedule_search",
+    "stage_costs": "pplab.schedule_search",  # a balance's per-stage costs, from per-layer ones
     "Lab": "pplab.views.lab",  # engines as ranks, from Jupyter: pipelines with live views
     "RankPool": "pplab.session",  # the same on local processes: command line, tests, scripts
+    "Pipeline": "pplab.session",  # what lab.pipeline(...) and pool.pipeline(...) build
     "cleanup": "pplab.drivers.cluster",
 }
 # public module -> where it lives (`pplab.viz`, `from pplab import checkpoint`)
 _MODULES = {
-    "data": "pplab.data", "schedules": "pplab.schedules", "trace": "pplab.trace",
-    "simulator": "pplab.simulator", "viz": "pplab.views.viz", "widgets": "pplab.views.widgets",
-    "exercises": "pplab.views.exercises", "checkpoint": "pplab.rank.checkpoint", "train": "pplab.rank.train",
-    "mesh": "pplab.rank.mesh", "faults": "pplab.rank.faults", "cluster": "pplab.drivers.cluster",
-    "session": "pplab.session",
+    "model": "pplab.model", "data": "pplab.data", "schedules": "pplab.schedules", "trace": "pplab.trace",
+    "simulator": "pplab.simulator", "comm": "pplab.comm", "viz": "pplab.views.viz", "widgets": "pplab.views.widgets",
+    "exercises": "pplab.views.exercises", "checks": "pplab.rank.checks", "checkpoint": "pplab.rank.checkpoint",
+    "train": "pplab.rank.train", "mesh": "pplab.rank.mesh", "faults": "pplab.rank.faults",
+    "cluster": "pplab.drivers.cluster", "session": "pplab.session",
 }
 
 __all__ = [*_EXPORTS, *_MODULES]
 
 if _TYPE_CHECKING:  # what static checkers and editors see
-    from pplab import data, schedules, session, simulator, trace
+    from pplab import comm, data, model, schedules, session, simulator, trace
     from pplab.drivers import cluster
-    from pplab.rank import checkpoint, faults, mesh, train
+    from pplab.rank import checkpoint, checks, faults, mesh, train
     from pplab.views import exercises, viz, widgets
     from pplab.rank.checkpoint import load_model
     from pplab.drivers.cluster import cleanup
@@ -68,10 +75,10 @@ if _TYPE_CHECKING:  # what static checkers and editors see
     from pplab.model import LlamaConfig, LlamaModel, build_model, generate
     from pplab.partition import build_stage, layer_ranges
     from pplab.prediction import predict
-    from pplab.rank.profiler import profile
+    from pplab.rank.profiler import hop_costs_on_rank, profile
     from pplab.rank.reference import reference_step
-    from pplab.schedule_search import search, search_balance
-    from pplab.session import RankPool
+    from pplab.schedule_search import search, search_balance, stage_costs
+    from pplab.session import Pipeline, RankPool
     from pplab.views.lab import Lab
     from pplab.simulator import Costs, simulate
     from pplab.trace import Event, Timeline

@@ -1,7 +1,7 @@
 """Checks of the numbers a user passes in, each raising a ValueError that names the value and the fix.
 
 Pure Python (no torch), so that every floor can use the same checks. `bool` is an
-`int` in Python, but `ranks=True` is surely a mistake, so no check accepts it.
+`int` in Python, but `n_ranks=True` is surely a mistake, so no check accepts it.
 """
 
 from __future__ import annotations

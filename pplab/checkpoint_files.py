@@ -150,7 +150,7 @@ def check_config(path: Path, manifest: dict, config: dict) -> None:
     differs = {k: (saved.get(k), v) for k, v in config.items() if saved.get(k) != v}
     if differs:
         what = ", ".join(f"{k}={old} in the checkpoint, {new} here" for k, (old, new) in differs.items())
-        raise CheckpointError(f"checkpoint {str(path)!r} is of another model: {what}; build the run "
+        raise CheckpointError(f"checkpoint {str(path)!r} is of another model: {what}; build the pipeline "
                               f"with the checkpoint's config (read_manifest(path)['config'])")
 
 

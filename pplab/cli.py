@@ -12,12 +12,12 @@ import time
 from pathlib import Path
 
 import pplab
-from pplab.schedules import SCHEDULE_NAMES, Kind, build, theory, validate
+from pplab.schedules import SCHEDULE_NAMES, TORCH_SCHEDULES, Kind, build, schedule_name, theory, validate
 from pplab.simulator import Costs, simulate
 
 DEMO_SCHEDULES = {  # per runtime: (schedule, stages per rank)
     "pplab": (("gpipe", 1), ("1f1b", 1), ("interleaved-1f1b", 2), ("zb-h1", 1)),
-    "torch": (("gpipe", 1), ("1f1b", 1), ("interleaved-1f1b", 2), ("ZBVZeroBubble", 2)),
+    "torch": (("gpipe", 1), ("1f1b", 1), ("interleaved-1f1b", 2), ("zbv-zero-bubble", 2)),
 }
 
 
@@ -33,48 +33,47 @@ def demo(args: argparse.Namespace) -> int:
     from pplab.model import LlamaConfig, build_model
     from pplab.rank.rank_pipeline import PipelineSpec
     from pplab.rank.reference import reference_step
-    from pplab.session import PipelineRun, RankPool
+    from pplab.session import Pipeline, RankPool
 
     config = LlamaConfig.tiny()
     if under_torchrun():  # torchrun decides the ranks; only rank 0 speaks
-        args.ranks = int(os.environ["WORLD_SIZE"])
+        args.n_ranks = int(os.environ["WORLD_SIZE"])
     speaker = os.environ.get("RANK", "0") == "0"
     if speaker:
         where = "ranks started by torchrun" if under_torchrun() else "local ranks (gloo)"
         print(f"pplab demo: tiny LLaMA ({sum(p.numel() for p in build_model(config).parameters()):,} "
-              f"parameters, {config.num_hidden_layers} layers) on {args.ranks} {where}, "
-              f"{args.microbatches} microbatches, {args.steps} step{'s' if args.steps != 1 else ''} "
+              f"parameters, {config.num_hidden_layers} layers) on {args.n_ranks} {where}, "
+              f"{args.n_microbatches} microbatches, {args.steps} step{'s' if args.steps != 1 else ''} "
               f"per schedule, timing mode F={args.forward}s B={2 * args.forward}s, "
               f"{'torch.distributed.pipelining' if args.impl == 'torch' else 'the hand-written runtime'}")
-    batch = next(batches(args.microbatch_size * args.microbatches, args.seq_len, seed=args.seed))
-    plans = []
+    batch = next(batches(args.microbatch_size * args.n_microbatches, args.seq_len, seed=args.seed))
+    specs = []  # all checked before any rank starts
     for name, n_virtual in DEMO_SCHEDULES[args.impl]:
         # An interleaved chunk holds 1/v of a stage's layers, so it costs 1/v as much.
         costs = Costs(forward=args.forward / n_virtual, backward=2 * args.forward / n_virtual)
-        options = dict(impl=args.impl, seed=args.seed, timing=costs, timeout=300)
-        PipelineSpec.create(config, name, args.ranks, args.microbatches, n_virtual, **options)  # checked first
-        plans.append((name, n_virtual, options))
+        specs.append(PipelineSpec.create(config, name, args.n_ranks, args.n_microbatches, n_virtual,
+                                         impl=args.impl, seed=args.seed, timing=costs, op_timeout=300))
     out = Path(args.out)  # made only once the arguments are known to be good
     out.mkdir(parents=True, exist_ok=True)
     started = time.perf_counter()
     if not under_torchrun():
-        print(f"starting {args.ranks} ranks and running {len(plans)} schedules on them ...", flush=True)
+        print(f"starting {args.n_ranks} ranks and running {len(specs)} schedules on them ...", flush=True)
     # No optimizer: every step must give the first step's loss and the reference's gradients;
     # a step that differs shows state left over from the one before (gradients not zeroed, ...).
-    with (TorchrunRanks() if under_torchrun() else RankPool(args.ranks)) as ranks:
-        runs = []
-        for name, n_virtual, options in plans:
-            run = PipelineRun(ranks, config, name, args.microbatches, n_virtual, **options)
-            runs.append((run, [run.step(batch, return_grads=True) for _ in range(args.steps)]))
-            run.close()
+    with (TorchrunRanks() if under_torchrun() else RankPool(args.n_ranks)) as ranks:
+        pipes = []
+        for spec in specs:
+            pipe = Pipeline(ranks, spec)
+            pipes.append((pipe, [pipe.step(batch, return_grads=True) for _ in range(args.steps)]))
+            pipe.close()
     if not speaker:
         return 0
     print(f"done in {time.perf_counter() - started:.1f} s")
-    reference = reference_step(config, batch, args.microbatches, seed=args.seed)
+    reference = reference_step(config, batch, args.n_microbatches, seed=args.seed)
     failures, schedules = 0, []
-    for run, results in runs:
-        spec = run.spec
-        name = f"torch-{spec.torch_name}" if spec.impl == "torch" else spec.schedule.name
+    for pipe, results in pipes:
+        spec = pipe.spec
+        name = f"torch-{spec.schedule.name}" if spec.impl == "torch" else spec.schedule.name
         costs = spec.timing
         parities = [compare_with_reference(r.loss, r.grads, reference) for r in results]
         flows = [check_gradient_flow(r.grad_stats, reference.grads) for r in results]
@@ -99,8 +98,8 @@ def demo(args: argparse.Namespace) -> int:
         viz.save(viz.compare_timelines(simulate(spec.schedule, costs), first.timeline), out / f"{name}.png")
         first.timeline.to_chrome_trace(out / f"{name}.trace.json")
         schedules.append(dict(
-            name=name, impl=spec.impl, ranks=spec.schedule.n_ranks, virtual=spec.schedule.n_virtual,
-            microbatches=spec.schedule.n_microbatches,
+            name=name, impl=spec.impl, n_ranks=spec.schedule.n_ranks, n_virtual=spec.schedule.n_virtual,
+            n_microbatches=spec.schedule.n_microbatches,
             losses=losses, losses_equal=repeatable,
             parity=dict(passed=parity_ok, max_abs_grad_diff=max(p.max_abs_diff for p in parities),
                         max_abs_grad_diff_per_step=[p.max_abs_diff for p in parities],
@@ -129,22 +128,22 @@ def simulate_command(args: argparse.Namespace) -> int:
     """Predict a schedule's timeline on a cost model: picture, Chrome trace and numbers; no processes."""
     from pplab.views import viz  # matplotlib only when drawing
 
-    interleaved = args.schedule.lower() == "interleaved-1f1b"
-    n_virtual = args.virtual if args.virtual is not None else (2 if interleaved else 1)
+    name = schedule_name(args.schedule)
+    interleaved = name == "interleaved-1f1b"
+    n_virtual = args.n_virtual if args.n_virtual is not None else (2 if interleaved else 1)
     if interleaved and n_virtual < 2:
-        raise ValueError(f"--virtual {n_virtual}: interleaved-1f1b runs 2 or more stages per rank; "
-                         f"give --virtual 2 or more, or simulate 1f1b for one stage per rank")
-    if args.schedule.lower() in SCHEDULE_NAMES and not interleaved and n_virtual != 1:
-        raise ValueError(f"--virtual {n_virtual}: {args.schedule.lower()} runs one stage per rank; leave "
-                         f"--virtual out, or simulate interleaved-1f1b for several stages per rank")
-    schedule = build(args.schedule, args.ranks, args.microbatches, n_virtual)
+        raise ValueError(f"--n-virtual {n_virtual}: interleaved-1f1b runs 2 or more stages per rank; "
+                         f"give --n-virtual 2 or more, or simulate 1f1b for one stage per rank")
+    if name in SCHEDULE_NAMES and not interleaved and n_virtual != 1:
+        raise ValueError(f"--n-virtual {n_virtual}: {name} runs one stage per rank; leave "
+                         f"--n-virtual out, or simulate interleaved-1f1b for several stages per rank")
+    schedule = build(name, args.n_ranks, args.n_microbatches, n_virtual)
     validate(schedule)
     costs = _costs(args, schedule)
     timeline = simulate(schedule, costs)
     textbook = theory(schedule, costs)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    name = schedule.name
     picture, trace, numbers = out / f"{name}.png", out / f"{name}.trace.json", out / f"{name}.json"
     sizes = f"p={schedule.n_ranks}, m={schedule.n_microbatches}" + (
         f", v={schedule.n_virtual}" if schedule.n_virtual > 1 else "")
@@ -153,8 +152,8 @@ def simulate_command(args: argparse.Namespace) -> int:
     timeline.to_chrome_trace(trace)
     report = dict(
         command="pplab simulate", pplab_version=pplab.__version__, arguments=_arguments(args),
-        schedule=schedule.name, ranks=schedule.n_ranks, microbatches=schedule.n_microbatches,
-        virtual=schedule.n_virtual, costs=dataclasses.asdict(costs),
+        schedule=schedule.name, n_ranks=schedule.n_ranks, n_microbatches=schedule.n_microbatches,
+        n_virtual=schedule.n_virtual, costs=dataclasses.asdict(costs),
         cost_per_stage={kind.value: [costs.compute_time(kind, s) for s in range(schedule.n_stages)]
                         for kind in _compute_kinds(schedule)},
         step_time=timeline.step_time(), bubble_fraction=timeline.bubble_fraction(),
@@ -254,7 +253,7 @@ def _figure(value: float | None) -> str:
 
 
 def train_command(args: argparse.Namespace) -> int:
-    """Train the tiny model on local ranks or under torchrun (the same loop as a lab's `run.train`)."""
+    """Train the tiny model on local ranks or under torchrun (the same loop as a lab pipeline's `train`)."""
     from pplab.checkpoint_files import resume_path
 
     if args.resume is not None:  # found and its manifest read before torch loads or any rank starts
@@ -262,23 +261,23 @@ def train_command(args: argparse.Namespace) -> int:
     from pplab.drivers.torchrun import run_as_torchrun_rank, under_torchrun
     from pplab.model import LlamaConfig
     from pplab.rank.rank_pipeline import PipelineSpec
-    from pplab.session import RankPool
+    from pplab.session import Pipeline, RankPool
     from pplab.rank.train import TrainOptions, train_on_rank
 
-    ranks = int(os.environ["WORLD_SIZE"]) if under_torchrun() else args.ranks
+    ranks = int(os.environ["WORLD_SIZE"]) if under_torchrun() else args.n_ranks
     options = TrainOptions(
         steps=args.steps, batch_size=args.batch_size, seq_len=args.seq_len, lr=args.lr,
         min_lr=args.min_lr if args.min_lr is not None else args.lr / 10, warmup=args.warmup,
         clip=args.clip or None, data_seed=args.data_seed, eval_every=args.eval_every,
         checkpoint_dir=args.checkpoint_dir, checkpoint_every=args.checkpoint_every, keep=args.keep,
         async_save=args.async_save, resume=args.resume)
-    spec = PipelineSpec.create(LlamaConfig.tiny(), args.schedule, ranks, args.microbatches,
-                               args.virtual, impl=args.impl, seed=args.seed)
+    spec = PipelineSpec.create(LlamaConfig.tiny(), args.schedule, ranks, args.n_microbatches,
+                               args.n_virtual, impl=args.impl, seed=args.seed)
     options.check(spec.schedule.n_microbatches, spec.config)  # bad options fail here, before any rank starts
     speaker = os.environ.get("RANK", "0") == "0"
     if speaker:
         where = "ranks started by torchrun" if under_torchrun() else "local ranks (gloo)"
-        print(f"pplab train: {args.schedule} ({args.impl}) on {ranks} {where}, {args.microbatches} "
+        print(f"pplab train: {spec.schedule.name} ({args.impl}) on {ranks} {where}, {args.n_microbatches} "
               f"microbatches, {options.steps} steps"
               + (f", resuming from {options.resume}" if options.resume else ""), flush=True)
     started = time.perf_counter()
@@ -289,9 +288,7 @@ def train_command(args: argparse.Namespace) -> int:
         history = histories[0]
     else:
         with RankPool(ranks, timeout=args.timeout) as pool:
-            run = pool.pipeline(spec.config, args.schedule, args.microbatches, args.virtual, impl=args.impl,
-                                seed=args.seed)
-            history = run.train(**dataclasses.asdict(options))
+            history = Pipeline(pool, spec).train(**dataclasses.asdict(options))
     records = history.records
     if records:
         evaluations = ", ".join(f"{step}: {loss:.3f}" for step, loss in history.eval_losses)
@@ -363,8 +360,10 @@ def build_parser() -> argparse.ArgumentParser:
     commands = parser.add_subparsers(dest="command", required=True)
     run_demo = commands.add_parser("demo", help="every schedule on local ranks, checked and drawn (CPU)",
                                    parents=[ranks_run])
-    run_demo.add_argument("--ranks", type=_positive_int, default=4)
-    run_demo.add_argument("--microbatches", type=_positive_int, default=8)
+    run_demo.add_argument("--n-ranks", type=_positive_int, default=4, metavar="N",
+                          help="local ranks to start (default 4; torchrun decides its own)")
+    run_demo.add_argument("--n-microbatches", type=_positive_int, default=8, metavar="N",
+                          help="microbatches per step (default 8)")
     run_demo.add_argument("--microbatch-size", type=_positive_int, default=2)
     run_demo.add_argument("--seq-len", type=_positive_int, default=32)
     run_demo.add_argument("--forward", type=_number, default=0.05,
@@ -384,10 +383,12 @@ def build_parser() -> argparse.ArgumentParser:
                     "(PNG), a Chrome trace and the numbers (JSON). Durations are in cost units: "
                     "give seconds to compare with a measured run. Each duration is one number, "
                     "or one per stage separated by commas.")
-    run_simulate.add_argument("schedule", metavar="SCHEDULE", help=f"one of {', '.join(SCHEDULE_NAMES)}")
-    run_simulate.add_argument("--ranks", type=_positive_int, required=True)
-    run_simulate.add_argument("--microbatches", type=_positive_int, required=True)
-    run_simulate.add_argument("--virtual", type=_positive_int, default=None,
+    run_simulate.add_argument("schedule", metavar="SCHEDULE", help=f"one of {', '.join(SCHEDULE_NAMES)} "
+                                                                   f"(any case; '-', '_' or nothing between words)")
+    run_simulate.add_argument("--n-ranks", type=_positive_int, required=True, metavar="N", help="ranks")
+    run_simulate.add_argument("--n-microbatches", type=_positive_int, required=True, metavar="N",
+                              help="microbatches per step")
+    run_simulate.add_argument("--n-virtual", type=_positive_int, default=None, metavar="N",
                               help="stages per rank (interleaved-1f1b: default 2; others: 1)")
     run_simulate.add_argument("--forward", type=_per_stage, default=1.0,
                               help="forward F of one stage (an interleaved chunk is a stage; default 1)")
@@ -410,15 +411,21 @@ def build_parser() -> argparse.ArgumentParser:
         parents=[ranks_run],
         description="Train the tiny LLaMA-style model on the embedded corpus: AdamW, warm-up then "
                     "cosine, global-norm clipping, held-out evaluation, distributed checkpoints. "
-                    "Runs --ranks local processes, or one rank per process under torchrun "
+                    "Runs --n-ranks local processes, or one rank per process under torchrun "
                     "(torchrun --standalone --nproc_per_node=N -m pplab train ...).")
-    run_train.add_argument("--ranks", type=_positive_int, default=2, help="local ranks (torchrun decides its own)")
-    run_train.add_argument("--schedule", default="1f1b", help=f"one of {', '.join(SCHEDULE_NAMES)} "
-                           f"(with --impl torch: a torch schedule name)")
-    run_train.add_argument("--impl", choices=("pplab", "torch"), default="pplab")
-    run_train.add_argument("--microbatches", type=_positive_int, default=4)
-    run_train.add_argument("--virtual", type=_positive_int, default=1, help="stages per rank")
-    run_train.add_argument("--steps", type=_positive_int, default=200, help="the run's length (LR horizon)")
+    run_train.add_argument("--n-ranks", type=_positive_int, default=2, metavar="N",
+                           help="local ranks to start (default 2; torchrun decides its own)")
+    run_train.add_argument("--schedule", default="1f1b", help=f"one of {', '.join(SCHEDULE_NAMES)}; with "
+                           f"--impl torch also {', '.join(n for n in TORCH_SCHEDULES if n not in SCHEDULE_NAMES)} "
+                           f"(any case; torch's class names work too)")
+    run_train.add_argument("--impl", choices=("pplab", "torch"), default="pplab",
+                           help="the hand-written runtime, or torch.distributed.pipelining's schedules")
+    run_train.add_argument("--n-microbatches", type=_positive_int, default=4, metavar="N",
+                           help="microbatches per step (default 4)")
+    run_train.add_argument("--n-virtual", type=_positive_int, default=1, metavar="N",
+                           help="stages per rank (default 1; interleaved and torch's multi-stage schedules: 2+)")
+    run_train.add_argument("--steps", type=_positive_int, default=200,
+                           help="training steps: the LR schedule's horizon (default 200)")
     run_train.add_argument("--batch-size", type=_positive_int, default=16)
     run_train.add_argument("--seq-len", type=_positive_int, default=64)
     run_train.add_argument("--lr", type=functools.partial(_number, positive=True), default=3e-3)
@@ -435,7 +442,7 @@ def build_parser() -> argparse.ArgumentParser:
     run_train.add_argument("--async-save", action="store_true", help="write checkpoints in the background")
     run_train.add_argument("--resume", default=None, help="'latest' (in --checkpoint-dir) or a checkpoint path")
     run_train.add_argument("--timeout", type=functools.partial(_number, positive=True), default=3600,
-                           help="local ranks: seconds the whole run may take")
+                           help="local ranks: seconds the whole training may take (default 3600)")
     run_train.add_argument("--report", default=None, help="write every step's record as JSON to this file")
     run_train.set_defaults(handler=train_command)
     run_cleanup = commands.add_parser("cleanup", help="stop lab clusters left by killed kernels")

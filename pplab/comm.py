@@ -6,7 +6,7 @@ batch, so that in the steady state "send my activation, receive the next
 gradient" is a single exchange that neighbours cannot deadlock on.
 
 Sends are buffered: a rank posts them and moves on (the validator assumes the
-same); only receives are waited for, and every wait is bounded. A timeout
+same); only receives are waited for, and every wait is bounded (`op_timeout`). A timeout
 names this rank, the peer, what it waited for and the action.
 
 On gloo a receive whose shape is known is posted ahead of its turn (`prepost`),
@@ -37,6 +37,8 @@ import torch.distributed as dist
 
 from pplab.schedules import Action, Kind, Schedule
 from pplab.trace import Event
+
+__all__ = ["StageLink", "PipelineTimeoutError", "encode_header", "decode_header", "MAX_DIMS", "message_tag"]
 
 MAX_DIMS = 6
 _DTYPES = [torch.float32, torch.float16, torch.bfloat16, torch.float64]
@@ -81,9 +83,10 @@ class StageLink:
     """One rank's P2P endpoint in a pipeline: posts batches of sends and receives, bounded waits."""
 
     def __init__(self, schedule: Schedule, rank: int, device: torch.device,
-                 timeout: float = 30.0, handshake: bool = True, group=None, record: bool = True):
+                 op_timeout: float = 30.0, handshake: bool = True, group=None, record: bool = True):
+        """`op_timeout`: seconds one wait (a receive, a send's completion) may take before it gives up."""
         self.schedule, self.rank, self.device = schedule, rank, torch.device(device)
-        self.timeout, self.handshake, self.group, self.record = timeout, handshake, group, record
+        self.op_timeout, self.handshake, self.group, self.record = op_timeout, handshake, group, record
         self.mailbox = Mailbox()
         self.events: list[Event] = []
         # NCCL matches by order on one stream: a receive posted early would block the sends behind it.
@@ -182,7 +185,7 @@ class StageLink:
     def _wait(self, work: dist.Work, action: Action) -> None:
         started = time.monotonic()
         try:
-            work.wait(timedelta(seconds=self.timeout))
+            work.wait(timedelta(seconds=self.op_timeout))
         except RuntimeError as error:
             raise PipelineTimeoutError(self.describe_wait(action, time.monotonic() - started, error)) from error
 
@@ -198,8 +201,8 @@ class StageLink:
         peer = self.peer_rank(action)
         subject = (f"{what[action.kind]} of microbatch {action.microbatch} {direction} rank "
                    f"{peer} (action {action})")
-        if waited is None or waited >= 0.9 * self.timeout:
-            lines = [f"rank {self.rank} waited {self.timeout:g} s for {subject}.",
+        if waited is None or waited >= 0.9 * self.op_timeout:
+            lines = [f"rank {self.rank} waited {self.op_timeout:g} s for {subject}.",
                      f"Rank {peer} may have failed, or its schedule lacks the matching action."]
         else:  # not a timeout: the connection failed (a peer died, say)
             lines = [f"rank {self.rank} lost {subject} after {waited:.1f} s.",

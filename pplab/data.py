@@ -19,6 +19,9 @@ import torch
 from pplab.arguments import check_positive_int
 from pplab.model import IGNORE_INDEX
 
+__all__ = ["Batch", "CharTokenizer", "IGNORE_INDEX", "SPLITS", "HELDOUT_FRACTION", "default_corpus",
+           "load_text", "pad_sequences", "batches", "packed_batches", "hf_batches", "split_microbatches"]
+
 Batch = tuple[torch.Tensor, torch.Tensor]  # (input_ids, target_ids), int64 [batch, seq]
 
 

@@ -21,6 +21,9 @@ from torch import nn
 
 from pplab.arguments import check_positive_int
 
+__all__ = ["LlamaConfig", "LlamaModel", "build_model", "generate", "loss_fn", "IGNORE_INDEX", "RMSNorm",
+           "RotaryEmbedding", "Attention", "MLP", "DecoderLayer"]
+
 IGNORE_INDEX = -100  # target value the loss skips (padding)
 INIT_STD = 0.02
 TOKEN_ID_DTYPES = (torch.int64, torch.int32)  # the index types an embedding lookup accepts

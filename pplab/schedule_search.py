@@ -4,9 +4,9 @@ Textbook schedules assume equal stages; real ones are not (the first holds the e
 last the LM head), and a schedule made for the measured costs can beat the hand-made ones.
 `search` tries, on pplab's simulator and the given costs:
 
-1. every built-in schedule that fits the sizes: pplab's (GPipe, 1F1B, ZB-H1, interleaved
-   1F1B) and, where torch is installed, torch's plans (GPipe, 1F1B, Interleaved1F1B,
-   LoopedBFS, InterleavedZeroBubble, ZBVZeroBubble, DualPipeV);
+1. every built-in schedule that fits the sizes: pplab's (gpipe, 1f1b, zb-h1,
+   interleaved-1f1b) and, where torch is installed, torch's plans (`TORCH_SCHEDULES`: the
+   same four but zb-h1, and looped-bfs, interleaved-zero-bubble, zbv-zero-bubble, dualpipev);
 2. list schedules built on the same cost model, in time order (the zero-bubble paper's
    heuristic): whenever a rank is idle it starts a backward (B, or I) whose gradient is
    there, else a forward whose input is there and whose activations fit under a cap, else a
@@ -275,13 +275,12 @@ def _builtins(p: int, m: int, v: int, include_torch: bool):
     for plan in TORCH_SCHEDULES.values():
         if plan.fewest_stages_per_rank != v:  # each plan at 1 stage per rank, or 2: none at v >= 3
             continue
-        name = plan.torch_name
         try:
-            yield f"torch {name}", from_torch(name, p, m, v), True, ""
+            yield f"torch {plan.name}", from_torch(plan.name, p, m, v), True, ""
         except ImportError:  # no torch here: its plans cannot be asked for
             return
         except ValueError as error:
-            yield f"torch {name}", None, True, f"cannot plan: {error}"
+            yield f"torch {plan.name}", None, True, f"cannot plan: {error}"
 
 
 def _splits(schedule: Schedule) -> bool:
@@ -491,10 +490,10 @@ def _layer_count(layer_costs: Costs) -> int:
     return len(layer_costs.forward)
 
 
-def search_balance(layer_costs: Costs, n_ranks: int, n_microbatches: int, memory_limit: float | None = None,
+def search_balance(n_ranks: int, n_microbatches: int, layer_costs: Costs, memory_limit: float | None = None,
                    saved_bytes: Sequence[int] | None = None, n_virtual: int = 1, split_backward: bool = True,
                    include_torch: bool = True, most: int = 64) -> Balanced:
-    """The layers per stage (and schedule) with the least simulated step time.
+    """The layers per stage (and schedule) with the least simulated step time (arguments in `search`'s order).
 
     `layer_costs` has one value per layer for F and B (or I and W): measure them with
     `pplab.profile(config, ..., n_stages=config.num_hidden_layers)`, whose first and last

@@ -39,6 +39,8 @@ from pplab.schedules import (COMPUTE_KINDS, SEND_KINDS, Action, DeadlockError, D
 from pplab.schedules.compiled import KINDS, SEND_B, SEND_F, Compiled, boundaries, compile_schedule, no_cyclic_gc
 from pplab.trace import Event, Timeline
 
+__all__ = ["Costs", "simulate", "costs_from_timeline"]
+
 PerStage = Union[float, Sequence[float]]
 """A value for every stage: one number for all, or one number per stage."""
 

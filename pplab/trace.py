@@ -32,6 +32,8 @@ from typing import Callable, Iterable, Sequence
 
 from pplab.schedules.actions import releases_activations
 
+__all__ = ["Event", "Now", "Timeline", "COMM_KINDS", "COLLECTIVE_KINDS"]
+
 COLLECTIVE_KINDS = frozenset({"ALL_GATHER", "REDUCE_SCATTER", "ALL_REDUCE"})
 """Collectives of the other mesh dimensions: FSDP's all-gathers and reduce-scatters, TP's all-reduces."""
 COMM_KINDS = frozenset({"SEND_F", "RECV_F", "SEND_B", "RECV_B"}) | COLLECTIVE_KINDS

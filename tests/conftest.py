@@ -9,10 +9,10 @@ own IPYTHONDIR, session lab and pools.
 * `lab2`: a 2-rank CPU/gloo lab shared by the whole session (restarted first if an
   earlier test left it needing a restart). Use it for anything that does not
   break or reconfigure the lab.
-* `lab_factory`: `lab_factory(ranks=4, timeout=3, ...)` starts a lab of your own;
+* `lab_factory`: `lab_factory(n_ranks=4, op_timeout=3, ...)` starts a lab of your own;
   every lab it started is stopped after the test, passed or failed.
 
-Plain-process ranks come from `tests/ranks.py`: one RankPool per world size, stopped
+Plain-process ranks come from `tests/ranks.py`: one RankPool per number of ranks, stopped
 with the session.
 
 The quick tier (`pytest -m quick`, the inner loop) is the tests marked `quick`: they
@@ -105,11 +105,11 @@ def _quick_tests_start_no_process(request, monkeypatch):
     monkeypatch.setattr(os, "fork", refuse)
 
 
-def _reusable_lab(timeout: float, grace: float):
+def _reusable_lab(op_timeout: float, grace: float):
     """A 2-rank CPU lab kept across tests; stopped when its fixture's scope ends."""
     import pplab
 
-    lab = pplab.Lab(ranks=2, device="cpu", timeout=timeout, grace=grace, verbose=False)
+    lab = pplab.Lab(n_ranks=2, device="cpu", op_timeout=op_timeout, grace=grace, verbose=False)
     yield lab
     lab.stop()
 
@@ -123,14 +123,14 @@ def _ready(lab):
 
 @pytest.fixture(scope="session")
 def _session_lab(ipython_dir):
-    yield from _reusable_lab(timeout=20, grace=1)
+    yield from _reusable_lab(op_timeout=20, grace=1)
 
 
 @pytest.fixture(scope="module")
 def _fragile_lab(ipython_dir):
     # A peer's report of a failure (its own timeout, a lost message) can take more than a second
     # to arrive on a loaded machine: the tests that break this lab read those reports.
-    yield from _reusable_lab(timeout=3, grace=3)
+    yield from _reusable_lab(op_timeout=3, grace=3)
 
 
 @pytest.fixture
@@ -152,10 +152,10 @@ def lab_factory(ipython_dir):
 
     labs = []
 
-    def start(ranks: int = 2, **options):
+    def start(n_ranks: int = 2, **options):
         options.setdefault("verbose", False)
         options.setdefault("device", "cpu")  # the tests are about gloo on CPU, GPUs or not
-        lab = pplab.Lab(ranks=ranks, **options)
+        lab = pplab.Lab(n_ranks=n_ranks, **options)
         labs.append(lab)
         return lab
 

@@ -1,6 +1,6 @@
-"""Ranks for the tests: one RankPool per world size, started once and kept for the whole session.
+"""Ranks for the tests: one RankPool per number of ranks, started once and kept for the whole session.
 
-`run_ranks(world_size, fn, *args)` is `pplab.drivers.local.run_ranks` on the session's pool of that
+`run_ranks(n_ranks, fn, *args)` is `pplab.drivers.local.run_ranks` on the session's pool of that
 size: torch is imported and the process group joined once per size, not once per call. A
 call that fails ends the pool's processes and the next call starts fresh ones, so a test
 that breaks its ranks leaves nothing to the next. conftest stops the pools at the end.
@@ -13,19 +13,19 @@ from pplab.drivers import local
 _pools: dict[int, local.RankPool] = {}
 
 
-def pool(world_size: int) -> local.RankPool:
-    """The session's pool of `world_size` ranks (started on first use)."""
-    if world_size not in _pools or _pools[world_size].state == "stopped":
-        _pools[world_size] = local.RankPool(world_size)
-    return _pools[world_size]
+def pool(n_ranks: int) -> local.RankPool:
+    """The session's pool of `n_ranks` ranks (started on first use)."""
+    if n_ranks not in _pools or _pools[n_ranks].state == "stopped":
+        _pools[n_ranks] = local.RankPool(n_ranks)
+    return _pools[n_ranks]
 
 
-def run_ranks(world_size: int, fn, *args, timeout: float = 120.0) -> list:
-    """fn(rank, world_size, *args) on the session's pool of `world_size` ranks; results by rank.
+def run_ranks(n_ranks: int, fn, *args, timeout: float = 120.0) -> list:
+    """fn(rank, world_size, *args) on the session's pool of `n_ranks` ranks; results by rank.
 
     After a rank fails, the pool ends the others once their grace is over, whatever they wait for.
     """
-    return local.run_ranks(world_size, fn, *args, timeout=timeout, pool=pool(world_size))
+    return local.run_ranks(n_ranks, fn, *args, timeout=timeout, pool=pool(n_ranks))
 
 
 def stop_pools() -> None:

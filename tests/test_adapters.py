@@ -107,7 +107,7 @@ def test_engine_died_recognises_what_ipyparallel_gives_for_an_engine_that_died(f
 def test_gloo_transport_failed_recognises_gloos_error_of_a_receive_that_timed_out(fragile_lab):
     try:
         verdicts = fragile_lab.run(what_gloo_transport_failed_says_of_a_receive_that_times_out,
-                                   timeout=fragile_lab.timeout + 20)
+                                   timeout=fragile_lab.op_timeout + 20)
         assert verdicts[0] is None and verdicts[1] != "the receive returned"
         ename, message, recognised = verdicts[1]
         assert recognised, f"gloo's error no longer reads as its transport's: {ename}: {message}"

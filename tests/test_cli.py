@@ -22,7 +22,7 @@ def test_demo_runs_every_schedule_checks_it_and_writes_pictures_and_traces(tmp_p
     # m=3 on 2 ranks: interleaved 1F1B has no textbook bubble (m is not a multiple of p),
     # the other three have one; the demo prints both kinds of line.
     out = tmp_path / "demo"
-    done = subprocess.run([sys.executable, "-m", "pplab", "demo", "--ranks", "2", "--microbatches", "3",
+    done = subprocess.run([sys.executable, "-m", "pplab", "demo", "--n-ranks", "2", "--n-microbatches", "3",
                            "--forward", "0.01", "--out", str(out)],
                           capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stdout + done.stderr
@@ -40,12 +40,12 @@ def test_demo_runs_every_schedule_checks_it_and_writes_pictures_and_traces(tmp_p
 
 def test_demo_runs_torchs_schedules_with_impl_torch(tmp_path):
     out = tmp_path / "demo"
-    done = subprocess.run([sys.executable, "-m", "pplab", "demo", "--ranks", "2", "--microbatches", "4",
+    done = subprocess.run([sys.executable, "-m", "pplab", "demo", "--n-ranks", "2", "--n-microbatches", "4",
                            "--forward", "0.01", "--impl", "torch", "--out", str(out)],
                           capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stdout + done.stderr
     assert "torch.distributed.pipelining" in done.stdout
-    for name in ("torch-gpipe", "torch-1f1b", "torch-interleaved-1f1b", "torch-ZBVZeroBubble"):
+    for name in ("torch-gpipe", "torch-1f1b", "torch-interleaved-1f1b", "torch-zbv-zero-bubble"):
         assert (out / f"{name}.png").stat().st_size > 10_000, name
     assert done.stdout.count("parity ok") == 4 and "FAILED" not in done.stdout
 
@@ -53,18 +53,18 @@ def test_demo_runs_torchs_schedules_with_impl_torch(tmp_path):
 
 def test_demo_runs_several_steps_and_writes_a_json_report(tmp_path):
     out = tmp_path / "demo"
-    done = subprocess.run([sys.executable, "-m", "pplab", "demo", "--ranks", "2", "--steps", "2",
-                           "--microbatches", "2", "--forward", "0.01", "--out", str(out)],
+    done = subprocess.run([sys.executable, "-m", "pplab", "demo", "--n-ranks", "2", "--steps", "2",
+                           "--n-microbatches", "2", "--forward", "0.01", "--out", str(out)],
                           capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stdout + done.stderr
     report = json.loads((out / "report.json").read_text())
     assert report["passed"] is True
     assert report["pplab_version"] == pplab.__version__ and report["torch_version"] == torch.__version__
-    assert report["arguments"]["steps"] == 2 and report["arguments"]["ranks"] == 2
+    assert report["arguments"]["steps"] == 2 and report["arguments"]["n_ranks"] == 2
     names = [entry["name"] for entry in report["schedules"]]
     assert names == ["gpipe", "1f1b", "interleaved-1f1b", "zb-h1"]
     for entry in report["schedules"]:
-        assert entry["impl"] == "pplab" and entry["ranks"] == 2 and entry["microbatches"] == 2
+        assert entry["impl"] == "pplab" and entry["n_ranks"] == 2 and entry["n_microbatches"] == 2
         # No optimizer: the second step must repeat the first exactly, and both match one device.
         first, second = entry["losses"]
         assert first == second, entry["name"]
@@ -88,7 +88,7 @@ def run_simulate(*arguments: str) -> subprocess.CompletedProcess:
 
 
 def test_simulate_writes_the_predicted_timeline_trace_and_numbers(tmp_path):
-    done = run_simulate("zb-h1", "--ranks", "4", "--microbatches", "8", "--out", str(tmp_path))
+    done = run_simulate("zb-h1", "--n-ranks", "4", "--n-microbatches", "8", "--out", str(tmp_path))
     assert done.returncode == 0, done.stdout + done.stderr
     expected = simulate(build("zb-h1", 4, 8), Costs(forward=1.0, backward=2.0))
     numbers = json.loads((tmp_path / "zb-h1.json").read_text())
@@ -105,7 +105,7 @@ def test_simulate_writes_the_predicted_timeline_trace_and_numbers(tmp_path):
 
 
 def test_simulate_maps_weight_and_latency_onto_the_cost_model(tmp_path):
-    done = run_simulate("zb-h1", "--ranks", "2", "--microbatches", "4", "--forward", "1,2",
+    done = run_simulate("zb-h1", "--n-ranks", "2", "--n-microbatches", "4", "--forward", "1,2",
                         "--weight", "0.5", "--latency", "0.25", "--out", str(tmp_path))
     assert done.returncode == 0, done.stdout + done.stderr
     costs = Costs(forward=(1.0, 2.0), backward=(2.0, 4.0), weight_grad=0.5, latency=0.25)
@@ -117,16 +117,16 @@ def test_simulate_maps_weight_and_latency_onto_the_cost_model(tmp_path):
 
 
 @pytest.mark.parametrize("arguments, message", [
-    (("zb-h2", "--ranks", "4", "--microbatches", "8"),
-     "unknown schedule 'zb-h2': known schedules are gpipe, 1f1b, interleaved-1f1b, zb-h1"),
-    (("1f1b", "--ranks", "0", "--microbatches", "8"), "argument --ranks: '0' is not a whole number >= 1"),
-    (("1f1b", "--ranks", "2", "--microbatches", "-3"), "argument --microbatches: '-3'"),
-    (("interleaved-1f1b", "--ranks", "2", "--microbatches", "4", "--virtual", "1"),
-     "--virtual 1: interleaved-1f1b runs 2 or more stages per rank"),
-    (("1f1b", "--ranks", "2", "--microbatches", "4", "--weight", "1"), "--weight given, but 1f1b runs"),
-    (("zb-h1", "--ranks", "2", "--microbatches", "4", "--weight", "3"),
+    (("zb-h2", "--n-ranks", "4", "--n-microbatches", "8"),
+     "unknown schedule 'zb-h2': known schedules are gpipe, 1f1b, interleaved-1f1b, zb-h1, looped-bfs"),
+    (("1f1b", "--n-ranks", "0", "--n-microbatches", "8"), "argument --n-ranks: '0' is not a whole number >= 1"),
+    (("1f1b", "--n-ranks", "2", "--n-microbatches", "-3"), "argument --n-microbatches: '-3'"),
+    (("interleaved-1f1b", "--n-ranks", "2", "--n-microbatches", "4", "--n-virtual", "1"),
+     "--n-virtual 1: interleaved-1f1b runs 2 or more stages per rank"),
+    (("1f1b", "--n-ranks", "2", "--n-microbatches", "4", "--weight", "1"), "--weight given, but 1f1b runs"),
+    (("zb-h1", "--n-ranks", "2", "--n-microbatches", "4", "--weight", "3"),
      "--weight 3 exceeds the whole backward 2"),
-    (("gpipe", "--ranks", "2", "--microbatches", "4", "--forward", "1,2,3"),
+    (("gpipe", "--n-ranks", "2", "--n-microbatches", "4", "--forward", "1,2,3"),
      "--forward has 3 values but gpipe on 2 ranks has 2 stages"),
 ])
 def test_simulate_refuses_bad_arguments_with_one_clear_line(tmp_path, arguments, message):
@@ -140,7 +140,7 @@ def test_simulate_refuses_bad_arguments_with_one_clear_line(tmp_path, arguments,
 
 @pytest.mark.parametrize("arguments, message", [
     (("--steps", "0"), "argument --steps: '0' is not a whole number >= 1"),
-    (("--ranks", "9"), "n_stages=9 is more than n_layers=8"),  # the tiny model has 8 layers: refused before any rank starts
+    (("--n-ranks", "9"), "n_stages=9 is more than n_layers=8"),  # the tiny model has 8 layers: refused before any rank starts
 ])
 def test_demo_refuses_bad_arguments_with_one_clear_line(tmp_path, arguments, message):
     done = subprocess.run([sys.executable, "-m", "pplab", "demo", *arguments, "--out", str(tmp_path / "out")],
@@ -153,7 +153,7 @@ def test_demo_refuses_bad_arguments_with_one_clear_line(tmp_path, arguments, mes
 
 ORPHAN_KERNEL = (
     "import os, signal, pplab\n"
-    "lab = pplab.Lab(ranks=2, device='cpu', verbose=False)\n"
+    "lab = pplab.Lab(n_ranks=2, device='cpu', verbose=False)\n"
     "print(lab.cluster_id, flush=True)\n"
     "os.kill(os.getpid(), signal.SIGKILL)  # no atexit, no lab.stop(): a killed kernel\n"
 )
@@ -281,7 +281,7 @@ def test_cleanup_command_stops_the_lab_a_killed_kernel_left(own_ipython_dir):
 
 def test_demo_runs_under_torchrun_with_one_process_per_rank(tmp_path):
     done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-                           "-m", "pplab", "demo", "--microbatches", "2", "--forward", "0.01",
+                           "-m", "pplab", "demo", "--n-microbatches", "2", "--forward", "0.01",
                            "--out", str(tmp_path)],
                           capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stdout + done.stderr

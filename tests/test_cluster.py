@@ -160,19 +160,19 @@ def all_gone(pids, within=10.0):
 
 @pytest.mark.timeout(30)
 @pytest.mark.parametrize("arguments, named", [
-    ({"ranks": 0}, "ranks=0"),
-    ({"ranks": -2}, "ranks=-2"),
-    ({"ranks": 1.5}, "ranks=1.5"),
-    ({"ranks": "2"}, "ranks='2'"),
-    ({"ranks": 2, "backend": "mpi"}, "backend='mpi'"),
-    ({"ranks": 2, "device": "tpu"}, "device='tpu'"),
-    pytest.param({"ranks": 2, "device": "cuda"}, "device='cuda'",
+    ({"n_ranks": 0}, "n_ranks=0"),
+    ({"n_ranks": -2}, "n_ranks=-2"),
+    ({"n_ranks": 1.5}, "n_ranks=1.5"),
+    ({"n_ranks": "2"}, "n_ranks='2'"),
+    ({"n_ranks": 2, "backend": "mpi"}, "backend='mpi'"),
+    ({"n_ranks": 2, "device": "tpu"}, "device='tpu'"),
+    pytest.param({"n_ranks": 2, "device": "cuda"}, "device='cuda'",
                  marks=pytest.mark.skipif(torch.cuda.device_count() >= 2, reason="has 2 GPUs")),
-    ({"ranks": 2, "backend": "nccl", "device": "cpu"}, "backend='nccl'"),
-    pytest.param({"ranks": 2, "backend": "nccl"}, "backend='nccl' needs one GPU per rank",
+    ({"n_ranks": 2, "backend": "nccl", "device": "cpu"}, "backend='nccl'"),
+    pytest.param({"n_ranks": 2, "backend": "nccl"}, "backend='nccl' needs one GPU per rank",
                  marks=pytest.mark.skipif(torch.cuda.device_count() >= 2, reason="has 2 GPUs")),
-    ({"ranks": 2, "timeout": 0}, "timeout=0"),
-    ({"ranks": 2, "threads": 0}, "threads=0"),
+    ({"n_ranks": 2, "op_timeout": 0}, "op_timeout=0"),
+    ({"n_ranks": 2, "threads": 0}, "threads=0"),
 ])
 def test_bad_arguments_are_rejected_before_anything_starts(arguments, named, ipython_dir):
     from conftest import lab_processes
@@ -214,7 +214,7 @@ def test_each_attendee_chooses_the_gpus_of_a_lab_and_wrong_choices_are_refused_b
         check_gpus("0,1", 2, "auto", 8)
     if torch.cuda.device_count() == 0:  # what a lab says on a host without GPUs, before starting
         with pytest.raises(ValueError, match=r"gpus=\[0, 1\]: this host has no GPU that torch can see"):
-            pplab.Lab(ranks=2, gpus=[0, 1])
+            pplab.Lab(n_ranks=2, gpus=[0, 1])
 
 
 def test_ranks_are_grouped_by_host_and_numbered_within_it():
@@ -374,7 +374,7 @@ def test_every_lab_process_listens_on_loopback_only(lab2):
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("ranks", [1, 4])
 def test_start_and_stop_leave_nothing_running(ranks, lab_factory):
-    lab = lab_factory(ranks=ranks)
+    lab = lab_factory(n_ranks=ranks)
     assert lab.world_size == ranks
     assert [r["rank"] for r in lab.run(whoami)] == list(range(ranks))
     assert_healthy(lab)
@@ -396,7 +396,7 @@ def test_start_and_stop_leave_nothing_running(ranks, lab_factory):
 
 @pytest.mark.timeout(120)
 def test_engines_started_one_process_each_without_the_fork_server(lab_factory):
-    lab = lab_factory(ranks=2, fork=False)  # what non-Linux hosts use
+    lab = lab_factory(n_ranks=2, fork=False)  # what non-Linux hosts use
     assert [r["rank"] for r in lab.run(whoami)] == [0, 1]
     assert_healthy(lab)
     pids = [row.pid for row in lab.status()]
@@ -406,7 +406,7 @@ def test_engines_started_one_process_each_without_the_fork_server(lab_factory):
 
 @pytest.mark.timeout(120)
 def test_a_lab_used_as_a_context_manager_stops_at_the_end(ipython_dir):
-    with pplab.Lab(ranks=2, device="cpu", verbose=False) as lab:
+    with pplab.Lab(n_ranks=2, device="cpu", verbose=False) as lab:
         pids = [row.pid for row in lab.status()]
         assert_healthy(lab)
     assert all_gone(pids)
@@ -418,7 +418,7 @@ def test_cleanup_stops_the_lab_of_a_killed_kernel(ipython_dir):
         kernel = subprocess.run(
             [sys.executable, "-c",
              "import os, signal, pplab\n"
-             "lab = pplab.Lab(ranks=2, device='cpu', verbose=False)\n"
+             "lab = pplab.Lab(n_ranks=2, device='cpu', verbose=False)\n"
              "print(lab.cluster_id, flush=True)\n"
              "os.kill(os.getpid(), signal.SIGKILL)  # no atexit, no lab.stop(): a killed kernel\n"],
             capture_output=True, text=True, timeout=90, env=os.environ)
@@ -518,7 +518,7 @@ def test_the_process_group_timeout_turns_a_blocked_recv_into_an_error(fragile_la
     started = time.monotonic()
     with pytest.raises(RankFailedError) as caught:
         fragile_lab.run(recv_that_never_comes, timeout=30)
-    assert time.monotonic() - started < fragile_lab.timeout + SLACK
+    assert time.monotonic() - started < fragile_lab.op_timeout + SLACK
     assert caught.value.rank == 1
     fragile_lab.restart()  # a timed-out gloo pair is not to be trusted
     assert_healthy(fragile_lab)
@@ -537,7 +537,7 @@ def test_connect_uses_engines_of_a_cluster_started_elsewhere(tmp_path):
     cluster.start_cluster_sync()
     try:
         lab = pplab.Lab.connect(profile=None, profile_dir=cluster.profile_dir,
-                                cluster_id=cluster.cluster_id, ranks=2, device="cpu",
+                                cluster_id=cluster.cluster_id, n_ranks=2, device="cpu",
                                 verbose=False)
         try:
             assert_healthy(lab)
@@ -557,7 +557,7 @@ def test_connect_uses_engines_of_a_cluster_started_elsewhere(tmp_path):
         os.rename(cluster.cluster_file, cluster.cluster_file + ".moved")
         try:
             lab = pplab.Lab.connect(profile=None, profile_dir=cluster.profile_dir,
-                                    cluster_id=cluster.cluster_id, ranks=2, device="cpu",
+                                    cluster_id=cluster.cluster_id, n_ranks=2, device="cpu",
                                     verbose=False)
             try:
                 with pytest.raises(pplab.cluster.LabError, match=r"its cluster file could not be "
@@ -593,7 +593,7 @@ def test_a_start_that_fails_midway_leaves_nothing_running(ipython_dir, monkeypat
     before = {p.pid for p in lab_processes(ipython_dir)}  # other tests' labs may be running
     started = time.monotonic()
     with pytest.raises(RuntimeError, match="injected"):
-        pplab.Lab(ranks=2, device="cpu", verbose=False)  # the fork server was already up
+        pplab.Lab(n_ranks=2, device="cpu", verbose=False)  # the fork server was already up
     assert time.monotonic() - started < 30
     assert {p.pid for p in lab_processes(ipython_dir)} <= before
 
@@ -668,7 +668,7 @@ def test_an_engine_that_dies_at_start_fails_the_start_at_once(ipython_dir, monke
     before = {p.pid for p in lab_processes(ipython_dir)}  # other tests' labs may be running
     started = time.monotonic()
     with pytest.raises(pplab.cluster.LabStartError, match=r"engine \d \(pid \d+\) exited with status 2 during start-up"):
-        pplab.Lab(ranks=2, device="cpu", verbose=False, start_timeout=60)
+        pplab.Lab(n_ranks=2, device="cpu", verbose=False, start_timeout=60)
     assert time.monotonic() - started < 30   # not the whole start_timeout
     assert {p.pid for p in lab_processes(ipython_dir)} <= before
 

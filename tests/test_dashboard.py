@@ -15,14 +15,14 @@ TIMING = Costs(forward=0.05, backward=0.1)  # a 1F1B step of 4 microbatches on 2
 
 
 def test_a_multi_step_run_updates_the_panels_while_it_runs(lab2):
-    run = lab2.pipeline(CONFIG, schedule="1f1b", microbatches=4, timing=TIMING)
+    pipe = lab2.pipeline(CONFIG, schedule="1f1b", n_microbatches=4, timing=TIMING)
     try:
-        dashboard = run.dashboard()
+        dashboard = pipe.dashboard()
         results = dashboard.run_steps(3)
         assert len(results) == 3 and dashboard.results == results
         # The live timeline was redrawn while steps ran, more than once per step.
         assert dashboard.timeline.live_draws > 3
-        assert dashboard.timeline.draws >= 1  # and the finished run drawn as a picture
+        assert dashboard.timeline.draws >= 1  # and the finished steps drawn as a picture
         assert [row["overall"] for row in dashboard.bubbles.rows] == \
             [r.timeline.bubble_fraction() for r in results]
         assert dashboard.memory.losses == [r.loss for r in results]
@@ -34,15 +34,15 @@ def test_a_multi_step_run_updates_the_panels_while_it_runs(lab2):
         assert statistics.median(dashboard.latencies) < 0.5 and max(dashboard.latencies) < 1.0
         assert dashboard.progress.value == 3 and "3 steps done" in dashboard.status.value
     finally:
-        run.close()
+        pipe.close()
 
 
 def test_a_waiting_rank_shows_whom_it_waits_for_while_it_waits(lab2):
     # Stage 0's forwards take 1.2 s: rank 1 sits in its first receive, visibly, long before any timeout.
     slow_start = Costs(forward=[1.2, 0.01], backward=0.01)
-    run = lab2.pipeline(CONFIG, schedule="gpipe", microbatches=2, timing=slow_start)
+    pipe = lab2.pipeline(CONFIG, schedule="gpipe", n_microbatches=2, timing=slow_start)
     try:
-        dashboard = run.dashboard(stalled_after=0.6)
+        dashboard = pipe.dashboard(stalled_after=0.6)
         seen = []
 
         async def watch():
@@ -61,13 +61,13 @@ def test_a_waiting_rank_shows_whom_it_waits_for_while_it_waits(lab2):
         assert all(0.6 <= s["seconds"] < 1.5 for s in dashboard.where.stalls)
         assert len(dashboard.results) == 1
     finally:
-        run.close()
+        pipe.close()
 
 
 def test_stop_ends_a_background_run_after_the_current_step(lab2):
-    run = lab2.pipeline(CONFIG, schedule="1f1b", microbatches=4, timing=TIMING)
+    pipe = lab2.pipeline(CONFIG, schedule="1f1b", n_microbatches=4, timing=TIMING)
     try:
-        dashboard = run.dashboard()
+        dashboard = pipe.dashboard()
 
         async def start_then_stop():
             task = dashboard.start(20)
@@ -80,55 +80,55 @@ def test_stop_ends_a_background_run_after_the_current_step(lab2):
         assert 1 <= len(dashboard.results) <= 2
         assert "stopped after" in dashboard.status.value and not dashboard.running
     finally:
-        run.close()
+        pipe.close()
 
 
 def test_changing_a_control_rebuilds_on_the_ranks_and_bad_sizes_are_said(lab2):
-    dashboard = lab2.pipeline(CONFIG, schedule="1f1b", microbatches=4).dashboard()
+    dashboard = lab2.pipeline(CONFIG, schedule="1f1b", n_microbatches=4).dashboard()
     try:
         dashboard.schedule_name.value = "gpipe"
-        assert dashboard.run.schedule.name == "gpipe" and dashboard.run.schedule.n_microbatches == 4
+        assert dashboard.pipe.schedule.name == "gpipe" and dashboard.pipe.schedule.n_microbatches == 4
         (result,) = dashboard.run_steps(1)
         assert result.timeline.n_ranks == 2
-        before = dashboard.run
-        dashboard.virtual.value = 2  # gpipe runs one stage per rank
-        assert dashboard.run is before and "runs one stage per rank" in dashboard.status.value
+        before = dashboard.pipe
+        dashboard.n_virtual.value = 2  # gpipe runs one stage per rank
+        assert dashboard.pipe is before and "runs one stage per rank" in dashboard.status.value
     finally:
-        dashboard.run.close()
+        dashboard.pipe.close()
 
 
 def test_parity_differences_go_to_the_gradient_panel(lab2):
-    dashboard = lab2.pipeline(CONFIG, schedule="zb-h1", microbatches=2).dashboard()
+    dashboard = lab2.pipeline(CONFIG, schedule="zb-h1", n_microbatches=2).dashboard()
     try:
         report = dashboard.check_parity()
         assert report.passed and "matches one device" in dashboard.status.value
         assert "max |diff| vs one device" in dashboard.gradients.table.value and dashboard.gradients.red == {}
     finally:
-        dashboard.run.close()
+        dashboard.pipe.close()
 
 
 def test_an_error_is_raised_by_run_steps_and_shown_in_the_status_line(lab2):
     import torch
 
-    run = lab2.pipeline(CONFIG, schedule="1f1b", microbatches=2)
+    pipe = lab2.pipeline(CONFIG, schedule="1f1b", n_microbatches=2)
     try:
         too_big = torch.full((4, 8), CONFIG.vocab_size)  # token ids outside the vocabulary
-        dashboard = run.dashboard(batch=(too_big, too_big))
+        dashboard = pipe.dashboard(batch=(too_big, too_big))
         with pytest.raises(ValueError, match="outside the vocabulary"):
             dashboard.run_steps(1)
         assert "outside the vocabulary" in dashboard.status.value and "#c00000" in dashboard.status.value
         assert not dashboard.running and not dashboard.step_button.disabled
     finally:
-        run.close()
+        pipe.close()
 
 
-def test_the_runtime_control_switches_to_torchs_schedules(lab2):
-    dashboard = lab2.pipeline(CONFIG, schedule="1f1b", microbatches=4, timing=TIMING).dashboard()
+def test_the_impl_control_switches_to_torchs_schedules(lab2):
+    dashboard = lab2.pipeline(CONFIG, schedule="1f1b", n_microbatches=4, timing=TIMING).dashboard()
     try:
-        dashboard.implementation.value = "torch"  # 1f1b exists in both: rebuilt under torch
-        assert dashboard.run.spec.impl == "torch" and "ZBVZeroBubble" in dashboard.schedule_name.options
+        dashboard.impl.value = "torch"  # 1f1b exists in both: rebuilt under torch
+        assert dashboard.pipe.spec.impl == "torch" and "zbv-zero-bubble" in dashboard.schedule_name.options
         (result,) = dashboard.run_steps(1)
         assert sorted({e.kind for e in result.timeline.compute_events()}) == ["B", "F"]  # torch ran it
         assert dashboard.timeline.live_draws >= 1 and dashboard.where.states == {0: "done", 1: "done"}
     finally:
-        dashboard.run.close()
+        dashboard.pipe.close()

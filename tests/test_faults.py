@@ -19,32 +19,32 @@ CONFIG = pplab.LlamaConfig.tiny()
 
 
 def test_a_fault_that_cannot_fire_is_refused_before_any_rank_is_asked(lab2):
-    run = lab2.pipeline(CONFIG, schedule="1f1b", microbatches=4)
+    pipe = lab2.pipeline(CONFIG, schedule="1f1b", n_microbatches=4)
     try:
         with pytest.raises(ValueError, match=r"action='1X3' is not an action: give one like '1F3'"):
-            faults.stall(run, "1X3", seconds=1)
+            faults.stall(pipe, "1X3", seconds=1)
         with pytest.raises(ValueError, match=r"'1SEND_B2' is a message; .* e.g. '1F2'"):
-            faults.die(run, "1SEND_B2")
+            faults.die(pipe, "1SEND_B2")
         with pytest.raises(ValueError, match=r"'1F9' is not in schedule '1f1b'; rank 1 runs these "
                                              r"computations of stage 1: 1F0 1B0 1F1"):
-            faults.stall(run, "1F9", seconds=1)
+            faults.stall(pipe, "1F9", seconds=1)
         with pytest.raises(ValueError, match=r"schedule '1f1b' has stages 0..1"):
-            faults.die(run, "5F0")
+            faults.die(pipe, "5F0")
         with pytest.raises(ValueError, match=r"seconds=0 must be a positive number of seconds"):
-            faults.stall(run, "1F0", seconds=0)
-        assert lab2.state == "running" and run.step().loss > 0  # nothing was armed
+            faults.stall(pipe, "1F0", seconds=0)
+        assert lab2.state == "running" and pipe.step().loss > 0  # nothing was armed
     finally:
-        run.close()
+        pipe.close()
 
 
 def test_a_rank_stalled_inside_a_forward_is_named_by_the_rank_that_waits_for_it(fragile_lab):
     """Rank 1 sleeps 8 s in its forward of microbatch 1: rank 0 gives up after the lab's 3 s on
     the gradient it needs, and the dashboard shows rank 0 stalled on rank 1, and rank 1 in 1F1."""
-    run = fragile_lab.pipeline(CONFIG, schedule="1f1b", microbatches=4)
-    assert run.spec.timeout == fragile_lab.timeout == 3  # the lab's bound, not a default of its own
-    run.step()
-    dashboard = run.dashboard(stalled_after=1.0)
-    assert faults.stall(run, "1F1", seconds=8) == 1
+    pipe = fragile_lab.pipeline(CONFIG, schedule="1f1b", n_microbatches=4)
+    assert pipe.spec.op_timeout == fragile_lab.op_timeout == 3  # the lab's bound, not a default of its own
+    pipe.step()
+    dashboard = pipe.dashboard(stalled_after=1.0)
+    assert faults.stall(pipe, "1F1", seconds=8) == 1
     started = time.monotonic()
     with pytest.raises(RankFailedError, match=r"rank 0 waited 3 s for the gradient of microbatch 1 from "
                                               r"rank 1 \(action 0RECV_B1\)"):
@@ -56,15 +56,15 @@ def test_a_rank_stalled_inside_a_forward_is_named_by_the_rank_that_waits_for_it(
     assert "rank 0 waited 3 s for the gradient of microbatch 1" in dashboard.status.value
     assert fragile_lab.state.startswith("needs restart")
     fragile_lab.restart()
-    assert fragile_lab.pipeline(CONFIG, schedule="1f1b", microbatches=4).check_parity().passed
+    assert fragile_lab.pipeline(CONFIG, schedule="1f1b", n_microbatches=4).check_parity().passed
 
 
 def test_a_rank_that_dies_at_an_action_is_named_by_its_peer(fragile_lab):
-    run = fragile_lab.pipeline(CONFIG, schedule="gpipe", microbatches=4)
+    pipe = fragile_lab.pipeline(CONFIG, schedule="gpipe", n_microbatches=4)
     pid = fragile_lab.status()[1].pid
-    assert faults.die(run, "1B2") == 1
+    assert faults.die(pipe, "1B2") == 1
     with pytest.raises(RankDiedError) as failure:
-        run.step()
+        pipe.step()
     message = str(failure.value)
     # The death, then what its peer saw of it: a message it lost (of microbatch 2, or 1 if
     # rank 1 died before its send of the gradient of microbatch 1 was through).
@@ -74,17 +74,17 @@ def test_a_rank_that_dies_at_an_action_is_named_by_its_peer(fragile_lab):
                      r"rank 1 \(action 0(SEND|RECV)_B(?P=mb)\)", message), message
     assert fragile_lab.status()[1].state == "dead"
     fragile_lab.restart()
-    assert fragile_lab.pipeline(CONFIG, schedule="gpipe", microbatches=4).check_parity().passed
+    assert fragile_lab.pipeline(CONFIG, schedule="gpipe", n_microbatches=4).check_parity().passed
 
 
 def test_a_fault_fires_only_in_its_own_run_and_closing_the_run_forgets_it(lab2):
-    run = lab2.pipeline(CONFIG, schedule="1f1b", microbatches=2)
-    other = lab2.pipeline(CONFIG, schedule="1f1b", microbatches=2)
+    pipe = lab2.pipeline(CONFIG, schedule="1f1b", n_microbatches=2)
+    other = lab2.pipeline(CONFIG, schedule="1f1b", n_microbatches=2)
     try:
-        faults.die(run, "1F1")
-        assert other.step().loss > 0 and lab2.state == "running"  # another run: nothing fires
-        run.close()  # closing a run forgets its faults: none is left on any rank
-        assert lab2.run(faults.disarm_on_rank, run.run_id) == [0, 0]
+        faults.die(pipe, "1F1")
+        assert other.step().loss > 0 and lab2.state == "running"  # another pipeline: nothing fires
+        pipe.close()  # closing a pipeline forgets its faults: none is left on any rank
+        assert lab2.run(faults.disarm_on_rank, pipe.pipeline_id) == [0, 0]
         assert other.step().loss > 0 and lab2.state == "running"
     finally:
         other.close()

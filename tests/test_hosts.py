@@ -29,7 +29,7 @@ def nothing_left(hosts: NamespaceHosts) -> None:
 
 @pytest.fixture(scope="module")
 def hosts():
-    made = NamespaceHosts(hosts=2, engines_per_host=2).start()
+    made = NamespaceHosts(n_hosts=2, engines_per_host=2).start()
     try:
         yield made
     finally:
@@ -39,7 +39,7 @@ def hosts():
 
 @pytest.fixture(scope="module")
 def lab(hosts):
-    lab = pplab.Lab.connect(**hosts.connect_options(), ranks=4, timeout=30, verbose=False)
+    lab = pplab.Lab.connect(**hosts.connect_options(), n_ranks=4, op_timeout=30, verbose=False)
     try:
         yield lab
     finally:
@@ -51,7 +51,7 @@ def test_a_wrong_interface_name_is_refused_within_seconds_naming_the_ones_there(
     with pytest.raises(pplab.cluster.RankFailedError,
                        match=r"gloo_ifname='eth9': host pplab-\w+-h\d has no such network interface; "
                              r"it has lo, pplab0, pplab1"):
-        pplab.Lab.connect(**{**hosts.connect_options(), "gloo_ifname": "eth9"}, ranks=4, timeout=8, verbose=False)
+        pplab.Lab.connect(**{**hosts.connect_options(), "gloo_ifname": "eth9"}, n_ranks=4, op_timeout=8, verbose=False)
     assert time.monotonic() - started < 15
 
 
@@ -74,21 +74,21 @@ def test_ranks_are_grouped_by_host_and_talk_over_the_hosts_interfaces(lab, hosts
     before = lab.run(sent_bytes)
     assert [(host, ifname) for host, ifname, _ in before] == [(host, INTERFACE) for host in host_of_rank]
 
-    run = lab.pipeline(CONFIG, schedule="1f1b", microbatches=4)
-    parity = run.check_parity()
+    pipe = lab.pipeline(CONFIG, schedule="1f1b", n_microbatches=4)
+    parity = pipe.check_parity()
     assert parity.passed, str(parity)
     after = lab.run(sent_bytes)
     # Rank 1 sends 4 activations to rank 2 on the other host: they crossed rank 1's interface.
     activation = 2 * 32 * CONFIG.hidden_size * 4  # the default batch: microbatches of 2 x 32 tokens
     assert after[1][2] - before[1][2] >= 4 * activation
-    run.close()
+    pipe.close()
 
 
 def two_hosts_and_a_lab():
-    made = NamespaceHosts(hosts=2, engines_per_host=1).start()
+    made = NamespaceHosts(n_hosts=2, engines_per_host=1).start()
     lab = None
     try:
-        lab = pplab.Lab.connect(**made.connect_options(), ranks=2, timeout=8, verbose=False)
+        lab = pplab.Lab.connect(**made.connect_options(), n_ranks=2, op_timeout=8, verbose=False)
         yield made, lab
     finally:
         if lab is not None:
@@ -120,9 +120,9 @@ def test_a_slow_link_is_predicted_from_the_link_pplab_measures(two_hosts):
     hosts, lab = two_hosts
     microbatch_size, seq_len, m = 4, 64, 8
     activation = microbatch_size * seq_len * CONFIG.hidden_size * 4
-    run = lab.pipeline(CONFIG, schedule="1f1b", microbatches=m)
+    pipe = lab.pipeline(CONFIG, schedule="1f1b", n_microbatches=m)
     batch = next(pplab.data.batches(microbatch_size * m, seq_len))
-    clean = [run.step(batch).timeline for _ in range(4)][1:]
+    clean = [pipe.step(batch).timeline for _ in range(4)][1:]
     compute = costs_from_timeline(clean[-1], 2)
 
     # 5 ms one way at 100 Mbit/s where the kernel has netem; else a 5 Mbit/s token bucket.
@@ -138,24 +138,24 @@ def test_a_slow_link_is_predicted_from_the_link_pplab_measures(two_hosts):
     costs = dataclasses.replace(compute, latency=latency, bandwidth=bandwidth, activation_bytes=activation,
                                 link_contention=True)
 
-    steps = [run.step(batch).timeline for _ in range(5)][1:]
+    steps = [pipe.step(batch).timeline for _ in range(5)][1:]
     measured = statistics.median(t.step_time() for t in steps)
-    predicted = pplab.simulate(run.schedule, costs).step_time()
+    predicted = pplab.simulate(pipe.schedule, costs).step_time()
     print(f"slow link: measured {measured:.4f} s, predicted {predicted:.4f} s ({measured / predicted - 1:+.1%})")
     assert abs(measured / predicted - 1) <= 0.15, (measured, predicted)
     # The link sets the pace: the ranks wait on the wire more than they compute.
     timeline = steps[-1]
     assert sum(timeline.comm_time(r) for r in range(2)) > sum(timeline.busy_time(r) for r in range(2))
-    run.close()
+    pipe.close()
     hosts.shape_link()  # a clean link again
 
 
 def a_slow_step_under_way(hosts, lab):
     """A pipeline (every wait between ranks bounded by 8 s) whose step takes about a second, started."""
-    run = lab.pipeline(CONFIG, schedule="1f1b", microbatches=8, timeout=8)
-    assert run.step().loss > 0
+    pipe = lab.pipeline(CONFIG, schedule="1f1b", n_microbatches=8, op_timeout=8)
+    assert pipe.step().loss > 0
     hosts.shape_link(rate_mbit=5)
-    running = run.start_step(next(pplab.data.batches(4 * 8, 64)))  # 64 KiB activations
+    running = pipe.start_step(next(pplab.data.batches(4 * 8, 64)))  # 64 KiB activations
     time.sleep(0.3)
     return running
 
@@ -196,7 +196,7 @@ def test_a_rank_killed_mid_step_is_named_by_its_peer(fresh_two_hosts):
     hosts.shape_link()
     lab.restart()  # through Lab.connect(restart_engines=...): new engines on the same hosts
     assert sorted({row.host for row in lab.status()}) == sorted(hosts.names)
-    parity = lab.pipeline(CONFIG, schedule="zb-h1", microbatches=4).check_parity()
+    parity = lab.pipeline(CONFIG, schedule="zb-h1", n_microbatches=4).check_parity()
     assert parity.passed, str(parity)
 
 
@@ -204,16 +204,16 @@ def test_a_rank_stalled_on_the_other_host_is_named_within_the_labs_timeout(fresh
     """Rank 1 sleeps inside a forward (pplab.faults): rank 0, on the other host, gives up on the
     gradient it waits for after the lab's 8 s, naming rank 1 and the action."""
     hosts, lab = fresh_two_hosts
-    run = lab.pipeline(CONFIG, schedule="1f1b", microbatches=4)
-    run.step()
-    pplab.faults.stall(run, "1F1", seconds=30)
+    pipe = lab.pipeline(CONFIG, schedule="1f1b", n_microbatches=4)
+    pipe.step()
+    pplab.faults.stall(pipe, "1F1", seconds=30)
     started = time.monotonic()
     with pytest.raises(pplab.cluster.RankFailedError,
                        match=r"rank 0 waited 8 s for the gradient of microbatch 1 from rank 1 \(action 0RECV_B1\)"):
-        run.step()
+        pipe.step()
     assert time.monotonic() - started < 8 + lab.grace + 5
     lab.restart()
-    assert lab.pipeline(CONFIG, schedule="1f1b", microbatches=4).check_parity().passed
+    assert lab.pipeline(CONFIG, schedule="1f1b", n_microbatches=4).check_parity().passed
 
 
 def test_training_across_hosts_resumes_after_a_kill_as_if_never_stopped(fresh_two_hosts, tmp_path):
@@ -226,14 +226,14 @@ def test_training_across_hosts_resumes_after_a_kill_as_if_never_stopped(fresh_tw
     spec = PipelineSpec.create(CONFIG, "1f1b", 2, 4)
     uninterrupted = run_ranks(2, train_on_rank, spec, TrainOptions(**options), None, False, timeout=120)[0]
 
-    run = lab.pipeline(CONFIG, "1f1b", microbatches=4, timeout=8)
-    first = run.train(until=4, show=False, checkpoint_dir=str(tmp_path), checkpoint_every=2, **options)
+    pipe = lab.pipeline(CONFIG, "1f1b", n_microbatches=4, op_timeout=8)
+    first = pipe.train(until=4, show=False, checkpoint_dir=str(tmp_path), checkpoint_every=2, **options)
     assert first.losses == uninterrupted.losses[:4]
-    running = run.start_step(next(pplab.data.batches(4 * 8, 64)))
+    running = pipe.start_step(next(pplab.data.batches(4 * 8, 64)))
     os.kill(lab.status()[1].pid, signal.SIGKILL)
     with pytest.raises(pplab.cluster.RankFailedError):
         running.result()
     lab.restart()
-    resumed = lab.pipeline(CONFIG, "1f1b", microbatches=4).train(
+    resumed = lab.pipeline(CONFIG, "1f1b", n_microbatches=4).train(
         show=False, resume=str(tmp_path / "step-00000004"), **options)
     assert resumed.losses == uninterrupted.losses[4:]

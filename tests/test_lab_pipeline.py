@@ -14,43 +14,73 @@ def my_rank():
     return rank_context().rank
 
 
+@pytest.mark.quick
+def test_lab_pipeline_writes_out_every_keyword_of_a_pipeline_spec_with_its_defaults():
+    import dataclasses
+    import inspect
+
+    from pplab.rank.rank_pipeline import PipelineSpec
+
+    pipeline = inspect.signature(pplab.RankPool.pipeline).parameters
+    create = inspect.signature(PipelineSpec.create).parameters
+    fields = {field.name: field.default for field in dataclasses.fields(PipelineSpec)}
+    # One pipeline(...) for every driver: a notebook's lab builds a richer Pipeline, with the same keywords.
+    assert pplab.Lab.pipeline is pplab.RankPool.pipeline and issubclass(pplab.Lab.pipeline_class, pplab.Pipeline)
+    assert set(pipeline) - {"self"} == set(fields) | {"n_microbatches", "n_virtual"}
+    assert set(create) - {"cls", "n_ranks"} == set(pipeline) - {"self"}
+    for name in fields.keys() - {"config", "schedule"}:
+        assert create[name].default == fields[name], name
+        assert pipeline[name].default == (None if name == "op_timeout" else fields[name]), name  # None: the driver's
+        assert create[name].kind == pipeline[name].kind == inspect.Parameter.KEYWORD_ONLY, name
+    for name in ("n_microbatches", "n_virtual"):
+        assert pipeline[name].default == create[name].default, name
+
+
+@pytest.mark.quick
+def test_a_misspelt_keyword_of_lab_pipeline_is_pythons_own_type_error():
+    with pytest.raises(TypeError, match="unexpected keyword argument 'microbatches'"):
+        pplab.RankPool.pipeline(None, CONFIG, "1f1b", microbatches=4)  # Python refuses it before the body runs
+    with pytest.raises(TypeError, match="unexpected keyword argument 'timout'"):
+        pplab.Lab.pipeline(None, CONFIG, "1f1b", 4, timout=3)
+
+
 def test_step_parity_gradient_flow_and_shapes_on_a_lab(lab2):
-    run = lab2.pipeline(CONFIG, schedule="1f1b", microbatches=4)
-    result = run.step()
+    pipe = lab2.pipeline(CONFIG, schedule="1f1b", n_microbatches=4)
+    result = pipe.step()
     assert result.timeline.n_ranks == 2
     assert {e.rank for e in result.timeline.events} == {0, 1}
     assert len(result.microbatch_losses) == 4 and 0 < result.timeline.bubble_fraction() < 1
-    assert [row[:3] for row in run.boundary_shapes().rows()] == \
+    assert [row[:3] for row in pipe.boundary_shapes().rows()] == \
         [["0 -> 1", mb, (2, 32, CONFIG.hidden_size)] for mb in range(4)]
 
-    parity = run.check_parity()
+    parity = pipe.check_parity()
     assert parity.passed, str(parity)
     assert len(parity.grad_diffs) == sum(1 for _ in pplab.build_model(CONFIG).parameters())
-    flow = run.check_gradient_flow()
+    flow = pipe.check_gradient_flow()
     assert flow.passed, str(flow)
-    run.close()
+    pipe.close()
 
 
 @pytest.mark.parametrize("schedule, microbatches, n_virtual", [("interleaved-1f1b", 4, 2), ("zb-h1", 3, 1)])
 def test_interleaved_and_zero_bubble_match_one_device_on_a_lab(lab2, schedule, microbatches, n_virtual):
-    run = lab2.pipeline(CONFIG, schedule=schedule, microbatches=microbatches, n_virtual=n_virtual)
+    pipe = lab2.pipeline(CONFIG, schedule=schedule, n_microbatches=microbatches, n_virtual=n_virtual)
     batch = next(batches(2 * microbatches, 24, seed=5))
     for _ in range(2):  # a second step on the same stages starts from zeroed gradients
-        parity = run.check_parity(batch)
+        parity = pipe.check_parity(batch)
         assert parity.passed, str(parity)
-    run.close()
+    pipe.close()
 
 
 def test_bad_pipelines_are_rejected_before_any_rank_runs(lab2):
     with pytest.raises(ValueError, match="unknown schedule 'zigzag'"):
-        lab2.pipeline(CONFIG, schedule="zigzag", microbatches=4)
+        lab2.pipeline(CONFIG, schedule="zigzag", n_microbatches=4)
     with pytest.raises(ValueError, match="schedule is for 3 ranks but the pipeline has 2"):
         lab2.pipeline(CONFIG, schedule=pplab.schedules.build("1f1b", 3, 3))
-    run = lab2.pipeline(CONFIG, schedule="gpipe", microbatches=4)
+    pipe = lab2.pipeline(CONFIG, schedule="gpipe", n_microbatches=4)
     with pytest.raises(ValueError, match="n_microbatches=4 does not divide the batch size 6"):
-        run.step(next(batches(6, 16)))
-    assert run.step().loss > 0  # nothing was left half-done on the ranks
-    run.close()
+        pipe.step(next(batches(6, 16)))
+    assert pipe.step().loss > 0  # nothing was left half-done on the ranks
+    pipe.close()
 
 
 def test_a_broken_process_group_makes_the_lab_ask_for_a_restart(lab2):
@@ -69,11 +99,11 @@ def test_a_broken_process_group_makes_the_lab_ask_for_a_restart(lab2):
 
 
 def test_a_pipeline_stepped_after_a_restart_says_to_build_it_again(lab2):
-    run = lab2.pipeline(CONFIG, schedule="gpipe", microbatches=2)
+    pipe = lab2.pipeline(CONFIG, schedule="gpipe", n_microbatches=2)
     lab2.restart()
     with pytest.raises(RuntimeError, match=r"built on ranks that were replaced since \(a restart.*: "
                                            r"build the pipeline again \(lab.pipeline\(...\)\)"):
-        run.step()
+        pipe.step()
     assert lab2.state == "running"  # refused on the client: no rank was called
 
 
@@ -86,14 +116,14 @@ def test_training_on_a_lab_is_the_training_of_plain_processes_and_reshards(lab2,
     spec = PipelineSpec.create(CONFIG, "interleaved-1f1b", 2, 4, 2)
     plain = run_ranks(2, train_on_rank, spec, TrainOptions(**options), None, False, timeout=120)[0]
 
-    run = lab2.pipeline(CONFIG, "interleaved-1f1b", microbatches=4, n_virtual=2)
-    first = run.train(until=4, show=False, checkpoint_dir=str(tmp_path), checkpoint_every=2, **options)
-    rest = run.train(show=False, checkpoint_dir=str(tmp_path), checkpoint_every=2, **options)  # goes on
+    pipe = lab2.pipeline(CONFIG, "interleaved-1f1b", n_microbatches=4, n_virtual=2)
+    first = pipe.train(until=4, show=False, checkpoint_dir=str(tmp_path), checkpoint_every=2, **options)
+    rest = pipe.train(show=False, checkpoint_dir=str(tmp_path), checkpoint_every=2, **options)  # goes on
     assert first.losses + rest.losses == plain.losses
-    assert set(plain.eval_losses) <= set(run.history.eval_losses)  # and one where the first call stopped
-    run.close()
+    assert set(plain.eval_losses) <= set(pipe.history.eval_losses)  # and one where the first call stopped
+    pipe.close()
     # 4 stages saved; 2 stages resume from step 4 and take the same step 5.
-    fewer = lab2.pipeline(CONFIG, "1f1b", microbatches=4)
+    fewer = lab2.pipeline(CONFIG, "1f1b", n_microbatches=4)
     resumed = fewer.train(until=5, show=False, resume=str(tmp_path / "step-00000004"), **options)
     assert resumed.losses == plain.losses[4:5]
     fewer.close()

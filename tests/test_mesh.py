@@ -144,7 +144,7 @@ def test_mixed_precision_runs_in_bf16_and_stays_close():
     spec, result, memory, reference = run_mesh(Mesh(pp=2, dp=2, mixed_precision=True))
     parity = compare_with_reference(result.loss, result.grads, reference, loss_rtol=1e-3, grad_atol=5e-3)
     assert parity.passed, str(parity)
-    assert {b.dtype for b in result.shapes} == {"bfloat16"}  # what crosses the stages
+    assert {b.dtype for b in result.boundary_shapes} == {"bfloat16"}  # what crosses the stages
 
 
 @pytest.mark.quick
@@ -162,7 +162,7 @@ def test_mixed_precision_runs_in_bf16_and_stays_close():
 def test_bad_meshes_are_refused_before_any_rank_starts(mesh, options, message):
     options = {"impl": "torch", "schedule": "1f1b", **options}
     with pytest.raises(ValueError, match=message):
-        PipelineSpec.create(CONFIG, n_ranks=4, microbatches=MICROBATCHES, mesh=mesh, **options)
+        PipelineSpec.create(CONFIG, n_ranks=4, n_microbatches=MICROBATCHES, mesh=mesh, **options)
 
 
 @pytest.mark.quick
@@ -183,21 +183,21 @@ def test_rank_layout_puts_tp_fastest_and_pp_slowest():
 
 
 def test_a_mesh_on_a_lab(lab_factory):
-    lab = lab_factory(ranks=4, timeout=20)
-    run = lab.pipeline(CONFIG, schedule="1f1b", microbatches=MICROBATCHES, impl="torch",
+    lab = lab_factory(n_ranks=4, op_timeout=20)
+    pipe = lab.pipeline(CONFIG, schedule="1f1b", n_microbatches=MICROBATCHES, impl="torch",
                        mesh={"pp": 2, "dp": 2})
-    assert "4 ranks as pp=2 x dp=2 x tp=1" in repr(run)
-    assert [p["coordinates"] for p in run.placement] == [run.mesh.coordinates(r) for r in range(4)]
-    parity = run.check_parity()
+    assert "4 ranks as pp=2 x dp=2 x tp=1" in repr(pipe)
+    assert [p["coordinates"] for p in pipe.placement] == [pipe.mesh.coordinates(r) for r in range(4)]
+    parity = pipe.check_parity()
     assert parity.passed, str(parity)
-    assert {"ALL_GATHER", "REDUCE_SCATTER"} <= {e.kind for e in run.last.timeline.events}
-    table = run.memory()
+    assert {"ALL_GATHER", "REDUCE_SCATTER"} <= {e.kind for e in pipe.last.timeline.events}
+    table = pipe.memory()
     assert all(0.45 < table.held(r) / table.unsharded(r) <= 0.55 for r in range(4)), str(table)
-    assert run.rank_labels[3] == "rank 3 · pp1 dp1"
+    assert pipe.rank_labels[3] == "rank 3 · pp1 dp1"
     with pytest.raises(ValueError, match="training runs a pipeline alone, but this one has dp=2 and tp=1"):
-        run.train(steps=2)
+        pipe.train(steps=2)
     with pytest.raises(ValueError, match="live dashboard draws one row per pipeline rank, but this mesh has dp=2"):
-        run.dashboard()
+        pipe.dashboard()
 
 
 def test_pp_x_dp_x_tp_on_8_ranks_matches_one_device():

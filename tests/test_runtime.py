@@ -78,7 +78,7 @@ def test_variable_sequence_lengths_use_the_shape_handshake():
     (result,) = run_cases(p, [(spec, microbatches)], timeout=120)
     parity = compare_with_reference(result.loss, result.grads, pplab.reference_step(CONFIG, microbatches))
     assert parity.passed, str(parity)
-    crossed = {(b.source, b.microbatch): b.shape for b in result.shapes}
+    crossed = {(b.source, b.microbatch): b.shape for b in result.boundary_shapes}
     assert crossed[(0, 1)] == (2, 24, CONFIG.hidden_size) and crossed[(1, 2)] == (2, 16, CONFIG.hidden_size)
     received = [e for e in result.timeline.events if e.kind == "RECV_F"]
     assert {e.shape for e in received} == {(2, 8, 64), (2, 24, 64), (2, 16, 64)}
@@ -103,7 +103,7 @@ def without(schedule: Schedule, text: str) -> Schedule:
 
 def broken_job(text):
     schedule = without(build("1f1b", 2, 2), text)
-    spec = PipelineSpec(CONFIG, schedule, timeout=2.0)  # bypasses validate(), on purpose
+    spec = PipelineSpec(CONFIG, schedule, op_timeout=2.0)  # bypasses validate(), on purpose
     return spec, split_for_ranks(spec, next(batches(4, SEQ_LEN)))
 
 
@@ -160,18 +160,38 @@ def test_bad_microbatches_are_refused_on_the_client(overrides, message):
 
 @pytest.mark.quick
 def test_a_bad_microbatch_count_is_named_as_the_caller_typed_it():
-    with pytest.raises(ValueError, match=r"^microbatches=0 must be at least 1, e.g. microbatches=4"):
+    with pytest.raises(ValueError, match=r"^n_microbatches=0 must be at least 1, e.g. n_microbatches=4"):
         PipelineSpec.create(CONFIG, "1f1b", 2, 0)
 
 
 @pytest.mark.quick
 def test_a_ready_schedule_must_agree_with_the_arguments():
     schedule = build("1f1b", 2, 4)
-    with pytest.raises(ValueError, match="the schedule is for 4 microbatches but 8 were asked for"):
-        PipelineSpec.create(CONFIG, schedule, 2, microbatches=8)
-    with pytest.raises(ValueError, match="timeout=0"):
-        PipelineSpec.create(CONFIG, schedule, 2, timeout=0)
-    assert PipelineSpec.create(CONFIG, schedule, 2, microbatches=4).schedule is schedule
+    with pytest.raises(ValueError, match="the schedule is for n_microbatches=4 but n_microbatches=8 was asked for"):
+        PipelineSpec.create(CONFIG, schedule, 2, n_microbatches=8)
+    with pytest.raises(ValueError, match="^op_timeout=0"):
+        PipelineSpec.create(CONFIG, schedule, 2, op_timeout=0)
+    assert PipelineSpec.create(CONFIG, schedule, 2, n_microbatches=4).schedule is schedule
+
+
+@pytest.mark.quick
+def test_a_step_lists_its_microbatch_losses_and_boundary_shapes_by_microbatch_as_the_reference_does():
+    import typing
+
+    from pplab.rank.rank_pipeline import StepResult
+    from pplab.rank.reference import ReferenceResult
+    from pplab.rank.runtime import Boundary, RankStep
+
+    def crossed(microbatch):
+        return Boundary(0, microbatch, (2, 4, 8), "float32", 256)
+
+    first = RankStep(0, [], {}, [crossed(1), crossed(0), crossed(2)], {})  # a rank holds only some losses
+    last = RankStep(1, [], {2: 3.0, 0: 1.0, 1: 2.0}, [], {})
+    result = merge_steps([first, last])
+    assert result.microbatch_losses == [1.0, 2.0, 3.0] and result.loss == 2.0
+    assert [b.microbatch for b in result.boundary_shapes] == [0, 1, 2]
+    assert (typing.get_type_hints(StepResult)["microbatch_losses"]
+            == typing.get_type_hints(ReferenceResult)["microbatch_losses"] == list[float])
 
 
 def test_timing_mode_pads_every_action_and_ranks_share_one_clock():
@@ -217,7 +237,7 @@ def test_torch_v_shaped_plans_and_a_hand_written_schedule_run_exactly():
 
 def test_a_schedule_that_never_runs_backward_trips_the_leak_check():
     forward_only = from_text(["0F0 0SEND_F0", "1RECV_F0 1F0"], name="forward-only")
-    spec = PipelineSpec(CONFIG, forward_only, timeout=5.0)  # bypasses validate(), on purpose
+    spec = PipelineSpec(CONFIG, forward_only, op_timeout=5.0)  # bypasses validate(), on purpose
     data = split_for_ranks(spec, next(batches(2, SEQ_LEN)))
     with pytest.raises(LocalRankError, match=r"still holds tensors after the step: \{'inputs': \['\(0, 0\)'\], "
                                                r"'outputs': \['\(0, 0\)'\]\}"):

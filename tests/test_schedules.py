@@ -3,6 +3,7 @@
 import pytest
 
 from pplab.schedules import (
+    ALL_SCHEDULE_NAMES,
     COMM_KINDS,
     SCHEDULE_NAMES,
     TORCH_SCHEDULES,
@@ -17,6 +18,7 @@ from pplab.schedules import (
     loop_placement,
     peak_inflight_at,
     releases_activations,
+    schedule_name,
     theory,
     v_placement,
     validate,
@@ -203,10 +205,49 @@ def test_every_built_schedule_validates(name):
     assert built >= 60
 
 
+# ---------------------------------------------------------------- names
+
+
+def test_every_spelling_of_a_schedule_names_its_canonical_name():
+    typed = {"ScheduleInterleaved1F1B": "interleaved-1f1b", "Interleaved1F1B": "interleaved-1f1b",
+             "interleaved_1f1b": "interleaved-1f1b", "ZBVZeroBubble": "zbv-zero-bubble",
+             "zbv_zero_bubble": "zbv-zero-bubble", "GPipe": "gpipe", "Schedule1F1B": "1f1b",
+             "DualPipeV": "dualpipev", "ZB_H1": "zb-h1", "zbh1": "zb-h1", "Looped-BFS": "looped-bfs",
+             "schedule_interleaved_zero_bubble": "interleaved-zero-bubble"}
+    for name in ALL_SCHEDULE_NAMES:
+        squashed = name.replace("-", "")
+        for spelling in (name, name.upper(), name.replace("-", "_"), squashed, f"Schedule{squashed}"):
+            typed[spelling] = name
+    for entry in TORCH_SCHEDULES.values():  # torch's class names, with and without its prefix
+        typed[entry.torch_name] = typed[f"Schedule{entry.torch_name}"] = entry.name
+    for spelling, name in typed.items():
+        assert schedule_name(spelling) == name, spelling
+    assert set(ALL_SCHEDULE_NAMES) == set(SCHEDULE_NAMES) | set(TORCH_SCHEDULES)
+    assert all(schedule_name(name) == name for name in ALL_SCHEDULE_NAMES)  # canonical names are fixed points
+
+
+def test_a_built_or_imported_schedule_carries_the_canonical_name_whatever_was_typed():
+    assert build("ScheduleInterleaved1F1B", 2, 4, 2).name == "interleaved-1f1b"
+    assert build("ZB_H1", 2, 4).name == "zb-h1"
+    assert from_torch("ScheduleZBVZeroBubble", 2, 4, 2).name == "zbv-zero-bubble"
+    assert from_torch("interleaved_1f1b", 2, 4, 2).name == "interleaved-1f1b"
+    assert from_torch("DualPipeV", 2, 4, 2).name == "dualpipev"
+
+
+@pytest.mark.parametrize("bad", ["pipedream", "zb-h2", "1f1b-interleaved", "", None])
+def test_an_unknown_name_is_named_with_every_canonical_one(bad):
+    with pytest.raises(ValueError) as error:
+        schedule_name(bad)
+    assert str(error.value).startswith(f"unknown schedule {bad!r}: known schedules are "
+                                       f"{', '.join(ALL_SCHEDULE_NAMES)}")
+
+
 @pytest.mark.parametrize(
     "args, message",
     [
-        (("pipedream", 2, 4), "unknown schedule 'pipedream': known schedules are gpipe, 1f1b, interleaved-1f1b, zb-h1"),
+        (("pipedream", 2, 4), "unknown schedule 'pipedream': known schedules are gpipe, 1f1b, interleaved-1f1b, zb-h1, looped-bfs, interleaved-zero-bubble, zbv-zero-bubble, dualpipev"),
+        (("ZBVZeroBubble", 2, 4, 2), "pplab does not build zbv-zero-bubble: it builds gpipe, 1f1b, interleaved-1f1b, "
+                                     "zb-h1; torch runs zbv-zero-bubble (impl='torch')"),
         (("1f1b", 2, 0), "n_microbatches=0 must be at least 1"),
         (("1f1b", 0, 4), "n_ranks=0 must be at least 1"),
         (("1f1b", 2.0, 4), "n_ranks=2.0 must be a whole number"),
@@ -601,10 +642,10 @@ def test_the_table_of_torch_schedules_agrees_with_torch():
     assert list(TORCH_SCHEDULES)[:3] == ["gpipe", "1f1b", "interleaved-1f1b"]
     for name, entry in TORCH_SCHEDULES.items():
         torch_class = torch_schedules.get_schedule_class(entry.torch_name)
-        assert entry.name == name
+        assert entry.name == name and schedule_name(torch_class.__name__) == name
         assert entry.multi_stage == issubclass(torch_class, torch_schedules.PipelineScheduleMulti), name
-        assert entry.built_by_pplab == (name in SCHEDULE_NAMES), name
-        plan = from_torch(entry.torch_name.lower(), 2, 4, entry.fewest_stages_per_rank)  # any case, as torch reads it
+        plan = from_torch(entry.torch_name, 2, 4, entry.fewest_stages_per_rank)  # torch's class name works too
+        assert plan.name == name
         assert (plan.placement == v_placement(2)) == entry.v_shaped, name
         assert plan.n_virtual == entry.fewest_stages_per_rank
 
@@ -612,13 +653,14 @@ def test_the_table_of_torch_schedules_agrees_with_torch():
 @pytest.mark.parametrize(
     "args, message",
     [
-        (("Nope", 2, 4), "Unknown schedule name 'Nope'"),
-        (("Interleaved1F1B", 2, 4, 1), "torch's Interleaved1F1B runs several stages per rank: use n_virtual=2 or more"),
-        (("GPipe", 2, 4, 2), "torch's GPipe runs one stage per rank: use n_virtual=1"),
-        (("DualPipeV", 4, 4, 2), "torch cannot plan DualPipeV for n_ranks=4, n_microbatches=4, n_virtual=2"),
-        (("ZBVZeroBubble", 2, 4, 3), "torch's ZBVZeroBubble places exactly 2 stages per rank (a V): use n_virtual=2, "
+        (("Nope", 2, 4), "unknown schedule 'Nope': known schedules are gpipe, 1f1b, interleaved-1f1b, zb-h1, looped-bfs, interleaved-zero-bubble, zbv-zero-bubble, dualpipev"),
+        (("Interleaved1F1B", 2, 4, 1), "torch's interleaved-1f1b runs several stages per rank: use n_virtual=2 or more"),
+        (("GPipe", 2, 4, 2), "torch's gpipe runs one stage per rank: use n_virtual=1"),
+        (("DualPipeV", 4, 4, 2), "torch cannot plan dualpipev for n_ranks=4, n_microbatches=4, n_virtual=2"),
+        (("ZBVZeroBubble", 2, 4, 3), "torch's zbv-zero-bubble places exactly 2 stages per rank (a V): use n_virtual=2, "
                                      "got n_virtual=3"),
-        (("PipelineScheduleMulti", 2, 4, 2), "torch's PipelineScheduleMulti is not a schedule pplab imports"),
+        (("zb-h1", 2, 4), "torch has no zb-h1 schedule: torch runs gpipe, 1f1b, interleaved-1f1b, looped-bfs"),
+        (("PipelineScheduleMulti", 2, 4, 2), "unknown schedule 'PipelineScheduleMulti'"),
         (("GPipe", 2, 0), "n_microbatches=0 must be at least 1"),
     ],
 )

@@ -14,7 +14,7 @@ from pplab.rank.checks import check_gradient_flow, compare_with_reference
 from pplab.data import batches
 from ranks import run_ranks
 from pplab.rank.rank_pipeline import PipelineSpec, merge_steps, run_jobs_on_rank, split_for_ranks
-from pplab.schedules import TORCH_SCHEDULES, from_torch
+from pplab.schedules import from_torch
 from pplab.rank.torch_pp import torch_schedule
 
 
@@ -24,8 +24,8 @@ MICROBATCH_SIZE, SEQ_LEN = 2, 16
 
 # (name, ranks, microbatches, stages per rank): m not a multiple of p where torch allows it.
 CASES = {
-    2: [("gpipe", 3, 1), ("1f1b", 3, 1), ("interleaved-1f1b", 4, 2), ("LoopedBFS", 3, 2),
-        ("InterleavedZeroBubble", 4, 2), ("ZBVZeroBubble", 3, 2), ("DualPipeV", 4, 2)],
+    2: [("gpipe", 3, 1), ("1f1b", 3, 1), ("interleaved-1f1b", 4, 2), ("looped-bfs", 3, 2),
+        ("interleaved-zero-bubble", 4, 2), ("zbv-zero-bubble", 3, 2), ("dualpipev", 4, 2)],
     4: [("gpipe", 5, 1), ("1f1b", 5, 1)],
 }
 
@@ -50,12 +50,12 @@ def test_torch_schedules_match_one_device_and_record_every_action_once(p):
         # overlapped F+B into both; its static 1F1B plan misnumbers the last rank, so 1F1B is
         # compared with pplab's, which torch executes).
         plan = (spec.schedule if name in ("gpipe", "1f1b", "interleaved-1f1b")
-                else from_torch(TORCH_SCHEDULES[name].torch_name, p, m, v)).compute_only()
+                else from_torch(name, p, m, v)).compute_only()
         for rank in range(p):
             recorded = [(e.stage, e.kind, e.microbatch) for e in result.timeline.compute_events(rank)]
             planned = [(a.stage, a.kind.value, a.microbatch) for a in plan.actions[rank]]
             assert Counter(recorded) == Counter(planned), f"{label} rank {rank}"
-            if name != "DualPipeV":  # in the order torch executed them
+            if name != "dualpipev":  # in the order torch executed them
                 assert recorded == planned, f"{label} rank {rank}"
             # torch's waits for its receives: each ends where the compute needing it starts.
             starts = {(e.stage, e.microbatch, e.kind): e.start for e in result.timeline.compute_events(rank)}
@@ -69,7 +69,8 @@ def test_torch_schedules_match_one_device_and_record_every_action_once(p):
 
 @pytest.mark.quick
 @pytest.mark.parametrize("args, message", [
-    (("pipedream", 2, 4, 1), "unknown torch schedule 'pipedream': choose one of gpipe, 1f1b"),
+    (("pipedream", 2, 4, 1), "unknown schedule 'pipedream': known schedules are gpipe, 1f1b"),
+    (("zb-h1", 2, 4, 1), "torch has no zb-h1 schedule: torch runs gpipe, 1f1b, interleaved-1f1b, looped-bfs"),
     (("1f1b", 4, 2, 1), "Number of microbatches (2) must be greater than or equal to the number of stages (4)"),
     (("ZBVZeroBubble", 2, 4, 3), "places exactly 2 stages per rank (a V): use n_virtual=2"),
     (("interleaved-1f1b", 2, 4, 1), "runs several stages per rank: use n_virtual=2 or more"),
@@ -85,22 +86,39 @@ def test_bad_torch_schedules_are_refused_on_the_client(args, message):
 
 
 @pytest.mark.quick
+@pytest.mark.parametrize("spelling, canonical, n_virtual", [
+    ("Schedule1F1B", "1f1b", 1), ("interleaved_1f1b", "interleaved-1f1b", 2), ("GPipe", "gpipe", 1)])
+def test_a_pipeline_takes_any_spelling_of_a_schedule_under_either_implementation(spelling, canonical, n_virtual):
+    for impl in ("pplab", "torch"):
+        assert PipelineSpec.create(CONFIG, spelling, 2, 4, n_virtual=n_virtual, impl=impl).schedule.name == canonical
+
+
+@pytest.mark.quick
+def test_a_schedule_only_torch_runs_is_named_canonically_by_either_implementation():
+    spec = PipelineSpec.create(CONFIG, "ZBVZeroBubble", 2, 4, n_virtual=2, impl="torch")
+    assert spec.schedule.name == "zbv-zero-bubble"
+    with pytest.raises(ValueError, match="pplab does not build zbv-zero-bubble: it builds gpipe, 1f1b, "
+                                         "interleaved-1f1b, zb-h1; torch runs zbv-zero-bubble"):
+        PipelineSpec.create(CONFIG, "ZBVZeroBubble", 2, 4, n_virtual=2)
+
+
+@pytest.mark.quick
 def test_impl_is_checked():
     with pytest.raises(ValueError, match="impl='jax': choose one of 'pplab', 'torch'"):
         PipelineSpec.create(CONFIG, "1f1b", 2, 4, impl="jax")
 
 
 def test_a_lab_pipeline_switches_to_torch_with_one_argument(lab2):
-    run = lab2.pipeline(CONFIG, schedule="1f1b", microbatches=4, impl="torch",
+    pipe = lab2.pipeline(CONFIG, schedule="1f1b", n_microbatches=4, impl="torch",
                         timing=pplab.Costs(forward=0.02, backward=0.04))
     try:
-        parity = run.check_parity()
+        parity = pipe.check_parity()
         assert parity.passed, str(parity)
-        assert run.check_gradient_flow().passed
-        assert [row[:3] for row in run.boundary_shapes().rows()] == \
+        assert pipe.check_gradient_flow().passed
+        assert [row[:3] for row in pipe.boundary_shapes().rows()] == \
             [["0 -> 1", mb, (MICROBATCH_SIZE, 32, CONFIG.hidden_size)] for mb in range(4)]
-        timeline = run.last.timeline
+        timeline = pipe.last.timeline
         assert all(e.duration >= 0.02 for e in timeline.events if e.kind == "F")  # timing mode pads torch's passes
-        assert run.simulate().n_ranks == 2
+        assert pipe.simulate().n_ranks == 2
     finally:
-        run.close()
+        pipe.close()

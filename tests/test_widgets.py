@@ -99,9 +99,9 @@ def test_what_if_sliders_redraw_the_simulation():
     panel.forward.value = 3.0  # a slow last stage
     assert panel.draws > draws and panel.costs().forward == (1.0, 1.0, 1.0, 3.0)
     assert panel.bubble == pytest.approx(simulate(build("zb-h1", 4, 8), panel.costs()).bubble_fraction())
-    panel.virtual.value = 2  # zb-h1 takes one stage per rank: said, not raised
+    panel.n_virtual.value = 2  # zb-h1 takes one stage per rank: said, not raised
     assert "runs one stage per rank" in panel.numbers.value
-    panel.name.value = "interleaved-1f1b"
+    panel.schedule_name.value = "interleaved-1f1b"
     assert panel.timeline.n_ranks == 4 and "simulated" in panel.numbers.value
 
 

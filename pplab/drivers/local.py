@@ -1,13 +1,14 @@
 """Plain local processes as ranks: the driver for the CLI, tests, benchmarks and scripts.
 
-`RankPool(world_size)` starts one process per rank once (torch imported once, the
+`RankPool(n_ranks)` starts one process per rank once (torch imported once, the
 process group joined once, gloo on loopback, or NCCL) and keeps them: `pool.run(fn,
 *args)` calls `fn(*args)` on every rank (which asks `pplab.rank.rank_context` who it is)
 and returns the results ordered by rank; `pool.run_async` returns at once with a call
 that streams what the ranks `publish`. It is the interface a lab offers, so a pipeline
 session runs on either.
 
-`run_ranks(world_size, fn, *args)` calls `fn(rank, world_size, *args)`, torchrun's way:
+`run_ranks(n_ranks, fn, *args)` calls `fn(rank, world_size, *args)`, torchrun's way (`world_size`,
+torch.distributed's word, is the number of ranks):
 on a pool when given one, else in fresh processes for this one call (for code that
 must own its process group).
 
@@ -90,7 +91,7 @@ def with_rank(fn, *args):
     return fn(context.rank, context.world_size, *args)
 
 
-def _join_group(rank: int, world_size: int, port: int, backend: str, init_timeout: float):
+def _join_group(rank: int, world_size: int, port: int, backend: str, op_timeout: float):
     """Make this fresh process rank `rank` of a process group on loopback; its device."""
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), GLOO_SOCKET_IFNAME="lo",
                       OMP_NUM_THREADS="1")
@@ -102,7 +103,7 @@ def _join_group(rank: int, world_size: int, port: int, backend: str, init_timeou
     if backend == "nccl":
         device = torch.device("cuda", rank)
         torch.cuda.set_device(device)
-    dist.init_process_group(backend, rank=rank, world_size=world_size, timeout=timedelta(seconds=init_timeout))
+    dist.init_process_group(backend, rank=rank, world_size=world_size, timeout=timedelta(seconds=op_timeout))
     return device
 
 
@@ -111,11 +112,11 @@ def error_report(error: BaseException) -> tuple[str, str, str]:
     return type(error).__name__, str(error), traceback.format_exc()
 
 
-def _rank_main(rank, world_size, port, backend, init_timeout, fn, args, results):
+def _rank_main(rank, world_size, port, backend, op_timeout, fn, args, results):
     import torch.distributed as dist
 
     try:
-        _join_group(rank, world_size, port, backend, init_timeout)
+        _join_group(rank, world_size, port, backend, op_timeout)
         try:
             # Plain pickle copies tensors into bytes; the queue's default would pass a
             # shared-memory handle that dies with this process.
@@ -127,26 +128,29 @@ def _rank_main(rank, world_size, port, backend, init_timeout, fn, args, results)
         raise SystemExit(1)
 
 
-def run_ranks(world_size: int, fn, *args, backend: str = "gloo", timeout: float = 120.0,
-              init_timeout: float = 30.0, grace: float = 3.0, pool: RankPool | None = None) -> list:
-    """Run `fn(rank, world_size, *args)` on `pool`, or in `world_size` fresh processes; results by rank.
+def run_ranks(n_ranks: int, fn, *args, backend: str = "gloo", timeout: float = 120.0,
+              op_timeout: float = 30.0, grace: float = 3.0, pool: RankPool | None = None) -> list:
+    """Run `fn(rank, world_size, *args)` on `pool`, or in `n_ranks` fresh processes; results by rank.
+
+    `timeout`: how long this call may take; `op_timeout` (fresh processes): how long one wait
+    between ranks may take (a pool's ranks keep their own).
 
     When a rank fails, the others get `grace` seconds to report their own failure
     (a neighbour's timeout usually follows), then all are stopped and every
     failure is raised together, the first one first.
     """
-    check_positive_int("world_size", world_size)
+    check_positive_int("n_ranks", n_ranks)
     if pool is not None:
-        if pool.world_size != world_size:
-            raise ValueError(f"world_size={world_size}, but the pool has {pool.world_size} ranks: give a "
-                             f"pool of {world_size} ranks, or no pool")
+        if pool.world_size != n_ranks:
+            raise ValueError(f"n_ranks={n_ranks}, but the pool has {pool.world_size} ranks: give a "
+                             f"pool of {n_ranks} ranks, or no pool")
         return pool.run(with_rank, fn, *args, timeout=timeout)
     context = process_context()
     results = context.Queue()
     port = free_port()
     processes = [context.Process(target=_rank_main, daemon=True,
-                                 args=(rank, world_size, port, backend, init_timeout, fn, args, results))
-                 for rank in range(world_size)]
+                                 args=(rank, n_ranks, port, backend, op_timeout, fn, args, results))
+                 for rank in range(n_ranks)]
     for process in processes:
         process.start()
     try:
@@ -219,7 +223,7 @@ def one_line(ename: str, evalue: str) -> str:
 _STOP = b""  # what a pool sends a rank to make it leave
 
 
-def _pool_rank_main(rank, world_size, port, backend, init_timeout, link):
+def _pool_rank_main(rank, world_size, port, backend, op_timeout, link):
     """A pool's rank: join the group once, then run each call sent, until told to stop."""
     lock = threading.Lock()  # the call's thread and its feed's thread both send
 
@@ -228,7 +232,7 @@ def _pool_rank_main(rank, world_size, port, backend, init_timeout, link):
             link.send(message)
 
     try:
-        device = _join_group(rank, world_size, port, backend, init_timeout)
+        device = _join_group(rank, world_size, port, backend, op_timeout)
     except BaseException as error:
         send(None, "error", error_report(error))
         raise SystemExit(1)
@@ -262,7 +266,7 @@ def _pool_rank_main(rank, world_size, port, backend, init_timeout, link):
 
 
 class RankPool:
-    """`world_size` local processes kept as ranks: run functions on all of them, many times.
+    """`n_ranks` local processes kept as ranks: run functions on all of them, many times.
 
         with RankPool(2) as pool:
             losses = pool.run(fn, spec)          # fn(spec) on each rank, results by rank
@@ -273,13 +277,18 @@ class RankPool:
     process; the next call starts fresh ones. `stop()` (or leaving the `with`) ends them.
     """
 
-    def __init__(self, world_size: int, *, backend: str = "gloo", timeout: float = 120.0,
-                 init_timeout: float = 30.0, grace: float = 3.0):
-        """`timeout`: the default for a call; `init_timeout`: joining the group, and every wait in it."""
-        check_positive_int("world_size", world_size)
+    def __init__(self, n_ranks: int, *, backend: str = "gloo", timeout: float = 120.0,
+                 op_timeout: float = 30.0, grace: float = 3.0):
+        """`timeout`: how long a call may take (the default of `run(..., timeout=)`); `op_timeout`:
+        how long ONE wait between ranks may take (joining the group, a collective, a P2P op).
+
+        `pool.world_size` is `n_ranks` (torch.distributed's word for the number of ranks).
+        """
+        check_positive_int("n_ranks", n_ranks)
         check_positive_seconds("timeout", timeout)
-        self.world_size, self.backend = world_size, backend
-        self.timeout, self.init_timeout, self.grace = timeout, init_timeout, grace
+        check_positive_seconds("op_timeout", op_timeout)
+        self.world_size, self.backend = n_ranks, backend
+        self.timeout, self.op_timeout, self.grace = timeout, op_timeout, grace
         self._context = process_context()
         self._processes: list = []
         self._links: list = []  # a pipe to each rank, by rank (closed once its rank is gone)
@@ -369,14 +378,14 @@ class RankPool:
         port, links = free_port(), [self._context.Pipe() for _ in range(self.world_size)]
         self._processes = [self._context.Process(
             target=_pool_rank_main, daemon=True, name=f"pplab-rank-{rank}",
-            args=(rank, self.world_size, port, self.backend, self.init_timeout, links[rank][1]))
+            args=(rank, self.world_size, port, self.backend, self.op_timeout, links[rank][1]))
             for rank in range(self.world_size)]
         for process in self._processes:
             process.start()
         for _, rank_end in links:
             rank_end.close()  # the rank holds it now: when the rank ends, our end reads the end of the pipe
         self._links = [pool_end for pool_end, _ in links]
-        ready, deadline = set(), time.monotonic() + self.init_timeout + 60  # imports come first
+        ready, deadline = set(), time.monotonic() + self.op_timeout + 60  # imports come first
         while len(ready) < self.world_size:
             for _, rank, kind, value in self._receive(0.2):
                 if kind == "error":
@@ -387,7 +396,7 @@ class RankPool:
             dead = [r for r, p in enumerate(self._processes) if p.exitcode is not None and r not in ready]
             if dead or (len(ready) < self.world_size and time.monotonic() > deadline):
                 self._end_processes(patience=0.0)
-                why = f"ranks {dead} died" if dead else f"not every rank was up after {self.init_timeout + 60:g} s"
+                why = f"ranks {dead} died" if dead else f"not every rank was up after {self.op_timeout + 60:g} s"
                 raise LocalRankError(f"the pool's ranks did not start: {why}")
 
     def _end_processes(self, patience: float) -> None:

@@ -33,8 +33,9 @@ class TorchrunRanks:
 
     state = "running"
 
-    def __init__(self, timeout: float = 60.0):
-        """Join torchrun's process group (NCCL and one GPU per process where there are GPUs, else gloo)."""
+    def __init__(self, op_timeout: float = 60.0):
+        """Join torchrun's process group (NCCL and one GPU per process where there are GPUs, else gloo);
+        `op_timeout`: seconds one wait between ranks (the rendezvous, a collective, a P2P op) may take."""
         import torch
         import torch.distributed as dist
 
@@ -48,8 +49,8 @@ class TorchrunRanks:
         else:
             torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", 1)))
         self.backend = "nccl" if use_cuda else "gloo"
-        dist.init_process_group(self.backend, timeout=timedelta(seconds=timeout))
-        self.timeout, self.rank, self.world_size = timeout, dist.get_rank(), dist.get_world_size()
+        dist.init_process_group(self.backend, timeout=timedelta(seconds=op_timeout))
+        self.op_timeout, self.rank, self.world_size = op_timeout, dist.get_rank(), dist.get_world_size()
         set_rank_context(RankContext(self.rank, self.world_size, local_rank,
                                      int(os.environ.get("LOCAL_WORLD_SIZE", self.world_size)), self.backend,
                                      self.device))
@@ -113,9 +114,9 @@ class _FinishedCall:
         return self._results
 
 
-def run_as_torchrun_rank(fn, *args, timeout: float = 60.0):
+def run_as_torchrun_rank(fn, *args, op_timeout: float = 60.0):
     """Join torchrun's process group, call `fn(rank, world_size, *args, device=...)`, and give rank 0
-    the results by rank (None on the other ranks)."""
-    with TorchrunRanks(timeout) as ranks:
+    the results by rank (None on the other ranks); `op_timeout` as for `TorchrunRanks`."""
+    with TorchrunRanks(op_timeout) as ranks:
         results = ranks.run(fn, ranks.rank, ranks.world_size, *args, device=ranks.device)
     return results if ranks.rank == 0 else None

@@ -2,6 +2,7 @@
 
 Each check returns a report with `passed`, the offending names when it fails,
 a plain-text `__str__` for terminals and a `_repr_html_` table for notebooks.
+`gradient_stats` (what `check_gradient_flow` reads) is here too, for stages run by hand.
 """
 
 from __future__ import annotations
@@ -12,8 +13,12 @@ from dataclasses import dataclass, field
 import torch
 
 from pplab.formatting import ShownAsText, html_table, text_table
+from pplab.rank.gradients import gradient_stats
 from pplab.rank.reference import ReferenceResult
 from pplab.rank.runtime import Boundary
+
+__all__ = ["check_gradient_flow", "compare_with_reference", "gradient_stats", "GradientFlowReport",
+           "ParityReport", "BoundaryTable"]
 
 
 # --- gradient flow -------------------------------------------------------------------------

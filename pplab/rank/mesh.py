@@ -37,6 +37,10 @@ from pplab.model import LlamaConfig, LlamaModel
 from pplab.rank.shards import local_tensor
 from pplab.trace import Event
 
+__all__ = ["Mesh", "MeshPlace", "MESH_DIMS", "parallelize_stage", "apply_tensor_parallel",
+           "apply_activation_checkpointing", "apply_fsdp", "MemoryTable", "memory_held",
+           "optimizer_state_bytes", "communicated_bytes", "all_gathers_per_unit", "CollectiveLog"]
+
 MESH_DIMS = ("pp", "dp", "tp")  # outermost first: the order of the global rank layout
 
 
@@ -464,11 +468,11 @@ def communicated_bytes(rank_steps, schedule, mesh: Mesh | None = None) -> list[d
     per_rank = []
     for step in rank_steps:
         where = mesh.coordinates(step.rank)
-        row = {"pp": sum(b.bytes for b in step.boundaries), "dp": 0, "tp": 0}  # activations sent on
+        row = {"pp": sum(b.bytes for b in step.boundary_shapes), "dp": 0, "tp": 0}  # activations sent on
         for stage in schedule.stages_of(where["pp"]):
             if stage > 0:  # the gradient of each activation it received goes back, as large
                 sender = mesh.rank_of(schedule.stage_to_rank(stage - 1), where["dp"], where["tp"])
-                row["pp"] += sum(b.bytes for b in rank_steps[sender].boundaries if b.source == stage - 1)
+                row["pp"] += sum(b.bytes for b in rank_steps[sender].boundary_shapes if b.source == stage - 1)
         for event in step.events:
             if event.kind in ("ALL_GATHER", "REDUCE_SCATTER"):
                 row["dp"] += event.bytes or 0

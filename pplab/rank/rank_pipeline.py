@@ -1,4 +1,4 @@
-"""A pipeline run: what each rank holds between steps, what it is sent, what comes back.
+"""A pipeline on its ranks: what each rank holds between steps, what it is sent, what comes back.
 
 `PipelineSpec` is everything the ranks must agree on (model config, schedule,
 seed, partition, timeouts); it is small and picklable, so a notebook sends it
@@ -34,51 +34,56 @@ IMPLEMENTATIONS = ("pplab", "torch")  # the hand-written runtime, torch.distribu
 
 @dataclass
 class PipelineSpec:
-    """What every rank must agree on to run a pipeline."""
+    """What every rank must agree on to run a pipeline.
+
+    Its fields, but the schedule, are the keywords of `lab.pipeline(...)`, which documents them
+    (`pplab.session.drivers`); their defaults are written here and in `create`, the same.
+    """
 
     config: LlamaConfig
     schedule: Schedule
     seed: int = 0
     balance: Sequence[int] | None = None
     allow_empty: bool = False
-    timeout: float = 30.0
+    op_timeout: float = 30.0
     timing: Costs | None = None
     record: bool = True
     impl: str = "pplab"  # the hand-written runtime, or "torch": torch.distributed.pipelining
-    torch_name: str | None = None  # with impl="torch": the schedule's name in pplab.rank.torch_pp
     mesh: Mesh | None = None  # PP as one dimension of a mesh with FSDP (dp) and TP (tp)
 
     @classmethod
     def create(cls, config: LlamaConfig, schedule: str | Schedule, n_ranks: int,
-               microbatches: int | None = None, n_virtual: int = 1, impl: str = "pplab",
-               mesh: Mesh | dict | None = None, **options) -> "PipelineSpec":
+               n_microbatches: int | None = None, n_virtual: int = 1, *, impl: str = "pplab",
+               seed: int = 0, balance: Sequence[int] | None = None, allow_empty: bool = False,
+               op_timeout: float = 30.0, timing: Costs | None = None, record: bool = True,
+               mesh: Mesh | dict | None = None) -> "PipelineSpec":
         """Build (or take) the schedule, validate it and check it fits the model, before any rank runs.
 
-        With a `mesh` (e.g. {"pp": 2, "dp": 2}), the `n_ranks` ranks form that mesh and the
-        schedule is one pipeline's, over the mesh's pp ranks.
+        The arguments are those of `lab.pipeline(...)` (pplab.session.drivers), with `n_ranks`
+        the number of ranks. With a `mesh` (e.g. {"pp": 2, "dp": 2}), the `n_ranks` ranks form
+        that mesh and the schedule is one pipeline's, over the mesh's pp ranks.
         """
         if impl not in IMPLEMENTATIONS:
             raise ValueError(f"impl={impl!r}: choose one of {', '.join(map(repr, IMPLEMENTATIONS))}")
-        if microbatches is not None:  # named as the caller typed it (the schedule API says n_microbatches)
-            check_positive_int("microbatches", microbatches, example=4)
+        if n_microbatches is not None:
+            check_positive_int("n_microbatches", n_microbatches, example=4)
         if mesh is not None:
             mesh = Mesh.of(mesh)
             mesh.check(config, n_ranks, impl)
             n_ranks = mesh.pp
-        torch_name = None
         if impl == "torch":
-            if not isinstance(schedule, str) or microbatches is None:
+            if not isinstance(schedule, str) or n_microbatches is None:
                 raise ValueError("impl='torch' runs torch's own schedules: give one by name (e.g. "
-                                 "schedule='1f1b') and microbatches=<count>")
+                                 "schedule='1f1b') and n_microbatches=<count>")
             from pplab.rank.torch_pp import torch_schedule
 
-            torch_name, schedule = schedule, torch_schedule(schedule, n_ranks, microbatches, n_virtual)
+            schedule = torch_schedule(schedule, n_ranks, n_microbatches, n_virtual)
         elif isinstance(schedule, str):
-            if microbatches is None:
-                raise ValueError(f"schedule={schedule!r} needs microbatches=<count>")
-            schedule = build(schedule, n_ranks, microbatches, n_virtual)
+            if n_microbatches is None:
+                raise ValueError(f"schedule={schedule!r} needs n_microbatches=<count>")
+            schedule = build(schedule, n_ranks, n_microbatches, n_virtual)
         else:
-            _check_matches(schedule, n_ranks, microbatches, n_virtual)
+            _check_matches(schedule, n_ranks, n_microbatches, n_virtual)
         if impl == "pplab":  # torch runs its own plan; pplab's runtime runs exactly this one
             validate(schedule)
             check_runnable(schedule)
@@ -88,9 +93,10 @@ class PipelineSpec:
                              f"I and W, and each would recompute the checkpointed blocks (torch's "
                              f"checkpoint recomputes once per forward); use a schedule with whole "
                              f"backwards (gpipe, 1f1b, interleaved-1f1b) or leave checkpointing out")
-        spec = cls(config, schedule, impl=impl, torch_name=torch_name, mesh=mesh, **options)
-        if not spec.timeout > 0:
-            raise ValueError(f"timeout={spec.timeout!r}: give the seconds a rank may wait for a "
+        spec = cls(config, schedule, seed=seed, balance=balance, allow_empty=allow_empty, op_timeout=op_timeout,
+                   timing=timing, record=record, impl=impl, mesh=mesh)
+        if not spec.op_timeout > 0:
+            raise ValueError(f"op_timeout={spec.op_timeout!r}: give the seconds a rank may wait for a "
                              f"neighbour, > 0")
         if spec.timing is not None:
             if not isinstance(spec.timing, Costs):
@@ -115,16 +121,16 @@ class PipelineSpec:
         return self.mesh.coordinates(rank)["pp"] if self.mesh else rank
 
 
-def _check_matches(schedule: Schedule, n_ranks: int, microbatches, n_virtual: int) -> None:
+def _check_matches(schedule: Schedule, n_ranks: int, n_microbatches, n_virtual: int) -> None:
     """A ready-made schedule fixes its sizes: arguments that disagree are mistakes, not hints."""
     if schedule.n_ranks != n_ranks:
         raise ValueError(f"the schedule is for {schedule.n_ranks} ranks but the pipeline has "
                          f"{n_ranks}; build it for {n_ranks} ranks")
-    for what, given, actual in (("microbatches", microbatches, schedule.n_microbatches),
+    for what, given, actual in (("n_microbatches", n_microbatches, schedule.n_microbatches),
                                 ("n_virtual", n_virtual, schedule.n_virtual)):
         if given is not None and given != actual and not (what == "n_virtual" and given == 1):
-            raise ValueError(f"the schedule is for {actual} {what} but {given} were asked for; "
-                             f"build the schedule for {given} or leave the argument out")
+            raise ValueError(f"the schedule is for {what}={actual} but {what}={given} was asked for; "
+                             f"build the schedule for {what}={given} or leave {what} out")
 
 
 class RankPipeline:
@@ -145,10 +151,10 @@ class RankPipeline:
         if spec.impl == "torch":
             from pplab.rank.torch_pp import TorchRankRuntime
 
-            self.runtime = TorchRankRuntime(spec.torch_name, schedule, rank, self.stages, self.device,
+            self.runtime = TorchRankRuntime(schedule, rank, self.stages, self.device,
                                             spec.timing, group, spec.record, self.place, collectives)
         else:  # (a mesh here has pp only: Mesh.check refuses dp and tp without torch's schedules)
-            self.runtime = RankRuntime(schedule, rank, self.stages, self.device, spec.timeout,
+            self.runtime = RankRuntime(schedule, rank, self.stages, self.device, spec.op_timeout,
                                        spec.record, spec.timing, group)
 
     def parameters(self):
@@ -177,9 +183,9 @@ class RankPipeline:
         result = self.runtime.step(data.get("inputs"), data.get("targets"),
                                    data.get("activation_shapes"), return_grads, numbered)
         if first:
-            result.microbatch_losses = {first + mb: loss for mb, loss in result.microbatch_losses.items()}
-            result.boundaries = [dataclasses.replace(b, microbatch=first + b.microbatch)
-                                 for b in result.boundaries]
+            result.losses_by_microbatch = {first + mb: loss for mb, loss in result.losses_by_microbatch.items()}
+            result.boundary_shapes = [dataclasses.replace(b, microbatch=first + b.microbatch)
+                                      for b in result.boundary_shapes]
             result.events = [_renumbered(e, first) for e in result.events]
         return result
 
@@ -252,12 +258,12 @@ def check_microbatch(config: LlamaConfig, index: int, input_ids: torch.Tensor,
 
 @dataclass
 class StepResult:
-    """One pipeline step seen from the client: loss, timeline, shapes, gradients."""
+    """One pipeline step seen from the client: loss, timeline, boundary shapes, gradients."""
 
     loss: float
-    microbatch_losses: list[float]
+    microbatch_losses: list[float]  # by microbatch index
     timeline: Timeline
-    shapes: list[Boundary]
+    boundary_shapes: list[Boundary]  # what crossed each stage boundary, by (boundary, microbatch)
     grad_stats: dict[str, dict]
     grads: dict[str, torch.Tensor] | None = None
     rank_steps: list[RankStep] = field(default_factory=list, repr=False)
@@ -267,7 +273,7 @@ def merge_steps(rank_steps: Sequence[RankStep], label: str = "measured") -> Step
     """Combine the ranks' reports (ordered by rank) into one StepResult."""
     losses = {}
     for rank_step in rank_steps:
-        losses.update(rank_step.microbatch_losses)
+        losses.update(rank_step.losses_by_microbatch)
     ordered = [losses[mb] for mb in sorted(losses)]
     grad_stats, grads = {}, {}
     for rank_step in rank_steps:
@@ -275,9 +281,9 @@ def merge_steps(rank_steps: Sequence[RankStep], label: str = "measured") -> Step
         grads.update(rank_step.grads or {})
     timeline = Timeline([e for r in rank_steps for e in r.events], n_ranks=len(rank_steps), label=label)
     # On a mesh, the TP ranks of a stage send the same activations: each boundary counts once.
-    unique = {(b.source, b.microbatch): b for r in rank_steps for b in r.boundaries}
-    shapes = [unique[key] for key in sorted(unique)]
-    return StepResult(sum(ordered) / len(ordered), ordered, timeline, shapes, grad_stats,
+    unique = {(b.source, b.microbatch): b for r in rank_steps for b in r.boundary_shapes}
+    boundary_shapes = [unique[key] for key in sorted(unique)]
+    return StepResult(sum(ordered) / len(ordered), ordered, timeline, boundary_shapes, grad_stats,
                       grads or None, list(rank_steps))
 
 

@@ -77,12 +77,12 @@ class _Teller:
 
 @dataclass
 class RankStep:
-    """What one rank did in one step: events, losses (last stage), boundaries, gradient stats."""
+    """What one rank did in one step: events, losses (last stage), boundary shapes, gradient stats."""
 
     rank: int
     events: list[Event]
-    microbatch_losses: dict[int, float]
-    boundaries: list[Boundary]
+    losses_by_microbatch: dict[int, float]  # only the microbatches whose last stage this rank runs
+    boundary_shapes: list[Boundary]  # what this rank sent across a stage boundary
     grad_stats: dict[str, dict]
     grads: dict[str, torch.Tensor] | None = None
     streamed: int = 0  # events published while the step ran, and so left out of `events`
@@ -105,7 +105,7 @@ class RankRuntime:
     """Runs one rank's action list of a schedule with that rank's stage modules."""
 
     def __init__(self, schedule: Schedule, rank: int, stages: dict[int, nn.Module],
-                 device="cpu", timeout: float = 30.0, record: bool = True,
+                 device="cpu", op_timeout: float = 30.0, record: bool = True,
                  timing: Costs | None = None, group=None):
         missing = set(schedule.stages_of(rank)) - set(stages)
         if missing:
@@ -114,7 +114,7 @@ class RankRuntime:
         check_runnable(schedule)
         self.schedule, self.rank, self.stages = schedule, rank, stages
         self.rule = Dependencies(schedule)
-        self.device, self.timeout, self.record, self.timing = torch.device(device), timeout, record, timing
+        self.device, self.op_timeout, self.record, self.timing = torch.device(device), op_timeout, record, timing
         self.group = group
         self.last_stage = schedule.n_stages - 1
         self._forward_bytes = ForwardBytes()  # keyed by (stage, input shape, dtype)
@@ -138,9 +138,9 @@ class RankRuntime:
         """
         self._check_data(inputs, targets)
         self._check_backend_can_match(handshake=activation_shapes is None)
-        link = StageLink(self.schedule, self.rank, self.device, self.timeout,
+        link = StageLink(self.schedule, self.rank, self.device, self.op_timeout,
                          handshake=activation_shapes is None, group=self.group, record=self.record)
-        state, events, boundaries = _StepState(received=link.mailbox.received), [], []
+        state, events, boundary_shapes = _StepState(received=link.mailbox.received), [], []
         try:
             origin = self._clock.origin()
         except RuntimeError as error:  # gloo's words for a peer that died or a link that was cut
@@ -168,7 +168,7 @@ class RankRuntime:
             tell.starting([action])
             started = clock()
             strike(action)  # a fault armed on purpose (pplab.faults) fires inside its action
-            event_extra = self._compute(action, state, inputs, targets, boundaries)
+            event_extra = self._compute(action, state, inputs, targets, boundary_shapes)
             pad_to_cost(self.timing, action, started, clock)
             if self.record:
                 events.append(Event(self.rank, action.kind.value, action.stage, action.microbatch,
@@ -180,7 +180,7 @@ class RankRuntime:
         tell.starting([])
         self._check_all_released(state)
         events.extend(link.events)
-        return RankStep(self.rank, events, state.losses, boundaries,
+        return RankStep(self.rank, events, state.losses, boundary_shapes,
                         *gradient_report(self.stages.values(), return_grads))
 
     def _waits_for(self, batch: list[Action]) -> tuple[tuple[int, str], ...]:
@@ -222,10 +222,10 @@ class RankRuntime:
 
     # --- compute actions ----------------------------------------------------------------------
 
-    def _compute(self, action: Action, state: _StepState, inputs, targets, boundaries) -> dict:
+    def _compute(self, action: Action, state: _StepState, inputs, targets, boundary_shapes) -> dict:
         key = (action.stage, action.microbatch)
         if action.kind == Kind.F:
-            return self._forward(key, state, inputs, targets, boundaries)
+            return self._forward(key, state, inputs, targets, boundary_shapes)
         if action.kind == Kind.B:
             self._backward(key, state)
         elif action.kind == Kind.I:
@@ -234,7 +234,7 @@ class RankRuntime:
             self._weight_grad(key, state)
         return {}
 
-    def _forward(self, key: Key, state: _StepState, inputs, targets, boundaries) -> dict:
+    def _forward(self, key: Key, state: _StepState, inputs, targets, boundary_shapes) -> dict:
         stage, microbatch = key
         module = self.stages[stage]
         if stage == 0:
@@ -256,7 +256,7 @@ class RankRuntime:
             state.outputs[key] = loss / self.schedule.n_microbatches
             return extra
         state.outputs[key] = out
-        boundaries.append(Boundary(stage, microbatch, tuple(out.shape), dtype_name(out),
+        boundary_shapes.append(Boundary(stage, microbatch, tuple(out.shape), dtype_name(out),
                                    out.numel() * out.element_size()))
         if self.schedule.same_rank(stage, stage + 1):
             state.inputs[(stage + 1, microbatch)] = out.detach()  # same boundary as a network hop

@@ -9,8 +9,8 @@ patched; the waits torch does for its receives are recorded too (`_Recorder`).
 `TorchRankRuntime.step` has the hand-written `RankRuntime.step`'s signature and
 result, so a pipeline switches with one argument (`impl="torch"`).
 
-Names (`pplab.schedules.TORCH_SCHEDULES`): pplab's where the schedule is the same (`gpipe`, `1f1b`,
-`interleaved-1f1b`), torch's class names without `Schedule` for the rest. Floor 3: torch only, no Jupyter.
+Names: the canonical ones (`pplab.schedules.schedule_name`); `pplab.schedules.TORCH_SCHEDULES` holds
+torch's class name for each. Floor 3: torch only, no Jupyter.
 """
 
 from __future__ import annotations
@@ -26,25 +26,23 @@ from pplab.rank.gradients import gradient_report
 from pplab.rank.memory import ForwardBytes
 from pplab.model import loss_fn
 from pplab.rank.runtime import Boundary, RankStep
-from pplab.schedules import TORCH_SCHEDULES, Action, Kind, Schedule, build, from_torch
+from pplab.schedules import Action, Kind, Schedule, build, from_torch, torch_plan
 from pplab.simulator import Costs
 from pplab.rank.step_clock import StepClock, pad_to_cost
 from pplab.trace import Event, Now
 
 def torch_schedule(name: str, n_ranks: int, n_microbatches: int, n_virtual: int = 1) -> Schedule:
-    """The pplab schedule torch will run for `name` (checked on the client, torch's constraints included).
+    """The pplab schedule torch will run for `name`, any spelling (checked on the client, torch's
+    constraints included); it carries the canonical name.
 
     For the schedules pplab builds too, pplab's own (torch 2.13's static 1F1B plan numbers the
     last rank's forwards wrongly, though torch executes them right); for the others, torch's plan.
     """
-    if name not in TORCH_SCHEDULES:
-        raise ValueError(f"unknown torch schedule {name!r}: choose one of {', '.join(TORCH_SCHEDULES)}")
-    entry = TORCH_SCHEDULES[name]
-    entry.check_n_virtual(n_virtual)
+    entry = torch_plan(name)
     # torch's planner applies torch's own constraints (e.g. 1F1B needs n_microbatches >= stages).
-    plan = from_torch(entry.torch_name, n_ranks, n_microbatches, n_virtual)
+    plan = from_torch(entry.name, n_ranks, n_microbatches, n_virtual)
     if entry.built_by_pplab:
-        return build(name, n_ranks, n_microbatches, n_virtual)
+        return build(entry.name, n_ranks, n_microbatches, n_virtual)
     return plan
 
 
@@ -68,7 +66,7 @@ def recording_stage_class():
                 note.update(shape=tuple(output.shape), dtype=dtype_name(output),
                             bytes=self.forward_bytes.known[shape_key])
             if not self.is_last:
-                self.recorder.boundaries.append(Boundary(self.stage_index, fwd_chunk_id, tuple(output.shape),
+                self.recorder.boundary_shapes.append(Boundary(self.stage_index, fwd_chunk_id, tuple(output.shape),
                                                          note["dtype"], output.numel() * output.element_size()))
             return output
 
@@ -110,13 +108,13 @@ class _Recorder:
         self.clock = None
         self.watch = None
         self.events: list[Event] = []
-        self.boundaries: list[Boundary] = []
+        self.boundary_shapes: list[Boundary] = []
         self.pending: dict[Action, float] = {}  # receive -> when torch posted it
         self.last_end = 0.0  # end of this rank's latest compute
 
     def start(self, origin: float, watch) -> None:
         self.clock = lambda: monotonic_clock() - origin  # noqa: E731 - one clock for the step
-        self.watch, self.events, self.boundaries, self.pending, self.last_end = watch, [], [], {}, 0.0
+        self.watch, self.events, self.boundary_shapes, self.pending, self.last_end = watch, [], [], {}, 0.0
 
     def action(self, kind: Kind, stage: int, microbatch: int):
         return _Timed(self, Action(stage, kind, microbatch))
@@ -172,10 +170,12 @@ class _Timed:
 class TorchRankRuntime:
     """One rank's stages under a torch.distributed.pipelining schedule; `step` as `RankRuntime.step`."""
 
-    def __init__(self, schedule_name: str, schedule: Schedule, rank: int, stages: dict[int, nn.Module],
+    def __init__(self, schedule: Schedule, rank: int, stages: dict[int, nn.Module],
                  device="cpu", timing: Costs | None = None, group=None, record: bool = True,
                  place=None, collectives=None):
-        """With `record=False` (and no timing mode) torch's own PipelineStage runs, untouched:
+        """`schedule` is what `torch_schedule` made: its name says which of torch's schedules runs.
+
+        With `record=False` (and no timing mode) torch's own PipelineStage runs, untouched:
         the baseline the recording's overhead is measured against.
 
         On a mesh (`place`, a `pplab.mesh.MeshPlace`), `rank` is the global rank, the stages talk
@@ -195,7 +195,7 @@ class TorchRankRuntime:
             stage = stage_class(stages[index], index, schedule.n_stages, self.device, group=stage_group)
             stage.recorder, stage.forward_bytes = self.recorder, ForwardBytes()
             self.torch_stages.append(stage)
-        schedule_class = torch_schedules.get_schedule_class(TORCH_SCHEDULES[schedule_name].torch_name)
+        schedule_class = torch_schedules.get_schedule_class(torch_plan(schedule.name).torch_name)
         single = issubclass(schedule_class, torch_schedules.PipelineScheduleSingle)
         # scale_grads: torch divides every gradient by the number of microbatches, so they are
         # those of the mean loss, as pplab's runtime and the single-device reference compute.
@@ -226,9 +226,9 @@ class TorchRankRuntime:
             collective_events = self.collectives.stop() if self.collectives is not None else []
         if watch is not None:
             watch(Now(self.rank, "done", self.recorder.clock()))
-        microbatch_losses = {mb: float(loss.detach()) for mb, loss in enumerate(losses or [])}
-        return RankStep(self.rank, [*self.recorder.events, *collective_events], microbatch_losses,
-                        list(self.recorder.boundaries), *gradient_report(self.stages.values(), return_grads))
+        losses_by_microbatch = {mb: float(loss.detach()) for mb, loss in enumerate(losses or [])}
+        return RankStep(self.rank, [*self.recorder.events, *collective_events], losses_by_microbatch,
+                        list(self.recorder.boundary_shapes), *gradient_report(self.stages.values(), return_grads))
 
 
 def _whole_batch(microbatches, what: str) -> torch.Tensor:

@@ -40,6 +40,9 @@ from pplab.rank.rank_pipeline import PipelineSpec, RankPipeline, split_for_ranks
 from pplab.rank.reference import as_microbatches
 from pplab.trace import Event, Now
 
+__all__ = ["TrainOptions", "TrainRecord", "TrainHistory", "RankTrainer", "train_on_rank", "lr_factor",
+           "make_optimizer"]
+
 
 @dataclass(frozen=True)
 class TrainOptions:
@@ -185,7 +188,7 @@ class RankTrainer:
         self.scheduler.step()
         self.step += 1
         self.data_position += 1
-        loss = self._from_last_stage(rank_step.microbatch_losses)
+        loss = self._from_last_stage(rank_step.losses_by_microbatch)
         return TrainRecord(self.step, loss, lr, grad_norm, time.perf_counter() - started)
 
     def clip_gradients(self) -> float:
@@ -206,11 +209,11 @@ class RankTrainer:
             torch.nn.utils.clip_grads_with_norm_(parameters, self.options.clip, total, foreach=False)
         return float(total)
 
-    def _from_last_stage(self, microbatch_losses: dict[int, float]) -> float:
+    def _from_last_stage(self, losses_by_microbatch: dict[int, float]) -> float:
         """The step's mean loss, known on the last stage's rank, given to every rank."""
         schedule = self.pipeline.spec.schedule
         owner = schedule.stage_to_rank(schedule.n_stages - 1)
-        mean = sum(microbatch_losses[mb] for mb in sorted(microbatch_losses)) / max(1, len(microbatch_losses))
+        mean = sum(losses_by_microbatch[mb] for mb in sorted(losses_by_microbatch)) / max(1, len(losses_by_microbatch))
         if not dist.is_initialized():
             return mean
         value = torch.tensor([mean if self.rank == owner else 0.0], dtype=torch.float64,
@@ -234,7 +237,7 @@ class RankTrainer:
         """Every microbatch through the stages in order, activations sent to the next stage's rank."""
         spec, schedule = self.pipeline.spec, self.pipeline.spec.schedule
         stages, device = self.pipeline.stages, self.pipeline.device
-        timeout = timedelta(seconds=spec.timeout)
+        op_timeout = timedelta(seconds=spec.op_timeout)
         losses, sends = {}, []
         for mb, (input_ids, target_ids) in enumerate(as_microbatches(batch, schedule.n_microbatches)):
             x = None
@@ -246,14 +249,14 @@ class RankTrainer:
                 elif schedule.stage_to_rank(stage - 1) != self.rank:
                     x = torch.empty((*input_ids.shape, spec.config.hidden_size), device=device,
                                     dtype=next(stages[stage].parameters()).dtype)
-                    self._peer(dist.irecv, x, schedule.stage_to_rank(stage - 1)).wait(timeout)
+                    self._peer(dist.irecv, x, schedule.stage_to_rank(stage - 1)).wait(op_timeout)
                 x = stages[stage](x)
                 if stage == schedule.n_stages - 1:
                     losses[mb] = float(loss_fn(x, target_ids.to(device)))
                 elif schedule.stage_to_rank(stage + 1) != self.rank:
                     sends.append(self._peer(dist.isend, x, schedule.stage_to_rank(stage + 1)))
         for send in sends:
-            send.wait(timeout)
+            send.wait(op_timeout)
         return self._from_last_stage(losses)
 
     def _peer(self, operation, tensor, rank: int):
@@ -300,7 +303,7 @@ class RankTrainer:
         spec = self.pipeline.spec
         manifest = {"pplab": pplab.__version__, "torch": torch.__version__,
                     "config": asdict(spec.config), "n_stages": spec.schedule.n_stages,
-                    "schedule": spec.torch_name or spec.schedule.name, "impl": spec.impl,
+                    "schedule": spec.schedule.name, "impl": spec.impl,
                     "world_size": spec.schedule.n_ranks,
                     "options": {k: v for k, v in asdict(self.options).items()
                                 if k in ("batch_size", "seq_len", "data_seed", "steps")}}

@@ -8,6 +8,9 @@ inside `from_torch`). The modules, each building on the ones before:
 * `actions` — `Kind`, `Action` and the text form (``2F0``, ``1SEND_F3``); where a
   message goes and which pass frees a forward's activations;
 * `schedule` — the immutable `Schedule`, `ScheduleError`, `DeadlockError`; stage placement;
+* `names` — `schedule_name`: the canonical name of a schedule from any spelling of it
+  ("ZBVZeroBubble", "interleaved_1f1b"); `SCHEDULE_NAMES` (pplab builds these) and
+  `ALL_SCHEDULE_NAMES` (with torch's others);
 * `dependencies` — the one rule of what an action needs, shared by the
   validator, the simulator and the runtime;
 * `communication` — `add_communication`: the sends and receives a compute order implies;
@@ -15,8 +18,8 @@ inside `from_torch`). The modules, each building on the ones before:
 * `validation` — `validate`: dependencies in order, messages matched, no deadlock;
   `check_runnable`: real ranks need a send and a receive wherever data crosses ranks;
 * `textbook` — `theory`: the textbook bubble and peak in-flight activations;
-* `torch_plans` — `TORCH_SCHEDULES` (torch's schedules, their names and stages per rank)
-  and `from_torch`: torch.distributed.pipelining's plans as schedules.
+* `torch_plans` — `TORCH_SCHEDULES` (torch's schedules by canonical name: torch's class
+  name and stages per rank) and `from_torch`: torch.distributed.pipelining's plans as schedules.
 
 The integer form `validate` and `simulate` loop over (`compiled`) reads the same rules,
 once per (kind, stage).
@@ -27,21 +30,23 @@ from pplab.schedules.actions import (COMM_KINDS, COMPUTE_KINDS, RELEASE_KINDS, S
                                      releases_activations)
 from pplab.schedules.schedule import (DeadlockError, Schedule, ScheduleError, from_lists, loop_placement,
                                       v_placement)
+from pplab.schedules.names import ALL_SCHEDULE_NAMES, SCHEDULE_NAMES, schedule_name
 from pplab.schedules.dependencies import Dependencies, Need
 from pplab.schedules.communication import add_communication, from_text
-from pplab.schedules.builders import SCHEDULE_NAMES, build
+from pplab.schedules.builders import build
 from pplab.schedules.validation import check_runnable, validate
 from pplab.schedules.textbook import Theory, peak_inflight_at, theory
-from pplab.schedules.torch_plans import TORCH_SCHEDULES, TorchPlan, from_torch
+from pplab.schedules.torch_plans import TORCH_SCHEDULES, TorchPlan, from_torch, torch_plan
 
 __all__ = [
     "Kind", "Action", "COMPUTE_KINDS", "COMM_KINDS", "SEND_KINDS", "RELEASE_KINDS",
     "message_peer", "message_sender", "message_receiver", "message_boundary", "releases_activations",
     "Schedule", "ScheduleError", "DeadlockError", "from_lists", "loop_placement", "v_placement",
+    "schedule_name", "SCHEDULE_NAMES", "ALL_SCHEDULE_NAMES",
     "Dependencies", "Need",
     "add_communication", "from_text",
-    "SCHEDULE_NAMES", "build",
+    "build",
     "validate", "check_runnable",
     "Theory", "theory", "peak_inflight_at",
-    "TORCH_SCHEDULES", "TorchPlan", "from_torch",
+    "TORCH_SCHEDULES", "TorchPlan", "torch_plan", "from_torch",
 ]

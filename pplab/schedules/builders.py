@@ -9,6 +9,7 @@ from __future__ import annotations
 from pplab.arguments import check_positive_int
 from pplab.schedules.actions import Action, Kind
 from pplab.schedules.communication import add_communication
+from pplab.schedules.names import SCHEDULE_NAMES, schedule_name
 from pplab.schedules.schedule import Schedule
 
 
@@ -103,23 +104,23 @@ def _zb_h1(p: int, m: int, v: int) -> list[list[Action]]:
     return orders
 
 
-_BUILDERS = {
+_BUILDERS = {  # by canonical name: SCHEDULE_NAMES
     "gpipe": _gpipe,
     "1f1b": _one_f_one_b,
     "interleaved-1f1b": _interleaved_1f1b,
     "zb-h1": _zb_h1,
 }
-SCHEDULE_NAMES = tuple(_BUILDERS)
 
 
 def build(name: str, n_ranks: int, n_microbatches: int, n_virtual: int = 1) -> Schedule:
-    """The named schedule for these sizes, with its communication."""
+    """The named schedule for these sizes, with its communication (any spelling of the name, see `schedule_name`)."""
     check_positive_int("n_ranks", n_ranks)
     check_positive_int("n_microbatches", n_microbatches)
     check_positive_int("n_virtual", n_virtual, example=2)
-    key = name.lower() if isinstance(name, str) else name
+    key = schedule_name(name)
     if key not in _BUILDERS:
-        raise ValueError(f"unknown schedule {name!r}: known schedules are {', '.join(SCHEDULE_NAMES)}")
+        raise ValueError(f"pplab does not build {key}: it builds {', '.join(SCHEDULE_NAMES)}; torch runs "
+                         f"{key} (impl='torch'), and from_torch imports its plan")
     if key == "interleaved-1f1b" and n_virtual < 2:
         raise ValueError(
             f"interleaved-1f1b needs n_virtual >= 2 stages per rank, got n_virtual={n_virtual}; "

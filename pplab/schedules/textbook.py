@@ -5,8 +5,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from pplab.schedules.actions import Action, Kind, releases_activations
-from pplab.schedules.builders import SCHEDULE_NAMES, build
+from pplab.schedules.builders import build
 from pplab.schedules.communication import add_communication
+from pplab.schedules.names import SCHEDULE_NAMES
 from pplab.schedules.schedule import Schedule
 from pplab.schedules.validation import validate
 

@@ -11,51 +11,58 @@ from dataclasses import dataclass
 from pplab.arguments import check_positive_int
 from pplab.schedules.actions import Action, Kind
 from pplab.schedules.communication import add_communication
+from pplab.schedules.names import SCHEDULE_NAMES, schedule_name
 from pplab.schedules.schedule import Schedule, from_lists
 
 
 @dataclass(frozen=True)
 class TorchPlan:
-    """One of torch's schedules: the name pplab gives it, torch's name, and how many stages a rank runs."""
+    """One of torch's schedules: its canonical name, torch's class name, and how many stages a rank runs."""
 
-    name: str  # pplab's own where pplab builds the same schedule, else torch's class name without "Schedule"
+    name: str  # canonical (pplab.schedules.names), as every listing shows it
     torch_name: str  # what torch's get_schedule_class takes
     multi_stage: bool  # several stages per rank (n_virtual >= 2), else exactly one
     v_shaped: bool = False  # exactly 2 stages per rank, rank r holding stages r and 2p-1-r (`v_placement`)
-    built_by_pplab: bool = False  # pplab's builders make this very schedule, under `name`
+
+    @property
+    def built_by_pplab(self) -> bool:
+        """pplab's builders make this very schedule, under the same name."""
+        return self.name in SCHEDULE_NAMES
 
     @property
     def fewest_stages_per_rank(self) -> int:
         """The smallest n_virtual torch runs it with."""
         return 2 if self.multi_stage else 1
 
-    def check_n_virtual(self, n_virtual: int, called: str | None = None) -> None:
-        """Raise a ValueError unless torch runs it with ``n_virtual`` stages per rank (``called``: the name given)."""
-        called = self.name if called is None else called
+    def check_n_virtual(self, n_virtual: int) -> None:
+        """Raise a ValueError unless torch runs it with ``n_virtual`` stages per rank."""
         if self.multi_stage and n_virtual < 2:
-            raise ValueError(f"torch's {called} runs several stages per rank: use n_virtual=2 or more")
+            raise ValueError(f"torch's {self.name} runs several stages per rank: use n_virtual=2 or more")
         if self.v_shaped and n_virtual != 2:
-            raise ValueError(f"torch's {called} places exactly 2 stages per rank (a V): use n_virtual=2, "
+            raise ValueError(f"torch's {self.name} places exactly 2 stages per rank (a V): use n_virtual=2, "
                              f"got n_virtual={n_virtual}")
         if not self.multi_stage and n_virtual != 1:
-            raise ValueError(f"torch's {called} runs one stage per rank: use n_virtual=1, got n_virtual={n_virtual}")
+            raise ValueError(f"torch's {self.name} runs one stage per rank: use n_virtual=1, got n_virtual={n_virtual}")
 
 
-# pplab's name -> torch's schedule, in the order pictures and searches list them.
+# canonical name -> torch's schedule, in the order pictures and searches list them.
 TORCH_SCHEDULES = {plan.name: plan for plan in (
-    TorchPlan("gpipe", "GPipe", multi_stage=False, built_by_pplab=True),
-    TorchPlan("1f1b", "1F1B", multi_stage=False, built_by_pplab=True),
-    TorchPlan("interleaved-1f1b", "Interleaved1F1B", multi_stage=True, built_by_pplab=True),
-    TorchPlan("LoopedBFS", "LoopedBFS", multi_stage=True),
-    TorchPlan("InterleavedZeroBubble", "InterleavedZeroBubble", multi_stage=True),
-    TorchPlan("ZBVZeroBubble", "ZBVZeroBubble", multi_stage=True, v_shaped=True),
-    TorchPlan("DualPipeV", "DualPipeV", multi_stage=True, v_shaped=True),
+    TorchPlan("gpipe", "GPipe", multi_stage=False),
+    TorchPlan("1f1b", "1F1B", multi_stage=False),
+    TorchPlan("interleaved-1f1b", "Interleaved1F1B", multi_stage=True),
+    TorchPlan("looped-bfs", "LoopedBFS", multi_stage=True),
+    TorchPlan("interleaved-zero-bubble", "InterleavedZeroBubble", multi_stage=True),
+    TorchPlan("zbv-zero-bubble", "ZBVZeroBubble", multi_stage=True, v_shaped=True),
+    TorchPlan("dualpipev", "DualPipeV", multi_stage=True, v_shaped=True),
 )}
 
 
-def torch_plan(torch_name: str) -> TorchPlan | None:
-    """The table's entry for a name torch's get_schedule_class takes (any case, as torch reads it); None if none."""
-    return next((plan for plan in TORCH_SCHEDULES.values() if plan.torch_name.lower() == torch_name.lower()), None)
+def torch_plan(name: str) -> TorchPlan:
+    """The table's entry for any spelling of a schedule torch runs; a ValueError naming the others if none."""
+    canonical = schedule_name(name)
+    if canonical not in TORCH_SCHEDULES:
+        raise ValueError(f"torch has no {canonical} schedule: torch runs {', '.join(TORCH_SCHEDULES)}")
+    return TORCH_SCHEDULES[canonical]
 
 
 # torch actions that move no pipeline data: FSDP parameter sharding and the
@@ -66,37 +73,32 @@ _TORCH_BOOKKEEPING = frozenset({"UNSHARD", "RESHARD", "REDUCE_GRAD"})
 def from_torch(name: str, n_ranks: int, n_microbatches: int, n_virtual: int = 1) -> Schedule:
     """Import the plan torch.distributed.pipelining makes for schedule ``name``.
 
-    ``name`` is what torch's ``get_schedule_class`` takes ("GPipe", "1F1B",
-    "Interleaved1F1B", "LoopedBFS", "InterleavedZeroBubble", "ZBVZeroBubble",
-    "DualPipeV": the ``torch_name``s of `TORCH_SCHEDULES`); ``n_virtual`` is
-    torch's stages per rank (1 for GPipe and 1F1B, 2 for the V-shaped ones,
-    2 or more for the others). No process group is needed. Torch's
+    ``name`` is any spelling of one of `TORCH_SCHEDULES` (torch's class name
+    "ZBVZeroBubble" as well as "zbv-zero-bubble"), and the schedule takes its
+    canonical name; ``n_virtual`` is torch's stages per rank (1 for gpipe and
+    1f1b, 2 for the V-shaped ones, 2 or more for the others). No process group
+    is needed. Torch's
     sends and receives are kept where its planner makes them (multi-stage
     schedules); otherwise :func:`add_communication` adds ours. Overlapped
     F+B actions (DualPipeV) are split into their F and B, in order. The plan
     is imported as torch makes it, defects included: run :func:`validate`.
     """
-    from torch.distributed.pipelining import schedules as torch_schedules
-    from torch.distributed.pipelining._schedule_visualizer import get_schedule_ops
-
     check_positive_int("n_ranks", n_ranks)
     check_positive_int("n_microbatches", n_microbatches)
     check_positive_int("n_virtual", n_virtual, example=2)
-    torch_schedules.get_schedule_class(name)  # torch's own words for a name it does not know
     entry = torch_plan(name)
-    if entry is None:
-        raise ValueError(f"torch's {name} is not a schedule pplab imports: use one of "
-                         f"{', '.join(plan.torch_name for plan in TORCH_SCHEDULES.values())}")
-    entry.check_n_virtual(n_virtual, called=name)
+    entry.check_n_virtual(n_virtual)
+    from torch.distributed.pipelining._schedule_visualizer import get_schedule_ops
+
     try:
-        ops = get_schedule_ops(name, n_ranks, n_microbatches, n_virtual, with_comms=entry.multi_stage)
+        ops = get_schedule_ops(entry.torch_name, n_ranks, n_microbatches, n_virtual, with_comms=entry.multi_stage)
     except Exception as error:  # torch reports bad sizes with several exception types
         raise ValueError(
-            f"torch cannot plan {name} for n_ranks={n_ranks}, n_microbatches={n_microbatches}, "
+            f"torch cannot plan {entry.name} for n_ranks={n_ranks}, n_microbatches={n_microbatches}, "
             f"n_virtual={n_virtual}: {error}"
         ) from error
     actions = [[a for step in rank_ops for a in _from_torch_action(step)] for rank_ops in ops]
-    schedule = from_lists(actions, n_microbatches, None, f"torch {name}")
+    schedule = from_lists(actions, n_microbatches, None, entry.name)
     return schedule if entry.multi_stage else add_communication(schedule)
 
 

@@ -1,10 +1,10 @@
 """The session: the client side of a pipeline, above the drivers of ranks.
 
-A `PipelineRun` builds a pipeline's stages on the ranks, steps it, checks it against one
+A `Pipeline` builds a pipeline's stages on the ranks, steps it, checks it against one
 device, trains it and streams what the ranks do. It needs of its ranks only what every
 driver offers:
 
-    ranks.world_size, ranks.timeout, ranks.state, ranks.rank_processes
+    ranks.world_size, ranks.op_timeout, ranks.state, ranks.rank_processes
     ranks.run(fn, *args, timeout=...)        -> results by rank    (fn(*args) on every rank)
     ranks.run_async(fn, *args, timeout=...)  -> call: call.poll_events(), call.result(timeout=...),
                                                 call.wait_for_events()
@@ -19,7 +19,7 @@ import importlib as _importlib
 # Each name loads its module on first use: a rank that imports `pplab.session.on_rank`
 # loads neither the drivers nor ipyparallel.
 _EXPORTS = {"Lab": "pplab.session.drivers", "RankPool": "pplab.session.drivers",
-            "PipelineRun": "pplab.session.pipeline", "LiveStep": "pplab.session.pipeline"}
+            "Pipeline": "pplab.session.pipeline", "LiveStep": "pplab.session.pipeline"}
 
 __all__ = list(_EXPORTS)
 

@@ -2,32 +2,56 @@
 
 `Lab` is the ipyparallel lab (`pplab.cluster.Lab`) and `RankPool` the pool of local
 processes (`pplab.drivers.local.RankPool`), each with `pipeline(...)`, which builds a
-`PipelineRun` on its ranks. The drivers themselves know nothing of pipelines. (`pplab.Lab`
+`Pipeline` on its ranks. The drivers themselves know nothing of pipelines. (`pplab.Lab`
 is the notebook's lab, `pplab.views.lab.Lab`: its pipelines also show live views.)
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 from pplab.drivers.cluster.lab import Lab as _ClusterLab
 from pplab.drivers.local import RankPool as _LocalPool
+from pplab.model import LlamaConfig
+from pplab.rank.mesh import Mesh
+from pplab.rank.rank_pipeline import PipelineSpec
 from pplab.schedules import Schedule
-from pplab.session.pipeline import PipelineRun
+from pplab.session.pipeline import Pipeline
+from pplab.simulator import Costs
 
 
 class _BuildsPipelines:
     """`pipeline(...)` for a driver of ranks."""
 
-    run_class = PipelineRun  # what `pipeline` builds (a notebook's lab builds a richer one)
+    pipeline_class = Pipeline  # what `pipeline` builds (a notebook's lab builds a richer one)
 
-    def pipeline(self, config, schedule: str | Schedule = "1f1b", microbatches: int | None = None,
-                 n_virtual: int = 1, **options) -> PipelineRun:
-        """Build a pipeline's stages on every rank (schedule validated first); step it with `.step()`.
+    def pipeline(self, config: LlamaConfig, schedule: str | Schedule = "1f1b", n_microbatches: int | None = None,
+                 n_virtual: int = 1, *, impl: str = "pplab", seed: int = 0, balance: Sequence[int] | None = None,
+                 allow_empty: bool = False, op_timeout: float | None = None, timing: Costs | None = None,
+                 record: bool = True, mesh: Mesh | dict | None = None) -> Pipeline:
+        """Build a pipeline's stages on every rank, everything checked first; step it with `.step()`.
 
-        A wait between ranks gives up after the driver's `timeout` unless `timeout=` says otherwise.
+        config          the model (`pplab.LlamaConfig`)
+        schedule        a schedule's name, in any spelling ("1f1b", "ZBVZeroBubble": see
+                        `pplab.schedules.schedule_name`), or a `Schedule` (built, written, searched)
+        n_microbatches  microbatches per step (with a name; a Schedule has its own)
+        n_virtual       stages per rank: 2 or more for interleaved-1f1b and torch's multi-stage schedules
+        impl            "pplab" (the hand-written runtime) or "torch" (torch.distributed.pipelining)
+        seed            the model's initialisation: each parameter from (seed, its name)
+        balance         layers per stage, e.g. [3, 5] (default: as even as possible)
+        allow_empty     let a stage have no layers
+        op_timeout      seconds one wait between ranks may take (default: the driver's `op_timeout`)
+        timing          timing mode: a `pplab.Costs`, each compute action padded to its cost
+        record          record the events of each step (the timeline)
+        mesh            PP as one dimension of a mesh: {"pp": 2, "dp": 2} or `pplab.Mesh(...)`
+                        (FSDP on dp and tensor parallelism on tp need impl="torch")
         """
         self._check_usable()
-        options.setdefault("timeout", self.timeout)
-        return self.run_class(self, config, schedule, microbatches, n_virtual, **options)
+        spec = PipelineSpec.create(config, schedule, self.world_size, n_microbatches, n_virtual, impl=impl,
+                                   seed=seed, balance=balance, allow_empty=allow_empty,
+                                   op_timeout=self.op_timeout if op_timeout is None else op_timeout,
+                                   timing=timing, record=record, mesh=mesh)
+        return self.pipeline_class(self, spec)
 
 
 class Lab(_BuildsPipelines, _ClusterLab):

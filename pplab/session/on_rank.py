@@ -6,7 +6,7 @@ training, a `TrainRecord` (a step done, after that step's events). A live step's
 travel only on the stream: the step's result says how many there were.
 
 Ranks are long-lived (lab engines, a pool's processes), so each keeps its `RankPipeline`
-in a registry keyed by the run's id, and its trainer (optimizer, LR schedule, step)
+in a registry keyed by the pipeline's id, and its trainer (optimizer, LR schedule, step)
 beside it. The client side is `pplab.session.pipeline`; these functions are called
 through a driver's `run` / `run_async`, on every rank, and publish through
 `pplab.rank.rank_context`, so they work the same on every driver.
@@ -31,33 +31,33 @@ _pipelines: dict[str, RankPipeline] = {}
 _trainers: dict[str, RankTrainer] = {}
 
 
-def build_on_rank(run_id: str, spec: PipelineSpec) -> dict:
-    """Build this rank's stages for `spec` and keep them under `run_id`."""
+def build_on_rank(pipeline_id: str, spec: PipelineSpec) -> dict:
+    """Build this rank's stages for `spec` and keep them under `pipeline_id`."""
     context = rank_context()
     pipeline = RankPipeline(spec, context.rank, context.device)
-    _pipelines[run_id] = pipeline
+    _pipelines[pipeline_id] = pipeline
     return {"rank": context.rank, "stages": sorted(pipeline.stages),
             "parameters": sum(p.numel() for p in pipeline.parameters()),
             "coordinates": pipeline.place.coordinates if pipeline.place else None}
 
 
-def _pipeline(run_id: str) -> RankPipeline:
-    if run_id not in _pipelines:
-        raise LookupError(f"pipeline {run_id} is not built on rank {rank_context().rank} (were the "
+def _pipeline(pipeline_id: str) -> RankPipeline:
+    if pipeline_id not in _pipelines:
+        raise LookupError(f"pipeline {pipeline_id} is not built on rank {rank_context().rank} (were the "
                           f"ranks replaced since?): build the pipeline again (lab.pipeline(...))")
-    return _pipelines[run_id]
+    return _pipelines[pipeline_id]
 
 
-def step_on_rank(run_id: str, per_rank_data: list[dict], return_grads: bool,
+def step_on_rank(pipeline_id: str, per_rank_data: list[dict], return_grads: bool,
                  live_interval: float | None = None) -> RankStep:
-    """Run one step of the pipeline `run_id` with this rank's share of the data.
+    """Run one step of the pipeline `pipeline_id` with this rank's share of the data.
 
     With `live_interval`, what the rank starts and every event it records are published
     while the step runs (see `pplab.rank.rank_context.Feed`), for live views.
     """
     context = rank_context()
-    pipeline, data = _pipeline(run_id), per_rank_data[context.rank]
-    with faults.in_run(run_id):  # the faults armed for this run may fire (pplab.faults)
+    pipeline, data = _pipeline(pipeline_id), per_rank_data[context.rank]
+    with faults.in_pipeline(pipeline_id):  # the faults armed for this pipeline may fire (pplab.faults)
         if live_interval is None:
             return pipeline.step(data, return_grads=return_grads)
         with Feed(live_interval) as feed:
@@ -65,22 +65,22 @@ def step_on_rank(run_id: str, per_rank_data: list[dict], return_grads: bool,
             return streamed.left_out_of(pipeline.step(data, return_grads=return_grads, watch=streamed))
 
 
-def train_on_rank(run_id: str, options: TrainOptions, until: int | None,
+def train_on_rank(pipeline_id: str, options: TrainOptions, until: int | None,
                   live_interval: float) -> TrainHistory:
-    """Train the pipeline `run_id` (the loop of `pplab.train`), publishing each step as it ends.
+    """Train the pipeline `pipeline_id` (the loop of `pplab.train`), publishing each step as it ends.
 
     The rank keeps its trainer (optimizer, LR schedule, step) between calls, so a call
     with the same options (whatever the last one resumed from) goes on where the last
     stopped. A call that resumes from a checkpoint, or changes the options, starts a
     new trainer: loaded from the checkpoint, or a fresh optimizer on the current weights.
     """
-    pipeline = _pipeline(run_id)
-    trainer = _trainers.get(run_id)
+    pipeline = _pipeline(pipeline_id)
+    trainer = _trainers.get(pipeline_id)
     goes_on = (trainer is not None and options.resume is None
                and dataclasses.replace(trainer.options, resume=None) == options)
     if not goes_on:
-        trainer = _trainers[run_id] = RankTrainer(pipeline, options)
-    with Feed(live_interval) as feed, faults.in_run(run_id):  # each step's events, then its record
+        trainer = _trainers[pipeline_id] = RankTrainer(pipeline, options)
+    with Feed(live_interval) as feed, faults.in_pipeline(pipeline_id):  # each step's events, then its record
         return trainer.train(until, on_step=feed.put, watch=feed.put)
 
 
@@ -107,15 +107,15 @@ class _Streamed:
         return dataclasses.replace(step, events=kept, streamed=sum(self.events.values()))
 
 
-def memory_on_rank(run_id: str) -> dict:
+def memory_on_rank(pipeline_id: str) -> dict:
     """The bytes this rank holds for its stages (see pplab.mesh.memory_held), AdamW's state measured."""
-    stages = _pipeline(run_id).stages.values()
+    stages = _pipeline(pipeline_id).stages.values()
     return {**memory_held(stages), "optimizer": optimizer_state_bytes(stages),
             "rank": rank_context().rank}
 
 
-def drop_on_rank(run_id: str) -> None:
-    """Forget the pipeline `run_id` (frees its stages, its trainer and its faults not fired)."""
-    _pipelines.pop(run_id, None)
-    _trainers.pop(run_id, None)
-    faults.disarm_on_rank(run_id)
+def drop_on_rank(pipeline_id: str) -> None:
+    """Forget the pipeline `pipeline_id` (frees its stages, its trainer and its faults not fired)."""
+    _pipelines.pop(pipeline_id, None)
+    _trainers.pop(pipeline_id, None)
+    faults.disarm_on_rank(pipeline_id)

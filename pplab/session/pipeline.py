@@ -1,6 +1,6 @@
 """A pipeline session: its stages built once on the ranks, then stepped, checked and trained from here.
 
-`PipelineRun` works on any driver of ranks (see `pplab.session`): it checks the batch,
+`Pipeline` works on any driver of ranks (see `pplab.session`): it checks the batch,
 splits it into per-rank shares (token ids for stage 0, targets for the last stage; the
 shares are small, so every rank is sent the list and uses only its own), and merges what
 comes back into one `StepResult`: loss, timeline on one clock, the shapes that crossed
@@ -36,21 +36,26 @@ from pplab.rank.train import ProgressBar, TrainHistory, TrainOptions, TrainRecor
 STREAM_DRAIN_SECONDS = 10.0  # how long a live step's result waits for events trailing it
 
 
-class PipelineRun:
-    """A pipeline built on the ranks of a driver (a lab, a RankPool): step it, check it, train it."""
+class Pipeline:
+    """A pipeline built on the ranks of a driver (a lab, a RankPool): step it, check it, train it.
 
-    def __init__(self, lab, config: LlamaConfig, schedule: str | Schedule = "1f1b",
-                 microbatches: int | None = None, n_virtual: int = 1, **options):
-        """`lab`: the ranks' driver (`pplab.Lab`, `pplab.drivers.local.RankPool`, see pplab.session)."""
-        self.lab = lab
-        self.spec = PipelineSpec.create(config, schedule, lab.world_size, microbatches, n_virtual, **options)
-        self.run_id = f"run-{uuid.uuid4().hex[:8]}"  # unique even with two clients on one cluster
+    Made by `lab.pipeline(...)` (or `pool.pipeline(...)`), whose keywords say what it is
+    (`pplab.session.drivers`); `Pipeline(ranks, spec)` builds one from a `PipelineSpec`.
+    """
+
+    def __init__(self, lab, spec: PipelineSpec):
+        """Build `spec`'s stages on the ranks of `lab` (`pplab.Lab`, `pplab.RankPool`, see pplab.session)."""
+        if spec.world_size != lab.world_size:
+            raise ValueError(f"the pipeline is for {spec.world_size} ranks but the driver has {lab.world_size}: "
+                             f"make its PipelineSpec for {lab.world_size} ranks")
+        self.lab, self.spec = lab, spec
+        self.pipeline_id = f"pipeline-{uuid.uuid4().hex[:8]}"  # unique even with two clients on one cluster
         self.last: StepResult | None = None
         self.history = TrainHistory()  # every step that `train` ran, across calls
-        # Every wait between ranks is bounded by spec.timeout; timing mode adds the step's own length.
+        # Every wait between ranks is bounded by spec.op_timeout; timing mode adds the step's own length.
         padded = simulate(self.spec.schedule, self.spec.timing).step_time() if self.spec.timing else 0.0
-        self._call_timeout = self.spec.timeout + 120.0 + 2 * padded
-        self.placement = lab.run(build_on_rank, self.run_id, self.spec, timeout=self._call_timeout)
+        self._call_timeout = self.spec.op_timeout + 120.0 + 2 * padded
+        self.placement = lab.run(build_on_rank, self.pipeline_id, self.spec, timeout=self._call_timeout)
         self._built_on = lab.rank_processes
 
     def _check_engines(self) -> None:
@@ -81,7 +86,7 @@ class PipelineRun:
         return [mesh.label(r) if mesh else f"rank {r}" for r in range(self.spec.world_size)]
 
     def default_batch(self, microbatch_size: int = 2, seq_len: int = 32, seed: int = 0) -> Batch:
-        """A batch of the embedded corpus that splits into this run's microbatches (of every dp replica)."""
+        """A batch of the embedded corpus that splits into this pipeline's microbatches (of every dp replica)."""
         size = microbatch_size * self.schedule.n_microbatches * self.spec.replicas
         return next(batches(size, seq_len, seed=seed))
 
@@ -94,7 +99,7 @@ class PipelineRun:
         self._check_engines()
         if self.last is None:
             self.step()
-        rows = self.lab.run(memory_on_rank, self.run_id, timeout=self._call_timeout)
+        rows = self.lab.run(memory_on_rank, self.pipeline_id, timeout=self._call_timeout)
         return MemoryTable(sorted(rows, key=lambda row: row["rank"]), self.rank_labels)
 
     def step(self, batch: Batch | Sequence[Batch] | None = None, return_grads: bool = False) -> StepResult:
@@ -109,7 +114,7 @@ class PipelineRun:
             check_positive_seconds("live_interval", live_interval)
         batch = self.default_batch() if batch is None else batch
         data = split_for_ranks(self.spec, batch)
-        call = self.lab.run_async(step_on_rank, self.run_id, data, return_grads, live_interval,
+        call = self.lab.run_async(step_on_rank, self.pipeline_id, data, return_grads, live_interval,
                                   timeout=self._call_timeout)
         return LiveStep(self, call)
 
@@ -117,11 +122,11 @@ class PipelineRun:
               live_interval: float = 0.25, **options) -> TrainHistory:
         """Train on every rank (AdamW, warm-up + cosine, global-norm clipping; see pplab.train).
 
-        `steps` is the run's length (the LR schedule's horizon); `until` stops earlier (a
+        `steps` is the training's length (the LR schedule's horizon); `until` stops earlier (a
         later call with the same options goes on). Other keywords are `TrainOptions`
         fields (batch_size, lr, eval_every, checkpoint_dir, checkpoint_every, resume, ...).
-        With `show`, a progress bar (in a notebook, a lab's run shows a live `TrainingView`:
-        progress, loss curves and the latest step). The records are also kept in `run.history`.
+        With `show`, a progress bar (in a notebook, a lab's pipeline shows a live `TrainingView`:
+        progress, loss curves and the latest step). The records are also kept in `pipe.history`.
         """
         check_trainable(self.spec)  # before any rank starts
         if steps is not None:
@@ -131,9 +136,9 @@ class PipelineRun:
         self._check_engines()
         check_positive_seconds("live_interval", live_interval)
         first_step = self.history.records[-1].step if self.history.records else 0
-        if train_options.resume is not None:  # the run goes back (or on) to the checkpoint's step
+        if train_options.resume is not None:  # the training goes back (or on) to the checkpoint's step
             first_step = read_manifest(resume_path(train_options.resume, train_options.checkpoint_dir))["step"]
-        call = self.lab.run_async(train_on_rank, self.run_id, train_options, until, live_interval)
+        call = self.lab.run_async(train_on_rank, self.pipeline_id, train_options, until, live_interval)
         view = self.training_display(train_options.steps if until is None else until, first_step, show)
         world_size = self.lab.world_size
         since_last_record: dict[int, list[Event]] = {rank: [] for rank in range(world_size)}
@@ -167,22 +172,22 @@ class PipelineRun:
             show_arrived()
         except RankError as error:
             raised = error.first_raised()
-            if raised and raised[0] == "CheckpointError":  # every rank refused it; the run is unchanged
+            if raised and raised[0] == "CheckpointError":  # every rank refused it; the pipeline is unchanged
                 raise CheckpointError(raised[1]) from error  # what each rank said stays with it
             raise
         finally:
             view.close()
-        if train_options.resume is not None:  # what came after the checkpoint's step is not this run's past
+        if train_options.resume is not None:  # what came after the checkpoint's step is not this pipeline's past
             self.history.records = [r for r in self.history.records if r.step <= first_step]
         self.history.records += history.records
         self.history.resumed_from = history.resumed_from or self.history.resumed_from
         return history
 
     def training_display(self, total_steps: int, first_step: int, show: bool):
-        """What shows a training run's progress: anything with `add(record, timeline)` and `close()`.
+        """What shows training's progress: anything with `add(record, timeline)` and `close()`.
 
-        Here a terminal's progress bar (or nothing); a notebook's run shows a live view instead
-        (pplab.views.lab.NotebookRun).
+        Here a terminal's progress bar (or nothing); a notebook's pipeline shows a live view instead
+        (pplab.views.lab.NotebookPipeline).
         """
         return ProgressBar(total_steps, first_step) if show else _NoDisplay()
 
@@ -208,7 +213,7 @@ class PipelineRun:
         """What crossed each stage boundary in the last step."""
         if self.last is None:
             self.step()
-        return BoundaryTable(self.last.shapes)
+        return BoundaryTable(self.last.boundary_shapes)
 
     def simulate(self, costs: Costs | None = None) -> Timeline:
         """The timeline the simulator predicts for this schedule (same type as a measured one)."""
@@ -217,15 +222,15 @@ class PipelineRun:
     def close(self) -> None:
         """Free the stages on every rank."""
         if self.lab.state != "stopped":
-            self.lab.run(drop_on_rank, self.run_id, timeout=60)
+            self.lab.run(drop_on_rank, self.pipeline_id, timeout=60)
 
     def __repr__(self) -> str:
         s = self.schedule
-        runtime = f"torch's {self.spec.torch_name}" if self.spec.impl == "torch" else s.name
+        runtime = f"torch's {s.name}" if self.spec.impl == "torch" else s.name
         mesh = self.spec.mesh
         where = (f"{mesh.world_size} ranks as pp={mesh.pp} x dp={mesh.dp} x tp={mesh.tp}" if mesh
                  else f"{s.n_ranks} ranks")
-        return f"<PipelineRun {runtime}: {where}, {s.n_stages} stages, {s.n_microbatches} microbatches>"
+        return f"<Pipeline {runtime}: {where}, {s.n_stages} stages, {s.n_microbatches} microbatches>"
 
 
 class _NoDisplay:
@@ -251,10 +256,10 @@ class LiveStep:
     how many it sent): the result waits for all of them, a bounded time.
     """
 
-    def __init__(self, run: PipelineRun, call):
-        self.run, self.call = run, call
+    def __init__(self, pipe: Pipeline, call):
+        self.pipe, self.call = pipe, call
         self.events: list[Event] = []  # the step's events that have arrived, from every rank
-        self._by_rank: dict[int, list[Event]] = {rank: [] for rank in range(run.spec.world_size)}
+        self._by_rank: dict[int, list[Event]] = {rank: [] for rank in range(pipe.spec.world_size)}
         self._unseen: list[tuple[float, Event | Now]] = []  # arrived, not yet given out by poll()
         self._result: StepResult | None = None
 
@@ -289,17 +294,17 @@ class LiveStep:
 
     def timeline(self, label: str = "running") -> Timeline:
         """The events that have arrived, as a (growing) timeline."""
-        return Timeline(list(self.events), self.run.spec.world_size, label=label)
+        return Timeline(list(self.events), self.pipe.spec.world_size, label=label)
 
     def result(self) -> StepResult:
-        """Wait for every rank; the merged step (also kept as `run.last`)."""
+        """Wait for every rank; the merged step (also kept as `pipe.last`)."""
         if self._result is None:
             rank_steps = self.call.result()
             self._wait_for_streamed(rank_steps)
             self.call.wait_for_events()  # what a rank told after its last event (it is "done") may trail
             self._result = merge_steps([dataclasses.replace(step, events=[*self._by_rank[step.rank], *step.events])
                                         for step in rank_steps])
-            self.run.last = self._result
+            self.pipe.last = self._result
         return self._result
 
     def _wait_for_streamed(self, rank_steps, seconds: float = STREAM_DRAIN_SECONDS) -> None:

@@ -4,7 +4,7 @@ Each exercise notebook (`notebooks/*exercise*.ipynb`) has a marked cell where th
 writes one piece, and a checker cell that calls one function here. A checker never raises
 for a wrong answer: it returns a `Verdict` that prints as a short report, so a notebook
 with an unwritten exercise still runs top to bottom. Checkers that need ranks run the
-code on a lab; a deadlock there ends within the lab's timeout, and the checker restarts
+code on a lab; a deadlock there ends within the lab's op_timeout, and the checker restarts
 the lab for the next try.
 
     warmup_forwards(rank, n_ranks, n_microbatches)       -> check_warmup
@@ -20,6 +20,9 @@ import html
 import traceback
 import types
 from dataclasses import dataclass
+
+__all__ = ["check_stage_forward", "check_send_recv", "check_warmup", "check_clipping", "check_schedule",
+           "Verdict"]
 
 NOT_WRITTEN = "not written yet: replace `raise NotImplementedError` in the exercise cell with your code"
 
@@ -178,7 +181,7 @@ def check_send_recv(lab, forward_backward, seed: int = 0) -> Verdict:
     name = "send and receive, with gradients"
     if lab.world_size != 2:
         return Verdict(name, False, f"this exercise runs on 2 ranks; the lab has {lab.world_size}: "
-                                    f"start it with pplab.Lab(ranks=2)")
+                                    f"start it with pplab.Lab(n_ranks=2)")
     config = LlamaConfig.tiny()
     batch = next(batches(2, 16, seed=seed))
     ran = _run_on_lab(lab, name, _forward_backward_on_rank, forward_backward, config, batch)
@@ -214,13 +217,13 @@ def _run_on_lab(lab, name: str, on_rank, learner_code, *args):
         return Verdict(name, False, f"give a function defined with def, not {type(learner_code).__name__}")
     if lab.device != "cpu":
         return Verdict(name, False, f"this exercise's tensors live on the CPU, but the lab runs on "
-                                    f"{lab.device}: start it with pplab.Lab(ranks=2, device='cpu')")
+                                    f"{lab.device}: start it with pplab.Lab(n_ranks=2, device='cpu')")
     try:
         imports, shared = _globals_used(learner_code)
         lab.run(_bind_on_rank, imports)
         if shared:
             lab.view.push(shared, block=True)
-        return lab.run(on_rank, learner_code, *args, timeout=lab.timeout + 60)
+        return lab.run(on_rank, learner_code, *args, timeout=lab.op_timeout + 60)
     except LabError as error:
         if getattr(error, "ename", "") == "NotImplementedError":
             _restart_if_needed(lab)
@@ -233,7 +236,7 @@ def _run_on_lab(lab, name: str, on_rank, learner_code, *args):
         if waited:  # gloo's words for a receive that gave up; the other side's error follows from it
             others = sorted(set(every_error) - set(waited))
             said = (f"rank{'s' if len(waited) > 1 else ''} {', '.join(map(str, waited))} waited "
-                    f"{lab.timeout:g} s for a message that never came"
+                    f"{lab.op_timeout:g} s for a message that never came"
                     + (f"; then rank{'s' if len(others) > 1 else ''} {', '.join(map(str, others))} lost "
                        f"the connection" if others else "") + ".")
             hint = ("\nIf both ranks receive first, neither sends: a deadlock; let one side send first. "
@@ -330,11 +333,11 @@ def check_schedule(lab, lines, n_microbatches: int = 4, max_in_flight: int | Non
     from pplab.drivers.cluster import LabError
 
     try:
-        run = lab.pipeline(LlamaConfig.tiny(), schedule=schedule)
+        pipe = lab.pipeline(LlamaConfig.tiny(), schedule=schedule)
         try:
-            report = run.check_parity()
+            report = pipe.check_parity()
         finally:
-            run.close()
+            pipe.close()
     except LabError as error:
         restarted = _restart_if_needed(lab)
         return Verdict(name, False, error.summary

@@ -1,7 +1,7 @@
 """The lab as a notebook uses it: its pipelines show their training live and open a dashboard.
 
 `pplab.Lab` is this `Lab`: the session's lab (pplab.session), whose `pipeline(...)` builds a
-`NotebookRun`, a `PipelineRun` with the views of this floor.
+`NotebookPipeline`, a `Pipeline` with the views of this floor.
 """
 
 from __future__ import annotations
@@ -10,21 +10,25 @@ from collections.abc import Sequence
 
 from pplab.data import Batch
 from pplab.session.drivers import Lab as _SessionLab
-from pplab.session.pipeline import PipelineRun
+from pplab.session.pipeline import Pipeline
 
 
-class NotebookRun(PipelineRun):
+class NotebookPipeline(Pipeline):
     """A pipeline on a lab's ranks, with live views: a dashboard, and training shown as it goes."""
 
-    def dashboard(self, batch: Batch | Sequence[Batch] | None = None, **options):
-        """A live dashboard of this pipeline (pplab.widgets.Dashboard): display it, then run steps."""
+    def dashboard(self, batch: Batch | Sequence[Batch] | None = None, stalled_after: float = 2.0):
+        """A live dashboard of this pipeline (pplab.widgets.Dashboard): display it, then run steps.
+
+        `batch`: the data of every step (default: the pipeline's); `stalled_after`: seconds a
+        wait lasts before its rank shows red.
+        """
         from pplab.views.widgets import Dashboard
 
         if self.spec.world_size != self.schedule.n_ranks:
             raise ValueError(f"the live dashboard draws one row per pipeline rank, but this mesh has "
-                             f"dp={self.mesh.dp} and tp={self.mesh.tp}: step the run and draw its timeline "
-                             f"with pplab.viz.plot_timeline(result.timeline, rank_labels=run.rank_labels)")
-        return Dashboard(self, batch, **options)
+                             f"dp={self.mesh.dp} and tp={self.mesh.tp}: step the pipeline and draw its timeline "
+                             f"with pplab.viz.plot_timeline(result.timeline, rank_labels=pipe.rank_labels)")
+        return Dashboard(self, batch, stalled_after)
 
     def training_display(self, total_steps: int, first_step: int, show: bool):
         """In a notebook a `TrainingView` (progress, loss curves, the latest step); else the session's."""
@@ -41,7 +45,7 @@ class NotebookRun(PipelineRun):
 
 class Lab(_SessionLab):
     __doc__ = _SessionLab.__doc__
-    run_class = NotebookRun
+    pipeline_class = NotebookPipeline
 
 
 def _in_notebook() -> bool:
@@ -55,7 +59,7 @@ def _in_notebook() -> bool:
 
 
 class _RedrawnAtTheEnd:
-    """A TrainingView fed step by step, drawn once more when the run ends."""
+    """A TrainingView fed step by step, drawn once more when the training ends."""
 
     def __init__(self, view):
         self.view = view

@@ -26,6 +26,9 @@ from matplotlib.transforms import blended_transform_factory
 from pplab.formatting import byte_unit, format_bytes
 from pplab.trace import Event, Timeline
 
+__all__ = ["plot_timeline", "compare_timelines", "plot_memory", "plot_bubbles", "plot_training", "save",
+           "kind_colours"]
+
 # ---------------------------------------------------------------- style
 
 # kind -> (face colour, hatch, legend label). Hues differ for colour
@@ -162,7 +165,7 @@ def _draw_timeline(ax: Axes, timeline: Timeline, title: str | None, until: float
     ax.set_ylim(n_ranks, 0)  # rank 0 on top
     if rank_labels is not None and len(rank_labels) != n_ranks:
         raise ValueError(f"rank_labels has {len(rank_labels)} names but the timeline has {n_ranks} ranks: "
-                         f"give one per rank (a mesh run's are run.rank_labels)")
+                         f"give one per rank (a mesh pipeline's are pipe.rank_labels)")
     labels = list(rank_labels) if rank_labels is not None else [f"rank {r}" for r in range(n_ranks)]
     ax.set_yticks([r + 0.5 for r in range(n_ranks)], labels)
     ax.tick_params(axis="y", length=0)

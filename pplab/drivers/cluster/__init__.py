@@ -1,6 +1,6 @@
 """The lab cluster: ipyparallel engines as torch.distributed ranks, driven from a notebook.
 
-    lab = pplab.Lab(ranks=4)      # start: engines up, ranks assigned, process group ready
+    lab = pplab.Lab(n_ranks=4)    # start: engines up, ranks assigned, process group ready
     lab.run(fn, *args)            # fn on every rank, results ordered by rank
     for event in lab.stream(fn):  # events that ranks publish() while fn runs
         ...
@@ -21,13 +21,14 @@ from pplab.drivers.cluster.calls import RankCall
 from pplab.drivers.cluster.errors import (LabError, LabNeedsRestartError, LabStartError, RankDiedError,
                                   RankFailedError, RankTimeoutError)
 from pplab.drivers.cluster.lab import Lab
+from pplab.drivers.cluster.namespaces import NamespaceHosts
 from pplab.drivers.cluster.plan import gpus_for_seat
 from pplab.drivers.cluster.records import cleanup
 from pplab.drivers.cluster.status import RankInfo, RankTable
 from pplab.rank.rank_context import RankContext, RankEvent, publish, rank_context
 
 __all__ = [
-    "Lab", "cleanup", "gpus_for_seat", "publish", "rank_context", "RankContext", "RankCall", "RankEvent",
+    "Lab", "cleanup", "gpus_for_seat", "NamespaceHosts", "publish", "rank_context", "RankContext", "RankCall", "RankEvent",
     "RankInfo", "RankTable", "LabError", "LabStartError", "LabNeedsRestartError",
     "RankFailedError", "RankDiedError", "RankTimeoutError",
 ]

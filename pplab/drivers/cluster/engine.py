@@ -99,7 +99,7 @@ def setup_rank(spec: RankSpec) -> dict:
         device = torch.device("cpu")
     dist.init_process_group(spec.backend, init_method=spec.rendezvous, rank=spec.rank,
                             world_size=spec.world_size,
-                            timeout=datetime.timedelta(seconds=spec.timeout))
+                            timeout=datetime.timedelta(seconds=spec.op_timeout))
     dist.barrier(device_ids=[device.index] if spec.backend == "nccl" else None)
 
     context = RankContext(spec.rank, spec.world_size, spec.local_rank, spec.local_world_size,

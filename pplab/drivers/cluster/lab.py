@@ -1,9 +1,9 @@
 """The Lab: ipyparallel engines as torch.distributed ranks, started, used and stopped from a notebook.
 
-    lab = Lab(ranks=4)        # controller + 4 engines, ranks assigned, process group ready
+    lab = Lab(n_ranks=4)      # controller + 4 engines, ranks assigned, process group ready
     lab.status()              # rank, engine, host, pid, device, backend
     lab.run(fn, *args)        # fn on every rank, results ordered by rank
-    lab.stop()                # or: with Lab(ranks=4) as lab: ...
+    lab.stop()                # or: with Lab(n_ranks=4) as lab: ...
 
 Where the engines come from is the launcher's business (launchers.py): a local
 cluster for `Lab()`, a running one for `Lab.connect()`. Once engines have
@@ -119,44 +119,45 @@ class Lab:
 
     _stopped = True  # until a start begins (also for __del__ of a lab whose arguments failed)
 
-    def __init__(self, ranks: int = 2, *, backend: str = "auto", device: str = "auto",
-                 timeout: float = 60.0, threads: int | None = 1, grace: float = 3.0,
+    def __init__(self, n_ranks: int = 2, *, backend: str = "auto", device: str = "auto",
+                 op_timeout: float = 60.0, threads: int | None = 1, grace: float = 3.0,
                  start_timeout: float = 120.0, controller_ip: str = "127.0.0.1",
                  fork: bool | None = None, profile_dir: str | None = None,
                  gpus: Sequence[int] | None = None, activate: bool = True, verbose: bool = True):
-        """Start a local lab: a controller and `ranks` engines joined in one process group.
+        """Start a local lab: a controller and `n_ranks` engines joined in one process group.
 
-        timeout: seconds before a rendezvous, collective or P2P op on a rank gives up.
+        op_timeout: seconds ONE wait between ranks (a rendezvous, a collective, a P2P op) may take
+            before it gives up; `lab.run(fn, timeout=...)` is how long this client waits for a call.
         threads: torch threads per rank (None keeps torch's default).
         grace: seconds the other ranks get to finish after the first rank raises.
         controller_ip: the controller listens on loopback only unless you change this.
         fork: start engines by forking one process that imported torch (default on Linux).
         gpus: the CUDA devices of the ranks, one per rank (e.g. [2, 3]: each attendee of a
-            workshop its own; see pplab.cluster.gpus_for_seat); default: 0..ranks-1 if there are enough.
+            workshop its own; see pplab.cluster.gpus_for_seat); default: 0..n_ranks-1 if there are enough.
         """
-        check_positive_int("ranks", ranks, example=2)
-        self._configure(ranks=ranks, backend=backend, device=device, timeout=timeout,
+        check_positive_int("n_ranks", n_ranks, example=2)
+        self._configure(n_ranks=n_ranks, backend=backend, device=device, op_timeout=op_timeout,
                         threads=threads, grace=grace, start_timeout=start_timeout,
                         activate=activate, verbose=verbose)
         if gpus is not None:
             import torch
 
-            self._gpus = check_gpus(gpus, ranks, device, torch.cuda.device_count())
+            self._gpus = check_gpus(gpus, n_ranks, device, torch.cuda.device_count())
             self._requested["device"] = device = "cuda"
         # Reject a forced backend/device this host cannot honour before starting anything.
         here = socket.gethostname()
         choose_backend_device(backend, device, {here: _local_gpu_count(backend, device)},
-                              {here: ranks})
+                              {here: n_ranks})
         self._launcher = LocalCluster(
-            ranks, os.path.abspath(profile_dir or records.default_profile_dir()),
+            n_ranks, os.path.abspath(profile_dir or records.default_profile_dir()),
             controller_ip=controller_ip, fork=sys.platform == "linux" if fork is None else bool(fork),
             threads=self.threads, start_timeout=self.start_timeout, verbose=verbose)
         self._bring_up(self._launcher.start, "start")
 
     @classmethod
     def connect(cls, profile: str | None = "default", cluster_id: str = "", *,
-                profile_dir: str | None = None, ranks: int | None = None,
-                backend: str = "auto", device: str = "auto", timeout: float = 60.0,
+                profile_dir: str | None = None, n_ranks: int | None = None,
+                backend: str = "auto", device: str = "auto", op_timeout: float = 60.0,
                 threads: int | None = 1, grace: float = 3.0, start_timeout: float = 120.0,
                 gloo_ifname: str | None = None, activate: bool = True,
                 verbose: bool = True, restart_engines: Callable[[], None] | None = None) -> "Lab":
@@ -165,10 +166,10 @@ class Lab:
         `lab.restart()` replaces the engines through the cluster's file (ipcluster's), or by
         calling `restart_engines()`: your launcher's way to kill the engines and start new ones.
         """
-        if ranks is not None:
-            check_positive_int("ranks", ranks, example=2)
+        if n_ranks is not None:
+            check_positive_int("n_ranks", n_ranks, example=2)
         lab = cls.__new__(cls)
-        lab._configure(ranks=ranks, backend=backend, device=device, timeout=timeout,
+        lab._configure(n_ranks=n_ranks, backend=backend, device=device, op_timeout=op_timeout,
                        threads=threads, grace=grace, start_timeout=start_timeout,
                        activate=activate, verbose=verbose)
         if profile_dir is None:  # where ipcluster keeps the profile (and we a rendezvous file)
@@ -180,11 +181,11 @@ class Lab:
         lab._bring_up(lab._launcher.start, "start")
         return lab
 
-    def _configure(self, *, ranks, backend, device, timeout, threads, grace, start_timeout,
+    def _configure(self, *, n_ranks, backend, device, op_timeout, threads, grace, start_timeout,
                    activate, verbose) -> None:
         """Check and keep the options shared by Lab() and Lab.connect()."""
-        self._requested = {"ranks": ranks, "backend": backend, "device": device}
-        self.timeout = check_positive_seconds("timeout", timeout)
+        self._requested = {"n_ranks": n_ranks, "backend": backend, "device": device}
+        self.op_timeout = check_positive_seconds("op_timeout", op_timeout)
         self.grace = check_positive_seconds("grace", grace)
         self.start_timeout = check_positive_seconds("start_timeout", start_timeout)
         self.threads = check_threads(threads)
@@ -200,13 +201,13 @@ class Lab:
     def _bring_up(self, launch: Callable, what: str) -> None:
         """Get engines from the launcher, then make them ranks; on failure stop what started."""
         self._last_call = None  # a call of engines that are gone says nothing about new ones
-        expected_ranks = self._requested["ranks"] or self.world_size or 1
+        expected_ranks = self._requested["n_ranks"] or self.world_size or 1
         progress = _Progress(self._verbose, phases=expected_ranks + 5)
         self._stopped = False
         _running_labs.add(self)
         try:
             old_engines = launch(progress)  # engine ids of a connected cluster's old engines
-            wanted = (self._requested["ranks"] or self.world_size
+            wanted = (self._requested["n_ranks"] or self.world_size
                       or max(1, len(self.client.ids)))
             engine_ids = self._wait_for_engines(wanted, progress, exclude=old_engines)
             self._make_ranks(engine_ids, progress)
@@ -270,14 +271,14 @@ class Lab:
         gloo_ifname = self._launcher.gloo_ifname or (loopback_interface() if on_one_host else None)
         sys_path = tuple(sys.path)  # engines import what the notebook can (missing dirs are skipped)
         specs = [RankSpec(rank, len(order), local_rank, local_size, self.backend, self.device,
-                          rendezvous, self.timeout, self._launcher.threads_per_rank(self.threads),
+                          rendezvous, self.op_timeout, self._launcher.threads_per_rank(self.threads),
                           gloo_ifname, sys_path, self._gpus[rank] if self._gpus else None)
                  for rank, (local_rank, local_size) in enumerate(local_ranks(hosts))]
         joining = ipp.AsyncResult.join(*[self.client[engine_id].apply_async(engine.setup_rank, spec)
                                          for engine_id, spec in zip(order, specs)])
         self._view = self.client[order]  # a view in rank order: results come back by rank
         self._view.block = True  # what %%px cells use
-        RankCall(self._ranks, joining, "setting up the process group", self.timeout + 10,
+        RankCall(self._ranks, joining, "setting up the process group", self.op_timeout + 10,
                  self.grace).result()
 
     def _new_rendezvous(self, order: list[int], about: dict, on_one_host: bool) -> str:
@@ -301,7 +302,7 @@ class Lab:
 
     @property
     def world_size(self) -> int:
-        """The number of ranks."""
+        """The number of ranks (torch.distributed's word for it: `n_ranks` is what started them)."""
         return len(self._ranks.infos)
 
     @property

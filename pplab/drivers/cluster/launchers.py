@@ -57,9 +57,9 @@ class LocalCluster:
 
     gloo_ifname = None  # all ranks are on this host: the lab puts gloo on loopback
 
-    def __init__(self, ranks: int, profile_dir: str, *, controller_ip: str, fork: bool,
+    def __init__(self, n_ranks: int, profile_dir: str, *, controller_ip: str, fork: bool,
                  threads: int | None, start_timeout: float, verbose: bool):
-        self.ranks = ranks
+        self.n_ranks = n_ranks
         self.profile_dir = profile_dir
         self.controller_ip = controller_ip
         self.fork = fork
@@ -79,7 +79,7 @@ class LocalCluster:
         for folder in ("security", "log"):
             os.makedirs(os.path.join(self.profile_dir, folder), exist_ok=True)
         self.cluster_id = new_cluster_id()
-        progress.update(f"starting a controller and {self.ranks} engines")
+        progress.update(f"starting a controller and {self.n_ranks} engines")
         if self.fork:
             # First of all, so that the engines import torch while everything else starts.
             self._fork_server = self._start_fork_server()
@@ -89,7 +89,7 @@ class LocalCluster:
         import ipyparallel as ipp
 
         self._cluster = ipp.Cluster(
-            cluster_id=self.cluster_id, profile_dir=self.profile_dir, n=self.ranks,
+            cluster_id=self.cluster_id, profile_dir=self.profile_dir, n=self.n_ranks,
             config=self._engine_launcher_config(), load_profile=False,
             controller_ip=self.controller_ip, controller_args=CONTROLLER_ARGS,
             # Engines read the controller's connection file themselves, so they need
@@ -97,7 +97,7 @@ class LocalCluster:
             send_engines_connection_env=False, delay=0, log=_ipyparallel_log)
         self._cluster.start_controller_sync()
         if not self.fork:
-            self._cluster.start_engines_sync(self.ranks)
+            self._cluster.start_engines_sync(self.n_ranks)
         self._launched = self._launched_processes()
         records.write_record(self.profile_dir, self.cluster_id, self._launched)
         self.client = self._cluster.connect_client_sync()
@@ -174,7 +174,7 @@ class LocalCluster:
                        "IPP_CLUSTER_ID": self.cluster_id, "IPP_PROFILE_DIR": self.profile_dir}
         with open(self._fork_server_log(), "ab") as log:
             return subprocess.Popen(
-                [sys.executable, "-m", "pplab.drivers.cluster.forkserver", str(self.ranks),
+                [sys.executable, "-m", "pplab.drivers.cluster.forkserver", str(self.n_ranks),
                  *self._engine_args()],
                 env=environment, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
                 start_new_session=True)  # like ipyparallel's: a notebook interrupt must not reach it

@@ -10,8 +10,8 @@ network a bandwidth (tbf), a latency or losses (netem, where the kernel has it),
 while the control network, and with it every report to the notebook, stays up. Needs root (`ip netns`, `tc`);
 `NamespaceHosts.why_not()` says what is missing where it cannot run.
 
-    with NamespaceHosts(hosts=2, engines_per_host=2) as hosts:
-        lab = pplab.Lab.connect(**hosts.connect_options(), ranks=4)
+    with NamespaceHosts(n_hosts=2, engines_per_host=2) as hosts:
+        lab = pplab.Lab.connect(**hosts.connect_options(), n_ranks=4)
         hosts.shape_link(delay_ms=5, rate_mbit=100)
 
 The addresses (two free /24s of 10.77.0.0/16: the first NamespaceHosts gets 10.77.0 and
@@ -33,6 +33,7 @@ import tempfile
 import time
 import uuid
 
+from pplab.arguments import check_positive_int
 from pplab.drivers.cluster.launchers import ENGINE_ARGS  # the same engines a local lab starts
 
 CONTROL, DATA = "pplab0", "pplab1"  # each host's interfaces, the same names on every host
@@ -43,14 +44,14 @@ CONTROLLER_ARGS = ["--usethreads", "--HeartMonitor.period=250", "--HeartMonitor.
 
 
 class NamespaceHosts:
-    """`hosts` network namespaces joined by a bridge, a controller on the first, engines on each."""
+    """`n_hosts` network namespaces joined by a bridge, a controller on the first, engines on each."""
 
-    def __init__(self, hosts: int = 2, engines_per_host: int = 2, subnets: tuple[str, str] | None = None,
+    def __init__(self, n_hosts: int = 2, engines_per_host: int = 2, subnets: tuple[str, str] | None = None,
                  start_timeout: float = 120.0):
-        if hosts < 1 or engines_per_host < 1:
-            raise ValueError(f"hosts={hosts} and engines_per_host={engines_per_host} must be >= 1")
+        check_positive_int("n_hosts", n_hosts, example=2)
+        check_positive_int("engines_per_host", engines_per_host, example=2)
         self.tag = uuid.uuid4().hex[:6]
-        self.names = [f"pplab-{self.tag}-h{i}" for i in range(hosts)]
+        self.names = [f"pplab-{self.tag}-h{i}" for i in range(n_hosts)]
         self.subnets, self.addresses = subnets, []  # chosen when started (the control network's)
         self.bridges = [f"pplbr{self.tag}{n}" for n in range(2)]
         self.engines_per_host, self.start_timeout = engines_per_host, start_timeout

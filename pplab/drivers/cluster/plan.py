@@ -26,7 +26,7 @@ class RankSpec:
     backend: str
     device: str  # "cpu" or "cuda"
     rendezvous: str  # init_method URL: file:///... on one host, tcp://host:port across hosts
-    timeout: float  # seconds, for the rendezvous and for every collective or P2P op
+    op_timeout: float  # seconds, for the rendezvous and for every collective or P2P op
     threads: int | None  # torch threads per rank; None keeps the engine's default
     gloo_ifname: str | None  # network interface for gloo/NCCL sockets; None lets them choose
     sys_path: tuple[str, ...] = ()  # entries of the client's sys.path to add on the engine
@@ -38,8 +38,8 @@ def check_threads(threads: object) -> int | None:
     return None if threads is None else check_positive_int("threads", threads, example=1)
 
 
-def check_gpus(gpus: object, ranks: int, device: str, gpu_count: int) -> tuple[int, ...] | None:
-    """The CUDA devices a local lab's ranks use, one per rank in rank order (None: 0..ranks-1).
+def check_gpus(gpus: object, n_ranks: int, device: str, gpu_count: int) -> tuple[int, ...] | None:
+    """The CUDA devices a local lab's ranks use, one per rank in rank order (None: 0..n_ranks-1).
 
     On a server shared by several attendees each lab takes its own GPUs, e.g. seat 2 of
     a room with two ranks each takes `gpus=[4, 5]` (see `gpus_for_seat`).
@@ -52,8 +52,8 @@ def check_gpus(gpus: object, ranks: int, device: str, gpu_count: int) -> tuple[i
     if not all(isinstance(gpu, int) and not isinstance(gpu, bool) and gpu >= 0 for gpu in gpus) \
             or len(set(gpus)) != len(gpus):
         raise ValueError(f"gpus={list(gpus)!r}: give distinct device numbers >= 0, one per rank, e.g. gpus=[0, 1]")
-    if len(gpus) != ranks:
-        raise ValueError(f"gpus={list(gpus)!r} names {len(gpus)} GPU(s) for {ranks} ranks: give one per rank")
+    if len(gpus) != n_ranks:
+        raise ValueError(f"gpus={list(gpus)!r} names {len(gpus)} GPU(s) for {n_ranks} ranks: give one per rank")
     if device == "cpu":
         raise ValueError(f"gpus={list(gpus)!r} with device='cpu': leave out gpus, or use device='cuda'")
     missing = [gpu for gpu in gpus if gpu >= gpu_count]
@@ -65,17 +65,17 @@ def check_gpus(gpus: object, ranks: int, device: str, gpu_count: int) -> tuple[i
     return gpus
 
 
-def gpus_for_seat(seat: int, ranks: int, gpu_count: int) -> list[int]:
-    """The GPUs of attendee `seat` (0, 1, ...) when each attendee's lab has `ranks` ranks: the
+def gpus_for_seat(seat: int, n_ranks: int, gpu_count: int) -> list[int]:
+    """The GPUs of attendee `seat` (0, 1, ...) when each attendee's lab has `n_ranks` ranks: the
     devices split in consecutive blocks, e.g. seat 1 with 2 ranks on 8 GPUs gets [2, 3]."""
-    check_positive_int("ranks", ranks, example=2)
-    seats = gpu_count // ranks
+    check_positive_int("n_ranks", n_ranks, example=2)
+    seats = gpu_count // n_ranks
     if seats == 0:
-        raise ValueError(f"{gpu_count} GPU(s) cannot seat a lab of {ranks} ranks: use device='cpu'")
+        raise ValueError(f"{gpu_count} GPU(s) cannot seat a lab of {n_ranks} ranks: use device='cpu'")
     if not isinstance(seat, int) or not 0 <= seat < seats:
-        raise ValueError(f"seat={seat!r}: {gpu_count} GPU(s) give {seats} seat(s) of {ranks} rank(s) "
+        raise ValueError(f"seat={seat!r}: {gpu_count} GPU(s) give {seats} seat(s) of {n_ranks} rank(s) "
                          f"(0..{seats - 1}); the others use device='cpu'")
-    return list(range(seat * ranks, (seat + 1) * ranks))
+    return list(range(seat * n_ranks, (seat + 1) * n_ranks))
 
 
 def choose_backend_device(backend: str, device: str, gpus_per_host: dict[str, int],

@@ -1,6 +1,6 @@
 """Live views of a pipeline in a notebook (ipywidgets and matplotlib, floor 5).
 
-`Dashboard(run)` (or `run.dashboard()`) follows a lab pipeline while its ranks
+`Dashboard(pipe)` (or `pipe.dashboard()`) follows a lab pipeline while its ranks
 work. Each panel also works alone, on static or simulated timelines:
 `TimelineView`, `BubblesView`, `ShapesView`, `GradientsView`, `MemoryView`,
 `WhereView`, `WhatIf`, the simulator under sliders, and `TrainingView`, a training run's

@@ -6,7 +6,7 @@ dashboard polls for them on the kernel's main thread (a plain loop in `run_steps
 an asyncio task in `start`, so the kernel stays free for other cells) and redraws
 the live timeline as SVG a few times per second. Finished steps go to the bubble,
 shape, gradient, memory and loss panels; the matplotlib pictures are drawn when a
-run ends, so that rendering does not take the CPU the ranks need.
+series of steps ends, so that rendering does not take the CPU the ranks need.
 """
 
 from __future__ import annotations
@@ -34,16 +34,17 @@ TIMING_COSTS = Costs(forward=0.05, backward=0.1)  # timing mode: the shape of a 
 class Dashboard(widgets.VBox):
     """Controls, where each rank is, the timeline, and panels for bubbles, shapes, gradients and memory."""
 
-    def __init__(self, run, batch=None, stalled_after: float = 2.0):
-        """`run` is a lab pipeline (`lab.pipeline(...)`); `batch` the data of every step (default: the run's)."""
-        self.run, self.batch = run, batch
+    def __init__(self, pipe, batch=None, stalled_after: float = 2.0):
+        """`pipe` is a lab pipeline (`lab.pipeline(...)`); `batch` the data of every step (default: the
+        pipeline's); `stalled_after`: seconds a wait lasts before its rank shows red."""
+        self.pipe, self.batch = pipe, batch
         self.results = []  # every finished step's StepResult
         self.latencies: list[float] = []  # seconds from a rank's note to its place in the widget state
         self.running = False
         self._stop_requested = False
         self._task: asyncio.Task | None = None
         self._build_controls()
-        self.where = WhereView(run.schedule.n_ranks, stalled_after)
+        self.where = WhereView(pipe.schedule.n_ranks, stalled_after)
         self.timeline = TimelineView()
         self.bubbles = BubblesView()
         self.shapes = ShapesView()
@@ -93,11 +94,11 @@ class Dashboard(widgets.VBox):
             raise RuntimeError("the dashboard is running steps: call stop() first")
         self._say("checking parity with one device")
         try:
-            report = self.run.check_parity(self.batch)
+            report = self.pipe.check_parity(self.batch)
         except (RankError, ValueError) as error:
             self._say_error(error)
             return None
-        self.gradients.show(self.run.last.grad_stats, report, self._stage_of())
+        self.gradients.show(self.pipe.last.grad_stats, report, self._stage_of())
         verdict = "matches one device" if report.passed else "DIFFERS from one device"
         self._say(f"parity: {verdict} (loss {report.loss:.6f} vs {report.reference_loss:.6f}, "
                   f"largest gradient difference {report.max_abs_diff:.1e})", error=not report.passed)
@@ -144,7 +145,7 @@ class Dashboard(widgets.VBox):
         predicted = self._predicted()
         number = len(self.results) + 1
         self._say(f"step {number} running ({index + 1} of {steps})")
-        live = self.run.start_step(self.batch, live_interval=LIVE_INTERVAL)
+        live = self.pipe.start_step(self.batch, live_interval=LIVE_INTERVAL)
         redraw = Throttle(LIVE_REDRAW_SECONDS)
         while not live.finished():
             self._take(live.poll())
@@ -157,7 +158,7 @@ class Dashboard(widgets.VBox):
         self.results.append(result)
         self.timeline.add_step(result.timeline, predicted, picture=False)
         self.bubbles.add(result.timeline, picture=False)
-        self.shapes.show(result.shapes)
+        self.shapes.show(result.boundary_shapes)
         self.gradients.show(result.grad_stats, stage_of=self._stage_of())
         self.memory.add_loss(result.loss, picture=False)
 
@@ -195,10 +196,10 @@ class Dashboard(widgets.VBox):
 
     def _costs(self) -> tuple[Costs | None, str]:
         """The costs to predict with: timing mode's, else those measured in the last step."""
-        if self.run.spec.timing is not None:
-            return self.run.spec.timing, "predicted (timing costs)"
+        if self.pipe.spec.timing is not None:
+            return self.pipe.spec.timing, "predicted (timing costs)"
         if self.results:
-            return (costs_from_timeline(self.results[-1].timeline, self.run.schedule.n_stages),
+            return (costs_from_timeline(self.results[-1].timeline, self.pipe.schedule.n_stages),
                     "predicted (costs of the last step)")
         return None, ""
 
@@ -206,13 +207,13 @@ class Dashboard(widgets.VBox):
         costs, label = self._costs()
         if costs is None:
             return None
-        predicted = simulate(self.run.schedule, costs)
+        predicted = simulate(self.pipe.schedule, costs)
         return Timeline(predicted.events, predicted.n_ranks, label=label)
 
     def _set_references(self, picture: bool = True) -> None:
         costs, _ = self._costs()
-        textbook = theory(self.run.schedule, costs)
-        simulated = simulate(self.run.schedule, costs).bubble_fraction()
+        textbook = theory(self.pipe.schedule, costs)
+        simulated = simulate(self.pipe.schedule, costs).bubble_fraction()
         self.bubbles.set_reference(textbook.bubble_fraction, simulated,
                                    "" if textbook.bubble_fraction is not None else textbook.conditions,
                                    picture=picture)
@@ -220,7 +221,7 @@ class Dashboard(widgets.VBox):
     def _stage_of(self):
         from pplab.partition import layer_ranges, stage_of_parameter
 
-        spec = self.run.spec
+        spec = self.pipe.spec
         ranges = layer_ranges(spec.config.num_hidden_layers, spec.schedule.n_stages, spec.balance,
                               spec.allow_empty)
         return lambda name: stage_of_parameter(name, ranges)
@@ -228,19 +229,21 @@ class Dashboard(widgets.VBox):
     # -- controls ------------------------------------------------------------------------------
 
     def _build_controls(self) -> None:
-        schedule, impl = self.run.schedule, self.run.spec.impl
-        current = self.run.spec.torch_name or schedule.name
+        schedule, impl = self.pipe.schedule, self.pipe.spec.impl
+        current = schedule.name
         names = _schedule_names(impl)
         names = names if current in names else [current, *names]
         short, labelled = widgets.Layout(width="190px"), {"description_width": "initial"}
         self.schedule_name = widgets.Dropdown(options=names, value=current, description="schedule")
-        self.microbatches = widgets.BoundedIntText(schedule.n_microbatches, min=1, max=256,
-                                                   description="microbatches", layout=short, style=labelled)
-        self.virtual = widgets.BoundedIntText(schedule.n_virtual, min=1, max=8, description="stages per rank",
-                                              layout=short, style=labelled)
-        self.implementation = widgets.Dropdown(options=IMPLEMENTATIONS, value=impl,
-                                               description="runtime", layout=widgets.Layout(width="180px"))
-        self.timing = widgets.Checkbox(self.run.spec.timing is not None, description="timing mode",
+        # Each control is labelled with the keyword of lab.pipeline(...) it sets.
+        self.n_microbatches = widgets.BoundedIntText(schedule.n_microbatches, min=1, max=256,
+                                                     description="n_microbatches", layout=short, style=labelled)
+        self.n_virtual = widgets.BoundedIntText(schedule.n_virtual, min=1, max=8,
+                                                description="n_virtual (stages per rank)",
+                                                layout=widgets.Layout(width="250px"), style=labelled)
+        self.impl = widgets.Dropdown(options=IMPLEMENTATIONS, value=impl, description="impl",
+                                     layout=widgets.Layout(width="180px"))
+        self.timing = widgets.Checkbox(self.pipe.spec.timing is not None, description="timing mode",
                                        indent=False, layout=widgets.Layout(width="110px"))
         self.step_count = widgets.BoundedIntText(5, min=1, max=10_000, description="steps", layout=short,
                                                  style=labelled)
@@ -252,20 +255,20 @@ class Dashboard(widgets.VBox):
         self.progress = widgets.IntProgress(0, min=0, max=1, layout=widgets.Layout(width="220px"))
         self.status = widgets.HTML()
         self.controls = widgets.VBox([
-            widgets.HBox([self.schedule_name, self.microbatches, self.virtual, self.implementation, self.timing]),
+            widgets.HBox([self.schedule_name, self.n_microbatches, self.n_virtual, self.impl, self.timing]),
             widgets.HBox([self.step_button, self.step_count, self.run_button, self.stop_button,
                           self.parity_button])])
         self.step_button.on_click(lambda _: self.start(1))
         self.run_button.on_click(lambda _: self.start(self.step_count.value))
         self.stop_button.on_click(lambda _: self.stop())
         self.parity_button.on_click(lambda _: self.check_parity())
-        for control in (self.schedule_name, self.microbatches, self.virtual, self.timing):
+        for control in (self.schedule_name, self.n_microbatches, self.n_virtual, self.timing):
             control.observe(lambda _: self.rebuild(), names="value")
-        self.implementation.observe(lambda _: self._implementation_changed(), names="value")
+        self.impl.observe(lambda _: self._impl_changed(), names="value")
 
-    def _implementation_changed(self) -> None:
-        """Another runtime knows other schedule names: offer them (keeping the schedule if it has it)."""
-        names = _schedule_names(self.implementation.value)
+    def _impl_changed(self) -> None:
+        """Another implementation knows other schedules: offer them (keeping the schedule if it has it)."""
+        names = _schedule_names(self.impl.value)
         if self.schedule_name.value in names:
             self.schedule_name.options = names  # keeps the value: rebuild below
             self.rebuild()
@@ -276,23 +279,23 @@ class Dashboard(widgets.VBox):
         """Build the pipeline the controls describe on the ranks (the old one is freed)."""
         if self.running:
             return
-        lab, config = self.run.lab, self.run.config
+        lab, config = self.pipe.lab, self.pipe.config
         try:
-            new = lab.pipeline(config, schedule=self.schedule_name.value, microbatches=self.microbatches.value,
-                               n_virtual=self.virtual.value, timing=TIMING_COSTS if self.timing.value else None,
-                               impl=self.implementation.value)
+            new = lab.pipeline(config, schedule=self.schedule_name.value, n_microbatches=self.n_microbatches.value,
+                               n_virtual=self.n_virtual.value, timing=TIMING_COSTS if self.timing.value else None,
+                               impl=self.impl.value)
         except ValueError as error:  # sizes the schedule cannot take: say so, keep the old pipeline
             self._say_error(error)
             return
-        self.run.close()
-        self.run, self.results = new, []
+        self.pipe.close()
+        self.pipe, self.results = new, []
         self.where.reset(new.schedule.n_ranks)
         self.bubbles.rows = []
         self._set_references()
         self._say(f"rebuilt: {new!r}")
 
     def _enable_controls(self, enabled: bool) -> None:
-        for control in (self.schedule_name, self.microbatches, self.virtual, self.timing,
+        for control in (self.schedule_name, self.n_microbatches, self.n_virtual, self.timing,
                         self.step_button, self.run_button, self.step_count, self.parity_button):
             control.disabled = not enabled
         self.stop_button.disabled = enabled
@@ -310,7 +313,7 @@ class Dashboard(widgets.VBox):
 
 
 def _schedule_names(impl: str) -> list[str]:
-    """The schedule names a runtime knows."""
+    """The schedules an implementation runs (impl="pplab" or "torch")."""
     if impl == "torch":
         return list(TORCH_SCHEDULES)
     return list(SCHEDULE_NAMES)

@@ -195,7 +195,7 @@ class ShapesView(widgets.VBox):
         self.show(boundaries or [])
 
     def show(self, boundaries: Sequence) -> None:
-        """Show one step's boundary records (`StepResult.shapes`)."""
+        """Show one step's boundary records (`StepResult.boundary_shapes`)."""
         self.flagged = []
         rows = []
         for b in sorted(boundaries, key=lambda b: (b.source, b.microbatch)):
@@ -227,7 +227,7 @@ class GradientsView(widgets.VBox):
             self.show(grad_stats, parity, stage_of)
 
     def show(self, grad_stats: dict, parity=None, stage_of: Callable[[str], int] | None = None) -> None:
-        """Show `StepResult.grad_stats`; `parity` is a `ParityReport` from `run.check_parity()`."""
+        """Show `StepResult.grad_stats`; `parity` is a `ParityReport` from `pipe.check_parity()`."""
         from pplab.rank.checks import check_gradient_flow
 
         self.red = dict(check_gradient_flow(grad_stats).failures)

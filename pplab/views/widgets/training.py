@@ -1,6 +1,6 @@
 """A training run, live: progress, loss curves and the latest step's timeline on every rank.
 
-`TrainingView` is what `PipelineRun.train(...)` displays in a notebook. It takes the
+`TrainingView` is what `Pipeline.train(...)` displays in a notebook. It takes the
 records the ranks publish while they train (`add`), keeps them in plain attributes
 (`records`, `timeline`), and redraws at most once per `redraw_seconds`.
 """

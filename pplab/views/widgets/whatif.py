@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import ipywidgets as widgets
 
-from pplab.schedules import SCHEDULE_NAMES, Kind, Schedule, build, theory
+from pplab.schedules import SCHEDULE_NAMES, Kind, Schedule, build, schedule_name, theory
 from pplab.simulator import Costs, costs_from_timeline, simulate
 from pplab.trace import Timeline
 from pplab.views.widgets.render import RED, show_png, table
@@ -31,10 +31,10 @@ class WhatIf(widgets.VBox):
             n_ranks, n_microbatches, n_virtual = schedule.n_ranks, schedule.n_microbatches, schedule.n_virtual
             name = schedule.name
         else:
-            name = schedule.lower()
-            if name not in SCHEDULE_NAMES:
-                raise ValueError(f"unknown schedule {schedule!r}: choose one of {', '.join(SCHEDULE_NAMES)}, "
-                                 f"or pass a Schedule")
+            name = schedule_name(schedule)
+            if name not in SCHEDULE_NAMES:  # the sliders rebuild the schedule: pplab must build it
+                raise ValueError(f"WhatIf's sliders build pplab's schedules ({', '.join(SCHEDULE_NAMES)}); "
+                                 f"for {name}, pass its plan: WhatIf(from_torch({name!r}, n_ranks, ...))")
             n_virtual = n_virtual or (2 if name == "interleaved-1f1b" else 1)
         self.measured = measured
         self.activation_bytes = activation_bytes
@@ -44,13 +44,14 @@ class WhatIf(widgets.VBox):
         self._per_stage = _per_stage_costs(costs or Costs(), n_ranks * n_virtual)
         biggest = max(max(self._per_stage["forward"]), max(self._per_stage["backward"]))
 
-        self.name = widgets.Dropdown(options=[name] if self.custom else list(SCHEDULE_NAMES), value=name,
-                                     description="schedule", disabled=self.custom is not None)
-        self.ranks = widgets.IntSlider(n_ranks, min=1, max=8, description="ranks p", **_int_style(self.custom))
-        self.microbatches = widgets.IntSlider(n_microbatches, min=1, max=32, description="microbatches m",
-                                              **_int_style(self.custom))
-        self.virtual = widgets.IntSlider(n_virtual, min=1, max=4, description="stages/rank v",
-                                         **_int_style(self.custom))
+        # Each control is labelled with the keyword it sets (WhatIf's, build's, lab.pipeline's).
+        self.schedule_name = widgets.Dropdown(options=[name] if self.custom else list(SCHEDULE_NAMES), value=name,
+                                              description="schedule", disabled=self.custom is not None)
+        self.n_ranks = widgets.IntSlider(n_ranks, min=1, max=8, description="n_ranks (p)", **_int_style(self.custom))
+        self.n_microbatches = widgets.IntSlider(n_microbatches, min=1, max=32, description="n_microbatches (m)",
+                                                **_int_style(self.custom))
+        self.n_virtual = widgets.IntSlider(n_virtual, min=1, max=4, description="n_virtual (stages per rank)",
+                                           **_int_style(self.custom))
         self.stage = widgets.Dropdown(description="costs of", style={"description_width": "170px"})
         self.forward = widgets.FloatSlider(min=0, max=4 * biggest, step=biggest / 100,
                                            description=f"F ({self.unit})", **_SLIDER)
@@ -68,13 +69,13 @@ class WhatIf(widgets.VBox):
         self.timeline: Timeline | None = None
         self.bubble: float | None = None
         self.draws = 0
-        sizes = widgets.VBox([self.name, self.ranks, self.microbatches, self.virtual])
+        sizes = widgets.VBox([self.schedule_name, self.n_ranks, self.n_microbatches, self.n_virtual])
         costs_box = widgets.VBox([self.stage, self.forward, self.backward, self.weight_share,
                                   self.latency, self.bandwidth])
         super().__init__([widgets.HBox([sizes, costs_box]), self.numbers, self.image])
         self._refresh_stage_choices()
         self._show_stage_costs()
-        for control in (self.name, self.ranks, self.microbatches, self.virtual):
+        for control in (self.schedule_name, self.n_ranks, self.n_microbatches, self.n_virtual):
             control.observe(self._sizes_changed, names="value")
         self.stage.observe(lambda _: self._show_stage_costs(), names="value")
         for control in (self.forward, self.backward, self.weight_share):
@@ -89,7 +90,7 @@ class WhatIf(widgets.VBox):
         """The schedule the sliders describe (a ValueError names sizes it cannot take)."""
         if self.custom is not None:
             return self.custom
-        return build(self.name.value, self.ranks.value, self.microbatches.value, self.virtual.value)
+        return build(self.schedule_name.value, self.n_ranks.value, self.n_microbatches.value, self.n_virtual.value)
 
     def costs(self) -> Costs:
         """The costs the sliders describe."""
@@ -132,7 +133,7 @@ class WhatIf(widgets.VBox):
     # -- keeping per-stage costs in step with the sliders ------------------------------------------
 
     def _sizes_changed(self, _change) -> None:
-        n_stages = self.ranks.value * self.virtual.value
+        n_stages = self.n_ranks.value * self.n_virtual.value
         if len(self._per_stage["forward"]) != n_stages:
             # A new number of stages: every stage starts from the first stage's costs.
             self._per_stage = {key: [values[0]] * n_stages for key, values in self._per_stage.items()}
@@ -171,7 +172,7 @@ class WhatIf(widgets.VBox):
 
 
 def _int_style(custom) -> dict:
-    return dict(continuous_update=False, disabled=custom is not None, style={"description_width": "130px"})
+    return dict(continuous_update=False, disabled=custom is not None, style={"description_width": "170px"})
 
 
 def _per_stage_costs(costs: Costs, n_stages: int) -> dict[str, list[float]]:
