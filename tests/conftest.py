@@ -57,6 +57,12 @@ def lab_processes(ipython_dir: str) -> list[psutil.Process]:
 NAMESPACE_FILES = {"test_hosts.py", "12_multi_host_and_faults.ipynb"}
 
 
+def pytest_xdist_auto_num_workers(config):
+    """`-n auto`: one worker more than the cores (at most 4). Many tests wait (a timeout running
+    out, a link shaped slow, a padded step) and a third worker fills those waits on 2 cores."""
+    return min(4, (os.cpu_count() or 1) + 1)
+
+
 def pytest_collection_modifyitems(config, items):
     """Under xdist (`-n`, on by default) a file's tests stay on one worker, so that its
     module-scoped labs and kernels start once; the files in NAMESPACE_FILES share one."""

@@ -18,14 +18,21 @@ from pplab.simulator import Costs, simulate
 from pplab.trace import Timeline
 
 
-def test_demo_runs_every_schedule_checks_it_and_writes_pictures_and_traces(tmp_path):
-    # m=3 on 2 ranks: interleaved 1F1B has no textbook bubble (m is not a multiple of p),
-    # the other three have one; the demo prints both kinds of line.
-    out = tmp_path / "demo"
+@pytest.fixture(scope="module")
+def demo_run(tmp_path_factory):
+    """One `pplab demo` on 2 ranks, 3 microbatches, 2 steps per schedule: (its output, its folder).
+    m=3 on 2 ranks: interleaved 1F1B has no textbook bubble (m is not a multiple of p), the
+    other three have one, so the demo prints both kinds of line."""
+    out = tmp_path_factory.mktemp("demo")
     done = subprocess.run([sys.executable, "-m", "pplab", "demo", "--n-ranks", "2", "--n-microbatches", "3",
-                           "--forward", "0.01", "--out", str(out)],
+                           "--steps", "2", "--forward", "0.01", "--out", str(out)],
                           capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stdout + done.stderr
+    return done, out
+
+
+def test_demo_runs_every_schedule_checks_it_and_writes_pictures_and_traces(demo_run):
+    done, out = demo_run
     for name in ("gpipe", "1f1b", "interleaved-1f1b", "zb-h1"):
         assert f"{name}" in done.stdout
         assert (out / f"{name}.png").stat().st_size > 10_000
@@ -38,25 +45,8 @@ def test_demo_runs_every_schedule_checks_it_and_writes_pictures_and_traces(tmp_p
     assert "theory n/a: Megatron's formula needs n_microbatches a multiple of n_ranks" in done.stdout
 
 
-def test_demo_runs_torchs_schedules_with_impl_torch(tmp_path):
-    out = tmp_path / "demo"
-    done = subprocess.run([sys.executable, "-m", "pplab", "demo", "--n-ranks", "2", "--n-microbatches", "4",
-                           "--forward", "0.01", "--impl", "torch", "--out", str(out)],
-                          capture_output=True, text=True, timeout=300)
-    assert done.returncode == 0, done.stdout + done.stderr
-    assert "torch.distributed.pipelining" in done.stdout
-    for name in ("torch-gpipe", "torch-1f1b", "torch-interleaved-1f1b", "torch-zbv-zero-bubble"):
-        assert (out / f"{name}.png").stat().st_size > 10_000, name
-    assert done.stdout.count("parity ok") == 4 and "FAILED" not in done.stdout
-
-
-
-def test_demo_runs_several_steps_and_writes_a_json_report(tmp_path):
-    out = tmp_path / "demo"
-    done = subprocess.run([sys.executable, "-m", "pplab", "demo", "--n-ranks", "2", "--steps", "2",
-                           "--n-microbatches", "2", "--forward", "0.01", "--out", str(out)],
-                          capture_output=True, text=True, timeout=300)
-    assert done.returncode == 0, done.stdout + done.stderr
+def test_demo_runs_several_steps_and_writes_a_json_report(demo_run):
+    done, out = demo_run
     report = json.loads((out / "report.json").read_text())
     assert report["passed"] is True
     assert report["pplab_version"] == pplab.__version__ and report["torch_version"] == torch.__version__
@@ -64,7 +54,7 @@ def test_demo_runs_several_steps_and_writes_a_json_report(tmp_path):
     names = [entry["name"] for entry in report["schedules"]]
     assert names == ["gpipe", "1f1b", "interleaved-1f1b", "zb-h1"]
     for entry in report["schedules"]:
-        assert entry["impl"] == "pplab" and entry["n_ranks"] == 2 and entry["n_microbatches"] == 2
+        assert entry["impl"] == "pplab" and entry["n_ranks"] == 2 and entry["n_microbatches"] == 3
         # No optimizer: the second step must repeat the first exactly, and both match one device.
         first, second = entry["losses"]
         assert first == second, entry["name"]
@@ -76,9 +66,21 @@ def test_demo_runs_several_steps_and_writes_a_json_report(tmp_path):
         assert len(entry["peak_inflight"]["measured"]) == 2
         assert (out / entry["files"]["timeline"]).stat().st_size > 10_000
     by_name = {entry["name"]: entry for entry in report["schedules"]}
-    assert by_name["gpipe"]["bubble_fraction"]["theory"] == pytest.approx(1 / 3)  # (p-1)/(m+p-1)
-    assert by_name["gpipe"]["peak_inflight"]["measured"] == [2, 2]  # GPipe holds all m on every rank
+    assert by_name["gpipe"]["bubble_fraction"]["theory"] == pytest.approx(1 / 4)  # (p-1)/(m+p-1)
+    assert by_name["gpipe"]["peak_inflight"]["measured"] == [3, 3]  # GPipe holds all m on every rank
     assert done.stdout.count("2 steps: losses all equal, gradients as the reference on every step") == 4
+
+
+def test_demo_runs_torchs_schedules_with_impl_torch(tmp_path):
+    out = tmp_path / "demo"
+    done = subprocess.run([sys.executable, "-m", "pplab", "demo", "--n-ranks", "2", "--n-microbatches", "4",
+                           "--forward", "0.01", "--impl", "torch", "--out", str(out)],
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "torch.distributed.pipelining" in done.stdout
+    for name in ("torch-gpipe", "torch-1f1b", "torch-interleaved-1f1b", "torch-zbv-zero-bubble"):
+        assert (out / f"{name}.png").stat().st_size > 10_000, name
+    assert done.stdout.count("parity ok") == 4 and "FAILED" not in done.stdout
 
 
 def run_simulate(*arguments: str) -> subprocess.CompletedProcess:
