@@ -53,22 +53,19 @@ def lab_processes(ipython_dir: str) -> list[psutil.Process]:
     return found
 
 
-# Files whose tests make network namespaces: one worker runs them all, one after the other.
-NAMESPACE_FILES = {"test_hosts.py", "12_multi_host_and_faults.ipynb"}
-
-
-def pytest_xdist_auto_num_workers(config):
-    """`-n auto`: one worker more than the cores (at most 4). Many tests wait (a timeout running
-    out, a link shaped slow, a padded step) and a third worker fills those waits on 2 cores."""
-    return min(4, (os.cpu_count() or 1) + 1)
+# The files that take a minute or more on 2 cores start first, so that no worker is left running
+# a long one alone at the end.
+LONGEST_FIRST = ["test_hosts.py", "test_cli.py", "12_multi_host_and_faults.ipynb", "test_cluster.py",
+                 "test_browser.py", "test_exercises.py", "08_training_and_checkpoints.ipynb", "test_mesh.py"]
 
 
 def pytest_collection_modifyitems(config, items):
     """Under xdist (`-n`, on by default) a file's tests stay on one worker, so that its
-    module-scoped labs and kernels start once; the files in NAMESPACE_FILES share one."""
+    module-scoped labs and kernels start once; the longest files go first."""
     for item in items:
-        name = item.path.name
-        item.add_marker(pytest.mark.xdist_group("namespaces" if name in NAMESPACE_FILES else name))
+        item.add_marker(pytest.mark.xdist_group(item.path.name))
+    first = {name: index for index, name in enumerate(LONGEST_FIRST)}
+    items.sort(key=lambda item: first.get(item.path.name, len(first)))  # stable: the rest as collected
 
 
 @pytest.fixture(scope="session", autouse=True)

@@ -111,10 +111,11 @@ def measure_link(nbytes_list):
 
 
 def test_a_slow_link_is_predicted_from_the_link_pplab_measures(two_hosts):
-    """Compute costs from the lab's own steps on a clean link, the link's from pplab's measurement
-    of it: the simulator predicts the slowed pipeline's step. Measured here: 7-8 % above it (the
-    link's two directions also carry each other's ACKs, which the model leaves out; and the CPU
-    is shared); the bound is 15 % so that a loaded CI machine does not make it flaky."""
+    """The link's costs from pplab's measurement of it, the compute costs from each slowed step's
+    own F and B (the CPU may be busier now than a minute ago: the suite shares it): the simulator
+    predicts the waits on the wire, and with them the step. Measured here: 7-8 % above the
+    prediction (the link's two directions also carry each other's ACKs, which the model leaves
+    out); the bound is 15 % so that a loaded CI machine does not make it flaky."""
     from pplab.simulator import costs_from_timeline
 
     hosts, lab = two_hosts
@@ -122,8 +123,6 @@ def test_a_slow_link_is_predicted_from_the_link_pplab_measures(two_hosts):
     activation = microbatch_size * seq_len * CONFIG.hidden_size * 4
     pipe = lab.pipeline(CONFIG, schedule="1f1b", n_microbatches=m)
     batch = next(pplab.data.batches(microbatch_size * m, seq_len))
-    clean = [pipe.step(batch).timeline for _ in range(4)][1:]
-    compute = costs_from_timeline(clean[-1], 2)
 
     # 5 ms one way at 100 Mbit/s where the kernel has netem; else a 5 Mbit/s token bucket.
     shaping = dict(delay_ms=5, rate_mbit=100) if hosts.has_netem() else dict(rate_mbit=5)
@@ -134,15 +133,17 @@ def test_a_slow_link_is_predicted_from_the_link_pplab_measures(two_hosts):
     assert bandwidth == pytest.approx(shaping["rate_mbit"] * 1e6 / 8, rel=0.3)  # what was set, measured
     if "delay_ms" in shaping:
         assert 4e-3 < latency < 8e-3
-    # A link carries one message at a time: on a slow one, messages queue (link_contention).
-    costs = dataclasses.replace(compute, latency=latency, bandwidth=bandwidth, activation_bytes=activation,
-                                link_contention=True)
 
-    steps = [pipe.step(batch).timeline for _ in range(5)][1:]
+    def predicted(timeline):  # a link carries one message at a time: on a slow one, messages queue
+        costs = dataclasses.replace(costs_from_timeline(timeline, 2), latency=latency, bandwidth=bandwidth,
+                                    activation_bytes=activation, link_contention=True)
+        return pplab.simulate(pipe.schedule, costs).step_time()
+
+    steps = [pipe.step(batch).timeline for _ in range(5)][1:]  # the first warms the slowed link up
     measured = statistics.median(t.step_time() for t in steps)
-    predicted = pplab.simulate(pipe.schedule, costs).step_time()
-    print(f"slow link: measured {measured:.4f} s, predicted {predicted:.4f} s ({measured / predicted - 1:+.1%})")
-    assert abs(measured / predicted - 1) <= 0.15, (measured, predicted)
+    ratio = statistics.median(t.step_time() / predicted(t) for t in steps)
+    print(f"slow link: measured {measured:.4f} s, {ratio - 1:+.1%} against the prediction")
+    assert abs(ratio - 1) <= 0.15, [(t.step_time(), predicted(t)) for t in steps]
     # The link sets the pace: the ranks wait on the wire more than they compute.
     timeline = steps[-1]
     assert sum(timeline.comm_time(r) for r in range(2)) > sum(timeline.busy_time(r) for r in range(2))

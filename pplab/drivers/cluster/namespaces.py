@@ -23,6 +23,7 @@ under /etc/netns.
 from __future__ import annotations
 
 import atexit
+import fcntl
 import os
 import shlex
 import shutil
@@ -38,6 +39,7 @@ from pplab.drivers.cluster.launchers import ENGINE_ARGS  # the same engines a lo
 
 CONTROL, DATA = "pplab0", "pplab1"  # each host's interfaces, the same names on every host
 INTERFACE = DATA  # what gloo uses (gloo_ifname)
+SUBNET_LOCK = os.path.join(tempfile.gettempdir(), "pplab-namespace-subnets.lock")
 # A 250 ms heartbeat, 40 misses: an engine that died on another host counts as dead 10 s later.
 CONTROLLER_ARGS = ["--usethreads", "--HeartMonitor.period=250", "--HeartMonitor.max_heartmonitor_misses=40",
                    "--log-level=ERROR"]
@@ -167,13 +169,17 @@ class NamespaceHosts:
     # -- inside ----------------------------------------------------------------------------------
 
     def _make_network(self) -> None:
-        self.subnets = self.subnets or _free_subnets()
+        # Choosing free subnets and taking them is one step under a lock: two NamespaceHosts
+        # started at once (two notebooks, two test workers) would otherwise pick the same ones.
+        with open(SUBNET_LOCK, "a") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)
+            self.subnets = self.subnets or _free_subnets()
+            for bridge, subnet in zip(self.bridges, self.subnets):
+                self._run(["ip", "link", "add", bridge, "type", "bridge"])
+                self._made.append(("ip", "link", "del", bridge))
+                self._run(["ip", "addr", "add", f"{subnet}.254/24", "dev", bridge])  # this machine: the client
+                self._run(["ip", "link", "set", bridge, "up"])
         self.addresses = [f"{self.subnets[0]}.{i + 1}" for i in range(len(self.names))]
-        for bridge, subnet in zip(self.bridges, self.subnets):
-            self._run(["ip", "link", "add", bridge, "type", "bridge"])
-            self._made.append(("ip", "link", "del", bridge))
-            self._run(["ip", "addr", "add", f"{subnet}.254/24", "dev", bridge])  # this machine: the client
-            self._run(["ip", "link", "set", bridge, "up"])
         hosts_file = "127.0.0.1 localhost\n" + "".join(
             f"{address} {name}\n" for name, address in zip(self.names, self.addresses))
         for index, name in enumerate(self.names):
