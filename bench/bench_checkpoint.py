@@ -4,8 +4,8 @@ On 2 ranks (plain gloo processes on CPU), 1f1b with 4 microbatches, a LLaMA-styl
 little wider than `LlamaConfig.tiny()` by default (hidden 128, 8 layers: a checkpoint of
 about 20 MB with AdamW's two moments) so that a save is more than fixed overhead.
 
-1. Steady state, in ONE `run_ranks` launch: one `RankTrainer` per rank, warmed up, then
-   interleaved repeats of
+1. Steady state, on a `pplab.RankPool`: the session builds the pipeline on the ranks, a loop
+   there makes one `RankTrainer` on it per rank, warms up, then times interleaved repeats of
      plain step      `trainer.train(until=step + 1)` with no checkpointer (a pure step)
      sync save       `trainer.save()` through a sync `Checkpointer`, written and committed
      async save      `trainer.save()` through an async `Checkpointer` (its own gloo group, as
@@ -64,9 +64,10 @@ import torch.distributed as dist
 import pplab
 from pplab.rank.checkpoint import Checkpointer
 from pplab.checkpoint_files import data_files, share
-from pplab.drivers.local import run_ranks
+from pplab.drivers.local import run_ranks, with_rank
 from pplab.rank.rank_pipeline import PipelineSpec, RankPipeline
 from pplab.rank.train import RankTrainer, TrainOptions
+from pplab.session.on_rank import built_pipeline
 
 RESULTS = Path(__file__).parent / "results" / "checkpoint.json"
 RANKS, MICROBATCHES, SCHEDULE = 2, 4, "1f1b"
@@ -117,10 +118,15 @@ def _hash_file(path: Path, algorithm: str) -> str:
     return digest.hexdigest()
 
 
-def rank_steady(rank, world_size, spec, options, roots, warmup, repeats):
-    """One rank of the steady-state run: interleaved steps, saves and loads; its times per kind."""
+def rank_steady(rank, world_size, pipeline_id, options, roots, warmup, repeats):
+    """One rank of the steady-state run: interleaved steps, saves and loads; its times per kind.
+
+    It runs on the ranks, on the pipeline the session built there, and times each operation
+    between barriers: a save, a load or a step that overlaps a background write are operations
+    of a training loop on the rank, which no call from the client can bracket.
+    """
     async_group = dist.new_group(backend="gloo")  # the background writer's own group (as RankTrainer makes it)
-    trainer = RankTrainer(RankPipeline(spec, rank), options)
+    trainer = RankTrainer(built_pipeline(pipeline_id), options)
     sync = Checkpointer(roots["sync"], rank, options.keep)
     async_commit = Checkpointer(roots["async_commit"], rank, options.keep, async_save=True, group=async_group)
     async_overlap = Checkpointer(roots["async_overlap"], rank, options.keep, async_save=True,
@@ -210,7 +216,11 @@ class TimedLoadTrainer(RankTrainer):
 
 
 def rank_first_step(rank, world_size, spec, options):
-    """From the rank function's start: build the trainer (loading when resuming), one step; wall clocks."""
+    """From the rank function's start: build the trainer (loading when resuming), one step; wall clocks.
+
+    It builds its own RankPipeline: it runs in fresh processes (`first_step`), whose start is
+    part of what is measured, where no session has built anything.
+    """
     entered = time.time()
     trainer = TimedLoadTrainer(RankPipeline(spec, rank), options)
     built = time.time()
@@ -221,7 +231,11 @@ def rank_first_step(rank, world_size, spec, options):
 
 
 def first_step(spec, options) -> dict:
-    """One fresh launch: seconds from calling run_ranks to the slowest rank's first step end."""
+    """One fresh launch: seconds from calling run_ranks to the slowest rank's first step end.
+
+    Fresh processes, not a pool's: what resuming costs is compared with a whole restart
+    (spawn, imports, process group), the situation a resume is for.
+    """
     launched = time.time()
     per_rank = run_ranks(RANKS, rank_first_step, spec, options, timeout=TIMEOUT)
     return dict(total_s=max(r["ended"] for r in per_rank) - launched,
@@ -255,8 +269,11 @@ def measure(args) -> dict:
     try:
         roots = {k: str(workdir / k) for k in ("sync", "async_commit", "async_overlap")}
         started = time.perf_counter()
-        per_rank = run_ranks(RANKS, rank_steady, spec, replace(base, checkpoint_dir=roots["sync"]),
-                             roots, args.warmup, args.repeats, timeout=TIMEOUT)
+        with pplab.RankPool(RANKS) as pool:  # stopped before the fresh launches below
+            pipe = pool.pipeline(config, SCHEDULE, MICROBATCHES, record=False)
+            per_rank = pool.run(with_rank, rank_steady, pipe.pipeline_id,
+                                replace(base, checkpoint_dir=roots["sync"]), roots, args.warmup, args.repeats,
+                                timeout=TIMEOUT)
         steady_wall = time.perf_counter() - started
         n = len(per_rank[0]["times"]["sync_save"])
         slowest = {k: [max(r["times"][k][i] for r in per_rank) for i in range(len(per_rank[0]["times"][k]))]
@@ -399,8 +416,8 @@ def notes(row: dict, loadavg_before: float) -> list[str]:
                   if overlap <= 1.1 else
                   "the write does not overlap the step: they take turns, and the turns cost extra")
                + ". DCP's writer is a Python thread in each rank (the GIL, serialisation, file writes, its "
-               f"own collectives) and the 2 ranks' main threads already keep both cores busy, so the write "
-               f"competes with the step; a pipeline step also waits for its slowest rank at every hop")
+               "own collectives) and the 2 ranks' main threads already keep both cores busy, so the write "
+               "competes with the step; a pipeline step also waits for its slowest rank at every hop")
     verdict = ("an async save saves the loop time here" if p["async_loop_cost_over_sync_save"] < 0.85 else
                "about the same as a sync save, no gain here" if p["async_loop_cost_over_sync_save"] <= 1.15 else
                "an async save costs the loop MORE than a sync one here")

@@ -38,16 +38,13 @@ import time
 from pathlib import Path
 
 import torch
-import torch.distributed as dist
 
 import pplab
 from pplab.data import batches
-from pplab.drivers.local import run_ranks
-from pplab.rank.mesh import Mesh, all_gathers_per_unit, communicated_bytes, memory_held, optimizer_state_bytes
 from pplab.model import LlamaModel
 from pplab.partition import layer_ranges
-from pplab.rank.rank_pipeline import PipelineSpec, RankPipeline, split_for_ranks
-from pplab.trace import Timeline
+from pplab.rank.mesh import Mesh, all_gathers_per_unit, communicated_bytes
+from pplab.schedules import Schedule
 
 RESULTS = Path(__file__).parent / "results" / "mesh.json"
 CONFIG = pplab.LlamaConfig.tiny()
@@ -64,27 +61,20 @@ ROW_PARALLEL = ("o_proj", "down_proj")
 TP_ALL_REDUCES_PER_BLOCK = 2 + 5  # forward: after attention, after the MLP; backward: one per column-parallel input
 
 
-def measure_on_rank(rank, world_size, specs, data, steps):
-    """Per mesh: memory after a step, the last step's report, and each step's time (over all ranks)."""
-    out = {}
-    torch.set_num_threads(1)
-    pipelines = {name: RankPipeline(spec, rank) for name, spec in specs.items()}
-    times = {name: [] for name in specs}
-    reports = {}
+def measure(pipes: dict[str, pplab.Pipeline], steps: int) -> dict:
+    """Per mesh: its last step, the length of each step but the first (it also infers shapes), and
+    what each rank holds after the last step."""
+    data = {name: next(batches(MICROBATCH_SIZE * MICROBATCHES * pipe.mesh.dp, SEQ_LEN))
+            for name, pipe in pipes.items()}
+    last, times = {}, {name: [] for name in pipes}
     for _ in range(steps):  # interleaved: a machine that gets busier slows every mesh alike
-        for name, pipeline in pipelines.items():
-            reports[name] = pipeline.step(data[name][rank])
-            # The step's own length (first start to last end over the ranks, on the step clock),
-            # not the gradient statistics a lab gathers after it.
-            events = reports[name].events
-            span = torch.tensor([min(e.start for e in events), -max(e.end for e in events)])
-            dist.all_reduce(span, op=dist.ReduceOp.MIN)
-            times[name].append(float(-span[1] - span[0]))
-    for name, pipeline in pipelines.items():
-        stages = pipeline.stages.values()
-        out[name] = dict(memory={**memory_held(stages), "optimizer": optimizer_state_bytes(stages)},
-                         step=reports[name], times=times[name][1:])  # the first includes shape inference
-    return out
+        for name, pipe in pipes.items():
+            last[name] = pipe.step(data[name])
+            # The step's own length (first start to last end over the ranks, on the step clock), not
+            # the gradient statistics gathered after it nor the call's trip to the ranks and back.
+            times[name].append(last[name].timeline.step_time())
+    return {name: dict(step=last[name], times=times[name][1:], memory=pipe.memory())
+            for name, pipe in pipes.items()}
 
 
 def stored_elements(name: str, shape: tuple[int, ...], mesh: Mesh, rank: int) -> int:
@@ -110,7 +100,7 @@ def stage_parameters(mesh: Mesh, rank: int) -> dict[str, tuple[int, ...]]:
     return {name: tuple(p.shape) for name, p in module.named_parameters()}
 
 
-def predicted(mesh: Mesh, spec: PipelineSpec, rank: int) -> dict:
+def predicted(mesh: Mesh, schedule: Schedule, rank: int) -> dict:
     parameters = stage_parameters(mesh, rank)
     stored = sum(stored_elements(name, shape, mesh, rank) for name, shape in parameters.items())
     whole_bytes = 4 * sum(int(torch.tensor(shape).prod()) for shape in parameters.values())
@@ -120,7 +110,7 @@ def predicted(mesh: Mesh, spec: PipelineSpec, rank: int) -> dict:
     pp_bytes = MICROBATCHES * activation * ((stage < mesh.pp - 1) + (stage > 0))
     dp_bytes = 0
     if mesh.dp > 1:
-        gathers = all_gathers_per_unit(spec.schedule, stage, mesh.reshard_after_forward)
+        gathers = all_gathers_per_unit(schedule, stage, mesh.reshard_after_forward)
         dp_bytes = gathers * whole_bytes // mesh.tp + whole_bytes // mesh.tp  # gathers + one reduce-scatter
     tp_bytes = MICROBATCHES * blocks * TP_ALL_REDUCES_PER_BLOCK * activation if mesh.tp > 1 else 0
     return dict(memory=4 * 4 * stored, unsharded_memory=4 * whole_bytes,
@@ -131,32 +121,28 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=6)
     args = parser.parse_args()
-    specs = {name: PipelineSpec.create(CONFIG, "1f1b", RANKS, MICROBATCHES, impl="torch", mesh=mesh)
-             for name, mesh in MESHES.items()}
-    data = {name: split_for_ranks(spec, next(batches(MICROBATCH_SIZE * MICROBATCHES * mesh.dp, SEQ_LEN)))
-            for (name, spec), mesh in zip(specs.items(), MESHES.values())}
     started = time.perf_counter()
-    per_rank = run_ranks(RANKS, measure_on_rank, specs, data, args.steps, timeout=600)
+    with pplab.RankPool(RANKS) as pool:
+        pipes = {name: pool.pipeline(CONFIG, "1f1b", MICROBATCHES, impl="torch", mesh=mesh)
+                 for name, mesh in MESHES.items()}
+        measured = measure(pipes, args.steps)
     report = {"when": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
               "machine": platform.platform(), "torch": torch.__version__, "ranks": RANKS,
               "microbatches": MICROBATCHES, "microbatch_size": MICROBATCH_SIZE, "seq_len": SEQ_LEN,
               "seconds": round(time.perf_counter() - started, 1), "meshes": {}}
     for name, mesh in MESHES.items():
-        steps = [per_rank[r][name]["step"] for r in range(RANKS)]
-        sent = communicated_bytes(steps, specs[name].schedule, mesh)
-        ranks = []
+        step, schedule = measured[name]["step"], pipes[name].schedule
+        sent = communicated_bytes(step.rank_steps, schedule, mesh)
+        ranks, memory = [], measured[name]["memory"]
         for rank in range(RANKS):
-            memory = per_rank[rank][name]["memory"]
-            measured_memory = memory["parameters"] + memory["gradients"] + memory["optimizer"]
-            expected = predicted(mesh, specs[name], rank)
-            ranks.append(dict(rank=rank, coordinates=mesh.coordinates(rank), memory=measured_memory,
+            expected = predicted(mesh, schedule, rank)
+            ranks.append(dict(rank=rank, coordinates=mesh.coordinates(rank), memory=memory.held(rank),
                               predicted_memory=expected["memory"], unsharded_memory=expected["unsharded_memory"],
                               bytes=sent[rank], predicted_bytes=expected["bytes"]))
-        times = per_rank[0][name]["times"]
-        timeline = Timeline([e for s in steps for e in s.events], RANKS)
-        peak = max(timeline.peak_inflight_bytes(r) or 0 for r in range(RANKS))
+        peak = max(step.timeline.peak_inflight_bytes(r) or 0 for r in range(RANKS))
         report["meshes"][name] = dict(mesh=str(mesh).splitlines()[0], ranks=ranks,
-                                      median_step_s=statistics.median(times), peak_activation_bytes=peak)
+                                      median_step_s=statistics.median(measured[name]["times"]),
+                                      peak_activation_bytes=peak)
     for name, entry in report["meshes"].items():
         print(f"{name}: {entry['mesh']}")
         for row in entry["ranks"]:

@@ -29,10 +29,9 @@ import torch
 
 import pplab
 from pplab.data import batches
-from pplab.drivers.local import run_ranks
+from pplab.drivers.local import with_rank
 from pplab.prediction import predict
 from pplab.rank.profiler import hop_costs_on_rank, profile
-from pplab.rank.rank_pipeline import PipelineSpec, merge_steps, run_jobs_on_rank, split_for_ranks
 
 RESULTS = Path(__file__).parent / "results" / "predict.json"
 CONFIG = pplab.LlamaConfig.tiny()
@@ -41,11 +40,11 @@ MICROBATCH_SIZE, SEQ_LEN, MICROBATCHES, STEPS, WARMUP = 4, 64, 8, 12, 2
 SCHEDULES = [("gpipe", 1), ("1f1b", 1), ("zb-h1", 1), ("interleaved-1f1b", 2)]
 
 
-def hop() -> dict:
+def hop(pool: pplab.RankPool) -> dict:
     activation = MICROBATCH_SIZE * SEQ_LEN * CONFIG.hidden_size * 4
     rows = {}
     for nbytes in (activation, 1 << 20):
-        measured = run_ranks(2, hop_costs_on_rank, nbytes, 300, timeout=300)[0]
+        measured = pool.run(with_rank, hop_costs_on_rank, nbytes, 300, timeout=300)[0]
         rows[str(nbytes)] = dict(pplab_s=measured["pplab"], bare_s=measured["bare"], send_s=measured["send"],
                                  ratio=measured["pplab"] / measured["bare"])
     return dict(rows=rows, activation_bytes=activation, goal="pplab / bare <= 1.3",
@@ -63,18 +62,16 @@ def split_backward() -> dict:
                 met={label: all(r["ratio"] <= 1.10 for r in stage_rows) for label, stage_rows in rows.items()})
 
 
-def real_runs(link: dict) -> dict:
+def real_runs(pool: pplab.RankPool, link: dict) -> dict:
     profiles = {v: profile(CONFIG, MICROBATCH_SIZE, SEQ_LEN, 2 * v, show=False).with_link(link) for v in (1, 2)}
-    jobs = []
-    for name, v in SCHEDULES:
-        spec = PipelineSpec.create(CONFIG, name, 2, MICROBATCHES, v)
-        jobs.append((spec, split_for_ranks(spec, next(batches(MICROBATCH_SIZE * MICROBATCHES, SEQ_LEN)))))
-    per_rank = run_ranks(2, run_jobs_on_rank, jobs, False, "cpu", STEPS, timeout=600)
+    batch = next(batches(MICROBATCH_SIZE * MICROBATCHES, SEQ_LEN))
     rows = {}
-    for index, (name, v) in enumerate(SCHEDULES):
-        steps = [merge_steps([per_rank[r][index][k] for r in range(2)]) for k in range(STEPS)][WARMUP:]
+    for name, v in SCHEDULES:
+        pipe = pool.pipeline(CONFIG, name, MICROBATCHES, v)
+        steps = [pipe.step(batch) for _ in range(STEPS)][WARMUP:]
+        pipe.close()
         measured = statistics.median(s.timeline.step_time() for s in steps)
-        prediction = predict(jobs[index][0].schedule, profiles[v])
+        prediction = predict(pipe.schedule, profiles[v])
         peaks = [steps[-1].timeline.peak_inflight_bytes(r) for r in range(2)]
         rows[name] = dict(measured_step_s=measured, predicted_step_s=prediction.step_time,
                           time_error=measured / prediction.step_time - 1,
@@ -98,16 +95,17 @@ def main() -> None:
     report = {"when": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
               "machine": platform.platform(), "torch": torch.__version__,
               "microbatch_size": MICROBATCH_SIZE, "seq_len": SEQ_LEN, "microbatches": MICROBATCHES}
-    report["hop"] = hop()
-    for nbytes, row in report["hop"]["rows"].items():
-        print(f"hop of {int(nbytes) / 1024:.0f} KiB: pplab {row['pplab_s'] * 1e6:.0f} us, bare "
-              f"{row['bare_s'] * 1e6:.0f} us, ratio {row['ratio']:.2f} (goal <= 1.3); posting a send "
-              f"{row['send_s'] * 1e6:.0f} us")
-    report["split_backward"] = split_backward()
-    for label, rows in report["split_backward"]["rows"].items():
-        print(f"(I + W) / B, {label}: " + ", ".join(f"stage {r['stage']} {r['ratio']:.2f}" for r in rows))
-    link = report["hop"]["rows"][str(report["hop"]["activation_bytes"])]
-    report["real_mode"] = real_runs({"pplab": link["pplab_s"], "send": link["send_s"]})
+    with pplab.RankPool(2) as pool:  # the ranks of the hop and of the real runs, started once
+        report["hop"] = hop(pool)
+        for nbytes, row in report["hop"]["rows"].items():
+            print(f"hop of {int(nbytes) / 1024:.0f} KiB: pplab {row['pplab_s'] * 1e6:.0f} us, bare "
+                  f"{row['bare_s'] * 1e6:.0f} us, ratio {row['ratio']:.2f} (goal <= 1.3); posting a send "
+                  f"{row['send_s'] * 1e6:.0f} us")
+        report["split_backward"] = split_backward()
+        for label, rows in report["split_backward"]["rows"].items():
+            print(f"(I + W) / B, {label}: " + ", ".join(f"stage {r['stage']} {r['ratio']:.2f}" for r in rows))
+        link = report["hop"]["rows"][str(report["hop"]["activation_bytes"])]
+        report["real_mode"] = real_runs(pool, {"pplab": link["pplab_s"], "send": link["send_s"]})
     for name, row in report["real_mode"]["schedules"].items():
         print(f"{name:17s} step measured {row['measured_step_s'] * 1e3:6.1f} ms, predicted "
               f"{row['predicted_step_s'] * 1e3:6.1f} ms ({row['time_error']:+.1%}); activations "

@@ -27,26 +27,33 @@ import torch.distributed as dist
 
 import pplab
 from pplab.data import batches
-from pplab.drivers.local import run_ranks
-from pplab.rank.rank_pipeline import PipelineSpec, RankPipeline, merge_steps, run_jobs_on_rank, split_for_ranks
-from pplab.schedules import theory
+from pplab.schedules import Schedule, theory
+from pplab.session.on_rank import built_pipeline
 from pplab.simulator import Costs, simulate
 
 RESULTS = Path(__file__).parent / "results" / "runtime.json"
 CONFIG = pplab.LlamaConfig.tiny()
 
 
-def timed_steps(rank, world_size, specs, data, repeats):
-    """Alternate steps of each spec (recording on / off, order swapped every other repeat);
-    return rank 0's step times per spec."""
-    pipelines = [RankPipeline(spec, rank) for spec in specs]
-    times = [[] for _ in specs]
+def timed_steps(pipeline_ids, batch, repeats):
+    """On each rank: alternate steps of each pipeline (recording on / off, order swapped every
+    other repeat); this rank's step times per pipeline.
+
+    The steps are timed here, on the ranks, between barriers, not as `pipe.step` from the
+    client: what is measured is what recording costs a rank's step. A step from the client
+    would add the call to every rank (the same with recording on or off, which pulls the
+    ratio towards 1) and the events' trip back and merge (only with recording on: a cost
+    of the session, not of the runtime); and here the two steps of a pair run ms apart.
+    """
+    pipelines = [built_pipeline(pipeline_id) for pipeline_id in pipeline_ids]
+    shares = [pipeline.share(batch) for pipeline in pipelines]
+    times = [[] for _ in pipelines]
     for repeat in range(repeats + 1):
         order = list(enumerate(pipelines))
         for index, pipeline in order if repeat % 2 else order[::-1]:
             dist.barrier()
             started = time.perf_counter()
-            pipeline.step(data[rank])
+            pipeline.step(shares[index])
             dist.barrier()
             if repeat > 0:  # the first round warms up allocators and gloo connections
                 times[index].append(time.perf_counter() - started)
@@ -60,12 +67,13 @@ def bootstrap_median_interval(values: list[float], rounds: int = 4000, seed: int
     return medians[int(0.025 * rounds)], medians[int(0.975 * rounds) - 1]
 
 
-def tracing_overhead(repeats: int) -> dict:
-    p, m = 2, 4
+def tracing_overhead(pool: pplab.RankPool, repeats: int) -> dict:
+    p, m = pool.world_size, 4
     batch = next(batches(4 * m, 64))
-    specs = [PipelineSpec.create(CONFIG, "1f1b", p, m, record=record) for record in (True, False)]
-    data = split_for_ranks(specs[0], batch)
-    on, off = run_ranks(p, timed_steps, specs, data, repeats, timeout=900)[0]
+    pipes = [pool.pipeline(CONFIG, "1f1b", m, record=record) for record in (True, False)]
+    on, off = pool.run(timed_steps, [pipe.pipeline_id for pipe in pipes], batch, repeats, timeout=900)[0]
+    for pipe in pipes:
+        pipe.close()
     ratios = [a / b for a, b in zip(on, off)]  # the two steps of a repeat ran a few ms apart
     low, high = bootstrap_median_interval(ratios)
     ratio = statistics.median(ratios)
@@ -76,23 +84,26 @@ def tracing_overhead(repeats: int) -> dict:
                 met=high <= 1.03)
 
 
-def timing_mode_bubbles() -> dict:
-    p, m = 4, 8
+def one_step(pool: pplab.RankPool, batch, name: str, m: int, **options) -> tuple[Schedule, pplab.Timeline]:
+    """A pipeline built on the pool, stepped once and dropped: its schedule and its step's timeline."""
+    pipe = pool.pipeline(CONFIG, name, m, **options)
+    timeline = pipe.step(batch).timeline
+    pipe.close()
+    return pipe.schedule, timeline
+
+
+def timing_mode_bubbles(pool: pplab.RankPool) -> dict:
+    p, m = pool.world_size, 8
     # Each hop costs ~1-2 ms of real gloo/Python overhead on this machine; costs of 0.1 s per
     # forward keep that overhead small next to the schedule's own shape (it is still measured).
     forward, backward = 0.1, 0.2
     costs = Costs(forward=forward, backward=backward)
-    jobs, names = [], [("gpipe", 1), ("1f1b", 1), ("interleaved-1f1b", 2), ("zb-h1", 1)]
-    for name, v in names:
-        spec = PipelineSpec.create(CONFIG, name, p, m, n_virtual=v, timing=costs)
-        jobs.append((spec, split_for_ranks(spec, next(batches(2 * m, 32)))))
-    per_rank = run_ranks(p, run_jobs_on_rank, jobs, False, timeout=600)
     rows = {}
-    for index, (name, v) in enumerate(names):
-        timeline = merge_steps([per_rank[r][index] for r in range(p)]).timeline
+    for name, v in [("gpipe", 1), ("1f1b", 1), ("interleaved-1f1b", 2), ("zb-h1", 1)]:
+        schedule, timeline = one_step(pool, next(batches(2 * m, 32)), name, m, n_virtual=v, timing=costs)
         measured = timeline.bubble_fraction()
-        predicted = theory(jobs[index][0].schedule, costs).bubble_fraction
-        simulated = simulate(jobs[index][0].schedule, costs)
+        predicted = theory(schedule, costs).bubble_fraction
+        simulated = simulate(schedule, costs)
         rows[name] = dict(measured=measured, theory=predicted, simulated=simulated.bubble_fraction(),
                           measured_step_s=timeline.step_time(), simulated_step_s=simulated.step_time(),
                           diff_points=100 * (measured - predicted), met=abs(measured - predicted) <= 0.02)
@@ -101,14 +112,9 @@ def timing_mode_bubbles() -> dict:
                 met=all(row["met"] for row in rows.values()))
 
 
-def inflight_memory() -> dict:
-    p, m = 4, 8
-    jobs = []
-    for name in ("gpipe", "1f1b"):
-        spec = PipelineSpec.create(CONFIG, name, p, m)
-        jobs.append((spec, split_for_ranks(spec, next(batches(4 * m, 64)))))
-    per_rank = run_ranks(p, run_jobs_on_rank, jobs, False, timeout=600)
-    gpipe, one_f_one_b = (merge_steps([per_rank[r][i] for r in range(p)]).timeline for i in range(2))
+def inflight_memory(pool: pplab.RankPool) -> dict:
+    p, m = pool.world_size, 8
+    gpipe, one_f_one_b = (one_step(pool, next(batches(4 * m, 64)), name, m)[1] for name in ("gpipe", "1f1b"))
     ratio = one_f_one_b.peak_inflight_bytes(0) / gpipe.peak_inflight_bytes(0)
     expected = min(p, m) / m
     return dict(ranks=p, microbatches=m, gpipe_peak_bytes=gpipe.peak_inflight_bytes(0),
@@ -120,17 +126,19 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--repeats", type=int, default=240, help="on/off pairs for the tracing overhead")
     args = parser.parse_args()
-    results = {"tracing_overhead": tracing_overhead(args.repeats)}
+    with pplab.RankPool(2) as pool:
+        results = {"tracing_overhead": tracing_overhead(pool, args.repeats)}
     overhead = results["tracing_overhead"]
     print(f"tracing overhead: on/off = {overhead['ratio_on_over_off']:.3f}, 95 % interval "
           f"[{overhead['confidence_interval_95'][0]:.3f}, {overhead['confidence_interval_95'][1]:.3f}] "
           f"over {overhead['repeats']} repeats (goal: upper end <= 1.03)")
-    results["timing_mode_bubble"] = timing_mode_bubbles()
+    with pplab.RankPool(4) as pool:  # one pool for both: ranks started once
+        results["timing_mode_bubble"] = timing_mode_bubbles(pool)
+        results["inflight_memory"] = inflight_memory(pool)
     for name, row in results["timing_mode_bubble"]["schedules"].items():
         print(f"bubble {name:17s} measured {row['measured']:.3f}  theory {row['theory']:.3f}  "
               f"simulated {row['simulated']:.3f}  diff {row['diff_points']:+.2f} pp  "
               f"(step {row['measured_step_s']:.3f} s vs {row['simulated_step_s']:.3f} s simulated)")
-    results["inflight_memory"] = inflight_memory()
     memory = results["inflight_memory"]
     print(f"peak in-flight bytes rank 0: 1F1B/GPipe = {memory['ratio']:.4f} (expected {memory['expected']:.4f})")
     RESULTS.parent.mkdir(parents=True, exist_ok=True)

@@ -34,8 +34,6 @@ import torch
 
 import pplab
 from pplab.data import batches
-from pplab.drivers.local import run_ranks
-from pplab.rank.rank_pipeline import PipelineSpec, merge_steps, run_jobs_on_rank, split_for_ranks
 from pplab.schedule_search import search, search_balance, stage_costs
 from pplab.schedules import build, validate
 from pplab.schedules.compiled import no_cyclic_gc
@@ -149,36 +147,36 @@ def run_found(steps: int = 5) -> dict:
     batch = next(batches(microbatch_size * m, seq_len))
     report = dict(balance=list(balanced.balance), found=balanced.found.schedule.name,
                   best_builtin=best.name, even_balance=list(balanced.even_balance))
-    for mode, scale in (("timing", 10.0), ("real", None)):
-        jobs, predicted = [], {}
-        for label, (schedule, balance) in contenders.items():
-            costs = stage_costs(layer_costs, balance)
-            timing = None
-            if scale is not None:
-                timing = _scaled(costs, scale)
-                predicted[label] = simulate(schedule, timing).step_time()
-            else:
-                predicted[label] = simulate(schedule, costs).step_time()
-            spec = PipelineSpec.create(config, schedule, p, m, balance=list(balance), timing=timing)
-            jobs.append((spec, split_for_ranks(spec, batch)))
-        per_rank = run_ranks(p, run_jobs_on_rank, jobs, False, "cpu", steps, timeout=600)
-        rows = {}
-        for index, label in enumerate(contenders):
-            times = [merge_steps([per_rank[r][index][k] for r in range(p)]).timeline.step_time()
-                     for k in range(1, steps)]
-            measured = statistics.median(times)
-            rows[label] = dict(measured_step_s=measured, predicted_step_s=predicted[label],
-                               error=measured / predicted[label] - 1)
-        found_row, builtin_row = rows["found"], rows["best built-in, even split"]
-        gain = dict(measured=1 - found_row["measured_step_s"] / builtin_row["measured_step_s"],
-                    predicted=1 - found_row["predicted_step_s"] / builtin_row["predicted_step_s"])
-        report[mode] = dict(rows=rows, gain=gain, met=all(abs(r["error"]) <= 0.05 for r in rows.values()))
-        print(f"{mode} mode: found {found_row['measured_step_s'] * 1e3:.1f} ms (predicted "
-              f"{found_row['predicted_step_s'] * 1e3:.1f}, {found_row['error']:+.1%}), built-in "
-              f"{builtin_row['measured_step_s'] * 1e3:.1f} ms (predicted {builtin_row['predicted_step_s'] * 1e3:.1f}, "
-              f"{builtin_row['error']:+.1%}); gain measured {gain['measured']:.1%}, predicted {gain['predicted']:.1%}")
+    with pplab.RankPool(p) as pool:
+        for mode, scale in (("timing", 10.0), ("real", None)):
+            rows = {}
+            for label, (schedule, balance) in contenders.items():
+                costs = stage_costs(layer_costs, balance)
+                timing = None if scale is None else _scaled(costs, scale)
+                predicted = simulate(schedule, costs if timing is None else timing).step_time()
+                measured = median_step(pool.pipeline(config, schedule, balance=list(balance), timing=timing),
+                                       batch, steps)
+                rows[label] = dict(measured_step_s=measured, predicted_step_s=predicted,
+                                   error=measured / predicted - 1)
+            found_row, builtin_row = rows["found"], rows["best built-in, even split"]
+            gain = dict(measured=1 - found_row["measured_step_s"] / builtin_row["measured_step_s"],
+                        predicted=1 - found_row["predicted_step_s"] / builtin_row["predicted_step_s"])
+            report[mode] = dict(rows=rows, gain=gain, met=all(abs(r["error"]) <= 0.05 for r in rows.values()))
+            print(f"{mode} mode: found {found_row['measured_step_s'] * 1e3:.1f} ms (predicted "
+                  f"{found_row['predicted_step_s'] * 1e3:.1f}, {found_row['error']:+.1%}), built-in "
+                  f"{builtin_row['measured_step_s'] * 1e3:.1f} ms (predicted "
+                  f"{builtin_row['predicted_step_s'] * 1e3:.1f}, {builtin_row['error']:+.1%}); gain measured "
+                  f"{gain['measured']:.1%}, predicted {gain['predicted']:.1%}")
     report["goal"] = "measured step within 5 % of the prediction (timing mode and real mode, 2 ranks)"
     return report
+
+
+def median_step(pipe: pplab.Pipeline, batch, steps: int) -> float:
+    """Median step time (from the step's events) of `steps` steps but the first, which also infers
+    shapes and warms up; then the pipeline is dropped."""
+    times = [pipe.step(batch).timeline.step_time() for _ in range(steps)]
+    pipe.close()
+    return statistics.median(times[1:])
 
 
 def _scaled(costs: Costs, factor: float) -> Costs:

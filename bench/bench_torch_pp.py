@@ -1,11 +1,11 @@
 """pplab's hand-written 1F1B vs torch.distributed.pipelining's Schedule1F1B, measured side by side.
 
-On 2 ranks (plain gloo processes, one `run_ranks` launch per model config), 1f1b with 8
-microbatches, real mode (no timing padding), the same batch for every variant. Four
-pipelines are built once per rank and warmed up, then timed in interleaved rounds (the
-order reversed every other round so that a machine getting busier affects all alike); each
-step is timed on every rank from a barrier to the step's return, and a step's time is the
-maximum over the ranks.
+On 2 ranks (a `pplab.RankPool` of plain gloo processes, kept for every model config), 1f1b
+with 8 microbatches, real mode (no timing padding), the same batch for every variant. Per
+config, the session builds four pipelines on the ranks; a loop on the ranks warms them up,
+then times them in interleaved rounds (the order reversed every other round so that a
+machine getting busier affects all alike); each step is timed on every rank from a barrier
+to the step's return, and a step's time is the maximum over the ranks.
 
   pplab        impl="pplab", record=False  (hand-written runtime, no events)
   pplab_rec    impl="pplab", record=True
@@ -49,8 +49,7 @@ import torch.distributed as dist
 import pplab
 from pplab.data import batches
 from pplab.rank.gradients import gradient_stats
-from pplab.drivers.local import run_ranks
-from pplab.rank.rank_pipeline import PipelineSpec, RankPipeline, split_for_ranks
+from pplab.session.on_rank import built_pipeline
 
 RESULTS = Path(__file__).parent / "results" / "torch_pp.json"
 RANKS, MICROBATCHES, SCHEDULE = 2, 8, "1f1b"
@@ -96,20 +95,29 @@ def _top_functions(profile: cProfile.Profile, n: int = 10) -> list[str]:
     return lines
 
 
-def rank_main(rank, world_size, specs, data, warmup, rounds):
-    """Build every variant once, warm up, time interleaved rounds; then the breakdown probes."""
-    pipelines = {name: RankPipeline(spec, rank) for name, spec in specs.items()}
+def rank_main(pipeline_ids, batch, warmup, rounds):
+    """On each rank: warm up the variants the session built here, time interleaved rounds; then
+    the breakdown probes.
+
+    Timed here, from a barrier to `step`'s return on each rank, not as `pipe.step` from the
+    client: the measure is the runtimes' own step (what a training loop on the rank waits
+    for), without a call to the ranks and the events' trip back to the client, which cost
+    more with record=True and would blur both ratios.
+    """
+    pipelines = {name: built_pipeline(pipeline_id) for name, pipeline_id in pipeline_ids.items()}
+    shares = {name: pipeline.share(batch) for name, pipeline in pipelines.items()}
+    assert shares["pplab"]["activation_shapes"] is not None  # fixed shapes: no handshake
     names = list(pipelines)
     for _ in range(warmup):
         for name in names:
             dist.barrier()
-            pipelines[name].step(data[name][rank])
+            pipelines[name].step(shares[name])
     times = {name: [] for name in names}
     for round_index in range(rounds):
         for name in (names if round_index % 2 == 0 else names[::-1]):
             dist.barrier()
             started = time.perf_counter()
-            pipelines[name].step(data[name][rank])
+            pipelines[name].step(shares[name])
             times[name].append(time.perf_counter() - started)
     dist.barrier()
 
@@ -137,7 +145,7 @@ def rank_main(rank, world_size, specs, data, warmup, rounds):
         profile = cProfile.Profile()
         started = time.perf_counter()
         profile.enable()
-        pipelines[name].step(data[name][rank])
+        pipelines[name].step(shares[name])
         profile.disable()
         profiles[name] = dict(step_ms=(time.perf_counter() - started) * 1000,
                               **_categories(pstats.Stats(profile, stream=io.StringIO())),
@@ -146,14 +154,15 @@ def rank_main(rank, world_size, specs, data, warmup, rounds):
     return dict(times=times, probes=probes, profiles=profiles)
 
 
-def measure(config_name: str, warmup: int, rounds: int) -> dict:
+def measure(pool: pplab.RankPool, config_name: str, warmup: int, rounds: int) -> dict:
     config = CONFIGS[config_name]
     batch = next(batches(MICROBATCH_SIZE * MICROBATCHES, SEQ_LEN, seed=0))
-    specs = {name: PipelineSpec.create(config, SCHEDULE, RANKS, MICROBATCHES, impl=impl, record=record)
+    pipes = {name: pool.pipeline(config, SCHEDULE, MICROBATCHES, impl=impl, record=record)
              for name, (impl, record) in VARIANTS.items()}
-    data = {name: split_for_ranks(spec, batch) for name, spec in specs.items()}
-    assert data["pplab"][1]["activation_shapes"] is not None  # fixed shapes: no handshake
-    per_rank = run_ranks(RANKS, rank_main, specs, data, warmup, rounds, timeout=600)
+    per_rank = pool.run(rank_main, {name: pipe.pipeline_id for name, pipe in pipes.items()}, batch, warmup,
+                        rounds, timeout=600)
+    for pipe in pipes.values():
+        pipe.close()
     # A step's time: the slowest rank's (each started after the same barrier).
     steps = {name: [max(r["times"][name][i] for r in per_rank) for i in range(rounds)]
              for name in VARIANTS}
@@ -231,6 +240,31 @@ def load() -> str:
         return "unknown"
 
 
+def show(name: str, row: dict, rounds: int) -> None:
+    """Print one config's figures."""
+    med = row["median_step_s"]
+    print(f"[{name}] median step (max over ranks): pplab {med['pplab'] * 1000:.1f} ms, "
+          f"pplab_rec {med['pplab_rec'] * 1000:.1f} ms, torch {med['torch'] * 1000:.1f} ms, "
+          f"torch_rec {med['torch_rec'] * 1000:.1f} ms  ({rounds} rounds, {row['wall_s']:.0f} s)")
+    print(f"[{name}] pplab/torch = {row['pplab_over_torch']['ratio']:.3f} (goal <= {SPEED_GOAL}, "
+          f"{'met' if row['pplab_over_torch']['met'] else 'NOT met'}); "
+          f"pplab rec on/off = {row['pplab_record_over_pplab']['ratio']:.3f}; "
+          f"torch rec on/off = {row['torch_record_over_torch']['ratio']:.3f} (goal <= {RECORD_GOAL}, "
+          f"{'met' if row['torch_record_over_torch']['met'] else 'NOT met'})")
+    print(f"[{name}] paired per-round ratios: pplab/torch "
+          f"{row['pplab_over_torch']['paired_round_ratio']:.3f}, torch rec on/off "
+          f"{row['torch_record_over_torch']['paired_round_ratio']:.3f}, pplab rec on/off "
+          f"{row['pplab_record_over_pplab']['paired_round_ratio']:.3f}; load "
+          f"{row['loadavg_1_5_15_before_after'][0][0]:.2f} -> {row['loadavg_1_5_15_before_after'][1][0]:.2f}")
+    for rank, profiles in enumerate(row["profiled_step_by_rank"]):
+        print(f"[{name}] rank {rank} one profiled step: " + "; ".join(
+            f"{impl} {p['step_ms']:.0f} ms (backward {p['backward_engine_ms']:.0f}, gloo calls "
+            f"{p['c10d_comm_ms']:.0f}, other {p['other_ms']:.0f})" for impl, p in profiles.items()))
+    for rank, probes in enumerate(row["probes_by_rank"]):
+        print(f"[{name}] rank {rank}: StepClock.origin {probes['step_clock_origin_ms']:.2f} ms, "
+              f"barrier {probes['barrier_ms']:.2f} ms, gradient_stats {probes['gradient_stats_ms']:.2f} ms")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--rounds", type=int, default=None, help="rounds per config (default: per config)")
@@ -246,35 +280,16 @@ def main() -> None:
         torch_version=torch.__version__, python=platform.python_version(), cpu_count=os.cpu_count(),
         ranks=RANKS, schedule=SCHEDULE, microbatches=MICROBATCHES, mode="real (no timing padding)",
         load_before=load(), configs={})
-    for name in args.configs:
-        started = time.perf_counter()
-        load_before = os.getloadavg()
-        rounds = args.rounds or DEFAULT_ROUNDS[name]
-        row = measure(name, args.warmup, rounds)
-        row["wall_s"] = time.perf_counter() - started
-        row["loadavg_1_5_15_before_after"] = [load_before, os.getloadavg()]
-        results["configs"][name] = row
-        med = row["median_step_s"]
-        print(f"[{name}] median step (max over ranks): pplab {med['pplab'] * 1000:.1f} ms, "
-              f"pplab_rec {med['pplab_rec'] * 1000:.1f} ms, torch {med['torch'] * 1000:.1f} ms, "
-              f"torch_rec {med['torch_rec'] * 1000:.1f} ms  ({rounds} rounds, {row['wall_s']:.0f} s)")
-        print(f"[{name}] pplab/torch = {row['pplab_over_torch']['ratio']:.3f} (goal <= {SPEED_GOAL}, "
-              f"{'met' if row['pplab_over_torch']['met'] else 'NOT met'}); "
-              f"pplab rec on/off = {row['pplab_record_over_pplab']['ratio']:.3f}; "
-              f"torch rec on/off = {row['torch_record_over_torch']['ratio']:.3f} (goal <= {RECORD_GOAL}, "
-              f"{'met' if row['torch_record_over_torch']['met'] else 'NOT met'})")
-        print(f"[{name}] paired per-round ratios: pplab/torch "
-              f"{row['pplab_over_torch']['paired_round_ratio']:.3f}, torch rec on/off "
-              f"{row['torch_record_over_torch']['paired_round_ratio']:.3f}, pplab rec on/off "
-              f"{row['pplab_record_over_pplab']['paired_round_ratio']:.3f}; load "
-              f"{row['loadavg_1_5_15_before_after'][0][0]:.2f} -> {row['loadavg_1_5_15_before_after'][1][0]:.2f}")
-        for rank, profiles in enumerate(row["profiled_step_by_rank"]):
-            print(f"[{name}] rank {rank} one profiled step: " + "; ".join(
-                f"{impl} {p['step_ms']:.0f} ms (backward {p['backward_engine_ms']:.0f}, gloo calls "
-                f"{p['c10d_comm_ms']:.0f}, other {p['other_ms']:.0f})" for impl, p in profiles.items()))
-        for rank, probes in enumerate(row["probes_by_rank"]):
-            print(f"[{name}] rank {rank}: StepClock.origin {probes['step_clock_origin_ms']:.2f} ms, "
-                  f"barrier {probes['barrier_ms']:.2f} ms, gradient_stats {probes['gradient_stats_ms']:.2f} ms")
+    with pplab.RankPool(RANKS) as pool:  # both configs on the same ranks
+        for name in args.configs:
+            started = time.perf_counter()
+            load_before = os.getloadavg()
+            rounds = args.rounds or DEFAULT_ROUNDS[name]
+            row = measure(pool, name, args.warmup, rounds)
+            row["wall_s"] = time.perf_counter() - started
+            row["loadavg_1_5_15_before_after"] = [load_before, os.getloadavg()]
+            results["configs"][name] = row
+            show(name, row, rounds)
     results["load_after"] = load()
     results["analysis"] = analysis(results["configs"])
     print("analysis:", results["analysis"]["summary"])

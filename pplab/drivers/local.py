@@ -20,6 +20,7 @@ process group half-used). No process outlives the pool, or the call of `run_rank
 from __future__ import annotations
 
 import atexit
+import faulthandler
 import gc
 import itertools
 import multiprocessing as mp
@@ -98,6 +99,7 @@ def _join_group(rank: int, world_size: int, port: int, backend: str, op_timeout:
     import torch
     import torch.distributed as dist
 
+    faulthandler.enable()  # a rank that crashes (a signal, not an exception) prints where, on stderr
     torch.set_num_threads(1)
     device = torch.device("cpu")
     if backend == "nccl":

@@ -170,6 +170,10 @@ class RankPipeline:
         for stage in self.stages.values():
             stage.zero_grad(set_to_none=True)
 
+    def share(self, batch: Batch | Sequence[Batch]) -> dict:
+        """This rank's share of a whole batch: what `split_for_ranks` gives it, ready for `step`."""
+        return split_for_ranks(self.spec, batch)[self.rank]
+
     def step(self, data: dict, zero_grad: bool = True, return_grads: bool = False,
              watch=None) -> RankStep:
         """One step on this rank with the data `split_for_ranks` prepared for it (`watch`: see RankRuntime.step)."""

@@ -36,7 +36,7 @@ from pplab.checkpoint_files import check_config, read_manifest, resume_path
 from pplab.data import batches
 from pplab.model import LlamaConfig, LlamaModel, loss_fn
 from pplab.partition import layer_ranges
-from pplab.rank.rank_pipeline import PipelineSpec, RankPipeline, split_for_ranks
+from pplab.rank.rank_pipeline import PipelineSpec, RankPipeline
 from pplab.rank.reference import as_microbatches
 from pplab.trace import Event, Now
 
@@ -182,7 +182,7 @@ class RankTrainer:
         batch = next(batches(self.options.batch_size, self.options.seq_len, self.options.data_seed,
                              split="train", start=self.data_position))
         lr = self.optimizer.param_groups[0]["lr"]
-        rank_step = self.pipeline.step(split_for_ranks(self.pipeline.spec, batch)[self.rank], watch=watch)
+        rank_step = self.pipeline.step(self.pipeline.share(batch), watch=watch)
         grad_norm = self.clip_gradients()
         self.optimizer.step()
         self.scheduler.step()

@@ -9,7 +9,9 @@ Ranks are long-lived (lab engines, a pool's processes), so each keeps its `RankP
 in a registry keyed by the pipeline's id, and its trainer (optimizer, LR schedule, step)
 beside it. The client side is `pplab.session.pipeline`; these functions are called
 through a driver's `run` / `run_async`, on every rank, and publish through
-`pplab.rank.rank_context`, so they work the same on every driver.
+`pplab.rank.rank_context`, so they work the same on every driver. Code of one's own that
+runs on the ranks (a benchmark timing steps between barriers) takes the stages the session
+built there from `built_pipeline(pipe.pipeline_id)`.
 """
 
 from __future__ import annotations
@@ -41,7 +43,12 @@ def build_on_rank(pipeline_id: str, spec: PipelineSpec) -> dict:
             "coordinates": pipeline.place.coordinates if pipeline.place else None}
 
 
-def _pipeline(pipeline_id: str) -> RankPipeline:
+def built_pipeline(pipeline_id: str) -> RankPipeline:
+    """This rank's part of the pipeline `pipeline_id`, as the session built it (`pipe.pipeline_id`).
+
+    For a function sent to the ranks (`pool.run(fn, pipe.pipeline_id, batch)`) that steps the
+    pipeline itself: `pipeline = built_pipeline(pipeline_id); pipeline.step(pipeline.share(batch))`.
+    """
     if pipeline_id not in _pipelines:
         raise LookupError(f"pipeline {pipeline_id} is not built on rank {rank_context().rank} (were the "
                           f"ranks replaced since?): build the pipeline again (lab.pipeline(...))")
@@ -56,7 +63,7 @@ def step_on_rank(pipeline_id: str, per_rank_data: list[dict], return_grads: bool
     while the step runs (see `pplab.rank.rank_context.Feed`), for live views.
     """
     context = rank_context()
-    pipeline, data = _pipeline(pipeline_id), per_rank_data[context.rank]
+    pipeline, data = built_pipeline(pipeline_id), per_rank_data[context.rank]
     with faults.in_pipeline(pipeline_id):  # the faults armed for this pipeline may fire (pplab.faults)
         if live_interval is None:
             return pipeline.step(data, return_grads=return_grads)
@@ -74,7 +81,7 @@ def train_on_rank(pipeline_id: str, options: TrainOptions, until: int | None,
     stopped. A call that resumes from a checkpoint, or changes the options, starts a
     new trainer: loaded from the checkpoint, or a fresh optimizer on the current weights.
     """
-    pipeline = _pipeline(pipeline_id)
+    pipeline = built_pipeline(pipeline_id)
     trainer = _trainers.get(pipeline_id)
     goes_on = (trainer is not None and options.resume is None
                and dataclasses.replace(trainer.options, resume=None) == options)
@@ -109,7 +116,7 @@ class _Streamed:
 
 def memory_on_rank(pipeline_id: str) -> dict:
     """The bytes this rank holds for its stages (see pplab.mesh.memory_held), AdamW's state measured."""
-    stages = _pipeline(pipeline_id).stages.values()
+    stages = built_pipeline(pipeline_id).stages.values()
     return {**memory_held(stages), "optimizer": optimizer_state_bytes(stages),
             "rank": rank_context().rank}
 
