@@ -11,6 +11,8 @@ own IPYTHONDIR, session lab and pools.
   break or reconfigure the lab.
 * `lab_factory`: `lab_factory(n_ranks=4, op_timeout=3, ...)` starts a lab of your own;
   every lab it started is stopped after the test, passed or failed.
+* Notebook kernels (nbmake's, the exercises') talk to their client over Unix sockets
+  (`UnixSocketKernelManager`), not TCP ports: no port for another process to take first.
 
 Plain-process ranks come from `tests/ranks.py`: one RankPool per number of ranks, stopped
 with the session.
@@ -51,6 +53,65 @@ def lab_processes(ipython_dir: str) -> list[psutil.Process]:
         if started_here:
             found.append(process)
     return found
+
+
+def pytest_xdist_auto_num_workers(config):
+    """`-n auto`: one worker more than cores. A worker's test often waits (a timeout it
+    provokes, a link slowed on purpose, a browser, a kernel starting), and another worker's
+    test takes the core: on 2 cores, 3 workers finish the suite in 0.8 of the time 2 take."""
+    return (os.cpu_count() or 1) + 1
+
+
+# --- notebook kernels on Unix sockets ---------------------------------------------------------
+
+from jupyter_client.manager import AsyncKernelManager  # noqa: E402  (after OMP_NUM_THREADS is set)
+
+
+_KERNEL_SOCKETS: list[str] = []  # the folder the kernels' sockets go in (made in pytest_configure)
+
+
+class UnixSocketKernelManager(AsyncKernelManager):
+    """A kernel reached over Unix sockets, each kernel's in a folder of its own.
+
+    Over TCP the client picks five free ports and the kernel binds them a second or two later,
+    when it has started; meanwhile another process of a busy run (a rank, a gloo connection)
+    may take one, and the kernel dies with "Address already in use". A socket file in a
+    fresh folder cannot be taken."""
+
+    def __init__(self, **kwargs):
+        import tempfile
+
+        kwargs.setdefault("transport", "ipc")
+        kwargs.setdefault("ip", os.path.join(tempfile.mkdtemp(dir=_KERNEL_SOCKETS[0]), "kernel"))
+        super().__init__(**kwargs)
+
+
+def pytest_configure(config):
+    """nbmake's notebook runs start their kernels through `UnixSocketKernelManager` too."""
+    import tempfile
+
+    import nbmake.nb_run
+    from nbclient.client import NotebookClient
+    from traitlets import default
+
+    if getattr(nbmake.nb_run, "NotebookClient", None) is not NotebookClient:
+        raise pytest.UsageError("nbmake no longer runs notebooks through nbclient's NotebookClient: "
+                                "give its kernels Unix sockets some other way (tests/conftest.py)")
+
+    class UnixSocketNotebookClient(NotebookClient):
+        @default("kernel_manager_class")
+        def _unix_socket_kernels(self):
+            return UnixSocketKernelManager
+
+    nbmake.nb_run.NotebookClient = UnixSocketNotebookClient
+    _KERNEL_SOCKETS.append(tempfile.mkdtemp(prefix="pplab-kernel-sockets-"))
+
+
+def pytest_unconfigure(config):
+    import shutil
+
+    for folder in _KERNEL_SOCKETS:
+        shutil.rmtree(folder, ignore_errors=True)
 
 
 # The files that take a minute or more on 2 cores start first, so that no worker is left running

@@ -83,6 +83,23 @@ def test_demo_runs_torchs_schedules_with_impl_torch(tmp_path):
     assert done.stdout.count("parity ok") == 4 and "FAILED" not in done.stdout
 
 
+def refused(capsys, *argv: str) -> tuple[int, str, str]:
+    """`pplab <argv>` called in this process, for arguments it refuses before doing anything:
+    (exit code, stderr, stdout). The same `main` as the command; no interpreter to start.
+    Refused before any rank started: the call leaves no new process behind it."""
+    from pplab.cli import main
+
+    before = {child.pid for child in psutil.Process().children(recursive=True)}
+    try:
+        code = main(list(argv))
+    except SystemExit as exit:  # argparse's own refusals
+        code = exit.code
+    out, err = capsys.readouterr()
+    started = [child for child in psutil.Process().children(recursive=True) if child.pid not in before]
+    assert not started, f"pplab {' '.join(argv)} started processes before refusing: {started}"
+    return code, err, out
+
+
 def run_simulate(*arguments: str) -> subprocess.CompletedProcess:
     """`pplab simulate ...` as a user types it."""
     return subprocess.run([sys.executable, "-m", "pplab", "simulate", *arguments],
@@ -131,11 +148,11 @@ def test_simulate_maps_weight_and_latency_onto_the_cost_model(tmp_path):
     (("gpipe", "--n-ranks", "2", "--n-microbatches", "4", "--forward", "1,2,3"),
      "--forward has 3 values but gpipe on 2 ranks has 2 stages"),
 ])
-def test_simulate_refuses_bad_arguments_with_one_clear_line(tmp_path, arguments, message):
-    done = run_simulate(*arguments, "--out", str(tmp_path / "out"))
-    assert done.returncode == 2, done.stdout + done.stderr
-    assert f"pplab simulate: error: {message}" in done.stderr
-    assert "Traceback" not in done.stderr and done.stdout == ""
+def test_simulate_refuses_bad_arguments_with_one_clear_line(tmp_path, capsys, arguments, message):
+    code, err, out = refused(capsys, "simulate", *arguments, "--out", str(tmp_path / "out"))
+    assert code == 2, out + err
+    assert f"pplab simulate: error: {message}" in err
+    assert "Traceback" not in err and out == ""
     assert not (tmp_path / "out").exists()  # nothing written for a command that failed
 
 
@@ -144,12 +161,11 @@ def test_simulate_refuses_bad_arguments_with_one_clear_line(tmp_path, arguments,
     (("--steps", "0"), "argument --steps: '0' is not a whole number >= 1"),
     (("--n-ranks", "9"), "n_stages=9 is more than n_layers=8"),  # the tiny model has 8 layers: refused before any rank starts
 ])
-def test_demo_refuses_bad_arguments_with_one_clear_line(tmp_path, arguments, message):
-    done = subprocess.run([sys.executable, "-m", "pplab", "demo", *arguments, "--out", str(tmp_path / "out")],
-                          capture_output=True, text=True, timeout=120)
-    assert done.returncode == 2, done.stdout + done.stderr
-    assert "pplab demo: error: " in done.stderr and message in done.stderr
-    assert "Traceback" not in done.stderr and "starting" not in done.stdout
+def test_demo_refuses_bad_arguments_with_one_clear_line(tmp_path, capsys, arguments, message):
+    code, err, out = refused(capsys, "demo", *arguments, "--out", str(tmp_path / "out"))
+    assert code == 2, out + err
+    assert "pplab demo: error: " in err and message in err
+    assert "Traceback" not in err and "starting" not in out
     assert not (tmp_path / "out").exists()
 
 
@@ -173,33 +189,42 @@ def reported_losses(path: Path) -> dict[int, float]:
     return {r["step"]: r["loss"] for r in json.loads(path.read_text())["records"]}
 
 
-def test_train_command_checkpoints_and_resumes_to_the_uninterrupted_losses(tmp_path):
-    whole = run_train("--steps", "6", "--eval-every", "3", "--report", str(tmp_path / "whole.json"))
-    assert whole.returncode == 0, whole.stderr
-    assert "held-out loss 3: " in whole.stdout
-    saved = run_train("--steps", "6", "--checkpoint-dir", str(tmp_path / "run"), "--checkpoint-every", "3",
-                      "--keep", "2")
-    assert saved.returncode == 0, saved.stderr
-    assert "last checkpoint: " in saved.stdout
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory):
+    """One `pplab train` of 6 steps on 2 local ranks, the held-out loss every 3 steps, a checkpoint
+    every 3 (2 kept), every step's record in a report: (its output, its folder). Its checkpoints
+    are copied by the tests that resume from them or damage them."""
+    folder = tmp_path_factory.mktemp("train")
+    done = run_train("--steps", "6", "--eval-every", "3", "--checkpoint-dir", str(folder / "run"),
+                     "--checkpoint-every", "3", "--keep", "2", "--report", str(folder / "whole.json"))
+    assert done.returncode == 0, done.stderr
+    return done, folder
+
+
+def test_train_command_checkpoints_and_resumes_to_the_uninterrupted_losses(trained, tmp_path):
     import shutil
 
-    shutil.rmtree(tmp_path / "run" / "step-00000006")  # as if the run had stopped after step 3
-    resumed = run_train("--steps", "6", "--checkpoint-dir", str(tmp_path / "run"), "--resume", "latest",
+    whole, folder = trained
+    assert "held-out loss 3: " in whole.stdout and "last checkpoint: " in whole.stdout
+    assert sorted(path.name for path in (folder / "run").glob("step-*")) == ["step-00000003", "step-00000006"]
+    run = shutil.copytree(folder / "run", tmp_path / "run")
+    shutil.rmtree(run / "step-00000006")  # as if the run had stopped after step 3
+    resumed = run_train("--steps", "6", "--checkpoint-dir", str(run), "--resume", "latest",
                         "--report", str(tmp_path / "resumed.json"))
     assert resumed.returncode == 0, resumed.stderr
     assert "resuming from latest" in resumed.stdout
-    whole_losses, resumed_losses = reported_losses(tmp_path / "whole.json"), reported_losses(tmp_path / "resumed.json")
+    whole_losses, resumed_losses = reported_losses(folder / "whole.json"), reported_losses(tmp_path / "resumed.json")
     assert sorted(resumed_losses) == [4, 5, 6]
     assert all(resumed_losses[step] == whole_losses[step] for step in resumed_losses)
 
 
-def test_train_command_under_torchrun_is_the_same_run(tmp_path):
-    local = run_train("--steps", "3", "--schedule", "gpipe", "--report", str(tmp_path / "local.json"))
-    launched = run_train("--steps", "3", "--schedule", "gpipe", "--report", str(tmp_path / "torchrun.json"),
+def test_train_command_under_torchrun_is_the_same_run(trained, tmp_path):
+    _, folder = trained
+    launched = run_train("--steps", "6", "--eval-every", "3", "--report", str(tmp_path / "torchrun.json"),
                          torchrun=True)
-    assert local.returncode == 0 and launched.returncode == 0, launched.stderr[-2000:]
+    assert launched.returncode == 0, launched.stderr[-2000:]
     assert "ranks started by torchrun" in launched.stdout
-    assert reported_losses(tmp_path / "torchrun.json") == reported_losses(tmp_path / "local.json")
+    assert reported_losses(tmp_path / "torchrun.json") == reported_losses(folder / "whole.json")
 
 
 @pytest.mark.parametrize("arguments, message", [
@@ -210,18 +235,21 @@ def test_train_command_under_torchrun_is_the_same_run(tmp_path):
     (["--resume", "step-00000003"], "checkpoint 'step-00000003' does not exist"),
     (["--schedule", "2f2b"], "2f2b"),
 ])
-def test_train_command_refuses_bad_arguments_with_one_clear_line(tmp_path, arguments, message):
-    done = run_train(*arguments, cwd=tmp_path)
-    assert done.returncode == 2 and message in done.stderr and "Traceback" not in done.stderr, done.stderr
-    assert done.stderr.count("\n") == 1 and not done.stdout  # refused before any rank started
+def test_train_command_refuses_bad_arguments_with_one_clear_line(tmp_path, capsys, monkeypatch, arguments, message):
+    monkeypatch.chdir(tmp_path)  # relative checkpoint paths are the user's working directory's
+    code, err, out = refused(capsys, "train", *arguments)
+    assert code == 2 and message in err and "Traceback" not in err, err
+    assert err.count("\n") == 1 and not out
 
 
-def test_train_command_reports_a_damaged_shard_as_one_line_per_rank(tmp_path):
-    saved = run_train("--steps", "2", "--eval-every", "0", "--checkpoint-dir", str(tmp_path / "run"))
-    assert saved.returncode == 0, saved.stderr
-    shard = tmp_path / "run" / "step-00000002" / "__1_0.distcp"
+def test_train_command_reports_a_damaged_shard_as_one_line_per_rank(trained, tmp_path):
+    import shutil
+
+    run = shutil.copytree(trained[1] / "run", tmp_path / "run")
+    shutil.rmtree(run / "step-00000003")  # the damaged checkpoint is the only one
+    shard = run / "step-00000006" / "__1_0.distcp"
     shard.write_bytes(shard.read_bytes()[:1000])
-    done = run_train("--steps", "4", "--checkpoint-dir", str(tmp_path / "run"), "--resume", "latest")
+    done = run_train("--steps", "8", "--checkpoint-dir", str(run), "--resume", "latest")
     lines = done.stderr.strip().splitlines()
     assert done.returncode == 1 and "Traceback" not in done.stderr, done.stderr
     assert lines[0].startswith("pplab train: error: rank 0 failed: CheckpointError: ") and len(lines) == 2

@@ -13,6 +13,8 @@ import nbformat
 import pytest
 from nbclient import NotebookClient
 
+from conftest import UnixSocketKernelManager
+
 NOTEBOOKS = Path(__file__).resolve().parents[1] / "notebooks"
 EXERCISES = sorted(path.stem for path in NOTEBOOKS.glob("*exercise*.ipynb"))
 
@@ -92,6 +94,7 @@ class ExerciseKernel:
         [self.index] = [i for i, cell in enumerate(self.notebook.cells)
                         if "exercise" in cell.metadata.get("tags", [])]
         self.client = NotebookClient(self.notebook, timeout=300, kernel_name="python3",
+                                     kernel_manager_class=UnixSocketKernelManager,
                                      resources={"metadata": {"path": str(NOTEBOOKS)}})
 
     def run_cells(self, cells: range) -> None:

@@ -97,7 +97,7 @@ def test_bad_options_are_refused_before_any_rank_starts(options, message):
 
 @pytest.mark.slow
 def test_the_embedded_corpus_trains_visibly_and_generates_corpus_like_text(tmp_path):
-    options = TrainOptions(steps=150, batch_size=16, seq_len=64, eval_every=50,
+    options = TrainOptions(steps=100, batch_size=8, seq_len=64, eval_every=50,
                            checkpoint_dir=str(tmp_path))
     spec = PipelineSpec.create(CONFIG, "1f1b", 2, 4)
     history = run_ranks(2, train_on_rank, spec, options, None, False, timeout=400)[0]
