@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import atexit
 import fcntl
+import json
 import os
 import shlex
 import shutil
@@ -210,7 +211,7 @@ class NamespaceHosts:
                                               f"--ip={self.addresses[0]}", *CONTROLLER_ARGS], "controller"))
         engine_file = os.path.join(self.profile_dir, "security", f"ipcontroller-{self.cluster_id}-engine.json")
         deadline = time.monotonic() + self.start_timeout
-        while not os.path.exists(engine_file):
+        while not _written(engine_file):  # whole: the engines read it at once
             if self.processes[0].poll() is not None or time.monotonic() > deadline:
                 raise RuntimeError(f"the controller in {self.names[0]} did not start:\n{self._log('controller')}")
             time.sleep(0.1)
@@ -248,6 +249,17 @@ class NamespaceHosts:
         result = subprocess.run(command, capture_output=True, text=True)
         if check and result.returncode:
             raise RuntimeError(f"{' '.join(command)} failed: {result.stderr.strip()}")
+
+
+def _written(connection_file: str) -> bool:
+    """True once the controller has written `connection_file` whole. It opens the file, then
+    writes it: an engine started between the two read an empty file, failed, and never
+    registered (seen on a busy machine)."""
+    try:
+        with open(connection_file) as f:
+            return "interface" in json.load(f)
+    except (OSError, ValueError):
+        return False
 
 
 def _free_subnets() -> tuple[str, str]:
