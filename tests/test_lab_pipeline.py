@@ -83,19 +83,21 @@ def test_bad_pipelines_are_rejected_before_any_rank_runs(lab2):
     pipe.close()
 
 
-def test_a_broken_process_group_makes_the_lab_ask_for_a_restart(lab2):
+def test_a_broken_process_group_makes_the_lab_ask_for_a_restart(fragile_lab):
+    """Every rank times out: the lab says the group is broken. (A lab with 3 s of grace: on a busy
+    machine the second rank's report can come more than the shared lab's 1 s after the first.)"""
     def every_rank_times_out():
         from pplab.comm import PipelineTimeoutError
 
         raise PipelineTimeoutError(f"rank {my_rank()} waited 1 s for the activation of microbatch 0")
 
     with pytest.raises(pplab.cluster.RankFailedError, match="The process group is broken"):
-        lab2.run(every_rank_times_out)
-    assert lab2.state != "running"
+        fragile_lab.run(every_rank_times_out)
+    assert fragile_lab.state != "running"
     with pytest.raises(pplab.cluster.LabNeedsRestartError):
-        lab2.run(lambda: None)
-    lab2.restart()
-    assert lab2.run(my_rank) == [0, 1]
+        fragile_lab.run(lambda: None)
+    fragile_lab.restart()
+    assert fragile_lab.run(my_rank) == [0, 1]
 
 
 def test_a_pipeline_stepped_after_a_restart_says_to_build_it_again(lab2):
