@@ -64,7 +64,7 @@ import torch.distributed as dist
 import pplab
 from pplab.rank.checkpoint import Checkpointer
 from pplab.checkpoint_files import data_files, share
-from pplab.drivers.local import run_ranks, with_rank
+from pplab.drivers.local import run_ranks
 from pplab.rank.rank_pipeline import PipelineSpec, RankPipeline
 from pplab.rank.train import RankTrainer, TrainOptions
 from pplab.session.on_rank import built_pipeline
@@ -270,10 +270,10 @@ def measure(args) -> dict:
         roots = {k: str(workdir / k) for k in ("sync", "async_commit", "async_overlap")}
         started = time.perf_counter()
         with pplab.RankPool(RANKS) as pool:  # stopped before the fresh launches below
-            pipe = pool.pipeline(config, SCHEDULE, MICROBATCHES, record=False)
-            per_rank = pool.run(with_rank, rank_steady, pipe.pipeline_id,
-                                replace(base, checkpoint_dir=roots["sync"]), roots, args.warmup, args.repeats,
-                                timeout=TIMEOUT)
+            pipe = pplab.Pipeline(pool, spec)  # the spec the fresh launches below build too
+            per_rank = run_ranks(RANKS, rank_steady, pipe.pipeline_id,
+                                 replace(base, checkpoint_dir=roots["sync"]), roots, args.warmup, args.repeats,
+                                 timeout=TIMEOUT, pool=pool)
         steady_wall = time.perf_counter() - started
         n = len(per_rank[0]["times"]["sync_save"])
         slowest = {k: [max(r["times"][k][i] for r in per_rank) for i in range(len(per_rank[0]["times"][k]))]

@@ -29,7 +29,7 @@ import torch
 
 import pplab
 from pplab.data import batches
-from pplab.drivers.local import with_rank
+from pplab.drivers.local import run_ranks
 from pplab.prediction import predict
 from pplab.rank.profiler import hop_costs_on_rank, profile
 
@@ -44,7 +44,7 @@ def hop(pool: pplab.RankPool) -> dict:
     activation = MICROBATCH_SIZE * SEQ_LEN * CONFIG.hidden_size * 4
     rows = {}
     for nbytes in (activation, 1 << 20):
-        measured = pool.run(with_rank, hop_costs_on_rank, nbytes, 300, timeout=300)[0]
+        measured = run_ranks(pool.world_size, hop_costs_on_rank, nbytes, 300, timeout=300, pool=pool)[0]
         rows[str(nbytes)] = dict(pplab_s=measured["pplab"], bare_s=measured["bare"], send_s=measured["send"],
                                  ratio=measured["pplab"] / measured["bare"])
     return dict(rows=rows, activation_bytes=activation, goal="pplab / bare <= 1.3",
@@ -67,9 +67,8 @@ def real_runs(pool: pplab.RankPool, link: dict) -> dict:
     batch = next(batches(MICROBATCH_SIZE * MICROBATCHES, SEQ_LEN))
     rows = {}
     for name, v in SCHEDULES:
-        pipe = pool.pipeline(CONFIG, name, MICROBATCHES, v)
-        steps = [pipe.step(batch) for _ in range(STEPS)][WARMUP:]
-        pipe.close()
+        with pool.pipeline(CONFIG, name, MICROBATCHES, v) as pipe:
+            steps = [pipe.step(batch) for _ in range(STEPS)][WARMUP:]
         measured = statistics.median(s.timeline.step_time() for s in steps)
         prediction = predict(pipe.schedule, profiles[v])
         peaks = [steps[-1].timeline.peak_inflight_bytes(r) for r in range(2)]

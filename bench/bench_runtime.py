@@ -86,10 +86,8 @@ def tracing_overhead(pool: pplab.RankPool, repeats: int) -> dict:
 
 def one_step(pool: pplab.RankPool, batch, name: str, m: int, **options) -> tuple[Schedule, pplab.Timeline]:
     """A pipeline built on the pool, stepped once and dropped: its schedule and its step's timeline."""
-    pipe = pool.pipeline(CONFIG, name, m, **options)
-    timeline = pipe.step(batch).timeline
-    pipe.close()
-    return pipe.schedule, timeline
+    with pool.pipeline(CONFIG, name, m, **options) as pipe:
+        return pipe.schedule, pipe.step(batch).timeline
 
 
 def timing_mode_bubbles(pool: pplab.RankPool) -> dict:

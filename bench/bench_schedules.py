@@ -154,8 +154,8 @@ def run_found(steps: int = 5) -> dict:
                 costs = stage_costs(layer_costs, balance)
                 timing = None if scale is None else _scaled(costs, scale)
                 predicted = simulate(schedule, costs if timing is None else timing).step_time()
-                measured = median_step(pool.pipeline(config, schedule, balance=list(balance), timing=timing),
-                                       batch, steps)
+                with pool.pipeline(config, schedule, balance=list(balance), timing=timing) as pipe:
+                    measured = median_step(pipe, batch, steps)
                 rows[label] = dict(measured_step_s=measured, predicted_step_s=predicted,
                                    error=measured / predicted - 1)
             found_row, builtin_row = rows["found"], rows["best built-in, even split"]
@@ -173,10 +173,8 @@ def run_found(steps: int = 5) -> dict:
 
 def median_step(pipe: pplab.Pipeline, batch, steps: int) -> float:
     """Median step time (from the step's events) of `steps` steps but the first, which also infers
-    shapes and warms up; then the pipeline is dropped."""
-    times = [pipe.step(batch).timeline.step_time() for _ in range(steps)]
-    pipe.close()
-    return statistics.median(times[1:])
+    shapes and warms up."""
+    return statistics.median([pipe.step(batch).timeline.step_time() for _ in range(steps)][1:])
 
 
 def _scaled(costs: Costs, factor: float) -> Costs:

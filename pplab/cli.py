@@ -12,7 +12,8 @@ import time
 from pathlib import Path
 
 import pplab
-from pplab.schedules import SCHEDULE_NAMES, TORCH_SCHEDULES, Kind, build, schedule_name, theory, validate
+from pplab.schedules import SCHEDULE_NAMES, Kind, build, schedule_name, theory, validate
+from pplab.schedules.names import TORCH_ONLY_NAMES
 from pplab.simulator import Costs, simulate
 
 DEMO_SCHEDULES = {  # per runtime: (schedule, stages per rank)
@@ -416,7 +417,7 @@ def build_parser() -> argparse.ArgumentParser:
     run_train.add_argument("--n-ranks", type=_positive_int, default=2, metavar="N",
                            help="local ranks to start (default 2; torchrun decides its own)")
     run_train.add_argument("--schedule", default="1f1b", help=f"one of {', '.join(SCHEDULE_NAMES)}; with "
-                           f"--impl torch also {', '.join(n for n in TORCH_SCHEDULES if n not in SCHEDULE_NAMES)} "
+                           f"--impl torch also {', '.join(TORCH_ONLY_NAMES)} "
                            f"(any case; torch's class names work too)")
     run_train.add_argument("--impl", choices=("pplab", "torch"), default="pplab",
                            help="the hand-written runtime, or torch.distributed.pipelining's schedules")

@@ -3,9 +3,6 @@
 * `ipython_dir` (session, automatic): a temporary IPYTHONDIR, so tests never touch
   the user's profiles; at the end of the run it FAILS the run if any controller,
   engine or engine fork server started under it is still alive (and kills it).
-Under pytest-xdist (on by default, see pyproject) each worker is a session of its own: its
-own IPYTHONDIR, session lab and pools.
-
 * `lab2`: a 2-rank CPU/gloo lab shared by the whole session (restarted first if an
   earlier test left it needing a restart). Use it for anything that does not
   break or reconfigure the lab.
@@ -13,6 +10,10 @@ own IPYTHONDIR, session lab and pools.
   every lab it started is stopped after the test, passed or failed.
 * Notebook kernels (nbmake's, the exercises') talk to their client over Unix sockets
   (`UnixSocketKernelManager`), not TCP ports: no port for another process to take first.
+  (This conftest is loaded when tests/ is collected; `pytest notebooks/` alone uses TCP.)
+
+Under pytest-xdist (on by default, see pyproject) each worker is a session of its own: its
+own IPYTHONDIR, session lab and pools.
 
 Plain-process ranks come from `tests/ranks.py`: one RankPool per number of ranks, stopped
 with the session.
@@ -27,6 +28,7 @@ import os
 
 import psutil
 import pytest
+from jupyter_client.manager import AsyncKernelManager
 
 # This process, and the notebook kernels nbmake starts, share the cores with the ranks: one
 # torch thread each, as every rank has (DESIGN.md). Two OpenMP threads spinning against busy
@@ -64,9 +66,6 @@ def pytest_xdist_auto_num_workers(config):
 
 
 # --- notebook kernels on Unix sockets ---------------------------------------------------------
-
-from jupyter_client.manager import AsyncKernelManager  # noqa: E402  (after OMP_NUM_THREADS is set)
-
 
 _KERNEL_SOCKETS: list[str] = []  # the folder the kernels' sockets go in (made in pytest_configure)
 

@@ -68,7 +68,7 @@ def test_a_rank_that_dies_at_an_action_is_named_by_its_peer(fragile_lab):
     message = str(failure.value)
     # The death, then what its peer saw of it: a message it lost (of microbatch 2, or 1 if
     # rank 1 died before its send of the gradient of microbatch 1 was through).
-    assert message.startswith(f"rank 1 (engine "), message
+    assert message.startswith("rank 1 (engine "), message
     assert f"pid {pid} on " in message
     assert re.search(r"\nThen rank 0 lost the (send of the )?gradient of microbatch (?P<mb>[12]) (to|from) "
                      r"rank 1 \(action 0(SEND|RECV)_B(?P=mb)\)", message), message

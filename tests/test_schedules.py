@@ -223,6 +223,9 @@ def test_every_spelling_of_a_schedule_names_its_canonical_name():
     for spelling, name in typed.items():
         assert schedule_name(spelling) == name, spelling
     assert set(ALL_SCHEDULE_NAMES) == set(SCHEDULE_NAMES) | set(TORCH_SCHEDULES)
+    from pplab.schedules.builders import _BUILDERS
+
+    assert tuple(_BUILDERS) == SCHEDULE_NAMES  # the names pplab says it builds are the ones it builds
     assert all(schedule_name(name) == name for name in ALL_SCHEDULE_NAMES)  # canonical names are fixed points
 
 

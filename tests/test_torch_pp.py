@@ -32,7 +32,7 @@ CASES = {
 
 @pytest.mark.parametrize("p", sorted(CASES))
 def test_torch_schedules_match_one_device_and_record_every_action_once(p):
-    specs, data, batch_of = [], [], {}
+    specs, data = [], []
     for name, m, v in CASES[p]:
         spec = PipelineSpec.create(CONFIG, name, p, m, n_virtual=v, impl="torch")
         batch = next(batches(MICROBATCH_SIZE * m, SEQ_LEN, seed=m))

@@ -77,9 +77,8 @@ def from_torch(name: str, n_ranks: int, n_microbatches: int, n_virtual: int = 1)
     "ZBVZeroBubble" as well as "zbv-zero-bubble"), and the schedule takes its
     canonical name; ``n_virtual`` is torch's stages per rank (1 for gpipe and
     1f1b, 2 for the V-shaped ones, 2 or more for the others). No process group
-    is needed. Torch's
-    sends and receives are kept where its planner makes them (multi-stage
-    schedules); otherwise :func:`add_communication` adds ours. Overlapped
+    is needed. Torch's sends and receives are kept where its planner makes them
+    (multi-stage schedules); otherwise :func:`add_communication` adds ours. Overlapped
     F+B actions (DualPipeV) are split into their F and B, in order. The plan
     is imported as torch makes it, defects included: run :func:`validate`.
     """

@@ -224,6 +224,13 @@ class Pipeline:
         if self.lab.state != "stopped":
             self.lab.run(drop_on_rank, self.pipeline_id, timeout=60)
 
+    def __enter__(self) -> "Pipeline":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        """`with pool.pipeline(...) as pipe:` frees the stages at the end of the block."""
+        self.close()
+
     def __repr__(self) -> str:
         s = self.schedule
         runtime = f"torch's {s.name}" if self.spec.impl == "torch" else s.name

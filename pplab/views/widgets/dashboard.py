@@ -81,7 +81,7 @@ class Dashboard(widgets.VBox):
         return self._task
 
     def stop(self) -> None:
-        """End the run after the step in progress."""
+        """Stop the series of steps after the one in progress."""
         if self.running:
             self._stop_requested = True
             self._say("stopping after this step")
