@@ -121,10 +121,9 @@ LONGEST_FIRST = ["test_hosts.py", "test_cli.py", "12_multi_host_and_faults.ipynb
 
 
 def pytest_collection_modifyitems(config, items):
-    """Under xdist (`-n`, on by default) a file's tests stay on one worker, so that its
-    module-scoped labs and kernels start once; the longest files go first."""
-    for item in items:
-        item.add_marker(pytest.mark.xdist_group(item.path.name))
+    """The longest files go first. (Under xdist, `--dist loadfile` in pyproject keeps a file's
+    tests on one worker, so that its module-scoped labs and kernels start once. Not `loadgroup`
+    with a group per file: on pytest 9.2 its groups are silently dropped, pytest-xdist#1386.)"""
     first = {name: index for index, name in enumerate(LONGEST_FIRST)}
     items.sort(key=lambda item: first.get(item.path.name, len(first)))  # stable: the rest as collected
 
