@@ -60,12 +60,14 @@ _MODULES = {
     "exercises": "pplab.views.exercises", "checks": "pplab.rank.checks", "checkpoint": "pplab.rank.checkpoint",
     "train": "pplab.rank.train", "mesh": "pplab.rank.mesh", "faults": "pplab.rank.faults",
     "cluster": "pplab.drivers.cluster", "session": "pplab.session",
+    "hf": "pplab.hf",  # Hugging Face models as stages (pip install 'pplab[hf]')
+    "traced": "pplab.traced",  # any module, cut by torch's tracer
 }
 
 __all__ = [*_EXPORTS, *_MODULES]
 
 if _TYPE_CHECKING:  # what static checkers and editors see
-    from pplab import comm, data, model, schedules, session, simulator, trace
+    from pplab import comm, data, hf, model, schedules, session, simulator, trace, traced
     from pplab.drivers import cluster
     from pplab.rank import checkpoint, checks, faults, mesh, train
     from pplab.views import exercises, viz, widgets

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import hashlib
 import math
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 
 import torch
 import torch.nn.functional as F
@@ -68,6 +68,38 @@ class LlamaConfig:
     def head_dim(self) -> int:
         """Width of one attention head."""
         return self.hidden_size // self.num_attention_heads
+
+    # --- the model description every pipeline takes (pplab.hf.HFModel has the same) ---------
+
+    tied = ()  # no weight is shared between the first and the last stage
+    sum_tied_gradients = True
+
+    def build_stage(self, layers: range, embed: bool, head: bool, seed: int = 0,
+                    device="cpu") -> "LlamaModel":
+        """The stage that holds `layers`, and the embedding and/or the final norm and head."""
+        return materialise(self, seed, device, layers=layers, embed=embed, head=head)
+
+    def build_model(self, seed: int = 0, device="cpu") -> "LlamaModel":
+        """The whole model on one device, with the weights every cut of it holds."""
+        return build_model(self, seed, device)
+
+    def parameter_names(self) -> list[str]:
+        """The full model's parameter names, in its order."""
+        with torch.device("meta"):
+            return [name for name, _ in LlamaModel(self).named_parameters()]
+
+    @staticmethod
+    def part_of(name: str):
+        """'embed', 'head' or the layer index that holds parameter `name`."""
+        if name.startswith("embed_tokens."):
+            return "embed"
+        if name.startswith("layers."):
+            return int(name.split(".")[1])
+        return "head"
+
+    def record(self) -> dict:
+        """What a checkpoint manifest says about this model."""
+        return asdict(self)
 
     @classmethod
     def tiny(cls, **overrides) -> "LlamaConfig":

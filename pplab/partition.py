@@ -1,17 +1,23 @@
-"""Cutting the model into pipeline stages.
+"""Cutting a model into pipeline stages.
 
-A stage is a `LlamaModel` slice: the first owns the embedding, the last the final
+A stage is a slice of the model: the first owns the embedding, the last the final
 norm and LM head, and each owns a contiguous run of layers. Stages are built on
 the meta device and then materialised, so a rank allocates only what it owns,
 and their parameter names are the full model's, so checkpoints line up.
+
+The model is described by a `LlamaConfig` (pplab's own) or a `pplab.hf.HFModel` (a
+Hugging Face decoder); both answer the same questions: sizes (`num_hidden_layers`,
+`hidden_size`, `vocab_size`, `max_position_embeddings`), `build_stage`, `build_model`,
+`parameter_names`, `part_of(name)`, `tied` weights and a manifest `record()`.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from pathlib import Path
 
 from pplab.arguments import check_positive_int
-from pplab.model import LlamaConfig, LlamaModel, materialise
+from pplab.model import LlamaConfig
 
 
 def layer_ranges(n_layers: int, n_stages: int, balance: Sequence[int] | None = None,
@@ -54,25 +60,44 @@ def _checked_balance(balance: Sequence[int], n_layers: int, n_stages: int,
     return counts
 
 
-def stage_of_parameter(name: str, ranges: Sequence[tuple[int, int]]) -> int:
+def as_model(model):
+    """The model description a pipeline takes: a LlamaConfig, an HFModel or a TracedModel as it is; a
+    Hugging Face config or a directory holding one as a `pplab.hf.HFModel` (importing transformers only then)."""
+    if isinstance(model, LlamaConfig) or hasattr(model, "build_stage"):
+        return model
+    if isinstance(model, (str, Path)) or "transformers" in type(model).__module__:
+        from pplab.hf import HFModel
+
+        return HFModel.of(model)
+    own = (" For a module of your own, describe how to build and cut it: "
+           "pplab.traced.TracedModel(make=YourModel, split_at=['layers.4'])") if hasattr(model, "forward") else ""
+    raise TypeError(f"cannot pipeline a {type(model).__name__}: give a pplab.LlamaConfig, a transformers "
+                    f"causal-LM config, or a directory holding a config.json (save_pretrained).{own}")
+
+
+def stage_of_parameter(name: str, ranges: Sequence[tuple[int, int]], model=None) -> int:
     """The stage that holds parameter `name` (a full-model name) under `layer_ranges`' cut."""
-    if name.startswith("embed_tokens."):
+    part = (model or LlamaConfig).part_of(name)
+    if part == "embed":
         return 0
-    if name.startswith("layers."):
-        layer = int(name.split(".")[1])
-        return next(stage for stage, (start, end) in enumerate(ranges) if start <= layer < end)
-    return len(ranges) - 1  # the final norm and the LM head
+    if part == "head":
+        return len(ranges) - 1  # the final norm and the LM head
+    return next(stage for stage, (start, end) in enumerate(ranges) if start <= part < end)
 
 
-def build_stage(config: LlamaConfig, stage_index: int, n_stages: int, seed: int = 0,
+def build_stage(config, stage_index: int, n_stages: int, seed: int = 0,
                 device="cpu", balance: Sequence[int] | None = None,
-                allow_empty: bool = False) -> LlamaModel:
-    """The module pipeline stage `stage_index` of `n_stages` owns, with the full model's weights."""
+                allow_empty: bool = False):
+    """The module pipeline stage `stage_index` of `n_stages` owns, with the full model's weights.
+
+    `config` is a LlamaConfig, or any model `as_model` takes.
+    """
+    config = as_model(config)
     ranges = layer_ranges(config.num_hidden_layers, n_stages, balance, allow_empty)
     if not isinstance(stage_index, int) or not 0 <= stage_index < n_stages:
         raise ValueError(f"stage_index={stage_index!r} is not a stage of n_stages={n_stages}; "
                          f"use 0..{n_stages - 1}")
     start, end = ranges[stage_index]
-    return materialise(config, seed, device, layers=range(start, end),
-                       embed=stage_index == 0, head=stage_index == n_stages - 1)
+    return config.build_stage(range(start, end), embed=stage_index == 0, head=stage_index == n_stages - 1,
+                              seed=seed, device=device)
 

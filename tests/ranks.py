@@ -9,14 +9,15 @@ that breaks its ranks leaves nothing to the next. conftest stops the pools at th
 from __future__ import annotations
 
 from pplab.drivers import local
+from pplab.session import RankPool
 
-_pools: dict[int, local.RankPool] = {}
+_pools: dict[int, RankPool] = {}
 
 
-def pool(n_ranks: int) -> local.RankPool:
-    """The session's pool of `n_ranks` ranks (started on first use)."""
+def pool(n_ranks: int) -> RankPool:
+    """The session's pool of `n_ranks` ranks (started on first use); `pool(n).pipeline(...)` builds on it."""
     if n_ranks not in _pools or _pools[n_ranks].state == "stopped":
-        _pools[n_ranks] = local.RankPool(n_ranks)
+        _pools[n_ranks] = RankPool(n_ranks)
     return _pools[n_ranks]
 
 

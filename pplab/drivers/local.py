@@ -28,8 +28,10 @@ import os
 import pickle
 import queue
 import random
+import shutil
 import socket
 import sys
+import tempfile
 import threading
 import time
 import traceback
@@ -92,10 +94,24 @@ def with_rank(fn, *args):
     return fn(context.rank, context.world_size, *args)
 
 
-def _join_group(rank: int, world_size: int, port: int, backend: str, op_timeout: float):
-    """Make this fresh process rank `rank` of a process group on loopback; its device."""
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), GLOO_SOCKET_IFNAME="lo",
-                      OMP_NUM_THREADS="1")
+class _Rendezvous:
+    """Where one host's fresh ranks meet: a file store in a directory of its own.
+
+    A file, not a TCP port: a port found free can be taken by another process in the
+    seconds before rank 0 listens on it (EADDRINUSE, seen with two test workers).
+    """
+
+    def __init__(self):
+        self.directory = tempfile.mkdtemp(prefix="pplab-rendezvous-")
+        self.url = f"file://{os.path.join(self.directory, 'store')}"
+
+    def remove(self) -> None:
+        shutil.rmtree(self.directory, ignore_errors=True)
+
+
+def _join_group(rank: int, world_size: int, rendezvous: str, backend: str, op_timeout: float):
+    """Make this fresh process rank `rank` of a process group on this host; its device."""
+    os.environ.update(GLOO_SOCKET_IFNAME="lo", OMP_NUM_THREADS="1")
     import torch
     import torch.distributed as dist
 
@@ -105,7 +121,8 @@ def _join_group(rank: int, world_size: int, port: int, backend: str, op_timeout:
     if backend == "nccl":
         device = torch.device("cuda", rank)
         torch.cuda.set_device(device)
-    dist.init_process_group(backend, rank=rank, world_size=world_size, timeout=timedelta(seconds=op_timeout))
+    dist.init_process_group(backend, init_method=rendezvous, rank=rank, world_size=world_size,
+                            timeout=timedelta(seconds=op_timeout))
     return device
 
 
@@ -114,11 +131,11 @@ def error_report(error: BaseException) -> tuple[str, str, str]:
     return type(error).__name__, str(error), traceback.format_exc()
 
 
-def _rank_main(rank, world_size, port, backend, op_timeout, fn, args, results):
+def _rank_main(rank, world_size, rendezvous, backend, op_timeout, fn, args, results):
     import torch.distributed as dist
 
     try:
-        _join_group(rank, world_size, port, backend, op_timeout)
+        _join_group(rank, world_size, rendezvous, backend, op_timeout)
         try:
             # Plain pickle copies tensors into bytes; the queue's default would pass a
             # shared-memory handle that dies with this process.
@@ -149,9 +166,9 @@ def run_ranks(n_ranks: int, fn, *args, backend: str = "gloo", timeout: float = 1
         return pool.run(with_rank, fn, *args, timeout=timeout)
     context = process_context()
     results = context.Queue()
-    port = free_port()
+    rendezvous = _Rendezvous()
     processes = [context.Process(target=_rank_main, daemon=True,
-                                 args=(rank, n_ranks, port, backend, op_timeout, fn, args, results))
+                                 args=(rank, n_ranks, rendezvous.url, backend, op_timeout, fn, args, results))
                  for rank in range(n_ranks)]
     for process in processes:
         process.start()
@@ -159,6 +176,7 @@ def run_ranks(n_ranks: int, fn, *args, backend: str = "gloo", timeout: float = 1
         return _collect(processes, results, timeout, grace)
     finally:
         _end(processes, patience=2.0)  # a rank that reported is returning: let it
+        rendezvous.remove()
 
 
 def _end(processes, patience: float) -> None:
@@ -225,7 +243,7 @@ def one_line(ename: str, evalue: str) -> str:
 _STOP = b""  # what a pool sends a rank to make it leave
 
 
-def _pool_rank_main(rank, world_size, port, backend, op_timeout, link):
+def _pool_rank_main(rank, world_size, rendezvous, backend, op_timeout, link):
     """A pool's rank: join the group once, then run each call sent, until told to stop."""
     lock = threading.Lock()  # the call's thread and its feed's thread both send
 
@@ -234,7 +252,7 @@ def _pool_rank_main(rank, world_size, port, backend, op_timeout, link):
             link.send(message)
 
     try:
-        device = _join_group(rank, world_size, port, backend, op_timeout)
+        device = _join_group(rank, world_size, rendezvous, backend, op_timeout)
     except BaseException as error:
         send(None, "error", error_report(error))
         raise SystemExit(1)
@@ -377,10 +395,10 @@ class RankPool:
 
     def _start(self) -> None:
         """Start the ranks and wait until every one has joined the process group."""
-        port, links = free_port(), [self._context.Pipe() for _ in range(self.world_size)]
+        self._rendezvous, links = _Rendezvous(), [self._context.Pipe() for _ in range(self.world_size)]
         self._processes = [self._context.Process(
             target=_pool_rank_main, daemon=True, name=f"pplab-rank-{rank}",
-            args=(rank, self.world_size, port, self.backend, self.op_timeout, links[rank][1]))
+            args=(rank, self.world_size, self._rendezvous.url, self.backend, self.op_timeout, links[rank][1]))
             for rank in range(self.world_size)]
         for process in self._processes:
             process.start()
@@ -412,6 +430,9 @@ class RankPool:
         _end(self._processes, patience)
         for link in self._links:
             link.close()
+        if getattr(self, "_rendezvous", None) is not None:
+            self._rendezvous.remove()
+            self._rendezvous = None
         self._processes, self._links = [], []
         for call in self._calls.values():
             call._abandon()

@@ -38,7 +38,6 @@ import shutil
 import time
 import warnings
 from collections.abc import Callable
-from dataclasses import asdict
 from pathlib import Path
 
 import torch
@@ -48,15 +47,16 @@ from torch import nn
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict,
                                                      get_state_dict, set_state_dict)
+from torch.export.unflatten import InterpreterModule
 
 from pplab.checkpoint_files import (FORMAT, MANIFEST, PREFIX, CheckpointError, check_config,
                                     complete_checkpoints, data_files, file_record, latest,
                                     read_manifest, resolve, sealed, share, step_directory,
                                     unverifiable, verify)
-from pplab.model import LlamaConfig, LlamaModel, build_model
+from pplab.model import LlamaConfig, LlamaModel
 
 __all__ = ["FORMAT", "MANIFEST", "PREFIX", "CheckpointError", "Checkpointer", "check_loadable",
-           "complete_checkpoints", "export_model", "latest", "load_model", "rank_module",
+           "complete_checkpoints", "export_model", "export_pretrained", "latest", "load_model", "rank_module",
            "read_manifest", "resolve", "step_directory"]
 
 OPTIONS = StateDictOptions(flatten_optimizer_state_dict=True)
@@ -72,7 +72,7 @@ def check_loadable(path: str | Path, config: LlamaConfig) -> dict:
 
 def _check_manifest(path: Path, config: LlamaConfig) -> dict:
     manifest = read_manifest(path)
-    check_config(path, manifest, asdict(config))
+    check_config(path, manifest, config.record())
     return manifest
 
 
@@ -112,19 +112,27 @@ def rank_module(stages: dict[int, nn.Module]) -> nn.Module:
     """One module over a rank's stage modules whose parameter names are the full model's.
 
     The stages' own submodules are shared, not copied, so an optimizer over its
-    parameters is the optimizer over the stages.
+    parameters is the optimizer over the stages. Containers the stages both have (the
+    `layers` of pplab's model, the `model.layers` of a Hugging Face one) are merged.
     """
     module = nn.Module()
-    layers = nn.ModuleDict()
     for index in sorted(stages):
-        stage = stages[index]
-        if stage.embed_tokens is not None:
-            module.embed_tokens = stage.embed_tokens
-        layers.update(stage.layers)
-        if stage.lm_head is not None:
-            module.norm, module.lm_head = stage.norm, stage.lm_head
-    module.layers = layers
+        _merge_into(module, stages[index])
     return module
+
+
+# Exact types of modules that only hold others (torch's tracer holds a traced stage's in InterpreterModules).
+_CONTAINERS = (nn.Module, nn.ModuleDict, InterpreterModule)
+
+
+def _merge_into(target: nn.Module, source: nn.Module) -> None:
+    for name, child in source.named_children():
+        if type(child) in _CONTAINERS and not child._parameters and not child._buffers:
+            if name not in target._modules:
+                target.add_module(name, nn.ModuleDict() if type(child) is nn.ModuleDict else nn.Module())
+            _merge_into(target._modules[name], child)
+        else:
+            target.add_module(name, child)
 
 
 class Checkpointer:
@@ -330,16 +338,25 @@ def load_model(path: str | Path, config: LlamaConfig | None = None, device="cpu"
     if config is None:
         saved = read_manifest(path)["config"]
         try:
-            config = LlamaConfig(**saved)
+            config = _model_of_record(saved)
         except (TypeError, ValueError) as error:
             raise CheckpointError(f"checkpoint {str(path)!r}: its model config is not one this pplab "
                                   f"builds ({_cause(error)}); give config= or load another checkpoint") from None
     check_loadable(path, config)
-    model = build_model(config, device=device)
+    model = config.build_model(device=device)
     state = {"model": get_model_state_dict(model)}
     _read(state, path)
     model.load_state_dict(state["model"])
     return model
+
+
+def _model_of_record(saved: dict):
+    """The model description a manifest's `config` record was written from."""
+    if "hf_config.model_type" in saved:
+        from pplab.hf import HFModel
+
+        return HFModel.of_record(saved)
+    return LlamaConfig(**saved)
 
 
 def export_model(path: str | Path, out: str | Path) -> Path:
@@ -350,4 +367,15 @@ def export_model(path: str | Path, out: str | Path) -> Path:
     scratch = out.with_name(f".{out.name}.tmp")
     torch.save(model.state_dict(), scratch)
     os.replace(scratch, out)
+    return out
+
+
+def export_pretrained(path: str | Path, out: str | Path) -> Path:
+    """Write a checkpoint of a Hugging Face model (pplab.hf) as a directory that `from_pretrained` loads."""
+    model = load_model(path)
+    if not hasattr(model, "save_pretrained"):
+        raise CheckpointError(f"checkpoint {str(path)!r} is of pplab's own model, not a Hugging Face one: "
+                              f"write it with export_model(path, out) instead")
+    out = Path(out)
+    model.save_pretrained(out)
     return out

@@ -24,7 +24,7 @@ import torch
 from pplab.arguments import check_positive_int
 from pplab.rank.memory import SavedBytes
 from pplab.model import LlamaConfig, loss_fn
-from pplab.partition import build_stage, layer_ranges
+from pplab.partition import as_model, build_stage, layer_ranges
 from pplab.prediction import Profile, StageProfile
 from pplab.rank.split_backward import input_gradient, weight_gradients
 
@@ -37,6 +37,7 @@ def profile(config: LlamaConfig, microbatch_size: int, seq_len: int, n_stages: i
     `threads=1` measures what one rank of a CPU lab gets (each rank runs one thread); None
     keeps torch's setting. `show` draws a progress bar (tqdm). Seconds on CPU for the tiny model.
     """
+    config = as_model(config)  # a Hugging Face config or directory too
     check_positive_int("microbatch_size", microbatch_size)
     check_positive_int("seq_len", seq_len)
     check_positive_int("repeats", repeats, example=7)

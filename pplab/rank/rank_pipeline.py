@@ -21,9 +21,10 @@ from pplab.arguments import check_positive_int
 from pplab.data import Batch
 from pplab.rank.mesh import CollectiveLog, Mesh, MeshPlace, parallelize_stage
 from pplab.model import IGNORE_INDEX, LlamaConfig
-from pplab.partition import build_stage, layer_ranges
+from pplab.partition import as_model, build_stage, layer_ranges
 from pplab.rank.reference import as_microbatches
 from pplab.rank.runtime import Boundary, RankRuntime, RankStep
+from pplab.rank.tied import TiedGradients, tie_on_rank
 from pplab.schedules import Schedule, build, check_runnable, validate
 from pplab.simulator import Costs
 from pplab.trace import Event, Timeline
@@ -40,7 +41,7 @@ class PipelineSpec:
     (`pplab.session.drivers`); their defaults are written here and in `create`, the same.
     """
 
-    config: LlamaConfig
+    config: LlamaConfig  # the model: a LlamaConfig or a pplab.hf.HFModel (see pplab.partition)
     schedule: Schedule
     seed: int = 0
     balance: Sequence[int] | None = None
@@ -65,6 +66,10 @@ class PipelineSpec:
         """
         if impl not in IMPLEMENTATIONS:
             raise ValueError(f"impl={impl!r}: choose one of {', '.join(map(repr, IMPLEMENTATIONS))}")
+        config = as_model(config)
+        if mesh is not None and not isinstance(config, LlamaConfig):
+            raise ValueError(f"mesh={mesh!r} with a {type(config).__name__}: the mesh's tensor-parallel plans "
+                             f"and sharded training know pplab's own model only; pipeline it without a mesh")
         if n_microbatches is not None:
             check_positive_int("n_microbatches", n_microbatches, example=4)
         if mesh is not None:
@@ -103,6 +108,8 @@ class PipelineSpec:
                 raise ValueError(f"timing={spec.timing!r}: give a pplab.Costs (seconds per action)")
             spec.timing.check_stages(schedule.n_stages)
         # Raises a clear error now if the stages cannot be cut (e.g. more stages than layers).
+        if hasattr(config, "check_stages"):  # a traced model's cut is fixed by its split points
+            config.check_stages(schedule.n_stages, spec.balance)
         layer_ranges(config.num_hidden_layers, schedule.n_stages, spec.balance, spec.allow_empty)
         return spec
 
@@ -145,6 +152,8 @@ class RankPipeline:
         self.stages = {s: build_stage(spec.config, s, schedule.n_stages, spec.seed, self.device,
                                       spec.balance, spec.allow_empty)
                        for s in schedule.stages_of(spec.pp_rank(rank))}
+        tie_on_rank(self.stages, spec.config.tied, schedule.n_stages)
+        tied = TiedGradients.for_rank(spec.config, schedule, spec.pp_rank(rank), spec.op_timeout, group)
         if self.place:
             for stage in self.stages.values():
                 parallelize_stage(stage, self.place.device_mesh, spec.mesh, collectives)
@@ -152,14 +161,14 @@ class RankPipeline:
             from pplab.rank.torch_pp import TorchRankRuntime
 
             self.runtime = TorchRankRuntime(schedule, rank, self.stages, self.device,
-                                            spec.timing, group, spec.record, self.place, collectives)
+                                            spec.timing, group, spec.record, self.place, collectives, tied)
         else:  # (a mesh here has pp only: Mesh.check refuses dp and tp without torch's schedules)
             self.runtime = RankRuntime(schedule, rank, self.stages, self.device, spec.op_timeout,
-                                       spec.record, spec.timing, group)
+                                       spec.record, spec.timing, group, tied)
 
     def parameters(self):
-        """All parameters of this rank's stages."""
-        return [p for stage in self.stages.values() for p in stage.parameters()]
+        """All parameters of this rank's stages (a weight two of them tie, once)."""
+        return list({id(p): p for stage in self.stages.values() for p in stage.parameters()}.values())
 
     def named_parameters(self):
         """(full-model name, parameter) for this rank's stages."""
@@ -251,6 +260,8 @@ def check_microbatch(config: LlamaConfig, index: int, input_ids: torch.Tensor,
         raise ValueError(f"{where}: sequence length {input_ids.shape[1]} exceeds "
                          f"max_position_embeddings={config.max_position_embeddings}; use shorter "
                          f"sequences or a larger config")
+    if hasattr(config, "check_microbatch_shape"):  # a traced model runs the shape it was traced at
+        config.check_microbatch_shape(input_ids.shape)
     for name, ids, allowed in (("token id", input_ids, ()), ("target id", target_ids, (IGNORE_INDEX,))):
         bad = ids[(ids < 0) | (ids >= config.vocab_size)]
         bad = bad[~torch.isin(bad, torch.tensor(allowed, dtype=torch.int64))]

@@ -14,7 +14,9 @@ from dataclasses import dataclass
 import torch
 
 from pplab.data import Batch, split_microbatches
-from pplab.model import LlamaConfig, LlamaModel, build_model, loss_fn
+from torch import nn
+
+from pplab.model import LlamaConfig, LlamaModel, loss_fn
 
 
 @dataclass
@@ -43,18 +45,23 @@ def reference_step(model: LlamaModel | LlamaConfig, batch: Batch | Sequence[Batc
                    n_microbatches: int | None = None, seed: int = 0) -> ReferenceResult:
     """Loss and every parameter's gradient of one step on one device, microbatched like a pipeline.
 
-    `model` is a built model (its gradients are overwritten) or a config (built from `seed`).
+    `model` is a built model (its gradients are overwritten; a `transformers` causal LM
+    too) or a model description (a config, see `pplab.partition.as_model`; built from `seed`).
+    A tied weight's gradient is listed under each of its names, as the stages hold it.
     """
-    if isinstance(model, LlamaConfig):
-        model = build_model(model, seed)
+    if not isinstance(model, nn.Module):
+        from pplab.partition import as_model
+
+        model = as_model(model).build_model(seed)
     microbatches = as_microbatches(batch, n_microbatches)
     device = next(model.parameters()).device
     model.zero_grad(set_to_none=True)
     losses = []
     for input_ids, target_ids in microbatches:
-        loss = loss_fn(model(input_ids.to(device)), target_ids.to(device))
+        output = model(input_ids.to(device))
+        loss = loss_fn(getattr(output, "logits", output), target_ids.to(device))
         (loss / len(microbatches)).backward()
         losses.append(loss.item())
-    grads = {name: p.grad.detach().clone() for name, p in model.named_parameters()
+    grads = {name: p.grad.detach().clone() for name, p in model.named_parameters(remove_duplicate=False)
              if p.grad is not None}
     return ReferenceResult(sum(losses) / len(losses), losses, grads)

@@ -106,7 +106,8 @@ class RankRuntime:
 
     def __init__(self, schedule: Schedule, rank: int, stages: dict[int, nn.Module],
                  device="cpu", op_timeout: float = 30.0, record: bool = True,
-                 timing: Costs | None = None, group=None):
+                 timing: Costs | None = None, group=None, tied=None):
+        """`tied`: a `pplab.rank.tied.TiedGradients` when this rank holds one end of a tied weight."""
         missing = set(schedule.stages_of(rank)) - set(stages)
         if missing:
             raise ValueError(f"rank {rank} runs stages {sorted(missing)} of schedule "
@@ -115,7 +116,7 @@ class RankRuntime:
         self.schedule, self.rank, self.stages = schedule, rank, stages
         self.rule = Dependencies(schedule)
         self.device, self.op_timeout, self.record, self.timing = torch.device(device), op_timeout, record, timing
-        self.group = group
+        self.group, self.tied = group, tied
         self.last_stage = schedule.n_stages - 1
         self._forward_bytes = ForwardBytes()  # keyed by (stage, input shape, dtype)
         self._upcoming_receives = _upcoming_receives(schedule.actions[rank])
@@ -180,6 +181,8 @@ class RankRuntime:
         tell.starting([])
         self._check_all_released(state)
         events.extend(link.events)
+        if self.tied is not None:  # after the last backward, before anything reads the gradients
+            events.extend(self.tied.sum(self.stages, clock if self.record else None))
         return RankStep(self.rank, events, state.losses, boundary_shapes,
                         *gradient_report(self.stages.values(), return_grads))
 

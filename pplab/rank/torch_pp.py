@@ -172,7 +172,7 @@ class TorchRankRuntime:
 
     def __init__(self, schedule: Schedule, rank: int, stages: dict[int, nn.Module],
                  device="cpu", timing: Costs | None = None, group=None, record: bool = True,
-                 place=None, collectives=None):
+                 place=None, collectives=None, tied=None):
         """`schedule` is what `torch_schedule` made: its name says which of torch's schedules runs.
 
         With `record=False` (and no timing mode) torch's own PipelineStage runs, untouched:
@@ -180,13 +180,14 @@ class TorchRankRuntime:
 
         On a mesh (`place`, a `pplab.mesh.MeshPlace`), `rank` is the global rank, the stages talk
         over the pipeline's own group, and `collectives` (a `CollectiveLog`) records dp and tp.
+        `tied` (a `pplab.rank.tied.TiedGradients`) sums a tied weight's gradients after the step.
         """
         from torch.distributed.pipelining import PipelineStage
         from torch.distributed.pipelining import schedules as torch_schedules
 
         self.schedule, self.rank, self.stages = schedule, rank, stages
         self.device = torch.device(device)
-        self.place, self.collectives = place, collectives
+        self.place, self.collectives, self.tied = place, collectives, tied
         self.recorder = _Recorder(rank, timing, schedule, place.global_rank if place else None)
         stage_class = recording_stage_class() if record or timing is not None else PipelineStage
         stage_group = place.pp_group if place else group
@@ -224,6 +225,8 @@ class TorchRankRuntime:
                                          losses=losses, return_outputs=False)
         finally:
             collective_events = self.collectives.stop() if self.collectives is not None else []
+        if self.tied is not None:  # torch has scaled the gradients: sum the tied ones now
+            collective_events += self.tied.sum(self.stages, self.recorder.clock if self.recorder.clock else None)
         if watch is not None:
             watch(Now(self.rank, "done", self.recorder.clock()))
         losses_by_microbatch = {mb: float(loss.detach()) for mb, loss in enumerate(losses or [])}

@@ -34,7 +34,7 @@ from pplab.arguments import check_positive_int
 from pplab.rank.checkpoint import Checkpointer, rank_module
 from pplab.checkpoint_files import check_config, read_manifest, resume_path
 from pplab.data import batches
-from pplab.model import LlamaConfig, LlamaModel, loss_fn
+from pplab.model import LlamaConfig, loss_fn
 from pplab.partition import layer_ranges
 from pplab.rank.rank_pipeline import PipelineSpec, RankPipeline
 from pplab.rank.reference import as_microbatches
@@ -90,7 +90,7 @@ class TrainOptions:
         if self.resume is not None:
             path = resume_path(self.resume, self.checkpoint_dir)
             if config is not None:
-                check_config(path, read_manifest(path), asdict(config))
+                check_config(path, read_manifest(path), config.record())
 
 
 def lr_factor(options: TrainOptions, step_index: int) -> float:
@@ -158,9 +158,7 @@ class RankTrainer:
         self.rank = pipeline.rank
         self.module = rank_module(pipeline.stages)
         self.optimizer, self.scheduler = make_optimizer(self.module.named_parameters(), options)
-        with torch.device("meta"):
-            names = [name for name, _ in LlamaModel(spec.config).named_parameters()]
-        self.slot = {name: index for index, name in enumerate(names)}  # the full model's order
+        self.slot = {name: index for index, name in enumerate(spec.config.parameter_names())}  # the full model's order
         self.step = 0            # steps done
         self.data_position = 0   # batches consumed
         self.checkpointer = None
@@ -197,7 +195,9 @@ class RankTrainer:
         device = self.pipeline.device
         norms = torch.zeros(len(self.slot), dtype=torch.float32, device=device)
         for name, p in self.module.named_parameters():
-            if p.grad is not None:
+            # A tied weight's second copy (its gradient already summed with the first's) is not counted
+            # again: one device holds it once.
+            if p.grad is not None and name in self.slot:
                 norms[self.slot[name]] = torch.linalg.vector_norm(p.grad, 2.0)
         if dist.is_initialized():
             dist.all_reduce(norms, group=self.group)  # each slot has one owner: an exact sum
@@ -302,7 +302,7 @@ class RankTrainer:
             raise ValueError("this run has no checkpoint_dir: give TrainOptions(checkpoint_dir=...)")
         spec = self.pipeline.spec
         manifest = {"pplab": pplab.__version__, "torch": torch.__version__,
-                    "config": asdict(spec.config), "n_stages": spec.schedule.n_stages,
+                    "config": spec.config.record(), "n_stages": spec.schedule.n_stages,
                     "schedule": spec.schedule.name, "impl": spec.impl,
                     "world_size": spec.schedule.n_ranks,
                     "options": {k: v for k, v in asdict(self.options).items()

@@ -31,7 +31,9 @@ class _BuildsPipelines:
                  record: bool = True, mesh: Mesh | dict | None = None) -> Pipeline:
         """Build a pipeline's stages on every rank, everything checked first; step it with `.step()`.
 
-        config          the model (`pplab.LlamaConfig`)
+        config          the model: a `pplab.LlamaConfig`; a Hugging Face causal-LM config or a local
+                        directory holding one (config.json, optionally *.safetensors); or a
+                        `pplab.hf.HFModel` (a layout of your own, tied sums off): see pplab.hf
         schedule        a schedule's name, in any spelling ("1f1b", "ZBVZeroBubble": see
                         `pplab.schedules.schedule_name`), or a `Schedule` (built, written, searched)
         n_microbatches  microbatches per step (with a name; a Schedule has its own)

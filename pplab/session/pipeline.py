@@ -14,7 +14,6 @@ import time
 import uuid
 from collections.abc import Sequence
 
-import torch
 
 from pplab.arguments import check_positive_seconds
 from pplab.checkpoint_files import CheckpointError, read_manifest, resume_path
@@ -22,7 +21,7 @@ from pplab.rank.checks import (BoundaryTable, GradientFlowReport, ParityReport, 
                           compare_with_reference)
 from pplab.data import Batch, batches
 from pplab.rank.mesh import Mesh, MemoryTable
-from pplab.model import LlamaConfig, LlamaModel
+from pplab.model import LlamaConfig
 from pplab.rank.rank_context import RankError, StillRunning
 from pplab.rank.rank_pipeline import PipelineSpec, StepResult, merge_steps, split_for_ranks
 from pplab.rank.reference import reference_step
@@ -205,9 +204,7 @@ class Pipeline:
         """Every parameter of the full model got a finite, non-zero gradient on some stage."""
         if self.last is None or batch is not None:
             self.step(batch)
-        with torch.device("meta"):
-            expected = [name for name, _ in LlamaModel(self.config).named_parameters()]
-        return check_gradient_flow(self.last.grad_stats, expected)
+        return check_gradient_flow(self.last.grad_stats, self.config.parameter_names())
 
     def boundary_shapes(self) -> BoundaryTable:
         """What crossed each stage boundary in the last step."""

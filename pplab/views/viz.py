@@ -45,7 +45,7 @@ _KIND_STYLE = {
     "RECV_B": ("#F0E442", "", "receive (waiting on the wire)"),
     "ALL_GATHER": ("#0072B2", "", "all-gather (FSDP)"),
     "REDUCE_SCATTER": ("#0072B2", "xx", "reduce-scatter (FSDP)"),
-    "ALL_REDUCE": ("#444444", "", "all-reduce (TP)"),
+    "ALL_REDUCE": ("#444444", "", "all-reduce (TP; tied weights)"),
 }
 _SHADING_LABEL = "lighter = later virtual stage"
 _OTHER_COLOUR = "#999999"  # free-form kinds, like an optimizer step "OPT"

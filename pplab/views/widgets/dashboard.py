@@ -224,7 +224,7 @@ class Dashboard(widgets.VBox):
         spec = self.pipe.spec
         ranges = layer_ranges(spec.config.num_hidden_layers, spec.schedule.n_stages, spec.balance,
                               spec.allow_empty)
-        return lambda name: stage_of_parameter(name, ranges)
+        return lambda name: stage_of_parameter(name, ranges, spec.config)
 
     # -- controls ------------------------------------------------------------------------------
 
