@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import pickle
 import warnings
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch

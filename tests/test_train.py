@@ -1,54 +1,22 @@
 """Training on real ranks (gloo, CPU) against a single-device training loop written here."""
 
 import pytest
-import torch
 
-from pplab.data import CharTokenizer, batches, split_microbatches
+from pplab.data import CharTokenizer
+from one_device import single_device_training
 from ranks import run_ranks
-from pplab.model import LlamaConfig, build_model, generate, loss_fn
-from pplab.partition import layer_ranges, stage_of_parameter
+from pplab.model import LlamaConfig, generate
 from pplab.rank.rank_pipeline import PipelineSpec
-from pplab.rank.train import TrainOptions, lr_factor, make_optimizer, train_on_rank
+from pplab.rank.train import TrainOptions, lr_factor, train_on_rank
 
 
 CONFIG = LlamaConfig.tiny()
 OPTIONS = TrainOptions(steps=6, batch_size=8, seq_len=32, warmup=2, eval_every=3, clip=0.5)
 
 
-def single_device_losses(options: TrainOptions, n_microbatches: int, per_stage: int = 0) -> list[float]:
-    """The same training on one device, clipped with torch's own clip_grad_norm_.
-
-    With `per_stage` > 0, the parameters of each of that many stages are clipped by
-    their own norm: what per-stage clipping on a pipeline does.
-    """
-    model = build_model(CONFIG, 0)
-    clip_groups = [list(model.parameters())]
-    if per_stage:
-        ranges = layer_ranges(CONFIG.num_hidden_layers, per_stage)
-        clip_groups = [[p for name, p in model.named_parameters() if stage_of_parameter(name, ranges) == s]
-                       for s in range(per_stage)]
-    optimizer, scheduler = make_optimizer(model.named_parameters(), options)
-    losses = []
-    for step in range(options.steps):
-        batch = next(batches(options.batch_size, options.seq_len, options.data_seed, split="train",
-                             start=step))
-        model.zero_grad(set_to_none=True)
-        microbatch_losses = []
-        for input_ids, target_ids in split_microbatches(batch, n_microbatches):
-            loss = loss_fn(model(input_ids), target_ids)
-            (loss / n_microbatches).backward()
-            microbatch_losses.append(loss.item())
-        for group in clip_groups:
-            torch.nn.utils.clip_grad_norm_(group, options.clip)
-        optimizer.step()
-        scheduler.step()
-        losses.append(sum(microbatch_losses) / n_microbatches)
-    return losses
-
-
 @pytest.fixture(scope="module")
 def reference_losses():
-    return single_device_losses(OPTIONS, 4)
+    return single_device_training(OPTIONS, 4)[0]
 
 
 @pytest.mark.parametrize("schedule, impl, n_virtual", [("1f1b", "pplab", 1), ("zb-h1", "pplab", 1),
@@ -67,7 +35,7 @@ def test_pipeline_training_equals_one_device_to_the_last_bit(reference_losses, s
 @pytest.mark.quick
 def test_per_stage_clipping_is_not_the_single_device_update(reference_losses):
     # Two stages, each clipped by its own norm, as a per-rank clip_grad_norm_ does.
-    per_stage = single_device_losses(OPTIONS, 4, per_stage=2)
+    per_stage = single_device_training(OPTIONS, 4, per_stage=2)[0]
     assert per_stage[0] == reference_losses[0]  # the first loss precedes any update
     assert max(abs(a - b) for a, b in zip(per_stage[1:], reference_losses[1:])) > 1e-4
 

@@ -226,24 +226,20 @@ class Checkpointer:
         path, manifest = self._agree(path, check)
         # RNG states are per rank: they mean something only in the layout that saved them.
         same_layout = manifest.get("world_size") == world_size
-        staged_module, staged_optimizer = _scratch_copy(module, optimizer)
 
         def read() -> dict:
-            model_state, optimizer_state = get_state_dict(staged_module, staged_optimizer, options=OPTIONS)
-            state = {"model": model_state, "optimizer": optimizer_state,
-                     "scheduler": scheduler.state_dict(), "train": {"step": 0, "data_position": 0}}
+            state = {**_staged_state(module, optimizer), "scheduler": scheduler.state_dict(),
+                     "train": {"step": 0, "data_position": 0}}
             if same_layout:
                 state[f"rng_rank{self.rank}"] = torch.get_rng_state()
             _read(state, path, self.group)
-            set_state_dict(staged_module, staged_optimizer, model_state_dict=state["model"],
-                           optim_state_dict=state["optimizer"], options=OPTIONS)
             return state
 
         state = self._agree(path, read)
         # Every rank has it all: take it (nothing below reads a file or waits for a peer).
-        module.load_state_dict(staged_module.state_dict())
         module.zero_grad(set_to_none=True)
-        optimizer.load_state_dict(staged_optimizer.state_dict())
+        set_state_dict(module, optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"],
+                       options=OPTIONS)
         scheduler.load_state_dict(state["scheduler"])
         if same_layout:
             torch.set_rng_state(state[f"rng_rank{self.rank}"])
@@ -283,21 +279,29 @@ class Checkpointer:
             dist.barrier(group=self.group)
 
 
-def _scratch_copy(module: nn.Module, optimizer) -> tuple[nn.Module, torch.optim.Optimizer]:
-    """A copy of `module` without gradients, and a fresh optimizer of the same kind and settings over it.
+def _staged_state(module: nn.Module, optimizer) -> dict:
+    """Copies of the module's and the optimizer's state dicts (flattened, full-model names) for
+    `dcp.load` to fill, so that the live ones change only once every rank has read the checkpoint.
 
-    Without gradients, `get_state_dict` initialises the fresh optimizer's state, so the
-    template it returns asks the checkpoint for every moment (over parameters that still
-    held a step's gradients it would skip that, and the moments would silently stay fresh).
+    The optimizer's template comes from a scratch optimizer of the same kind and settings over
+    the same parameters, initialised by torch with zero gradients at lr 0 (for AdamW an exact
+    no-op on the parameters): it asks the checkpoint for every moment even when the live
+    optimizer has none yet, and leaves the live one untouched. No module is copied: FSDP's
+    modules cannot be.
     """
-    staged = copy.deepcopy(module)
-    staged.zero_grad(set_to_none=True)
-    name_of = {id(p): name for name, p in module.named_parameters()}
-    copies = dict(staged.named_parameters())
-    groups = [{**{k: v for k, v in group.items() if k != "params"},
-               "params": [copies[name_of[id(p)]] for p in group["params"]]}
-              for group in optimizer.param_groups]
-    return staged, type(optimizer)(groups)
+    scratch = type(optimizer)([{**{k: v for k, v in group.items() if k != "params"},
+                                "params": list(group["params"])} for group in optimizer.param_groups])
+    held = {p: p.grad for p in module.parameters()}
+    for p in held:
+        p.grad = None  # with gradients present, torch would leave the scratch optimizer's state empty
+    try:
+        model_state, optimizer_state = get_state_dict(module, scratch, options=OPTIONS)
+    finally:
+        for p, grad in held.items():
+            p.grad = grad
+    return {"model": {name: value.detach().clone() for name, value in model_state.items()},
+            "optimizer": {key: value.detach().clone() if isinstance(value, torch.Tensor) else copy.deepcopy(value)
+                          for key, value in optimizer_state.items()}}
 
 
 def _read(state: dict, path: Path, group=None) -> None:

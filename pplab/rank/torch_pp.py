@@ -183,17 +183,26 @@ class TorchRankRuntime:
         `tied` (a `pplab.rank.tied.TiedGradients`) sums a tied weight's gradients after the step.
         """
         from torch.distributed.pipelining import PipelineStage
-        from torch.distributed.pipelining import schedules as torch_schedules
 
         self.schedule, self.rank, self.stages = schedule, rank, stages
         self.device = torch.device(device)
         self.place, self.collectives, self.tied = place, collectives, tied
         self.recorder = _Recorder(rank, timing, schedule, place.global_rank if place else None)
-        stage_class = recording_stage_class() if record or timing is not None else PipelineStage
-        stage_group = place.pp_group if place else group
+        self._stage_class = recording_stage_class() if record or timing is not None else PipelineStage
+        self._stage_group = place.pp_group if place else group
+        self._microbatch_shape = None  # what torch's stages inferred their shapes from
+        self._build_torch_schedule()
+        self._clock = StepClock(group, self.device)
+
+    def _build_torch_schedule(self) -> None:
+        """torch's PipelineStage for each of this rank's stages, and torch's schedule over them."""
+        from torch.distributed.pipelining import schedules as torch_schedules
+
+        schedule = self.schedule
         self.torch_stages = []
-        for index in sorted(stages):
-            stage = stage_class(stages[index], index, schedule.n_stages, self.device, group=stage_group)
+        for index in sorted(self.stages):
+            stage = self._stage_class(self.stages[index], index, schedule.n_stages, self.device,
+                                      group=self._stage_group)
             stage.recorder, stage.forward_bytes = self.recorder, ForwardBytes()
             self.torch_stages.append(stage)
         schedule_class = torch_schedules.get_schedule_class(torch_plan(schedule.name).torch_name)
@@ -202,11 +211,20 @@ class TorchRankRuntime:
         # those of the mean loss, as pplab's runtime and the single-device reference compute.
         self.torch_schedule = schedule_class(self.torch_stages[0] if single else self.torch_stages,
                                              schedule.n_microbatches, loss_fn=loss_fn, scale_grads=True)
-        self._clock = StepClock(group, self.device)
+
+    def _follow_shape(self, activation_shapes) -> None:
+        """torch's stages infer their activations' shapes once, on their first step: when the
+        microbatches change shape (a step, then training with other sizes), every rank (each is
+        told the same shapes) builds them anew, so that they infer again."""
+        shape = tuple(activation_shapes[0]) if activation_shapes else None
+        if shape is not None and self._microbatch_shape is not None and shape != self._microbatch_shape:
+            self._build_torch_schedule()
+        self._microbatch_shape = shape or self._microbatch_shape
 
     def step(self, inputs, targets, activation_shapes=None, return_grads: bool = False,
              watch=None) -> RankStep:
         """One step of torch's schedule on this rank (same arguments and result as RankRuntime.step)."""
+        self._follow_shape(activation_shapes)
         first = 0 in self.stages
         last = self.schedule.n_stages - 1 in self.stages
         args = (_whole_batch(inputs, "inputs"),) if first else ()

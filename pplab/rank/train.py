@@ -9,11 +9,15 @@ implementation) followed by what a pipeline must do across its ranks:
   model's parameters (each slot filled by its one owner, so the sum is exact), and the
   total is computed from that vector exactly as `torch.nn.utils.clip_grad_norm_` does on
   one device. Clipping each stage by its own norm, as some walkthroughs do, scales the
-  stages differently and is not the single-device update;
+  stages differently and is not the single-device update. On a mesh a parameter is spread
+  over its dp and tp ranks (FSDP shards, TP shards, or whole copies: norms, embedding and
+  head under TP): each rank adds the squares of the elements only it counts, so that every
+  element of the model is counted exactly once, and one all-reduce over all ranks sums them;
 - AdamW and the LR schedule (linear warm-up, then cosine decay to `min_lr`) step locally.
 
 The data is a pure function of (seed, position): every rank draws the same global batch
-and keeps its share, and a resumed run continues at the saved position. Evaluation runs
+and keeps its share (on a mesh each dp replica its own microbatches of it), and a resumed
+run continues at the saved position. The step's loss is the mean over the whole batch. Evaluation runs
 the stages forward only, microbatch by microbatch, on held-out text.
 """
 
@@ -66,7 +70,7 @@ class TrainOptions:
     async_save: bool = False    # write checkpoints in the background (torch.distributed.checkpoint.async_save)
     resume: str | None = None   # "latest" (in checkpoint_dir) or a checkpoint's path
 
-    def check(self, n_microbatches: int, config: LlamaConfig | None = None) -> None:
+    def check(self, n_microbatches: int, config: LlamaConfig | None = None, replicas: int = 1) -> None:
         """Raise a ValueError naming the first option that cannot work, before any rank blocks.
 
         A checkpoint to resume from is found and its manifest read (and, given the run's
@@ -78,9 +82,10 @@ class TrainOptions:
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 0:
                 raise ValueError(f"TrainOptions.{name}={value!r}: give an integer >= 0")
-        if self.batch_size % n_microbatches:
+        if self.batch_size % (n_microbatches * replicas):
+            across = f"dp={replicas} pipelines x {n_microbatches}" if replicas > 1 else f"{n_microbatches}"
             raise ValueError(f"TrainOptions.batch_size={self.batch_size} does not split into "
-                             f"{n_microbatches} microbatches; use a multiple of {n_microbatches}")
+                             f"{across} microbatches; use a multiple of {n_microbatches * replicas}")
         if not 0 < self.min_lr <= self.lr:
             raise ValueError(f"lr={self.lr}, min_lr={self.min_lr}: need 0 < min_lr <= lr")
         if self.clip is not None and not self.clip > 0:
@@ -151,11 +156,13 @@ class RankTrainer:
                  checkpoint_group=None):
         """`checkpoint_group`: the checkpoints' own process group (made here for async saves if not given)."""
         spec, schedule = pipeline.spec, pipeline.spec.schedule
-        check_trainable(spec)
-        options.check(schedule.n_microbatches)
+        options.check(schedule.n_microbatches, replicas=spec.replicas)
         _check_every_rank_has_parameters(spec)
-        self.pipeline, self.options, self.group = pipeline, options, group
+        self.pipeline, self.options, self.place = pipeline, options, pipeline.place
+        # The pipeline's own ranks (on a mesh: those that share this rank's dp and tp coordinates).
+        self.group = group if group is not None or self.place is None else self.place.pp_group
         self.rank = pipeline.rank
+        self.pp_rank = spec.pp_rank(self.rank)  # its place in its pipeline (the global rank without a mesh)
         self.module = rank_module(pipeline.stages)
         self.optimizer, self.scheduler = make_optimizer(self.module.named_parameters(), options)
         self.slot = {name: index for index, name in enumerate(spec.config.parameter_names())}  # the full model's order
@@ -186,21 +193,27 @@ class RankTrainer:
         self.scheduler.step()
         self.step += 1
         self.data_position += 1
-        loss = self._from_last_stage(rank_step.losses_by_microbatch)
+        loss = self._over_replicas(self._from_last_stage(rank_step.losses_by_microbatch))
         return TrainRecord(self.step, loss, lr, grad_norm, time.perf_counter() - started)
 
     def clip_gradients(self) -> float:
         """The global gradient norm (what one device would compute); gradients clipped to options.clip."""
         parameters = [p for p in self.module.parameters() if p.grad is not None]
-        device = self.pipeline.device
-        norms = torch.zeros(len(self.slot), dtype=torch.float32, device=device)
-        for name, p in self.module.named_parameters():
-            # A tied weight's second copy (its gradient already summed with the first's) is not counted
-            # again: one device holds it once.
-            if p.grad is not None and name in self.slot:
-                norms[self.slot[name]] = torch.linalg.vector_norm(p.grad, 2.0)
-        if dist.is_initialized():
-            dist.all_reduce(norms, group=self.group)  # each slot has one owner: an exact sum
+        # A tied weight's second copy (its gradient already summed with the first's) is not counted
+        # again: one device holds it once.
+        grads = [(self.slot[name], p.grad) for name, p in self.module.named_parameters()
+                 if p.grad is not None and name in self.slot]
+        norms = torch.zeros(len(self.slot), dtype=torch.float32, device=self.pipeline.device)
+        if self.place is None:
+            for slot, grad in grads:
+                norms[slot] = torch.linalg.vector_norm(grad, 2.0)
+            if dist.is_initialized():
+                dist.all_reduce(norms, group=self.group)  # each slot has one owner: an exact sum
+        else:
+            for slot, grad in grads:
+                norms[slot] = counted_square_sum(grad, self.place.coordinates)
+            dist.all_reduce(norms)  # over every rank: each element was counted by exactly one
+            norms = norms.sqrt()
         total = torch.linalg.vector_norm(norms, 2.0)
         if not torch.isfinite(total):
             raise FloatingPointError(f"step {self.step + 1}: the global gradient norm is {float(total)}; "
@@ -216,11 +229,19 @@ class RankTrainer:
         mean = sum(losses_by_microbatch[mb] for mb in sorted(losses_by_microbatch)) / max(1, len(losses_by_microbatch))
         if not dist.is_initialized():
             return mean
-        value = torch.tensor([mean if self.rank == owner else 0.0], dtype=torch.float64,
+        value = torch.tensor([mean if self.pp_rank == owner else 0.0], dtype=torch.float64,
                              device=self.pipeline.device)
         dist.broadcast(value, src=dist.get_global_rank(self.group, owner) if self.group else owner,
                        group=self.group)
         return float(value)
+
+    def _over_replicas(self, loss: float) -> float:
+        """The mean loss of the whole batch: each dp replica's mean, averaged (equal shares)."""
+        if self.place is None or self.place.mesh.dp == 1:
+            return loss
+        value = torch.tensor([loss], dtype=torch.float64, device=self.pipeline.device)
+        dist.all_reduce(value, group=self.place.device_mesh["dp"].get_group())
+        return float(value) / self.place.mesh.dp
 
     # --- evaluation -----------------------------------------------------------------------
 
@@ -231,6 +252,8 @@ class RankTrainer:
         for batch in batches(self.options.batch_size, self.options.seq_len, self.options.data_seed,
                              split="heldout", steps=self.options.eval_batches):
             losses.append(self._forward_only(batch))
+        if self.place is not None:  # FSDP keeps what a forward gathered until a backward: free it
+            reshard(self.pipeline.stages.values())
         return sum(losses) / len(losses)
 
     def _forward_only(self, batch) -> float:
@@ -242,22 +265,27 @@ class RankTrainer:
         for mb, (input_ids, target_ids) in enumerate(as_microbatches(batch, schedule.n_microbatches)):
             x = None
             for stage in range(schedule.n_stages):
-                if schedule.stage_to_rank(stage) != self.rank:
+                if schedule.stage_to_rank(stage) != self.pp_rank:
                     continue
                 if stage == 0:
                     x = input_ids.to(device)
-                elif schedule.stage_to_rank(stage - 1) != self.rank:
+                elif schedule.stage_to_rank(stage - 1) != self.pp_rank:
                     x = torch.empty((*input_ids.shape, spec.config.hidden_size), device=device,
-                                    dtype=next(stages[stage].parameters()).dtype)
+                                    dtype=self._activation_dtype(stages[stage]))
                     self._peer(dist.irecv, x, schedule.stage_to_rank(stage - 1)).wait(op_timeout)
                 x = stages[stage](x)
                 if stage == schedule.n_stages - 1:
                     losses[mb] = float(loss_fn(x, target_ids.to(device)))
-                elif schedule.stage_to_rank(stage + 1) != self.rank:
+                elif schedule.stage_to_rank(stage + 1) != self.pp_rank:
                     sends.append(self._peer(dist.isend, x, schedule.stage_to_rank(stage + 1)))
         for send in sends:
             send.wait(op_timeout)
         return self._from_last_stage(losses)
+
+    def _activation_dtype(self, stage) -> torch.dtype:
+        """What a stage's forward passes on: bf16 under FSDP's mixed precision, else its parameters'."""
+        mesh = self.pipeline.spec.mesh
+        return torch.bfloat16 if mesh and mesh.mixed_precision else next(stage.parameters()).dtype
 
     def _peer(self, operation, tensor, rank: int):
         if self.group is None:
@@ -304,7 +332,7 @@ class RankTrainer:
         manifest = {"pplab": pplab.__version__, "torch": torch.__version__,
                     "config": spec.config.record(), "n_stages": spec.schedule.n_stages,
                     "schedule": spec.schedule.name, "impl": spec.impl,
-                    "world_size": spec.schedule.n_ranks,
+                    "world_size": spec.world_size, "mesh": spec.mesh.sizes if spec.mesh else None,
                     "options": {k: v for k, v in asdict(self.options).items()
                                 if k in ("batch_size", "seq_len", "data_seed", "steps")}}
         train_state = {"step": self.step, "data_position": self.data_position}
@@ -322,6 +350,45 @@ class RankTrainer:
                                   self.pipeline.spec.config)
         self.step, self.data_position = int(state["step"]), int(state["data_position"])
         self.resumed_from = state["path"]
+
+
+def counted_square_sum(grad: torch.Tensor, coordinates: dict[str, int]) -> torch.Tensor:
+    """The sum of squares of the gradient's elements that this rank counts for the global norm.
+
+    A DTensor's shard is this rank's own where it is sharded (over dp, tp or both);
+    where it is replicated, only the copy at coordinate 0 counts. A plain tensor on a mesh
+    is a whole copy held by every dp and tp rank: counted at dp 0, tp 0. Summed over all
+    ranks, every element of the model is counted exactly once.
+    """
+    from torch.distributed.tensor import DTensor, Partial, Replicate
+
+    spans = ()
+    counted = True
+    if isinstance(grad, DTensor):
+        if any(isinstance(p, Partial) for p in grad.placements):  # unreduced: reduce it first
+            grad = grad.redistribute(placements=[Replicate() if isinstance(p, Partial) else p
+                                                 for p in grad.placements])
+        mesh, spans = grad.device_mesh, grad.device_mesh.mesh_dim_names
+        # Sharded (Shard, or FSDP's strided shard of a TP shard): this rank's own elements.
+        counted = all(mesh.get_local_rank(i) == 0 for i, placement in enumerate(grad.placements)
+                      if placement.is_replicate())
+        grad = grad.to_local()
+    counted = counted and all(index == 0 for name, index in coordinates.items()
+                              if name != "pp" and name not in spans)
+    if not counted:
+        return torch.zeros((), dtype=torch.float32, device=grad.device)
+    local = grad.float()
+    return (local * local).sum()
+
+
+def reshard(stages) -> None:
+    """Free the parameters FSDP gathered for a forward that no backward followed (evaluation)."""
+    from torch.distributed.fsdp import FSDPModule
+
+    for stage in stages:
+        for module in stage.modules():
+            if isinstance(module, FSDPModule):
+                module.reshard()
 
 
 def _check_every_rank_has_parameters(spec: PipelineSpec) -> None:
@@ -361,24 +428,14 @@ class ProgressBar:
             self.bar.close()
 
 
-def check_trainable(spec: PipelineSpec) -> None:
-    """Training takes a pipeline alone (or a pp-only mesh): refuse dp and tp with a clear error."""
-    mesh = spec.mesh
-    if mesh is not None and (mesh.dp > 1 or mesh.tp > 1):
-        raise ValueError(f"training runs a pipeline alone, but this one has dp={mesh.dp} and tp={mesh.tp}: "
-                         f"its gradient clipping and checkpoints do not know FSDP's and TP's sharded "
-                         f"tensors yet; train a pipeline without dp and tp (e.g. mesh={{'pp': {mesh.pp}}})")
-
-
 def train_on_rank(rank: int, world_size: int, spec: PipelineSpec, options: TrainOptions,
                   until: int | None = None, progress: bool = True, device="cpu") -> TrainHistory:
     """Build this rank's stages and train them: the entry point for torchrun and local processes.
 
     Rank 0 shows a progress bar (tqdm) when `progress` is true.
     """
-    check_trainable(spec)
-    if spec.schedule.n_ranks != world_size:
-        raise ValueError(f"the schedule is for {spec.schedule.n_ranks} ranks but world_size={world_size}")
+    if spec.world_size != world_size:
+        raise ValueError(f"the pipeline is for {spec.world_size} ranks but world_size={world_size}")
     trainer = RankTrainer(RankPipeline(spec, rank, device), options)
     bar = ProgressBar(options.steps if until is None else until, trainer.step) if progress and rank == 0 else None
     try:
