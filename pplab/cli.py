@@ -260,21 +260,33 @@ def train_command(args: argparse.Namespace) -> int:
     if args.resume is not None:  # found and its manifest read before torch loads or any rank starts
         resume_path(args.resume, args.checkpoint_dir)
     from pplab.drivers.torchrun import run_as_torchrun_rank, under_torchrun
-    from pplab.model import LlamaConfig
     from pplab.rank.rank_pipeline import PipelineSpec
     from pplab.session import Pipeline, RankPool
     from pplab.rank.train import TrainOptions, train_on_rank
+
+    from pplab.rank.train import prepare_data
 
     ranks = int(os.environ["WORLD_SIZE"]) if under_torchrun() else args.n_ranks
     options = TrainOptions(
         steps=args.steps, batch_size=args.batch_size, seq_len=args.seq_len, lr=args.lr,
         min_lr=args.min_lr if args.min_lr is not None else args.lr / 10, warmup=args.warmup,
-        clip=args.clip or None, data_seed=args.data_seed, eval_every=args.eval_every,
+        weight_decay=args.weight_decay, betas=args.betas, eps=args.eps,
+        clip=args.clip or None, data_seed=args.data_seed, data=args.data, tokenizer=args.tokenizer,
+        vocab_size=args.vocab_size, epochs=args.epochs, eval_every=args.eval_every,
         checkpoint_dir=args.checkpoint_dir, checkpoint_every=args.checkpoint_every, keep=args.keep,
         async_save=args.async_save, resume=args.resume)
-    spec = PipelineSpec.create(LlamaConfig.tiny(), args.schedule, ranks, args.n_microbatches,
-                               args.n_virtual, impl=args.impl, seed=args.seed)
-    options.check(spec.schedule.n_microbatches, spec.config)  # bad options fail here, before any rank starts
+    mesh = None
+    if args.dp > 1 or args.tp > 1:
+        if ranks % (args.dp * args.tp):
+            raise ValueError(f"--dp {args.dp} x --tp {args.tp} does not divide {ranks} ranks: give a rank "
+                             f"count that is a multiple of {args.dp * args.tp}")
+        mesh = {"pp": ranks // (args.dp * args.tp), "dp": args.dp, "tp": args.tp}
+    config = _model(args.model, _vocabulary(args.tokenizer, args.vocab_size))
+    spec = PipelineSpec.create(config, args.schedule, ranks, args.n_microbatches,
+                               args.n_virtual, impl=args.impl, seed=args.seed, mesh=mesh, balance=args.balance)
+    # Bad options fail here, before any rank starts; a BPE tokenizer is trained here, once.
+    options.check(spec.schedule.n_microbatches, spec.config, spec.replicas)
+    options = prepare_data(options, spec.config)
     speaker = os.environ.get("RANK", "0") == "0"
     if speaker:
         where = "ranks started by torchrun" if under_torchrun() else "local ranks (gloo)"
@@ -308,6 +320,124 @@ def train_command(args: argparse.Namespace) -> int:
         Path(args.report).parent.mkdir(parents=True, exist_ok=True)
         Path(args.report).write_text(json.dumps(report, indent=1))
     return 0
+
+
+def _model(name: str, vocab_size: int | None):
+    """--model: 'tiny', 'small' (both with the tokenizer's vocabulary), or a config.json: pplab's
+    own fields, or a Hugging Face config (it has a model_type)."""
+    from pplab.model import LlamaConfig
+
+    sizes = {} if vocab_size is None else {"vocab_size": vocab_size}
+    if name in ("tiny", "small"):
+        return getattr(LlamaConfig, name)(**sizes)
+    path = Path(name)
+    if not path.is_file():
+        raise ValueError(f"--model {name!r}: give tiny, small, or the path of a config.json")
+    fields = json.loads(path.read_text())
+    if "model_type" in fields:
+        return str(path.parent)  # a Hugging Face model's directory (weights read from it if it has them)
+    return LlamaConfig(**fields)  # its own vocabulary: checked against the tokenizer's before any rank starts
+
+
+def _vocabulary(tokenizer: str, bpe_size: int) -> int | None:
+    """The vocabulary the model must have for --tokenizer: the BPE's size, a saved tokenizer's,
+    or None (the model's own, which holds the characters)."""
+    if tokenizer == "char":
+        return None
+    if tokenizer == "bpe":
+        return bpe_size
+    from pplab.text import load_tokenizer
+
+    return load_tokenizer(tokenizer).vocab_size
+
+
+def _betas(text: str) -> tuple[float, float]:
+    parts = text.split(",")
+    if len(parts) != 2:
+        raise argparse.ArgumentTypeError(f"{text!r}: give two numbers, e.g. 0.9,0.95")
+    return tuple(_number(part) for part in parts)
+
+
+# --- pplab train --config: a TOML file of the same options ---------------------------------------
+
+# Seed 003's names for the parallel part, and where they go. `pp` is the pipeline's ranks: with dp
+# and tp the run takes pp x dp x tp ranks.
+CONFIG_ALIASES = {"virtual_stages": "n_virtual", "microbatches": "n_microbatches", "ranks": "n_ranks"}
+_NOT_IN_CONFIG = {"handler", "command", "config", "print_config"}
+
+
+def _with_config(parser: argparse.ArgumentParser, argv: list[str] | None, path: str) -> argparse.Namespace:
+    """The arguments with a TOML file's values as defaults: a flag given on the command line wins."""
+    import tomllib
+
+    train = parser.train_parser
+    actions = {a.dest: a for a in train._actions if a.dest not in _NOT_IN_CONFIG and a.dest != "help"}
+    try:
+        document = tomllib.loads(Path(path).read_text(encoding="utf-8"))
+    except OSError as error:
+        raise ValueError(f"--config {path!r}: {error.strerror}; give the path of a TOML file") from None
+    except tomllib.TOMLDecodeError as error:
+        raise ValueError(f"--config {path!r} is not TOML: {error}") from None
+    values = {}
+    for key, value in _flattened(document).items():
+        dest = CONFIG_ALIASES.get(key, key).replace("-", "_")
+        if dest == "pp":
+            values["pp"] = value
+            continue
+        if dest not in actions:
+            raise ValueError(f"--config {path!r}: unknown key {key!r}; the keys are "
+                             f"{', '.join(sorted([*actions, 'pp', *CONFIG_ALIASES]))}")
+        values[dest] = _converted(actions[dest], key, value, path)
+    if "pp" in values:  # seed 003 says how many pipeline stages; the ranks follow from the mesh
+        pp = _converted(actions["n_ranks"], "pp", values.pop("pp"), path)
+        values["n_ranks"] = pp * values.get("dp", 1) * values.get("tp", 1)
+    train.set_defaults(**values)
+    return parser.parse_args(argv)
+
+
+def _flattened(document: dict) -> dict:
+    """Tables ([parallel], [optimizer], ...) are for the reader: their keys are the options."""
+    flat = {}
+    for key, value in document.items():
+        flat.update(_flattened(value) if isinstance(value, dict) else {key: value})
+    return flat
+
+
+def _converted(action: argparse.Action, key: str, value, path: str):
+    """A TOML value checked as the command line checks the flag's text."""
+    if isinstance(action, argparse._StoreTrueAction):
+        if not isinstance(value, bool):
+            raise ValueError(f"--config {path!r}: {key} = {value!r}: give true or false")
+        return value
+    text = ",".join(map(str, value)) if isinstance(value, list) else str(value)
+    try:
+        converted = action.type(text) if action.type else text
+    except (argparse.ArgumentTypeError, ValueError) as error:
+        raise ValueError(f"--config {path!r}: {key} = {value!r}: {error}") from None
+    if action.choices and converted not in action.choices:
+        raise ValueError(f"--config {path!r}: {key} = {value!r}: choose one of {', '.join(action.choices)}")
+    return converted
+
+
+def print_config(args: argparse.Namespace) -> None:
+    """The resolved options of `pplab train`, as a TOML file that --config reads back."""
+    lines = ["# pplab train, resolved: flags over --config over defaults"]
+    for key, value in sorted(vars(args).items()):
+        if key in _NOT_IN_CONFIG:
+            continue
+        if value is None:
+            lines.append(f"# {key} is not set")
+        elif isinstance(value, bool):
+            lines.append(f"{key} = {str(value).lower()}")
+        elif isinstance(value, (list, tuple)):
+            lines.append(f"{key} = [{', '.join(json.dumps(v) for v in value)}]")
+        else:
+            lines.append(f"{key} = {json.dumps(value)}")
+    print("\n".join(lines))
+
+
+def _balance(text: str) -> tuple[int, ...]:
+    return tuple(_positive_int(part) for part in text.split(","))
 
 
 def cleanup(args: argparse.Namespace) -> int:
@@ -408,10 +538,11 @@ def build_parser() -> argparse.ArgumentParser:
                               help="folder for the picture, the trace and the JSON (default pplab-simulate)")
     run_simulate.set_defaults(handler=simulate_command)
     run_train = commands.add_parser(
-        "train", help="train the tiny model on the embedded corpus, with checkpoints (local ranks or torchrun)",
+        "train", help="train a model on the embedded corpus or your text, with checkpoints (local ranks or torchrun)",
         parents=[ranks_run],
-        description="Train the tiny LLaMA-style model on the embedded corpus: AdamW, warm-up then "
-                    "cosine, global-norm clipping, held-out evaluation, distributed checkpoints. "
+        description="Train a LLaMA-style model (tiny by default) on the embedded corpus or on your text "
+                    "with a character or byte-level BPE tokenizer: AdamW, warm-up then cosine, global-norm "
+                    "clipping, held-out evaluation, distributed checkpoints; a mesh with --dp and --tp. "
                     "Runs --n-ranks local processes, or one rank per process under torchrun "
                     "(torchrun --standalone --nproc_per_node=N -m pplab train ...).")
     run_train.add_argument("--n-ranks", type=_positive_int, default=2, metavar="N",
@@ -430,9 +561,25 @@ def build_parser() -> argparse.ArgumentParser:
     run_train.add_argument("--batch-size", type=_positive_int, default=16)
     run_train.add_argument("--seq-len", type=_positive_int, default=64)
     run_train.add_argument("--lr", type=functools.partial(_number, positive=True), default=3e-3)
-    run_train.add_argument("--min-lr", type=functools.partial(_number, positive=True), default=None,
-                           help="the LR at the end (default lr / 10)")
-    run_train.add_argument("--warmup", type=int, default=20)
+    run_train.add_argument("--min-lr", type=_number, default=None,
+                           help="the LR at the end of the cosine (default lr / 10; 0 decays to zero)")
+    run_train.add_argument("--warmup", type=int, default=20, help="steps of linear warm-up")
+    run_train.add_argument("--weight-decay", type=_number, default=0.1, help="AdamW's, on matrices only")
+    run_train.add_argument("--betas", type=_betas, default=(0.9, 0.95), help="AdamW's, e.g. 0.9,0.95")
+    run_train.add_argument("--eps", type=functools.partial(_number, positive=True), default=1e-8)
+    run_train.add_argument("--model", default="tiny",
+                           help="tiny, small, or a config.json (pplab's fields, or a Hugging Face config)")
+    run_train.add_argument("--data", default=None,
+                           help="a text file, a directory of .txt files or a dataset saved with the datasets "
+                                "library (default: the embedded corpus)")
+    run_train.add_argument("--tokenizer", default="char",
+                           help="char, bpe (byte-level, trained on --data, saved beside the checkpoints), "
+                                "or a tokenizer.json")
+    run_train.add_argument("--vocab-size", type=_positive_int, default=512, help="the BPE's vocabulary")
+    run_train.add_argument("--epochs", type=_positive_int, default=None,
+                           help="passes over --data's training text (instead of --steps)")
+    run_train.add_argument("--dp", type=_positive_int, default=1, help="FSDP replicas (a mesh; --impl torch)")
+    run_train.add_argument("--tp", type=_positive_int, default=1, help="tensor-parallel ranks (a mesh; --impl torch)")
     run_train.add_argument("--clip", type=_number, default=1.0, help="max global gradient norm (0: none)")
     run_train.add_argument("--seed", type=int, default=0, help="model initialisation")
     run_train.add_argument("--data-seed", type=int, default=0)
@@ -442,10 +589,18 @@ def build_parser() -> argparse.ArgumentParser:
     run_train.add_argument("--keep", type=_positive_int, default=3, help="complete checkpoints kept")
     run_train.add_argument("--async-save", action="store_true", help="write checkpoints in the background")
     run_train.add_argument("--resume", default=None, help="'latest' (in --checkpoint-dir) or a checkpoint path")
-    run_train.add_argument("--timeout", type=functools.partial(_number, positive=True), default=3600,
+    run_train.add_argument("--timeout", type=functools.partial(_number, positive=True), default=3600.0,
                            help="local ranks: seconds the whole training may take (default 3600)")
     run_train.add_argument("--report", default=None, help="write every step's record as JSON to this file")
+    run_train.add_argument("--balance", type=_balance, default=None,
+                           help="layers per stage, e.g. 3,5 (default: as even as possible)")
+    run_train.add_argument("--config", default=None,
+                           help="a TOML file of these options (names with _ instead of -; seed 003's pp, dp, "
+                                "tp, schedule, virtual_stages, microbatches, balance too); flags win")
+    run_train.add_argument("--print-config", action="store_true",
+                           help="print the resolved options as TOML and start nothing")
     run_train.set_defaults(handler=train_command)
+    parser.train_parser = run_train  # where --config's values become defaults
     run_cleanup = commands.add_parser("cleanup", help="stop lab clusters left by killed kernels")
     run_cleanup.add_argument("--force", action="store_true", help="also stop labs of running kernels")
     run_cleanup.set_defaults(handler=cleanup)
@@ -454,11 +609,17 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     """Entry point of the `pplab` command: 0 when all went well, 1 when a check failed, 2 for bad input."""
-    args = build_parser().parse_args(argv)  # argparse itself exits 2 on malformed options
+    parser = build_parser()
+    args = parser.parse_args(argv)  # argparse itself exits 2 on malformed options
     from pplab.drivers.local import LocalRankError
 
     try:
         try:
+            if getattr(args, "config", None):
+                args = _with_config(parser, argv, args.config)
+            if getattr(args, "print_config", False):
+                print_config(args)
+                return 0
             return args.handler(args)
         except ValueError as error:
             if isinstance(error.__cause__, LocalRankError):  # the ranks refused it (a checkpoint): say each

@@ -21,11 +21,11 @@ CORE = ["pplab.arguments", "pplab.model", "pplab.data", "pplab.schedules", "ppla
         "pplab.rank.step_clock", "pplab.rank.memory", "pplab.rank.split_backward", "pplab.rank.shards", "pplab.rank.gradients",
         "pplab.rank.reference", "pplab.rank.checks", "pplab.rank.rank_pipeline", "pplab.drivers.local", "pplab.drivers.torchrun", "pplab.rank.torch_pp",
         "pplab.rank.checkpoint", "pplab.checkpoint_files", "pplab.rank.train", "pplab.rank.mesh", "pplab.rank.profiler",
-        "pplab.rank.faults", "pplab.rank.rank_context", "pplab.rank.tied", "pplab.hf", "pplab.traced",
+        "pplab.rank.faults", "pplab.rank.rank_context", "pplab.rank.tied", "pplab.hf", "pplab.traced", "pplab.text",
         "pplab.session.on_rank"]  # train and the session's rank side run under torchrun: no Jupyter either
 UPPER_FLOORS = ["ipyparallel", "IPython", "ipywidgets", "matplotlib", "pplab.drivers.cluster",
                 "pplab.views",
-                "transformers", "safetensors"]  # the hf extra: loaded on its path only, even by pplab.hf
+                "transformers", "safetensors", "tokenizers", "datasets"]  # the hf extra: loaded on its path only, even by pplab.hf
 PURE_PYTHON = ["pplab", "pplab.schedules", "pplab.trace", "pplab.formatting", "pplab.simulator",
                "pplab.prediction", "pplab.checkpoint_files", "pplab.rank.rank_context"]  # not even torch
 

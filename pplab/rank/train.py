@@ -26,9 +26,11 @@ from __future__ import annotations
 import math
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, field
+import tempfile
+from dataclasses import asdict, dataclass, field, replace
 from datetime import timedelta
 from functools import partial
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -37,7 +39,7 @@ import pplab
 from pplab.arguments import check_positive_int
 from pplab.rank.checkpoint import Checkpointer, rank_module
 from pplab.checkpoint_files import check_config, read_manifest, resume_path
-from pplab.data import batches
+from pplab.data import HELDOUT_FRACTION, batches
 from pplab.model import LlamaConfig, loss_fn
 from pplab.partition import layer_ranges
 from pplab.rank.rank_pipeline import PipelineSpec, RankPipeline
@@ -45,7 +47,7 @@ from pplab.rank.reference import as_microbatches
 from pplab.trace import Event, Now
 
 __all__ = ["TrainOptions", "TrainRecord", "TrainHistory", "RankTrainer", "train_on_rank", "lr_factor",
-           "make_optimizer"]
+           "make_optimizer", "prepare_data", "train_batch", "heldout_batches"]
 
 
 @dataclass(frozen=True)
@@ -60,8 +62,13 @@ class TrainOptions:
     warmup: int = 20
     weight_decay: float = 0.1   # on matrices only (not norms), as LLaMA recipes do
     betas: tuple[float, float] = (0.9, 0.95)
+    eps: float = 1e-8
     clip: float | None = 1.0    # the largest global gradient norm; None: no clipping
     data_seed: int = 0
+    data: str | None = None     # a text file, a directory of .txt files or a saved dataset; None: the embedded corpus
+    tokenizer: str = "char"     # "char", "bpe" (learned from `data`, saved beside the checkpoints) or a tokenizer.json
+    vocab_size: int = 512       # the BPE's vocabulary (the model's vocab_size must hold it)
+    epochs: int | None = None   # with `data`: passes over its training sequences (sets `steps`)
     eval_every: int = 50        # steps between held-out evaluations (0: never)
     eval_batches: int = 2
     checkpoint_dir: str | None = None
@@ -69,6 +76,9 @@ class TrainOptions:
     keep: int = 3               # complete checkpoints kept, newest first
     async_save: bool = False    # write checkpoints in the background (torch.distributed.checkpoint.async_save)
     resume: str | None = None   # "latest" (in checkpoint_dir) or a checkpoint's path
+
+    def __post_init__(self):
+        object.__setattr__(self, "betas", tuple(self.betas))  # from TOML or JSON: a list
 
     def check(self, n_microbatches: int, config: LlamaConfig | None = None, replicas: int = 1) -> None:
         """Raise a ValueError naming the first option that cannot work, before any rank blocks.
@@ -86,8 +96,20 @@ class TrainOptions:
             across = f"dp={replicas} pipelines x {n_microbatches}" if replicas > 1 else f"{n_microbatches}"
             raise ValueError(f"TrainOptions.batch_size={self.batch_size} does not split into "
                              f"{across} microbatches; use a multiple of {n_microbatches * replicas}")
-        if not 0 < self.min_lr <= self.lr:
-            raise ValueError(f"lr={self.lr}, min_lr={self.min_lr}: need 0 < min_lr <= lr")
+        if not 0 <= self.min_lr <= self.lr or not self.lr > 0:
+            raise ValueError(f"lr={self.lr}, min_lr={self.min_lr}: need 0 <= min_lr <= lr and lr > 0")
+        if not (len(self.betas) == 2 and all(0 <= b < 1 for b in self.betas)) or not self.eps > 0 \
+                or not self.weight_decay >= 0:
+            raise ValueError(f"betas={self.betas}, eps={self.eps}, weight_decay={self.weight_decay}: need two "
+                             f"betas in [0, 1), eps > 0 and weight_decay >= 0")
+        if self.tokenizer == "bpe" and self.data is None:
+            raise ValueError("tokenizer='bpe' learns its vocabulary from the training text: give data=<a text "
+                             "file, a directory of .txt files or a saved dataset>")
+        if self.epochs is not None:
+            check_positive_int("TrainOptions.epochs", self.epochs)
+            if self.data is None:
+                raise ValueError("epochs count passes over data=...: the embedded corpus is drawn at random "
+                                 "without end; give data=<text>, or steps=<count>")
         if self.clip is not None and not self.clip > 0:
             raise ValueError(f"TrainOptions.clip={self.clip!r}: give a norm > 0, or None for no clipping")
         if (self.checkpoint_every or self.resume == "latest") and self.checkpoint_dir is None:
@@ -113,7 +135,7 @@ def make_optimizer(named_parameters, options: TrainOptions):
     groups = [{"params": [p for _, p in named if p.dim() >= 2], "weight_decay": options.weight_decay},
               {"params": [p for _, p in named if p.dim() < 2], "weight_decay": 0.0}]
     optimizer = torch.optim.AdamW([g for g in groups if g["params"]], lr=options.lr,
-                                  betas=options.betas, foreach=False)
+                                  betas=tuple(options.betas), eps=options.eps, foreach=False)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, partial(lr_factor, options))
     return optimizer, scheduler
 
@@ -184,8 +206,7 @@ class RankTrainer:
     def train_step(self, watch: Callable[[Event | Now], None] | None = None) -> TrainRecord:
         """One optimizer step on the next batch (`watch` is told what the step does, as in RankPipeline.step)."""
         started = time.perf_counter()
-        batch = next(batches(self.options.batch_size, self.options.seq_len, self.options.data_seed,
-                             split="train", start=self.data_position))
+        batch = train_batch(self.options, self.data_position)
         lr = self.optimizer.param_groups[0]["lr"]
         rank_step = self.pipeline.step(self.pipeline.share(batch), watch=watch)
         grad_norm = self.clip_gradients()
@@ -248,10 +269,7 @@ class RankTrainer:
     @torch.no_grad()
     def evaluate(self) -> float:
         """The mean loss on `eval_batches` held-out batches (the same ones every time), forward only."""
-        losses = []
-        for batch in batches(self.options.batch_size, self.options.seq_len, self.options.data_seed,
-                             split="heldout", steps=self.options.eval_batches):
-            losses.append(self._forward_only(batch))
+        losses = [self._forward_only(batch) for batch in heldout_batches(self.options)]
         if self.place is not None:  # FSDP keeps what a forward gathered until a backward: free it
             reshard(self.pipeline.stages.values())
         return sum(losses) / len(losses)
@@ -334,7 +352,7 @@ class RankTrainer:
                     "schedule": spec.schedule.name, "impl": spec.impl,
                     "world_size": spec.world_size, "mesh": spec.mesh.sizes if spec.mesh else None,
                     "options": {k: v for k, v in asdict(self.options).items()
-                                if k in ("batch_size", "seq_len", "data_seed", "steps")}}
+                                if k in ("batch_size", "seq_len", "data_seed", "steps", "data", "tokenizer")}}
         train_state = {"step": self.step, "data_position": self.data_position}
         return self.checkpointer.save(self.step, self.module, self.optimizer, self.scheduler,
                                       train_state, manifest)
@@ -350,6 +368,70 @@ class RankTrainer:
                                   self.pipeline.spec.config)
         self.step, self.data_position = int(state["step"]), int(state["data_position"])
         self.resumed_from = state["path"]
+
+
+# --- the data ---------------------------------------------------------------------------------
+
+
+def train_batch(options: TrainOptions, position: int):
+    """The run's batch number `position`: random windows of the embedded corpus, or the packed
+    sequences of `options.data`, epoch by epoch."""
+    if options.data is None:
+        return next(batches(options.batch_size, options.seq_len, options.data_seed, split="train",
+                            start=position))
+    return _packed(options).train_batch(position)
+
+
+def heldout_batches(options: TrainOptions) -> list:
+    """The held-out batches every evaluation uses (the same each time)."""
+    if options.data is None:
+        return list(batches(options.batch_size, options.seq_len, options.data_seed, split="heldout",
+                            steps=options.eval_batches))
+    return _packed(options).heldout_batches(options.eval_batches)
+
+
+def _packed(options: TrainOptions):
+    from pplab.text import packed_text
+
+    return packed_text(options.data, options.tokenizer, options.seq_len, options.batch_size, options.data_seed)
+
+
+def prepare_data(options: TrainOptions, config) -> TrainOptions:
+    """The options with their data made ready, on the client before any rank starts: a BPE
+    tokenizer trained on the training text (or the one a checkpoint directory already holds)
+    and saved beside the checkpoints, the vocabulary checked against the model's, the text
+    checked to make whole batches, and `epochs` turned into steps."""
+    if options.data is None:
+        return options
+    from pplab.text import TOKENIZER_FILE, BPETokenizer, PackedText, load_tokenizer, read_documents
+
+    documents = read_documents(options.data)
+    if options.tokenizer == "bpe":
+        where = Path(options.checkpoint_dir or tempfile.mkdtemp(prefix="pplab-tokenizer-"))
+        path = where / TOKENIZER_FILE
+        if not path.is_file():  # a resumed run keeps the tokenizer its checkpoints were made with
+            where.mkdir(parents=True, exist_ok=True)
+            BPETokenizer.train(_training_part(documents), options.vocab_size).save(path)
+        options = replace(options, tokenizer=str(path))
+    tokenizer = load_tokenizer(options.tokenizer)
+    if tokenizer.vocab_size > config.vocab_size:
+        raise ValueError(f"the tokenizer has {tokenizer.vocab_size} tokens but the model's vocab_size is "
+                         f"{config.vocab_size}: build the model with vocab_size={tokenizer.vocab_size}, or "
+                         f"train a smaller tokenizer (vocab_size=)")
+    packed = PackedText(documents, tokenizer, options.seq_len, options.batch_size, options.data_seed)
+    if options.epochs is not None:
+        options = replace(options, steps=options.epochs * packed.batches_per_epoch)
+    return options
+
+
+def _training_part(documents: list[str]) -> list[str]:
+    """What the tokenizer may learn from: the text before the held-out tenth (roughly, by characters)."""
+    total = sum(map(len, documents))
+    keep, kept = total - int(total * HELDOUT_FRACTION), []
+    for document in documents:
+        kept.append(document[:max(0, keep)])
+        keep -= len(document)
+    return [d for d in kept if d]
 
 
 def counted_square_sum(grad: torch.Tensor, coordinates: dict[str, int]) -> torch.Tensor:

@@ -30,7 +30,7 @@ from pplab.session.on_rank import (RANK_ITEMS, build_on_rank, drop_on_rank, memo
                                    train_on_rank)
 from pplab.simulator import Costs, simulate
 from pplab.trace import Event, Now, Timeline
-from pplab.rank.train import ProgressBar, TrainHistory, TrainOptions, TrainRecord
+from pplab.rank.train import ProgressBar, TrainHistory, TrainOptions, TrainRecord, prepare_data
 
 STREAM_DRAIN_SECONDS = 10.0  # how long a live step's result waits for events trailing it
 
@@ -131,6 +131,7 @@ class Pipeline:
             options["steps"] = steps
         train_options = TrainOptions(**options)
         train_options.check(self.schedule.n_microbatches, self.config, self.spec.replicas)  # before any rank starts
+        train_options = prepare_data(train_options, self.config)  # the tokenizer trained, the text checked
         self._check_engines()
         check_positive_seconds("live_interval", live_interval)
         first_step = self.history.records[-1].step if self.history.records else 0
