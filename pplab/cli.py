@@ -283,7 +283,8 @@ def train_command(args: argparse.Namespace) -> int:
         mesh = {"pp": ranks // (args.dp * args.tp), "dp": args.dp, "tp": args.tp}
     config = _model(args.model, _vocabulary(args.tokenizer, args.vocab_size))
     spec = PipelineSpec.create(config, args.schedule, ranks, args.n_microbatches,
-                               args.n_virtual, impl=args.impl, seed=args.seed, mesh=mesh, balance=args.balance)
+                               args.n_virtual, impl=args.impl, seed=args.seed, mesh=mesh, balance=args.balance,
+                               param_dtype=args.param_dtype)
     # Bad options fail here, before any rank starts; a BPE tokenizer is trained here, once.
     options.check(spec.schedule.n_microbatches, spec.config, spec.replicas)
     options = prepare_data(options, spec.config)
@@ -592,6 +593,8 @@ def build_parser() -> argparse.ArgumentParser:
     run_train.add_argument("--timeout", type=functools.partial(_number, positive=True), default=3600.0,
                            help="local ranks: seconds the whole training may take (default 3600)")
     run_train.add_argument("--report", default=None, help="write every step's record as JSON to this file")
+    run_train.add_argument("--param-dtype", choices=("float32", "bfloat16"), default="float32",
+                           help="the stages' weights and activations (bfloat16: a pipeline alone; the loss in fp32)")
     run_train.add_argument("--balance", type=_balance, default=None,
                            help="layers per stage, e.g. 3,5 (default: as even as possible)")
     run_train.add_argument("--config", default=None,

@@ -162,6 +162,7 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
     """Rotate pairs (x_i, x_{i+d/2}) of x [batch, heads, seq, head_dim] by position angles."""
     first, second = x.chunk(2, dim=-1)
     rotated = torch.cat((-second, first), dim=-1)
+    cos, sin = cos.to(x.dtype), sin.to(x.dtype)  # the tables are fp32; bf16 stages compute in bf16
     return x * cos + rotated * sin
 
 

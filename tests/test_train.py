@@ -1,10 +1,10 @@
-"""Training on real ranks (gloo, CPU) against a single-device training loop written here."""
+"""Training on real ranks (gloo, CPU) against a single-device training loop (tests/one_device.py)."""
 
 import pytest
 
-from pplab.data import CharTokenizer
+from pplab.data import CharTokenizer, batches
 from one_device import single_device_training
-from ranks import run_ranks
+from ranks import pool, run_ranks
 from pplab.model import LlamaConfig, generate
 from pplab.rank.rank_pipeline import PipelineSpec
 from pplab.rank.train import TrainOptions, lr_factor, train_on_rank
@@ -77,3 +77,22 @@ def test_the_embedded_corpus_trains_visibly_and_generates_corpus_like_text(tmp_p
     text = tokenizer.decode(generate(load_model(tmp_path), tokenizer.encode("the "), 40))
     words = set(text.replace(".", " ").split())
     assert words & {"the", "sat", "on", "ran", "to", "mat", "barn", "cat", "dog", "red", "blue"}, text
+
+
+def test_bf16_stages_train_and_stay_close_to_fp32():
+    """Plain bf16 stages (a pipeline alone): weights, activations and gradients in bf16, the loss
+    in fp32. Tolerance against fp32 on one device: loss 1e-4 relative, gradients 1e-2 absolute."""
+    batch = next(batches(8, 32, 0))
+    with pool(2).pipeline(CONFIG, "1f1b", 4, param_dtype="bfloat16") as pipe:
+        parity = pipe.check_parity(batch, loss_rtol=1e-4, grad_atol=1e-2)
+        dtypes = {b.dtype for b in pipe.boundary_shapes().boundaries}
+        history = pipe.train(20, show=False, batch_size=8, seq_len=32, eval_every=0)
+    assert parity.passed and parity.max_abs_diff > 0, parity  # close, and not fp32 in disguise
+    assert dtypes == {"bfloat16"}
+    assert history.losses[-1] < history.losses[0] - 1.0
+
+
+@pytest.mark.quick
+def test_bf16_stages_on_a_mesh_are_refused_for_fsdps_mixed_precision():
+    with pytest.raises(ValueError, match="on a mesh use FSDP's mixed precision instead"):
+        PipelineSpec.create(CONFIG, "1f1b", 4, 4, impl="torch", mesh={"pp": 2, "dp": 2}, param_dtype="bfloat16")

@@ -30,6 +30,7 @@ from pplab.simulator import Costs
 from pplab.trace import Event, Timeline
 
 
+PARAM_DTYPES = ("float32", "bfloat16")  # bf16: weights, activations and gradients; the loss in fp32
 IMPLEMENTATIONS = ("pplab", "torch")  # the hand-written runtime, torch.distributed.pipelining
 
 
@@ -51,13 +52,14 @@ class PipelineSpec:
     record: bool = True
     impl: str = "pplab"  # the hand-written runtime, or "torch": torch.distributed.pipelining
     mesh: Mesh | None = None  # PP as one dimension of a mesh with FSDP (dp) and TP (tp)
+    param_dtype: str = "float32"  # the stages' parameters (and so their activations): "bfloat16" too
 
     @classmethod
     def create(cls, config: LlamaConfig, schedule: str | Schedule, n_ranks: int,
                n_microbatches: int | None = None, n_virtual: int = 1, *, impl: str = "pplab",
                seed: int = 0, balance: Sequence[int] | None = None, allow_empty: bool = False,
                op_timeout: float = 30.0, timing: Costs | None = None, record: bool = True,
-               mesh: Mesh | dict | None = None) -> "PipelineSpec":
+               mesh: Mesh | dict | None = None, param_dtype: str = "float32") -> "PipelineSpec":
         """Build (or take) the schedule, validate it and check it fits the model, before any rank runs.
 
         The arguments are those of `lab.pipeline(...)` (pplab.session.drivers), with `n_ranks`
@@ -72,6 +74,11 @@ class PipelineSpec:
                              f"and sharded training know pplab's own model only; pipeline it without a mesh")
         if n_microbatches is not None:
             check_positive_int("n_microbatches", n_microbatches, example=4)
+        if param_dtype not in PARAM_DTYPES:
+            raise ValueError(f"param_dtype={param_dtype!r}: choose one of {', '.join(map(repr, PARAM_DTYPES))}")
+        if param_dtype != "float32" and mesh is not None:
+            raise ValueError(f"param_dtype={param_dtype!r} makes plain bf16 stages for a pipeline alone; on a "
+                             f"mesh use FSDP's mixed precision instead: mesh={{..., 'mixed_precision': True}}")
         if mesh is not None:
             mesh = Mesh.of(mesh)
             mesh.check(config, n_ranks, impl)
@@ -99,7 +106,7 @@ class PipelineSpec:
                              f"checkpoint recomputes once per forward); use a schedule with whole "
                              f"backwards (gpipe, 1f1b, interleaved-1f1b) or leave checkpointing out")
         spec = cls(config, schedule, seed=seed, balance=balance, allow_empty=allow_empty, op_timeout=op_timeout,
-                   timing=timing, record=record, impl=impl, mesh=mesh)
+                   timing=timing, record=record, impl=impl, mesh=mesh, param_dtype=param_dtype)
         if not spec.op_timeout > 0:
             raise ValueError(f"op_timeout={spec.op_timeout!r}: give the seconds a rank may wait for a "
                              f"neighbour, > 0")
@@ -152,6 +159,9 @@ class RankPipeline:
         self.stages = {s: build_stage(spec.config, s, schedule.n_stages, spec.seed, self.device,
                                       spec.balance, spec.allow_empty)
                        for s in schedule.stages_of(spec.pp_rank(rank))}
+        if spec.param_dtype != "float32":
+            for stage in self.stages.values():
+                parameters_in(stage, getattr(torch, spec.param_dtype))
         tie_on_rank(self.stages, spec.config.tied, schedule.n_stages)
         tied = TiedGradients.for_rank(spec.config, schedule, spec.pp_rank(rank), spec.op_timeout, group)
         if self.place:
@@ -201,6 +211,15 @@ class RankPipeline:
                                       for b in result.boundary_shapes]
             result.events = [_renumbered(e, first) for e in result.events]
         return result
+
+
+def parameters_in(stage, dtype: torch.dtype) -> None:
+    """The stage's parameters in `dtype`; its buffers (RoPE's frequencies) stay as precise as they are."""
+    for module in stage.modules():
+        for name, parameter in module._parameters.items():
+            if parameter is not None:
+                module._parameters[name] = torch.nn.Parameter(parameter.detach().to(dtype),
+                                                               parameter.requires_grad)
 
 
 def _renumbered(event: Event, first: int) -> Event:

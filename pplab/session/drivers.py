@@ -28,7 +28,7 @@ class _BuildsPipelines:
     def pipeline(self, config: LlamaConfig, schedule: str | Schedule = "1f1b", n_microbatches: int | None = None,
                  n_virtual: int = 1, *, impl: str = "pplab", seed: int = 0, balance: Sequence[int] | None = None,
                  allow_empty: bool = False, op_timeout: float | None = None, timing: Costs | None = None,
-                 record: bool = True, mesh: Mesh | dict | None = None) -> Pipeline:
+                 record: bool = True, mesh: Mesh | dict | None = None, param_dtype: str = "float32") -> Pipeline:
         """Build a pipeline's stages on every rank, everything checked first; step it with `.step()`.
 
         config          the model: a `pplab.LlamaConfig`; a Hugging Face causal-LM config or a local
@@ -47,12 +47,14 @@ class _BuildsPipelines:
         record          record the events of each step (the timeline)
         mesh            PP as one dimension of a mesh: {"pp": 2, "dp": 2} or `pplab.Mesh(...)`
                         (FSDP on dp and tensor parallelism on tp need impl="torch")
+        param_dtype     "float32", or "bfloat16" for plain bf16 stages (a pipeline alone; the loss is
+                        computed in fp32; compare with one device at a bf16 tolerance)
         """
         self._check_usable()
         spec = PipelineSpec.create(config, schedule, self.world_size, n_microbatches, n_virtual, impl=impl,
                                    seed=seed, balance=balance, allow_empty=allow_empty,
                                    op_timeout=self.op_timeout if op_timeout is None else op_timeout,
-                                   timing=timing, record=record, mesh=mesh)
+                                   timing=timing, record=record, mesh=mesh, param_dtype=param_dtype)
         return self.pipeline_class(self, spec)
 
 
