@@ -38,7 +38,7 @@ class NotebookPipeline(Pipeline):
 
         from pplab.views.widgets.training import TrainingView
 
-        view = TrainingView(total_steps, first_step)
+        view = TrainingView(total_steps, first_step, rank_labels=self.rank_labels if self.mesh else None)
         display(view)
         return _RedrawnAtTheEnd(view)
 

@@ -43,7 +43,10 @@ class TimelineView(widgets.VBox):
     second); a finished one as the full matplotlib picture (`show`).
     """
 
-    def __init__(self, timeline: Timeline | None = None, predicted: Timeline | None = None):
+    def __init__(self, timeline: Timeline | None = None, predicted: Timeline | None = None,
+                 rank_labels: list[str] | None = None):
+        """`rank_labels` names the rows of a measured timeline (a mesh's: 'rank 3 · pp1 dp1')."""
+        self.rank_labels = rank_labels
         self.image = _image()
         self.live = widgets.HTML(layout=widgets.Layout(display="none", overflow="auto"))
         self.caption = widgets.HTML()
@@ -68,7 +71,8 @@ class TimelineView(widgets.VBox):
         if has_events and predicted is not None:
             fig = viz.compare_timelines(predicted, timeline)
         else:
-            fig = viz.plot_timeline(timeline if has_events else predicted)
+            fig = viz.plot_timeline(timeline if has_events else predicted,
+                                    rank_labels=self.rank_labels if has_events else None)
         show_png(self.image, fig)
         self.live.layout.display = "none"
         self.draws += 1

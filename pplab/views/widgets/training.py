@@ -1,4 +1,5 @@
-"""A training run, live: progress, loss curves and the latest step's timeline on every rank.
+"""A training run, live: progress, loss curves and the latest step's timeline on every rank
+(on a mesh, every rank of every pipeline, labelled with its coordinates, collectives included).
 
 `TrainingView` is what `Pipeline.train(...)` displays in a notebook. It takes the
 records the ranks publish while they train (`add`), keeps them in plain attributes
@@ -17,12 +18,14 @@ from pplab.views.widgets.render import Throttle, show_png
 class TrainingView(widgets.VBox):
     """Progress bar, loss and held-out loss over steps, and the timeline of the latest step."""
 
-    def __init__(self, total_steps: int, first_step: int = 0, redraw_seconds: float = 1.0):
+    def __init__(self, total_steps: int, first_step: int = 0, redraw_seconds: float = 1.0,
+                 rank_labels: list[str] | None = None):
+        """`rank_labels`: the rows' names (on a mesh, each rank's coordinates: pipe.rank_labels)."""
         self.progress = widgets.IntProgress(value=first_step, min=0, max=total_steps, description="training",
                                             layout=widgets.Layout(width="40%"))
         self.status = widgets.HTML()
         self.curves = _image()
-        self.steps = TimelineView()
+        self.steps = TimelineView(rank_labels=rank_labels)
         self.records: list = []
         self.timeline: Timeline | None = None
         self.draws = 0
