@@ -24,10 +24,6 @@ class NotebookPipeline(Pipeline):
         """
         from pplab.views.widgets import Dashboard
 
-        if self.spec.world_size != self.schedule.n_ranks:
-            raise ValueError(f"the live dashboard draws one row per pipeline rank, but this mesh has "
-                             f"dp={self.mesh.dp} and tp={self.mesh.tp}: step the pipeline and draw its timeline "
-                             f"with pplab.viz.plot_timeline(result.timeline, rank_labels=pipe.rank_labels)")
         return Dashboard(self, batch, stalled_after)
 
     def training_display(self, total_steps: int, first_step: int, show: bool):

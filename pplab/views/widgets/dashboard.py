@@ -44,8 +44,8 @@ class Dashboard(widgets.VBox):
         self._stop_requested = False
         self._task: asyncio.Task | None = None
         self._build_controls()
-        self.where = WhereView(pipe.schedule.n_ranks, stalled_after)
-        self.timeline = TimelineView()
+        self.where = WhereView(pipe.spec.world_size, stalled_after, self._labels())
+        self.timeline = TimelineView(rank_labels=self._labels())
         self.bubbles = BubblesView()
         self.shapes = ShapesView()
         self.gradients = GradientsView()
@@ -203,10 +203,14 @@ class Dashboard(widgets.VBox):
                     "predicted (costs of the last step)")
         return None, ""
 
+    def _labels(self) -> list[str] | None:
+        """Row names: on a mesh each rank's coordinates ('rank 3 · pp1 dp1'), else None (rank numbers)."""
+        return self.pipe.rank_labels if self.pipe.spec.mesh else None
+
     def _predicted(self) -> Timeline | None:
         costs, label = self._costs()
-        if costs is None:
-            return None
+        if costs is None or self.pipe.spec.world_size != self.pipe.schedule.n_ranks:
+            return None  # the simulator runs one pipeline; a mesh with dp or tp has more ranks than that
         predicted = simulate(self.pipe.schedule, costs)
         return Timeline(predicted.events, predicted.n_ranks, label=label)
 
@@ -283,13 +287,13 @@ class Dashboard(widgets.VBox):
         try:
             new = lab.pipeline(config, schedule=self.schedule_name.value, n_microbatches=self.n_microbatches.value,
                                n_virtual=self.n_virtual.value, timing=TIMING_COSTS if self.timing.value else None,
-                               impl=self.impl.value)
+                               impl=self.impl.value, mesh=self.pipe.spec.mesh)
         except ValueError as error:  # sizes the schedule cannot take: say so, keep the old pipeline
             self._say_error(error)
             return
         self.pipe.close()
         self.pipe, self.results = new, []
-        self.where.reset(new.schedule.n_ranks)
+        self.where.reset(new.spec.world_size, self._labels())
         self.bubbles.rows = []
         self._set_references()
         self._say(f"rebuilt: {new!r}")

@@ -302,15 +302,16 @@ class MemoryView(widgets.VBox):
 class WhereView(widgets.VBox):
     """What every rank is doing now; a rank that waits shows on whom and for what, turning red when stalled."""
 
-    def __init__(self, n_ranks: int, stalled_after: float = 2.0):
+    def __init__(self, n_ranks: int, stalled_after: float = 2.0, labels: list[str] | None = None):
+        """`labels` names the rows (a mesh's ranks by their coordinates); default the rank numbers."""
         self.html = widgets.HTML()
         self.stalled_after = stalled_after
         super().__init__([self.html])
-        self.reset(n_ranks)
+        self.reset(n_ranks, labels)
 
-    def reset(self, n_ranks: int) -> None:
+    def reset(self, n_ranks: int, labels: list[str] | None = None) -> None:
         """Forget every rank's state (a new pipeline, maybe with another number of ranks)."""
-        self.n_ranks = n_ranks
+        self.n_ranks, self.labels = n_ranks, labels
         self.latest: dict[int, object] = {}  # rank -> its latest `Now`
         self.seen_at: dict[int, float] = {}  # rank -> when that `Now` reached this client
         self.states: dict[int, str] = {}  # rank -> "running", "waiting", "stalled", "done" or "idle"
@@ -334,10 +335,10 @@ class WhereView(widgets.VBox):
 
     def text(self) -> str:
         """The panel as lines of text, as of its last redraw (for logs and static notebooks)."""
-        return "\n".join(f"rank {rank}: {self.states.get(rank, 'idle')}"
+        return "\n".join(f"{name if self.labels else f'rank {name}'}: {self.states.get(rank, 'idle')}"
                          + (f", {doing} for {held}" if held else f", {doing}" if doing != "idle" else "")
                          + (f", waiting for {waits}" if waits else "")
-                         for rank, doing, held, waits in self._cells)
+                         for rank, (name, doing, held, waits) in enumerate(self._cells))
 
     def _rows(self, at: float | None) -> list:
         """One (cells, style) row per rank; sets `states` (and `_cells`, for `text`)."""
@@ -347,9 +348,10 @@ class WhereView(widgets.VBox):
         rows = []
         for rank in range(self.n_ranks):
             now = self.latest.get(rank)
+            name = self.labels[rank] if self.labels else rank
             if now is None:
                 self.states[rank] = "idle"
-                rows.append(([rank, "idle", "", ""], "color:#888"))
+                rows.append(([name, "idle", "", ""], "color:#888"))
                 continue
             held = at - self.seen_at[rank]
             waits = "; ".join(f"rank {peer}: {Action.parse(text).describe()}" for peer, text in now.waits_for)
@@ -363,7 +365,7 @@ class WhereView(widgets.VBox):
             else:
                 state, style = "running", ""
             self.states[rank] = state
-            rows.append(([rank, _in_words(now.doing), f"{held:.1f} s" if state != "done" else "", waits], style))
+            rows.append(([name, _in_words(now.doing), f"{held:.1f} s" if state != "done" else "", waits], style))
         self._cells = [cells for cells, _ in rows]
         return rows
 
