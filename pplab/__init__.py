@@ -62,7 +62,8 @@ _MODULES = {
     "cluster": "pplab.drivers.cluster", "session": "pplab.session",
     "hf": "pplab.hf",  # Hugging Face models as stages (pip install 'pplab[hf]')
     "traced": "pplab.traced",  # any module, cut by torch's tracer
-    "text": "pplab.text",  # documents, a byte-level BPE, packed sequences (tokenizers: the hf extra)
+    "text": "pplab.text",
+    "run": "pplab.session.run",  # one training run from one configuration: run.train(...), RunConfig  # documents, a byte-level BPE, packed sequences (tokenizers: the hf extra)
 }
 
 __all__ = [*_EXPORTS, *_MODULES]
@@ -70,6 +71,7 @@ __all__ = [*_EXPORTS, *_MODULES]
 if _TYPE_CHECKING:  # what static checkers and editors see
     from pplab import comm, data, hf, model, schedules, session, simulator, text, trace, traced
     from pplab.drivers import cluster
+    from pplab.session import run
     from pplab.rank import checkpoint, checks, faults, mesh, train
     from pplab.views import exercises, viz, widgets
     from pplab.rank.checkpoint import load_model

@@ -254,55 +254,28 @@ def _figure(value: float | None) -> str:
 
 
 def train_command(args: argparse.Namespace) -> int:
-    """Train the tiny model on local ranks or under torchrun (the same loop as a lab pipeline's `train`)."""
+    """Train on local ranks or under torchrun (the same loop as a lab pipeline's `train`): `run.train`."""
     from pplab.checkpoint_files import resume_path
 
     if args.resume is not None:  # found and its manifest read before torch loads or any rank starts
         resume_path(args.resume, args.checkpoint_dir)
-    from pplab.drivers.torchrun import run_as_torchrun_rank, under_torchrun
-    from pplab.rank.rank_pipeline import PipelineSpec
-    from pplab.session import Pipeline, RankPool
-    from pplab.rank.train import TrainOptions, train_on_rank
+    from pplab.drivers.torchrun import under_torchrun
+    from pplab.session import run
 
-    from pplab.rank.train import prepare_data
-
-    ranks = int(os.environ["WORLD_SIZE"]) if under_torchrun() else args.n_ranks
-    options = TrainOptions(
-        steps=args.steps, batch_size=args.batch_size, seq_len=args.seq_len, lr=args.lr,
-        min_lr=args.min_lr if args.min_lr is not None else args.lr / 10, warmup=args.warmup,
-        weight_decay=args.weight_decay, betas=args.betas, eps=args.eps,
-        clip=args.clip or None, data_seed=args.data_seed, data=args.data, tokenizer=args.tokenizer,
-        vocab_size=args.vocab_size, epochs=args.epochs, eval_every=args.eval_every,
-        checkpoint_dir=args.checkpoint_dir, checkpoint_every=args.checkpoint_every, keep=args.keep,
-        async_save=args.async_save, resume=args.resume)
-    mesh = None
-    if args.dp > 1 or args.tp > 1:
-        if ranks % (args.dp * args.tp):
-            raise ValueError(f"--dp {args.dp} x --tp {args.tp} does not divide {ranks} ranks: give a rank "
-                             f"count that is a multiple of {args.dp * args.tp}")
-        mesh = {"pp": ranks // (args.dp * args.tp), "dp": args.dp, "tp": args.tp}
-    config = _model(args.model, _vocabulary(args.tokenizer, args.vocab_size))
-    spec = PipelineSpec.create(config, args.schedule, ranks, args.n_microbatches,
-                               args.n_virtual, impl=args.impl, seed=args.seed, mesh=mesh, balance=args.balance,
-                               param_dtype=args.param_dtype)
-    # Bad options fail here, before any rank starts; a BPE tokenizer is trained here, once.
-    options.check(spec.schedule.n_microbatches, spec.config, spec.replicas)
-    options = prepare_data(options, spec.config)
-    speaker = os.environ.get("RANK", "0") == "0"
-    if speaker:
+    config = run_config(args)
+    world_size = int(os.environ["WORLD_SIZE"]) if under_torchrun() else None
+    spec = config.pipeline_spec(world_size)  # bad options fail here, before any rank starts
+    config.training().check(spec.schedule.n_microbatches, spec.config, spec.replicas)
+    if os.environ.get("RANK", "0") == "0":
         where = "ranks started by torchrun" if under_torchrun() else "local ranks (gloo)"
-        print(f"pplab train: {spec.schedule.name} ({args.impl}) on {ranks} {where}, {args.n_microbatches} "
-              f"microbatches, {options.steps} steps"
-              + (f", resuming from {options.resume}" if options.resume else ""), flush=True)
+        print(f"pplab train: {spec.schedule.name} ({config.impl}) on {spec.world_size} {where}, "
+              f"{config.microbatches} microbatches, "
+              + (f"{config.epochs} epochs" if config.epochs else f"{config.steps} steps")
+              + (f", resuming from {config.resume}" if config.resume else ""), flush=True)
     started = time.perf_counter()
-    if under_torchrun():  # each process is a rank; rank 0 shows the progress and reports
-        histories = run_as_torchrun_rank(train_on_rank, spec, options, None, True)
-        if histories is None:
-            return 0
-        history = histories[0]
-    else:
-        with RankPool(ranks, timeout=args.timeout) as pool:
-            history = Pipeline(pool, spec).train(**dataclasses.asdict(options))
+    history = run.train(config, timeout=args.timeout)
+    if history is None:  # a torchrun process other than rank 0
+        return 0
     records = history.records
     if records:
         evaluations = ", ".join(f"{step}: {loss:.3f}" for step, loss in history.eval_losses)
@@ -310,7 +283,7 @@ def train_command(args: argparse.Namespace) -> int:
               f"{records[0].step}) -> {records[-1].loss:.3f} (step {records[-1].step})"
               + (f"; held-out loss {evaluations}" if evaluations else ""))
     else:
-        print(f"nothing to do: the checkpoint is at step {options.steps} already")
+        print(f"nothing to do: the checkpoint is at step {config.steps} already")
     saved = [r.checkpoint for r in records if r.checkpoint]
     if saved:
         print(f"last checkpoint: {saved[-1]}")
@@ -323,33 +296,19 @@ def train_command(args: argparse.Namespace) -> int:
     return 0
 
 
-def _model(name: str, vocab_size: int | None):
-    """--model: 'tiny', 'small' (both with the tokenizer's vocabulary), or a config.json: pplab's
-    own fields, or a Hugging Face config (it has a model_type)."""
-    from pplab.model import LlamaConfig
+def run_config(args: argparse.Namespace):
+    """The run's `RunConfig` from the command line's flags (and --config's file, read into them)."""
+    from pplab.drivers.torchrun import under_torchrun
+    from pplab.session.run import RunConfig
 
-    sizes = {} if vocab_size is None else {"vocab_size": vocab_size}
-    if name in ("tiny", "small"):
-        return getattr(LlamaConfig, name)(**sizes)
-    path = Path(name)
-    if not path.is_file():
-        raise ValueError(f"--model {name!r}: give tiny, small, or the path of a config.json")
-    fields = json.loads(path.read_text())
-    if "model_type" in fields:
-        return str(path.parent)  # a Hugging Face model's directory (weights read from it if it has them)
-    return LlamaConfig(**fields)  # its own vocabulary: checked against the tokenizer's before any rank starts
-
-
-def _vocabulary(tokenizer: str, bpe_size: int) -> int | None:
-    """The vocabulary the model must have for --tokenizer: the BPE's size, a saved tokenizer's,
-    or None (the model's own, which holds the characters)."""
-    if tokenizer == "char":
-        return None
-    if tokenizer == "bpe":
-        return bpe_size
-    from pplab.text import load_tokenizer
-
-    return load_tokenizer(tokenizer).vocab_size
+    n_ranks = int(os.environ["WORLD_SIZE"]) if under_torchrun() else args.n_ranks
+    if n_ranks % (args.dp * args.tp):
+        raise ValueError(f"--dp {args.dp} x --tp {args.tp} does not divide {n_ranks} ranks: give a rank "
+                         f"count that is a multiple of {args.dp * args.tp}")
+    same = {name: getattr(args, name) for name in RunConfig.names() if hasattr(args, name)}
+    return RunConfig(**{**same, "pp": n_ranks // (args.dp * args.tp), "microbatches": args.n_microbatches,
+                        "virtual_stages": args.n_virtual, "clip": args.clip or None,
+                        "min_lr": args.min_lr if args.min_lr is not None else args.lr / 10})
 
 
 def _betas(text: str) -> tuple[float, float]:
@@ -361,37 +320,30 @@ def _betas(text: str) -> tuple[float, float]:
 
 # --- pplab train --config: a TOML file of the same options ---------------------------------------
 
-# Seed 003's names for the parallel part, and where they go. `pp` is the pipeline's ranks: with dp
-# and tp the run takes pp x dp x tp ranks.
-CONFIG_ALIASES = {"virtual_stages": "n_virtual", "microbatches": "n_microbatches", "ranks": "n_ranks"}
-_NOT_IN_CONFIG = {"handler", "command", "config", "print_config"}
+# RunConfig's names that the command line spells otherwise (pp: the flag gives pp x dp x tp ranks).
+FLAG_OF = {"microbatches": "n_microbatches", "virtual_stages": "n_virtual"}
 
 
 def _with_config(parser: argparse.ArgumentParser, argv: list[str] | None, path: str) -> argparse.Namespace:
-    """The arguments with a TOML file's values as defaults: a flag given on the command line wins."""
+    """The arguments with a TOML file's values (a `RunConfig`'s fields) as defaults: a flag given on
+    the command line wins. Keys are checked against RunConfig's fields, values as the flags check them."""
     import tomllib
 
+    from pplab.session.run import ALIASES, RunConfig
+
+    RunConfig.from_toml(path)  # unknown keys and unreadable files: one line naming the valid keys
     train = parser.train_parser
-    actions = {a.dest: a for a in train._actions if a.dest not in _NOT_IN_CONFIG and a.dest != "help"}
-    try:
-        document = tomllib.loads(Path(path).read_text(encoding="utf-8"))
-    except OSError as error:
-        raise ValueError(f"--config {path!r}: {error.strerror}; give the path of a TOML file") from None
-    except tomllib.TOMLDecodeError as error:
-        raise ValueError(f"--config {path!r} is not TOML: {error}") from None
+    actions = {a.dest: a for a in train._actions}
     values = {}
-    for key, value in _flattened(document).items():
-        dest = CONFIG_ALIASES.get(key, key).replace("-", "_")
-        if dest == "pp":
-            values["pp"] = value
-            continue
-        if dest not in actions:
-            raise ValueError(f"--config {path!r}: unknown key {key!r}; the keys are "
-                             f"{', '.join(sorted([*actions, 'pp', *CONFIG_ALIASES]))}")
-        values[dest] = _converted(actions[dest], key, value, path)
-    if "pp" in values:  # seed 003 says how many pipeline stages; the ranks follow from the mesh
-        pp = _converted(actions["n_ranks"], "pp", values.pop("pp"), path)
-        values["n_ranks"] = pp * values.get("dp", 1) * values.get("tp", 1)
+    for key, value in _flattened(tomllib.loads(Path(path).read_text(encoding="utf-8"))).items():
+        name = ALIASES.get(key, key).replace("-", "_")
+        dest = FLAG_OF.get(name, name)
+        values[dest] = _converted(actions[dest], key, value, path) if dest in actions else value
+    if "pp" in values:  # the ranks follow from the mesh
+        values["n_ranks"] = _converted(actions["n_ranks"], "pp", values.pop("pp"), path) \
+            * values.get("dp", 1) * values.get("tp", 1)
+    if "clip" in values and values["clip"] is None:
+        values["clip"] = 0.0
     train.set_defaults(**values)
     return parser.parse_args(argv)
 
@@ -421,20 +373,9 @@ def _converted(action: argparse.Action, key: str, value, path: str):
 
 
 def print_config(args: argparse.Namespace) -> None:
-    """The resolved options of `pplab train`, as a TOML file that --config reads back."""
-    lines = ["# pplab train, resolved: flags over --config over defaults"]
-    for key, value in sorted(vars(args).items()):
-        if key in _NOT_IN_CONFIG:
-            continue
-        if value is None:
-            lines.append(f"# {key} is not set")
-        elif isinstance(value, bool):
-            lines.append(f"{key} = {str(value).lower()}")
-        elif isinstance(value, (list, tuple)):
-            lines.append(f"{key} = [{', '.join(json.dumps(v) for v in value)}]")
-        else:
-            lines.append(f"{key} = {json.dumps(value)}")
-    print("\n".join(lines))
+    """The run's resolved configuration (flags over --config over defaults), as a file --config reads."""
+    print("# pplab train, resolved: flags over --config over defaults")
+    print(run_config(args).to_toml(), end="")
 
 
 def _balance(text: str) -> tuple[int, ...]:

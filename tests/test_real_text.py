@@ -110,7 +110,7 @@ def test_a_config_file_reads_seed_003s_names_and_refuses_unknown_keys(capsys, tm
 
     assert main(["train", "--config", str(config), "--print-config"]) == 0
     printed = capsys.readouterr().out
-    for line in ('n_ranks = 2', 'schedule = "interleaved_1f1b"', 'n_virtual = 2', 'n_microbatches = 4',
+    for line in ('pp = 2', 'schedule = "interleaved_1f1b"', 'virtual_stages = 2', 'microbatches = 4',
                  'lr = 0.001', 'min_lr = 0.0', 'betas = [0.9, 0.99]'):
         assert line in printed.splitlines(), line
     # What it prints is a config file that reads back the same; a flag wins over the file.
@@ -122,6 +122,10 @@ def test_a_config_file_reads_seed_003s_names_and_refuses_unknown_keys(capsys, tm
     config.write_text("stepz = 3\n")
     code, err = refused(capsys, "--config", str(config))
     assert code == 2 and "unknown key 'stepz'; the keys are " in err and "batch_size" in err
+    # The configuration is one dataclass, RunConfig: what --print-config writes, it reads back.
+    read = pplab.run.RunConfig.from_toml(tmp_path / "printed.toml")
+    assert (read.pp, read.virtual_stages, read.microbatches, read.betas) == (2, 2, 4, (0.9, 0.99))
+    assert printed.endswith(read.to_toml())
 
 
 def run_train(*arguments: str, cwd) -> subprocess.CompletedProcess:
@@ -153,3 +157,6 @@ def test_a_bpe_run_learns_the_text_and_its_checkpoint_generates_it(texts, tmp_pa
     losses = [[r["loss"] for r in json.loads((tmp_path / name).read_text())["records"]]
               for name in ("flags.json", "file.json")]
     assert losses[0] == losses[1] and len(losses[0]) == 3
+    # And from Python: the same configuration's fields as keywords.
+    in_python = pplab.run.train(pplab.run.RunConfig.from_toml(tmp_path / "run.toml"), show=False)
+    assert in_python.losses == losses[0]

@@ -1,0 +1,177 @@
+"""One training run from one configuration: what `pplab train` does, as a function.
+
+`RunConfig` holds every option of a run: the model, the parallel layout in seed 003's names
+(`pp`, `dp`, `tp`, `schedule`, `virtual_stages`, `microbatches`, `balance`), the stages' dtype,
+and every field of `TrainOptions` (the optimizer, the schedule of the learning rate, the
+data, the checkpoints). `train(config, **keywords)` starts the ranks (local processes, or
+the processes torchrun started) and trains; `pplab train` builds the same configuration
+from its flags or from a TOML file (`RunConfig.from_toml`), so that both give the same run.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+from collections.abc import Sequence
+from dataclasses import dataclass, fields
+from pathlib import Path
+
+from pplab.rank.train import TrainHistory, TrainOptions
+
+__all__ = ["RunConfig", "train"]
+
+# The command line's names for two of them (a schedule's name may be spelled as seed 003 does,
+# "interleaved_1f1b": pplab.schedules.schedule_name reads every spelling).
+ALIASES = {"n_microbatches": "microbatches", "n_virtual": "virtual_stages"}
+
+
+@dataclass(frozen=True)
+class RunConfig(TrainOptions):
+    """Everything a training run takes (TrainOptions' fields, and the model and its layout)."""
+
+    model: str = "tiny"              # tiny, small, or a config.json (pplab's fields or a Hugging Face config)
+    pp: int = 2                      # ranks along the pipeline; the run takes pp x dp x tp ranks
+    dp: int = 1                      # FSDP replicas (a mesh; impl="torch")
+    tp: int = 1                      # tensor-parallel ranks (a mesh; impl="torch")
+    schedule: str = "1f1b"
+    impl: str = "pplab"
+    microbatches: int = 4            # per pipeline per step
+    virtual_stages: int = 1          # stages per rank
+    balance: Sequence[int] | None = None
+    param_dtype: str = "float32"
+    seed: int = 0                    # the model's initialisation
+
+    def __post_init__(self):
+        super().__post_init__()
+        if self.clip == 0:  # a file or a flag says "no clipping" as 0
+            object.__setattr__(self, "clip", None)
+        if self.balance is not None:
+            object.__setattr__(self, "balance", tuple(self.balance))
+
+    @classmethod
+    def names(cls) -> list[str]:
+        """Every option's name."""
+        return [f.name for f in fields(cls)]
+
+    @classmethod
+    def of(cls, values: dict, where: str = "the configuration") -> "RunConfig":
+        """A configuration from a dict of options (tables flattened, seed 003's spellings taken);
+        an unknown key is a ValueError that lists the known ones."""
+        flat = {}
+        for key, value in values.items():
+            flat.update(value if isinstance(value, dict) else {key: value})
+        options = {}
+        for key, value in flat.items():
+            name = ALIASES.get(key, key).replace("-", "_")
+            if name not in cls.names():
+                raise ValueError(f"{where}: unknown key {key!r}; the keys are {', '.join(sorted(cls.names()))}")
+            options[name] = value
+        try:
+            return cls(**options)
+        except TypeError as error:
+            raise ValueError(f"{where}: {error}") from None
+
+    @classmethod
+    def from_toml(cls, path: str | Path) -> "RunConfig":
+        """The configuration a TOML file writes (tables such as [parallel] are for the reader)."""
+        import tomllib
+
+        try:
+            return cls.of(tomllib.loads(Path(path).read_text(encoding="utf-8")), f"--config {str(path)!r}")
+        except OSError as error:
+            raise ValueError(f"--config {str(path)!r}: {error.strerror}; give the path of a TOML file") from None
+        except tomllib.TOMLDecodeError as error:
+            raise ValueError(f"--config {str(path)!r} is not TOML: {error}") from None
+
+    def to_toml(self) -> str:
+        """The configuration as a TOML file that `from_toml` reads back."""
+        lines = []
+        for name in self.names():
+            value = getattr(self, name)
+            if name == "clip" and value is None:
+                lines.append("clip = 0.0  # no clipping")
+            elif value is None:
+                lines.append(f"# {name} is not set")
+            elif isinstance(value, bool):
+                lines.append(f"{name} = {str(value).lower()}")
+            elif isinstance(value, (list, tuple)):
+                lines.append(f"{name} = [{', '.join(json.dumps(v) for v in value)}]")
+            else:
+                lines.append(f"{name} = {json.dumps(value)}")
+        return "\n".join(lines) + "\n"
+
+    @property
+    def n_ranks(self) -> int:
+        """The ranks the run takes: pp x dp x tp."""
+        return self.pp * self.dp * self.tp
+
+    def training(self) -> TrainOptions:
+        """The TrainOptions part."""
+        return TrainOptions(**{f.name: getattr(self, f.name) for f in fields(TrainOptions)})
+
+    def pipeline_spec(self, world_size: int | None = None):
+        """The pipeline it trains, checked (before any rank starts)."""
+        from pplab.rank.rank_pipeline import PipelineSpec
+
+        n_ranks = self.n_ranks if world_size is None else world_size
+        if n_ranks % (self.dp * self.tp):
+            raise ValueError(f"dp={self.dp} x tp={self.tp} does not divide {n_ranks} ranks: give a rank count "
+                             f"that is a multiple of {self.dp * self.tp}")
+        mesh = None
+        if self.dp > 1 or self.tp > 1:
+            mesh = {"pp": n_ranks // (self.dp * self.tp), "dp": self.dp, "tp": self.tp}
+        vocabulary = _vocabulary(self.tokenizer, self.vocab_size)
+        return PipelineSpec.create(model_of(self.model, vocabulary), self.schedule, n_ranks, self.microbatches,
+                                   self.virtual_stages, impl=self.impl, seed=self.seed, mesh=mesh,
+                                   balance=self.balance, param_dtype=self.param_dtype)
+
+
+def model_of(name: str, vocab_size: int | None = None):
+    """'tiny', 'small' (both with the tokenizer's vocabulary), or a config.json: pplab's own fields,
+    or a Hugging Face config (it has a model_type)."""
+    from pplab.model import LlamaConfig
+
+    sizes = {} if vocab_size is None else {"vocab_size": vocab_size}
+    if name in ("tiny", "small"):
+        return getattr(LlamaConfig, name)(**sizes)
+    path = Path(name)
+    if not path.is_file():
+        raise ValueError(f"model={name!r}: give tiny, small, or the path of a config.json")
+    values = json.loads(path.read_text())
+    if "model_type" in values:
+        return str(path.parent)  # a Hugging Face model's directory (weights read from it if it has them)
+    return LlamaConfig(**values)  # its own vocabulary: checked against the tokenizer's before any rank starts
+
+
+def _vocabulary(tokenizer: str, bpe_size: int) -> int | None:
+    """The vocabulary the model must have for `tokenizer`: the BPE's size, a saved tokenizer's, or
+    None (the model's own, which holds the characters)."""
+    if tokenizer == "char":
+        return None
+    if tokenizer == "bpe":
+        return bpe_size
+    from pplab.text import load_tokenizer
+
+    return load_tokenizer(tokenizer).vocab_size
+
+
+def train(config: RunConfig | None = None, *, timeout: float = 3600.0, show: bool = True,
+          **keywords) -> TrainHistory:
+    """Train as `config` (and/or keywords: RunConfig's fields) says, on local ranks, or on the processes
+    torchrun started (each process calls it; rank 0's history is every rank's)."""
+    from pplab.drivers.torchrun import run_as_torchrun_rank, under_torchrun
+    from pplab.rank.train import prepare_data, train_on_rank
+    from pplab.session import Pipeline, RankPool
+
+    config = dataclasses.replace(config, **keywords) if config is not None else RunConfig.of(keywords)
+    world_size = int(os.environ["WORLD_SIZE"]) if under_torchrun() else None
+    spec = config.pipeline_spec(world_size)
+    options = config.training()
+    options.check(spec.schedule.n_microbatches, spec.config, spec.replicas)  # before any rank starts
+    options = prepare_data(options, spec.config)  # a BPE trained here, once
+    if under_torchrun():
+        histories = run_as_torchrun_rank(train_on_rank, spec, options, None, show)
+        return histories[0] if histories else None
+    with RankPool(spec.world_size, timeout=timeout) as pool:
+        return Pipeline(pool, spec).train(show=show, **dataclasses.asdict(options))
