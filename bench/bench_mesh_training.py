@@ -58,6 +58,7 @@ def main() -> None:
     args = parser.parse_args()
     config = pplab.LlamaConfig.tiny()
     tokens_per_step = BATCH * SEQ_LEN
+    total = args.steps * (args.rounds + 1)  # the warm-up's steps, then each round's
     options = dict(batch_size=BATCH, seq_len=SEQ_LEN, eval_every=0, warmup=2, show=False)
     result = dict(benchmark="training throughput: pp4 vs pp2 x dp2 vs pp2 x tp2 on 4 ranks",
                   date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
@@ -75,13 +76,19 @@ def main() -> None:
             step = pipe.step(batch)
             per_rank = communicated_bytes(step.rank_steps, pipe.schedule, pipe.mesh)
             sent[name] = {dim: [row[dim] for row in per_rank] for dim in ("pp", "dp", "tp")}
-            pipe.train(args.steps, **options)  # warm-up: the optimizer's state, torch's shape inference
+            # Warm-up: the optimizer's state, torch's shape inference. Every call has the same options
+            # (the run's whole length) and goes on to a later `until`: each round trains `steps` new steps.
+            history = pipe.train(total, until=args.steps, **options)
+            assert len(history.losses) == args.steps
         throughput = {name: [] for name in pipes}
         for round_index in range(args.rounds):
+            until = args.steps * (round_index + 2)
             for name in (list(pipes) if round_index % 2 == 0 else list(pipes)[::-1]):
                 started = time.perf_counter()
-                pipes[name].train(args.steps, **options)
-                throughput[name].append(tokens_per_step * args.steps / (time.perf_counter() - started))
+                history = pipes[name].train(total, until=until, **options)
+                seconds = time.perf_counter() - started
+                assert len(history.losses) == args.steps, "a round must train its steps"
+                throughput[name].append(tokens_per_step * args.steps / seconds)
         for pipe in pipes.values():
             pipe.close()
     median = {name: statistics.median(values) for name, values in throughput.items()}

@@ -62,8 +62,8 @@ _MODULES = {
     "cluster": "pplab.drivers.cluster", "session": "pplab.session",
     "hf": "pplab.hf",  # Hugging Face models as stages (pip install 'pplab[hf]')
     "traced": "pplab.traced",  # any module, cut by torch's tracer
-    "text": "pplab.text",
-    "run": "pplab.session.run",  # one training run from one configuration: run.train(...), RunConfig  # documents, a byte-level BPE, packed sequences (tokenizers: the hf extra)
+    "text": "pplab.text",  # documents, a byte-level BPE, packed sequences (tokenizers: the hf extra)
+    "run": "pplab.session.run",  # one training run from one configuration: run.train(...), RunConfig
 }
 
 __all__ = [*_EXPORTS, *_MODULES]

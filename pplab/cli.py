@@ -329,31 +329,23 @@ def _with_config(parser: argparse.ArgumentParser, argv: list[str] | None, path: 
     the command line wins. Keys are checked against RunConfig's fields, values as the flags check them."""
     import tomllib
 
-    from pplab.session.run import ALIASES, RunConfig
+    from pplab.session.run import ALIASES, RunConfig, flattened
 
     RunConfig.from_toml(path)  # unknown keys and unreadable files: one line naming the valid keys
     train = parser.train_parser
     actions = {a.dest: a for a in train._actions}
     values = {}
-    for key, value in _flattened(tomllib.loads(Path(path).read_text(encoding="utf-8"))).items():
+    for key, value in flattened(tomllib.loads(Path(path).read_text(encoding="utf-8"))).items():
         name = ALIASES.get(key, key).replace("-", "_")
         dest = FLAG_OF.get(name, name)
-        values[dest] = _converted(actions[dest], key, value, path) if dest in actions else value
-    if "pp" in values:  # the ranks follow from the mesh
-        values["n_ranks"] = _converted(actions["n_ranks"], "pp", values.pop("pp"), path) \
-            * values.get("dp", 1) * values.get("tp", 1)
-    if "clip" in values and values["clip"] is None:
-        values["clip"] = 0.0
+        flag = actions.get("n_ranks" if dest == "pp" else dest)
+        values[dest] = _converted(flag, key, value, path) if flag else value  # a few have no flag (eval_batches)
+    pp = values.pop("pp", None)
     train.set_defaults(**values)
-    return parser.parse_args(argv)
-
-
-def _flattened(document: dict) -> dict:
-    """Tables ([parallel], [optimizer], ...) are for the reader: their keys are the options."""
-    flat = {}
-    for key, value in document.items():
-        flat.update(_flattened(value) if isinstance(value, dict) else {key: value})
-    return flat
+    args = parser.parse_args(argv)
+    if pp is not None and "--n-ranks" not in (argv if argv is not None else sys.argv[1:]):
+        args.n_ranks = pp * args.dp * args.tp  # the ranks follow from the mesh, flags included
+    return args
 
 
 def _converted(action: argparse.Action, key: str, value, path: str):

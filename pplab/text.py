@@ -38,7 +38,7 @@ def read_documents(source: str | Path) -> list[str]:
     """The documents at `source`: a text file, a directory of .txt files, or a saved `datasets` dataset."""
     path = Path(source)
     if path.is_file():
-        return [path.read_text(encoding="utf-8")]
+        return [_text_of(path)]
     if not path.is_dir():
         raise ValueError(f"data {str(source)!r} does not exist: give a UTF-8 text file, a directory "
                                 f"of .txt files, or a dataset saved with datasets' save_to_disk")
@@ -48,7 +48,15 @@ def read_documents(source: str | Path) -> list[str]:
     if not files:
         raise ValueError(f"data {str(source)!r} is a directory without .txt files or a saved dataset: put "
                          f"the documents there as .txt files, one document each")
-    return [file.read_text(encoding="utf-8") for file in files]
+    return [_text_of(file) for file in files]
+
+
+def _text_of(path: Path) -> str:
+    try:
+        return path.read_text(encoding="utf-8")
+    except UnicodeDecodeError as error:
+        raise ValueError(f"{str(path)!r} is not UTF-8 text ({error.reason} at byte {error.start}): convert it "
+                         f"to UTF-8, or leave it out of the data") from None
 
 
 def _saved_dataset(path: Path) -> list[str]:
@@ -69,6 +77,13 @@ def _saved_dataset(path: Path) -> list[str]:
 # --- tokenizers ------------------------------------------------------------------------------
 
 
+def _tokenizers() -> None:
+    try:
+        import tokenizers  # noqa: F401
+    except ImportError:
+        raise ImportError("the BPE tokenizer needs the tokenizers package: pip install 'pplab[hf]'") from None
+
+
 class BPETokenizer:
     """Byte-level BPE (the `tokenizers` library), with <pad>, <bos> and <eos> as ids 0, 1, 2."""
 
@@ -83,6 +98,7 @@ class BPETokenizer:
         """Learn merges on `documents` until the vocabulary has `vocab_size` tokens (256 bytes and the
         three specials at least)."""
         check_positive_int("vocab_size", vocab_size)
+        _tokenizers()
         from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
         smallest = 256 + len(cls.SPECIALS)
@@ -100,6 +116,7 @@ class BPETokenizer:
     @classmethod
     def load(cls, path: str | Path) -> "BPETokenizer":
         """The tokenizer `save` wrote."""
+        _tokenizers()
         from tokenizers import Tokenizer
 
         return cls(Tokenizer.from_file(str(path)))
@@ -116,6 +133,10 @@ class BPETokenizer:
     def vocab_size(self) -> int:
         """Number of token ids."""
         return self._tokenizer.get_vocab_size()
+
+    def same_as(self, other: "BPETokenizer") -> bool:
+        """The same vocabulary and merges (so the same ids for every text)."""
+        return self._tokenizer.to_str() == other._tokenizer.to_str()
 
     def encode(self, text: str) -> list[int]:
         """Token ids of `text`."""
@@ -196,6 +217,7 @@ class PackedText:
 
 
 @lru_cache(maxsize=2)
-def packed_text(data: str, tokenizer: str, seq_len: int, batch_size: int, seed: int) -> PackedText:
-    """The packed text of a run (read and tokenised once per process)."""
+def packed_text(data: str, tokenizer: str, seq_len: int, batch_size: int, seed: int, stamp=None) -> PackedText:
+    """The packed text of a run (read and tokenised once per process, again when `stamp`, the files'
+    modification times, says they changed)."""
     return PackedText(read_documents(data), load_tokenizer(tokenizer), seq_len, batch_size, seed)

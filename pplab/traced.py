@@ -56,7 +56,8 @@ class TracedModel:
     sum_tied_gradients = True
 
     def __post_init__(self):
-        object.__setattr__(self, "split_at", tuple(self.split_at))
+        split_at = (self.split_at,) if isinstance(self.split_at, str) else self.split_at  # one name
+        object.__setattr__(self, "split_at", tuple(split_at))
         object.__setattr__(self, "example_shape", tuple(self.example_shape))
         self.check()
 
@@ -74,6 +75,10 @@ class TracedModel:
         if not callable(self.make):
             raise TypeError(f"make={self.make!r} is not callable: give the model's class, or a function "
                             f"with no arguments that returns the model")
+        if getattr(self.make, "__module__", None) == "__main__":
+            raise ValueError(f"make={getattr(self.make, '__qualname__', self.make)!r} is defined in __main__ (a "
+                             f"notebook or a script), which the ranks cannot import: put it in a .py file "
+                             f"beside it and import it from there")
         try:
             pickle.dumps(self.make)
         except Exception as error:
@@ -227,7 +232,8 @@ class TracedModel:
 
     def record(self) -> dict:
         """What a checkpoint manifest says about this model."""
-        return {"traced.make": f"{self.make.__module__}.{self.make.__qualname__}",
+        return {"traced.make": f"{getattr(self.make, '__module__', '')}."
+                               f"{getattr(self.make, '__qualname__', repr(self.make))}",
                 "traced.split_at": list(self.split_at), "traced.example_shape": list(self.example_shape)}
 
 

@@ -80,10 +80,22 @@ def test_bad_pipelines_are_rejected_before_any_rank_runs(lab2):
         with pytest.raises(ValueError, match="n_microbatches=4 does not divide the batch size 6"):
             pipe.step(next(batches(6, 16)))
         assert pipe.step().loss > 0  # nothing was left half-done on the ranks
-    # The block closed it: its stages are gone from the ranks, which say so; the lab goes on.
-    with pytest.raises(pplab.cluster.RankFailedError, match=r"pipeline \S+ is not built on rank \d"):
+    # The block closed it: its stages are gone from every rank, the client says so before asking
+    # them, and the lab goes on.
+    with pytest.raises(RuntimeError, match="was closed .* build the pipeline again"):
         pipe.step()
+    assert lab2.run(_holds, pipe.pipeline_id) == [False, False]
     assert lab2.state == "running"
+
+
+def _holds(pipeline_id: str) -> bool:
+    from pplab.session.on_rank import built_pipeline
+
+    try:
+        built_pipeline(pipeline_id)
+    except LookupError:
+        return False
+    return True
 
 
 def test_a_broken_process_group_makes_the_lab_ask_for_a_restart(fragile_lab):

@@ -81,7 +81,7 @@ def refused(capsys, *argv: str) -> tuple[int, str]:
 @pytest.mark.quick
 @pytest.mark.parametrize("arguments, message", [
     (["--data", "nowhere.txt"], "data 'nowhere.txt' does not exist"),
-    (["--tokenizer", "bpe"], "tokenizer='bpe' learns its vocabulary from the training text"),
+    (["--tokenizer", "bpe"], "tokenizer='bpe' tokenises (and 'bpe' learns from) the training text"),
     (["--epochs", "2"], "epochs count passes over data=..."),
     (["--min-lr", "1"], "need 0 <= min_lr <= lr"),
     (["--betas", "0.9,1.5"], "need two betas in [0, 1)"),

@@ -57,6 +57,18 @@ def test_bad_traced_models_are_refused_on_the_client(make, split_at, options, me
 
 
 @pytest.mark.quick
+def test_one_split_point_may_be_a_name_and_a_factory_in_main_is_refused():
+    assert TracedModel(TinyLM, "layers.2").split_at == ("layers.2",)
+
+    def made_in_a_notebook():
+        return TinyLM()
+
+    made_in_a_notebook.__module__ = "__main__"  # as a notebook cell's function is
+    with pytest.raises(ValueError, match="defined in __main__ .* put it in a .py file"):
+        TracedModel(made_in_a_notebook, ["layers.2"])
+
+
+@pytest.mark.quick
 def test_a_traced_model_runs_the_shape_it_was_traced_at():
     from pplab.rank.rank_pipeline import split_for_ranks
 

@@ -23,10 +23,11 @@ the stages forward only, microbatch by microbatch, on held-out text.
 
 from __future__ import annotations
 
+import hashlib
 import math
+import tempfile
 import time
 from collections.abc import Callable
-import tempfile
 from dataclasses import asdict, dataclass, field, replace
 from datetime import timedelta
 from functools import partial
@@ -102,9 +103,10 @@ class TrainOptions:
                 or not self.weight_decay >= 0:
             raise ValueError(f"betas={self.betas}, eps={self.eps}, weight_decay={self.weight_decay}: need two "
                              f"betas in [0, 1), eps > 0 and weight_decay >= 0")
-        if self.tokenizer == "bpe" and self.data is None:
-            raise ValueError("tokenizer='bpe' learns its vocabulary from the training text: give data=<a text "
-                             "file, a directory of .txt files or a saved dataset>")
+        if self.tokenizer != "char" and self.data is None:
+            raise ValueError(f"tokenizer={self.tokenizer!r} tokenises (and 'bpe' learns from) the training text: "
+                             f"give data=<a text file, a directory of .txt files or a saved dataset>, or "
+                             f"tokenizer='char' for the embedded corpus")
         if self.epochs is not None:
             check_positive_int("TrainOptions.epochs", self.epochs)
             if self.data is None:
@@ -393,7 +395,9 @@ def heldout_batches(options: TrainOptions) -> list:
 def _packed(options: TrainOptions):
     from pplab.text import packed_text
 
-    return packed_text(options.data, options.tokenizer, options.seq_len, options.batch_size, options.data_seed)
+    stamp = (_stamp(options.data), _stamp(options.tokenizer) if options.tokenizer != "char" else 0)
+    return packed_text(options.data, options.tokenizer, options.seq_len, options.batch_size, options.data_seed,
+                       stamp)
 
 
 def prepare_data(options: TrainOptions, config) -> TrainOptions:
@@ -403,16 +407,11 @@ def prepare_data(options: TrainOptions, config) -> TrainOptions:
     checked to make whole batches, and `epochs` turned into steps."""
     if options.data is None:
         return options
-    from pplab.text import TOKENIZER_FILE, BPETokenizer, PackedText, load_tokenizer, read_documents
+    from pplab.text import PackedText, load_tokenizer, read_documents
 
     documents = read_documents(options.data)
     if options.tokenizer == "bpe":
-        where = Path(options.checkpoint_dir or tempfile.mkdtemp(prefix="pplab-tokenizer-"))
-        path = where / TOKENIZER_FILE
-        if not path.is_file():  # a resumed run keeps the tokenizer its checkpoints were made with
-            where.mkdir(parents=True, exist_ok=True)
-            BPETokenizer.train(_training_part(documents), options.vocab_size).save(path)
-        options = replace(options, tokenizer=str(path))
+        options = replace(options, tokenizer=str(_bpe_tokenizer(options, documents)))
     tokenizer = load_tokenizer(options.tokenizer)
     if tokenizer.vocab_size > config.vocab_size:
         raise ValueError(f"the tokenizer has {tokenizer.vocab_size} tokens but the model's vocab_size is "
@@ -422,6 +421,44 @@ def prepare_data(options: TrainOptions, config) -> TrainOptions:
     if options.epochs is not None:
         options = replace(options, steps=options.epochs * packed.batches_per_epoch)
     return options
+
+
+def _bpe_tokenizer(options: TrainOptions, documents: list[str]) -> Path:
+    """The tokenizer file of a run with tokenizer="bpe": a resumed run's is the one beside its
+    checkpoint; otherwise one is trained on the training text and saved beside the checkpoints
+    (or, without a checkpoint_dir, in a temporary folder named after the data and the size, so
+    that a later call with the same options finds the same file). A different tokenizer already
+    in that place is refused rather than replaced: checkpoints beside it were made with it."""
+    from pplab.checkpoint_files import resume_path
+    from pplab.text import TOKENIZER_FILE, BPETokenizer
+
+    if options.resume is not None:
+        beside = resume_path(options.resume, options.checkpoint_dir).parent / TOKENIZER_FILE
+        if beside.is_file():
+            return beside
+    if options.checkpoint_dir is not None:
+        where = Path(options.checkpoint_dir)
+    else:
+        key = hashlib.sha256(f"{Path(options.data).resolve()}:{_stamp(options.data)}:{options.vocab_size}"
+                             .encode()).hexdigest()[:16]
+        where = Path(tempfile.gettempdir()) / f"pplab-tokenizer-{key}"
+    path = where / TOKENIZER_FILE
+    trained = BPETokenizer.train(_training_part(documents), options.vocab_size)
+    if path.is_file():
+        if BPETokenizer.load(path).same_as(trained):
+            return path
+        raise ValueError(f"{str(path)!r} holds another tokenizer (other data or vocab_size), which the "
+                         f"checkpoints beside it were made with: resume from them, or give another "
+                         f"checkpoint_dir")
+    where.mkdir(parents=True, exist_ok=True)
+    return trained.save(path)
+
+
+def _stamp(path: str) -> int:
+    """When the data (a file, or the newest file of a folder) last changed, in nanoseconds."""
+    path = Path(path)
+    files = [path] if path.is_file() else [p for p in path.rglob("*") if p.is_file()]
+    return max((p.stat().st_mtime_ns for p in files), default=0)
 
 
 def _training_part(documents: list[str]) -> list[str]:

@@ -58,7 +58,11 @@ class Pipeline:
         self._built_on = lab.rank_processes
 
     def _check_engines(self) -> None:
-        """The stages live on the processes that built them: once those are replaced they are gone."""
+        """The stages live on the processes that built them: once those are replaced, or the pipeline
+        closed, they are gone (said here, before any rank is asked)."""
+        if getattr(self, "closed", False):
+            raise RuntimeError(f"{self!r} was closed (its stages freed on every rank): build the pipeline "
+                               f"again (lab.pipeline(...))")
         if self.lab.rank_processes != self._built_on:
             raise RuntimeError(f"{self!r} was built on ranks that were replaced since (a restart, or a "
                                f"failed call on a pool): build the pipeline again (lab.pipeline(...))")
@@ -220,6 +224,7 @@ class Pipeline:
         """Free the stages on every rank."""
         if self.lab.state != "stopped":
             self.lab.run(drop_on_rank, self.pipeline_id, timeout=60)
+        self.closed = True
 
     def __enter__(self) -> "Pipeline":
         return self

@@ -17,6 +17,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, fields
 from pathlib import Path
 
+from pplab.arguments import check_positive_int
 from pplab.rank.train import TrainHistory, TrainOptions
 
 __all__ = ["RunConfig", "train"]
@@ -48,6 +49,8 @@ class RunConfig(TrainOptions):
             object.__setattr__(self, "clip", None)
         if self.balance is not None:
             object.__setattr__(self, "balance", tuple(self.balance))
+        for name in ("pp", "dp", "tp", "microbatches", "virtual_stages"):
+            check_positive_int(f"RunConfig.{name}", getattr(self, name), example=2)
 
     @classmethod
     def names(cls) -> list[str]:
@@ -58,11 +61,8 @@ class RunConfig(TrainOptions):
     def of(cls, values: dict, where: str = "the configuration") -> "RunConfig":
         """A configuration from a dict of options (tables flattened, seed 003's spellings taken);
         an unknown key is a ValueError that lists the known ones."""
-        flat = {}
-        for key, value in values.items():
-            flat.update(value if isinstance(value, dict) else {key: value})
         options = {}
-        for key, value in flat.items():
+        for key, value in flattened(values).items():
             name = ALIASES.get(key, key).replace("-", "_")
             if name not in cls.names():
                 raise ValueError(f"{where}: unknown key {key!r}; the keys are {', '.join(sorted(cls.names()))}")
@@ -71,6 +71,10 @@ class RunConfig(TrainOptions):
             return cls(**options)
         except TypeError as error:
             raise ValueError(f"{where}: {error}") from None
+
+    def with_changes(self, **changes) -> "RunConfig":
+        """This configuration with some options changed (names checked as `of` checks them)."""
+        return self.of({**{name: getattr(self, name) for name in self.names()}, **changes}, "train(...)")
 
     @classmethod
     def from_toml(cls, path: str | Path) -> "RunConfig":
@@ -127,6 +131,14 @@ class RunConfig(TrainOptions):
                                    balance=self.balance, param_dtype=self.param_dtype)
 
 
+def flattened(document: dict) -> dict:
+    """A configuration's options, out of their tables ([parallel], [optimizer]: for the reader only)."""
+    flat = {}
+    for key, value in document.items():
+        flat.update(flattened(value) if isinstance(value, dict) else {key: value})
+    return flat
+
+
 def model_of(name: str, vocab_size: int | None = None):
     """'tiny', 'small' (both with the tokenizer's vocabulary), or a config.json: pplab's own fields,
     or a Hugging Face config (it has a model_type)."""
@@ -138,10 +150,18 @@ def model_of(name: str, vocab_size: int | None = None):
     path = Path(name)
     if not path.is_file():
         raise ValueError(f"model={name!r}: give tiny, small, or the path of a config.json")
-    values = json.loads(path.read_text())
+    try:
+        values = json.loads(path.read_text())
+    except ValueError as error:
+        raise ValueError(f"model={name!r} is not JSON ({error}): give a config.json") from None
     if "model_type" in values:
         return str(path.parent)  # a Hugging Face model's directory (weights read from it if it has them)
-    return LlamaConfig(**values)  # its own vocabulary: checked against the tokenizer's before any rank starts
+    try:
+        return LlamaConfig(**values)  # its own vocabulary: checked against the tokenizer's before any rank starts
+    except TypeError as error:
+        known = ", ".join(f.name for f in fields(LlamaConfig))
+        raise ValueError(f"model={name!r}: {error}; pplab's model takes {known} (a Hugging Face config "
+                         f"has a model_type)") from None
 
 
 def _vocabulary(tokenizer: str, bpe_size: int) -> int | None:
@@ -159,17 +179,17 @@ def _vocabulary(tokenizer: str, bpe_size: int) -> int | None:
 def train(config: RunConfig | None = None, *, timeout: float = 3600.0, show: bool = True,
           **keywords) -> TrainHistory:
     """Train as `config` (and/or keywords: RunConfig's fields) says, on local ranks, or on the processes
-    torchrun started (each process calls it; rank 0's history is every rank's)."""
+    torchrun started (each process calls it: rank 0 gets the history, the others None)."""
     from pplab.drivers.torchrun import run_as_torchrun_rank, under_torchrun
     from pplab.rank.train import prepare_data, train_on_rank
     from pplab.session import Pipeline, RankPool
 
-    config = dataclasses.replace(config, **keywords) if config is not None else RunConfig.of(keywords)
+    config = (config or RunConfig()).with_changes(**keywords)
     world_size = int(os.environ["WORLD_SIZE"]) if under_torchrun() else None
     spec = config.pipeline_spec(world_size)
     options = config.training()
     options.check(spec.schedule.n_microbatches, spec.config, spec.replicas)  # before any rank starts
-    options = prepare_data(options, spec.config)  # a BPE trained here, once
+    options = prepare_data(options, spec.config)  # a BPE trained here (under torchrun, alike on every process)
     if under_torchrun():
         histories = run_as_torchrun_rank(train_on_rank, spec, options, None, show)
         return histories[0] if histories else None
