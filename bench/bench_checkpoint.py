@@ -62,6 +62,7 @@ import torch
 import torch.distributed as dist
 
 import pplab
+from measuring import load
 from pplab.rank.checkpoint import Checkpointer
 from pplab.checkpoint_files import data_files, share
 from pplab.drivers.local import run_ranks
@@ -448,13 +449,6 @@ def notes(row: dict, loadavg_before: float) -> list[str]:
                f"first loss {'equals' if resume['resume_loss_matches'] else 'DIFFERS from'} the uninterrupted "
                f"run's at the same step")
     return out
-
-
-def load() -> str:
-    try:
-        return subprocess.run(["uptime"], capture_output=True, text=True, timeout=5).stdout.strip()
-    except (OSError, subprocess.SubprocessError):
-        return "unknown"
 
 
 def main() -> None:

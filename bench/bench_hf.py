@@ -19,12 +19,9 @@ from __future__ import annotations
 import argparse
 import cProfile
 import datetime
-import io
 import json
 import platform
-import pstats
 import statistics
-import subprocess
 import time
 from pathlib import Path
 
@@ -33,6 +30,7 @@ import torch.distributed as dist
 import transformers
 
 import pplab
+from measuring import load, top_functions
 from pplab.data import batches
 from pplab.session.on_rank import built_pipeline
 
@@ -54,15 +52,6 @@ def models(sizes: dict) -> dict:
     return {"pplab": pplab.LlamaConfig(**sizes, **common),
             "hf": transformers.LlamaConfig(**sizes, **common, tie_word_embeddings=False,
                                            attention_bias=False, mlp_bias=False)}
-
-
-def top_functions(profile: cProfile.Profile, n: int = 8) -> list[str]:
-    """The n functions with the most own time, one line each."""
-    stats = pstats.Stats(profile, stream=io.StringIO())
-    rows = sorted(stats.stats.items(), key=lambda item: item[1][2], reverse=True)[:n]
-    return [f"{own * 1000:7.2f} ms own {cum * 1000:7.2f} ms cum {calls:5d} calls  "
-            f"{'/'.join(Path(file).parts[-2:])}:{line}({name})"
-            for (file, line, name), (calls, _, own, cum, _) in rows]
 
 
 def rank_main(pipeline_ids: dict, batch, warmup: int, rounds: int) -> dict:
@@ -114,13 +103,6 @@ def measure(pool, sizes: dict, warmup: int, rounds: int) -> dict:
                                        h / p for h, p in zip(steps["hf"], steps["pplab"])),
                                    goal=f"<= {GOAL}", met=ratio <= GOAL),
                 profiled_step_by_rank=[r["profiles"] for r in per_rank])
-
-
-def load() -> str:
-    try:
-        return subprocess.run(["uptime"], capture_output=True, text=True, timeout=5).stdout.strip()
-    except (OSError, subprocess.SubprocessError):
-        return "unknown"
 
 
 def main() -> None:

@@ -21,13 +21,13 @@ import datetime
 import json
 import platform
 import statistics
-import subprocess
 import time
 from pathlib import Path
 
 import torch
 
 import pplab
+from measuring import load
 from pplab.data import batches
 from pplab.rank.mesh import communicated_bytes
 
@@ -42,13 +42,6 @@ LIMITS = {
     "pp2_tp2": "bubble 1/9 (m = 8), but 7 all-reduces of an activation per block per microbatch over "
                "gloo: many small collectives, each a few hundred microseconds of latency on CPU",
 }
-
-
-def load() -> str:
-    try:
-        return subprocess.run(["uptime"], capture_output=True, text=True, timeout=5).stdout.strip()
-    except (OSError, subprocess.SubprocessError):
-        return "unknown"
 
 
 def main() -> None:

@@ -39,7 +39,6 @@ import os
 import platform
 import pstats
 import statistics
-import subprocess
 import time
 from pathlib import Path
 
@@ -47,6 +46,7 @@ import torch
 import torch.distributed as dist
 
 import pplab
+from measuring import load, top_functions
 from pplab.data import batches
 from pplab.rank.gradients import gradient_stats
 from pplab.session.on_rank import built_pipeline
@@ -81,18 +81,6 @@ def _categories(stats: pstats.Stats) -> dict[str, float]:
         else:
             totals["other_ms"] += own * 1000
     return totals
-
-
-def _top_functions(profile: cProfile.Profile, n: int = 10) -> list[str]:
-    """The n functions with the most own time, as one line each."""
-    stats = pstats.Stats(profile, stream=io.StringIO())
-    rows = sorted(stats.stats.items(), key=lambda item: item[1][2], reverse=True)[:n]
-    lines = []
-    for (filename, line, name), (calls, _, own, cumulative, _) in rows:
-        where = "/".join(Path(filename).parts[-2:]) if filename != "~" else ""
-        lines.append(f"{own * 1000:7.2f} ms own {cumulative * 1000:7.2f} ms cum {calls:5d} calls  "
-                     f"{where}:{line}({name})")
-    return lines
 
 
 def rank_main(pipeline_ids, batch, warmup, rounds):
@@ -149,7 +137,7 @@ def rank_main(pipeline_ids, batch, warmup, rounds):
         profile.disable()
         profiles[name] = dict(step_ms=(time.perf_counter() - started) * 1000,
                               **_categories(pstats.Stats(profile, stream=io.StringIO())),
-                              top=_top_functions(profile))
+                              top=top_functions(profile))
     dist.barrier()
     return dict(times=times, probes=probes, profiles=profiles)
 
@@ -231,13 +219,6 @@ def analysis(configs: dict) -> dict:
         "601 vs 607 ms). So pplab/torch slightly above 1.0 in one run is noise, not a cause; a strict "
         "'<= 1.0' goal at parity passes or fails by chance on this machine.")
     return dict(summary=summary, per_config=per_config)
-
-
-def load() -> str:
-    try:
-        return subprocess.run(["uptime"], capture_output=True, text=True, timeout=5).stdout.strip()
-    except (OSError, subprocess.SubprocessError):
-        return "unknown"
 
 
 def show(name: str, row: dict, rounds: int) -> None:

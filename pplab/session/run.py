@@ -189,7 +189,9 @@ def train(config: RunConfig | None = None, *, timeout: float = 3600.0, show: boo
     spec = config.pipeline_spec(world_size)
     options = config.training()
     options.check(spec.schedule.n_microbatches, spec.config, spec.replicas)  # before any rank starts
-    options = prepare_data(options, spec.config)  # a BPE trained here (under torchrun, alike on every process)
+    # The data made ready before any rank starts (a bad path fails here); a BPE trained here, alike on
+    # every torchrun process. Pipeline.train looks at the prepared options again: it only re-reads the text.
+    options = prepare_data(options, spec.config)
     if under_torchrun():
         histories = run_as_torchrun_rank(train_on_rank, spec, options, None, show)
         return histories[0] if histories else None
