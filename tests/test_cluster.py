@@ -22,7 +22,7 @@ from timing import SLACK
 import torch
 
 import pplab
-from pplab.drivers.cluster import (LabError, LabNeedsRestartError, RankDiedError, RankFailedError,
+from pplab.drivers.cluster import (LabError, LabNeedsRestartError, LabStartError, RankDiedError, RankFailedError,
                            RankTimeoutError, publish, rank_context, records)
 from pplab.drivers.cluster.plan import assign_ranks, check_gpus, choose_backend_device, gpus_for_seat, local_ranks
 from pplab.drivers.cluster.status import RankInfo, RankTable
@@ -239,6 +239,44 @@ def test_a_function_that_publishes_runs_outside_a_lab_engine_too():
     assert count_and_publish(3) == 3
     with pytest.raises(RuntimeError, match="lab engine"):
         rank_context()
+
+
+@pytest.mark.quick
+def test_an_engine_whose_first_describe_request_was_lost_is_asked_again(monkeypatch):
+    # ZMQ drops a request routed to an engine whose shell connection the scheduler has not seen
+    # yet; the engine had registered all the same. Here engine 7 loses the first request.
+    from types import SimpleNamespace
+
+    from pplab.drivers.cluster import lab as lab_module
+
+    monkeypatch.setattr(lab_module, "DESCRIBE_ASK_AGAIN_SECONDS", 0.05)
+    sent = []
+
+    class Request:
+        def __init__(self, engine_id):
+            self.engine_id, self.lost = engine_id, engine_id == 7 and not any(e == 7 for e in sent)
+            sent.append(engine_id)
+
+        def ready(self):
+            return not self.lost
+
+        def get(self):
+            return {"host": "here", "engine": self.engine_id}
+
+    client = {engine_id: SimpleNamespace(apply_async=lambda fn, e=engine_id: Request(e))
+              for engine_id in (3, 7)}
+    asking = SimpleNamespace(client=client, start_timeout=5.0,
+                             _launcher=SimpleNamespace(check_alive=lambda: None))
+    about = pplab.Lab._describe(asking, [3, 7])
+    assert about == {3: {"host": "here", "engine": 3}, 7: {"host": "here", "engine": 7}}
+    assert sorted(sent) == [3, 7, 7]  # asked again: only the engine that had not answered
+
+    asking.start_timeout = 0.2  # one that never answers fails the start, naming it
+    monkeypatch.setattr(Request, "ready", lambda self: self.engine_id != 7)
+    asking._launcher.launch_logs = lambda: "(the logs)"
+    with pytest.raises(LabStartError, match=r"engines \[7\] registered but did not answer within "
+                                            r"start_timeout=0.2 s"):
+        pplab.Lab._describe(asking, [3, 7])
 
 
 def test_an_error_breaks_the_process_group_by_its_type_or_its_cause():

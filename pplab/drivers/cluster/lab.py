@@ -36,6 +36,7 @@ from pplab.drivers.cluster.status import RankGroup, RankInfo, RankTable
 from pplab.rank.rank_context import RankEvent
 
 TEARDOWN_SECONDS = 5.0
+DESCRIBE_ASK_AGAIN_SECONDS = 10.0  # see Lab._describe
 
 _running_labs: weakref.WeakSet = weakref.WeakSet()
 
@@ -237,8 +238,7 @@ class Lab:
     def _make_ranks(self, engine_ids: list[int], progress: _Progress) -> None:
         """Describe the engines, assign ranks, then join all of them to a fresh process group."""
         progress.update("assigning ranks")
-        described = self.client[engine_ids].apply_async(engine.describe).get(self.start_timeout)
-        about = dict(zip(engine_ids, described))
+        about = self._describe(engine_ids)
         order = assign_ranks({engine_id: about[engine_id]["host"] for engine_id in engine_ids})
         hosts = [about[engine_id]["host"] for engine_id in order]
         ranks_per_host = {host: hosts.count(host) for host in hosts}
@@ -261,6 +261,35 @@ class Lab:
         self._launcher.record_ranks(list(processes.values()))
         progress.update(f"joining {len(order)} ranks to a {backend} process group")
         self._join_process_group(order, about, hosts)
+
+    def _describe(self, engine_ids: list[int]) -> dict[int, dict]:
+        """Each engine's `describe()`, asking again those that have not answered after a while.
+
+        An engine counts as registered once its heartbeat reached the hub, which can be before
+        its shell socket's connection reached the scheduler; a request routed to it in that moment
+        is dropped by ZMQ without a word (a busy CI machine lost one: three labs starting at once).
+        Asking again is safe: describe() only reads."""
+        about: dict[int, dict] = {}
+        asked: dict[int, list] = {engine_id: [] for engine_id in engine_ids}
+        deadline = time.monotonic() + self.start_timeout
+        while len(about) < len(engine_ids):
+            for engine_id in engine_ids:
+                if engine_id not in about:
+                    asked[engine_id].append(self.client[engine_id].apply_async(engine.describe))
+            next_ask = min(deadline, time.monotonic() + DESCRIBE_ASK_AGAIN_SECONDS)
+            while len(about) < len(engine_ids) and time.monotonic() < next_ask:
+                for engine_id, requests in asked.items():
+                    done = next((request for request in requests if request.ready()), None)
+                    if engine_id not in about and done is not None:
+                        about[engine_id] = done.get()
+                self._launcher.check_alive()
+                time.sleep(0.02)
+            if len(about) < len(engine_ids) and time.monotonic() >= deadline:
+                silent = sorted(set(engine_ids) - set(about))
+                raise LabStartError(f"engines {silent} registered but did not answer within "
+                                    f"start_timeout={self.start_timeout:g} s.\n"
+                                    f"{self._launcher.launch_logs()}")
+        return about
 
     def _join_process_group(self, order: list[int], about: dict, hosts: list[str]) -> None:
         """Every rank enters init_process_group at the same time (async), then one barrier."""
