@@ -30,10 +30,13 @@ FAMILIES = {
                                             resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
                                             bos_token_id=0, eos_token_id=0),
 }
-# (schedule, runtime, stages per rank) on 2 ranks; on 3 the ones that fit 4 blocks in 3 stages
+# (schedule, runtime, stages per rank) on 2 ranks; on 3 the ones that fit 4 blocks in 3 stages.
+# Every schedule and runtime on one family (the schedules do not depend on it); on the others the
+# paths a family changes (tied weights, learned positions, RoPE on a middle stage) on both runtimes.
 ON_TWO = [("gpipe", "pplab", 1), ("1f1b", "pplab", 1), ("interleaved-1f1b", "pplab", 2), ("zb-h1", "pplab", 1),
           ("gpipe", "torch", 1), ("1f1b", "torch", 1)]
 ON_THREE = [("1f1b", "pplab", 1), ("zb-h1", "pplab", 1), ("1f1b", "torch", 1)]
+ON_TWO_SHORT, ON_THREE_SHORT = [("zb-h1", "pplab", 1), ("1f1b", "torch", 1)], [("1f1b", "pplab", 1)]
 
 
 def parity_failures(config, n_ranks: int, runs, batch) -> list[str]:
@@ -62,7 +65,9 @@ def parity_failures(config, n_ranks: int, runs, batch) -> list[str]:
 def test_every_family_matches_transformers_on_one_device(family):
     batch = next(batches(8, 16, 0))
     config = FAMILIES[family]()
-    failures = parity_failures(config, 2, ON_TWO, batch) + parity_failures(config, 3, ON_THREE, batch)
+    every = family == "llama"
+    failures = (parity_failures(config, 2, ON_TWO if every else ON_TWO_SHORT, batch)
+                + parity_failures(config, 3, ON_THREE if every else ON_THREE_SHORT, batch))
     assert not failures, "\n".join(failures)
 
 
