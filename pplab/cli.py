@@ -416,6 +416,36 @@ def _per_stage(text: str) -> float | tuple[float, ...]:
     return values[0] if len(values) == 1 else values
 
 
+def analyze_command(args: argparse.Namespace) -> int:
+    """Read a profiled run's traces and explain its bubble: picture, Chrome trace, JSON and a report."""
+    from pplab.bubble import explain, named_schedule
+    from pplab.profiled import read_profiler_traces
+    from pplab.views import viz  # matplotlib only when drawing
+
+    run = read_profiler_traces(args.traces, step=args.step)
+    n_ranks = run.timeline.n_ranks
+    schedule = named_schedule(args.schedule, n_ranks, args.microbatches, args.virtual)
+    report = explain(run.timeline, schedule, run.outside)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    picture, trace, numbers, text = (out / "timeline.png", out / "timeline.trace.json", out / "report.json",
+                                     out / "report.txt")
+    viz.save(viz.compare_timelines(run.timeline, report.simulated,
+                                   titles=(f"measured: {schedule.name}, from {n_ranks} profiler traces",
+                                           "simulated on the measured costs")), picture)
+    run.timeline.to_chrome_trace(trace)
+    said = run.summary().splitlines()[0] + "\n" + report.text()
+    text.write_text(said + "\n")
+    numbers.write_text(json.dumps(dict(
+        command="pplab analyze", pplab_version=pplab.__version__, arguments=_arguments(args), files=run.files,
+        step=run.step, steps_in_trace=run.steps_in_trace, labels=run.labels, one_host=run.one_host,
+        alignment_error=run.alignment_error, **report.to_json(),
+        outputs=dict(timeline=picture.name, trace=trace.name, report=text.name)), indent=2) + "\n")
+    print(said)
+    print(f"wrote {picture}, {trace}, {numbers} and {text}")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The command-line interface."""
     parser = argparse.ArgumentParser(prog="pplab", description=__doc__)
@@ -537,6 +567,21 @@ def build_parser() -> argparse.ArgumentParser:
                            help="print the resolved options as TOML and start nothing")
     run_train.set_defaults(handler=train_command)
     parser.train_parser = run_train  # where --config's values become defaults
+    run_analyze = commands.add_parser(
+        "analyze", help="explain a torch.profiler run's bubble: which rank, which microbatch, waiting on whom",
+        description="Read one step of a pipeline run recorded with torch.profiler (one Kineto JSON per rank, "
+                    "or their folder), and explain each rank's bubble: the schedule's own, waits for messages, "
+                    "a straggler, time outside the pipeline; then predict what one change would gain.")
+    run_analyze.add_argument("traces", metavar="TRACES", nargs="+", help="the ranks' trace files, or their folder")
+    run_analyze.add_argument("--schedule", required=True, metavar="NAME",
+                             help="the schedule the run used (pplab's or torch's name, any spelling)")
+    run_analyze.add_argument("--microbatches", type=_positive_int, required=True, metavar="M",
+                             help="microbatches per step")
+    run_analyze.add_argument("--virtual", type=_positive_int, default=1, metavar="V", help="stages per rank")
+    run_analyze.add_argument("--step", type=int, default=-1,
+                             help="which of the traces' steps (0 = the first; default -1, the last)")
+    run_analyze.add_argument("--out", default="pplab-analysis", help="folder for the picture, trace and report")
+    run_analyze.set_defaults(handler=analyze_command)
     run_cleanup = commands.add_parser("cleanup", help="stop lab clusters left by killed kernels")
     run_cleanup.add_argument("--force", action="store_true", help="also stop labs of running kernels")
     run_cleanup.set_defaults(handler=cleanup)

@@ -32,7 +32,7 @@ from typing import Callable, Iterable, Sequence
 
 from pplab.schedules.actions import releases_activations
 
-__all__ = ["Event", "Now", "Timeline", "COMM_KINDS", "COLLECTIVE_KINDS"]
+__all__ = ["Event", "Now", "Timeline", "COMM_KINDS", "COLLECTIVE_KINDS", "from_profiler"]
 
 COLLECTIVE_KINDS = frozenset({"ALL_GATHER", "REDUCE_SCATTER", "ALL_REDUCE"})
 """Collectives of the other mesh dimensions: FSDP's all-gathers and reduce-scatters, TP's all-reduces."""
@@ -449,3 +449,11 @@ def _event_from_chrome(raw: dict) -> Event:
         shape=tuple(shape) if shape is not None else None,
         dtype=args.get("dtype"),
     )
+
+
+def from_profiler(paths, *, step: int = -1) -> Timeline:
+    """One step of a run recorded with torch.profiler (a Kineto JSON per rank, or their folder) as a
+    Timeline: the same type as measured and simulated ones. See `pplab.profiled`."""
+    from pplab.profiled import read_profiler_traces  # reads traces; this module only holds the model
+
+    return read_profiler_traces(paths, step=step).timeline

@@ -25,6 +25,7 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.profiler import record_function
 
 from pplab.comm import PipelineTimeoutError, StageLink, dtype_name, in_order_mismatch, monotonic_clock
 from pplab.rank.faults import strike
@@ -167,10 +168,11 @@ class RankRuntime:
                 continue
             self._prepost(link, upcoming[position], state, activation_shapes)
             tell.starting([action])
-            started = clock()
-            strike(action)  # a fault armed on purpose (pplab.faults) fires inside its action
-            event_extra = self._compute(action, state, inputs, targets, boundary_shapes)
-            pad_to_cost(self.timing, action, started, clock)
+            with record_function(action.profiler_label):  # what a torch.profiler trace will show
+                started = clock()
+                strike(action)  # a fault armed on purpose (pplab.faults) fires inside its action
+                event_extra = self._compute(action, state, inputs, targets, boundary_shapes)
+                pad_to_cost(self.timing, action, started, clock)
             if self.record:
                 events.append(Event(self.rank, action.kind.value, action.stage, action.microbatch,
                                     started, clock(), **event_extra))

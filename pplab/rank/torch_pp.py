@@ -19,6 +19,7 @@ import contextlib
 import functools
 
 import torch
+from torch.profiler import record_function
 from torch import nn
 
 from pplab.comm import dtype_name, monotonic_clock
@@ -111,6 +112,7 @@ class _Recorder:
         self.boundary_shapes: list[Boundary] = []
         self.pending: dict[Action, float] = {}  # receive -> when torch posted it
         self.last_end = 0.0  # end of this rank's latest compute
+        self.labels = False  # write pplab's profiler labels (where torch's schedule writes none of its own)
 
     def start(self, origin: float, watch) -> None:
         self.clock = lambda: monotonic_clock() - origin  # noqa: E731 - one clock for the step
@@ -148,6 +150,9 @@ class _Timed:
 
     def __enter__(self) -> dict:
         recorder = self.recorder
+        if recorder.labels:  # torch's single-stage schedules write none (1F1B) or wider ones (GPipe)
+            self.label = record_function(self.action.profiler_label)
+            self.label.__enter__()
         self.started = recorder.clock()
         recorder.waited(self.action, self.started)
         if recorder.watch is not None:
@@ -155,12 +160,17 @@ class _Timed:
         return self.extra
 
     def __exit__(self, exc_type, *_) -> None:
-        if exc_type is not None:
-            return
         recorder = self.recorder
+        if exc_type is not None:
+            if recorder.labels:
+                self.label.__exit__(exc_type, None, None)
+            return
         pad_to_cost(recorder.timing, self.action, self.started, recorder.clock)
+        ended = recorder.clock()
+        if recorder.labels:
+            self.label.__exit__(None, None, None)
         event = Event(recorder.rank, self.action.kind.value, self.action.stage, self.action.microbatch,
-                      self.started, recorder.clock(), **self.extra)
+                      self.started, ended, **self.extra)
         recorder.events.append(event)
         recorder.last_end = event.end
         if recorder.watch is not None:
@@ -207,6 +217,7 @@ class TorchRankRuntime:
             self.torch_stages.append(stage)
         schedule_class = torch_schedules.get_schedule_class(torch_plan(schedule.name).torch_name)
         single = issubclass(schedule_class, torch_schedules.PipelineScheduleSingle)
+        self.recorder.labels = single  # the multi-stage ones label each action "PP:<action>" themselves
         # scale_grads: torch divides every gradient by the number of microbatches, so they are
         # those of the mean loss, as pplab's runtime and the single-device reference compute.
         self.torch_schedule = schedule_class(self.torch_stages[0] if single else self.torch_stages,

@@ -105,6 +105,12 @@ class Action:
     def __str__(self) -> str:
         return f"{self.stage}{self.kind.value}{self.microbatch}"
 
+    @property
+    def profiler_label(self) -> str:
+        """The name of this action's `record_function` span, as torch's multi-stage schedules write
+        it ("PP:1F3"): a torch.profiler trace of any run then reads the same (`pplab.profiled`)."""
+        return f"PP:{self}"
+
     @classmethod
     def parse(cls, text: str) -> Action:
         """Read the text form, e.g. ``"2F0"`` or ``"1SEND_F3"``."""

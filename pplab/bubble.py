@@ -1,0 +1,291 @@
+"""Where a measured step's bubble went, and what would shrink it.
+
+A rank of a pipeline is idle for four reasons, and `explain` tells them apart on any
+measured Timeline (pplab's own, or one imported from torch.profiler traces):
+
+* the schedule: warm-up and cool-down idle that the schedule implies even on a perfect
+  machine, from pplab's simulation of the same schedule with the costs measured in the step;
+* waiting for a message: an action that could not start when its rank became free because
+  its input (a forward's activation, a backward's gradient) had not arrived; the wait is
+  attributed to the microbatch, to the rank that sent it, and to the rank at the root of the
+  chain (a rank that waited itself before sending passes the blame upstream);
+* a straggler: a rank whose compute took longer than its peers' (the median rank's). With
+  stages of unequal work this is the rank with more to do, which a rebalance would help;
+* outside the pipeline: the part of the profiled step (ProfilerStep) before its first action
+  and after its last (the optimizer, data loading), where the traces say how long the step was.
+
+Then the simulator predicts the step with one change at a time (twice the microbatches, stages
+rebalanced, another schedule), so that the report can say which single change would help most.
+Those are predictions on the measured costs, and are stated as such.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import statistics
+from dataclasses import dataclass, field
+
+from pplab.schedules import Kind, Schedule, build, theory
+from pplab.simulator import Costs, costs_from_timeline, simulate
+from pplab.trace import Event, Timeline
+
+__all__ = ["BubbleReport", "RankBubble", "Wait", "Suggestion", "explain", "named_schedule"]
+
+STRAGGLER_RATIO = 1.25  # a rank computing this much longer than the median rank is named the straggler
+_FEEDS = {"F": ("F", -1), "B": ("B", +1), "I": ("I", +1)}  # an action's input: (producer kind, stage step)
+
+
+@dataclass(frozen=True)
+class Wait:
+    """A compute action that started late because its input had not arrived."""
+
+    rank: int
+    action: str  # e.g. "1F3"
+    microbatch: int
+    seconds: float
+    peer: int  # the rank that sent the input
+    cause: int  # the rank at the root of the chain of waits
+
+
+@dataclass(frozen=True)
+class RankBubble:
+    """One rank's step: how long, how busy, and its idle time by reason (seconds)."""
+
+    rank: int
+    step_time: float
+    busy: float
+    idle: float
+    bubble_fraction: float
+    schedule_idle: float  # what the simulation of the same schedule and costs leaves idle
+    waiting: float  # for messages (sum of this rank's waits)
+    straggler: float  # compute beyond the median rank's
+    outside: float | None  # profiled step time outside the pipeline's actions (None: not recorded)
+
+
+@dataclass(frozen=True)
+class Suggestion:
+    """One change, and the step time the simulator predicts for it."""
+
+    change: str
+    predicted_step_time: float
+    gain: float  # 1 - predicted / predicted for the run as it is
+
+
+@dataclass
+class BubbleReport:
+    """`explain`'s answer: per rank, overall, the waits, the straggler and the predictions."""
+
+    schedule: Schedule
+    measured: Timeline
+    simulated: Timeline
+    theory_bubble: float | None
+    ranks: list[RankBubble]
+    waits: list[Wait]
+    straggler: int | None
+    suggestions: list[Suggestion] = field(default_factory=list)
+    message_latency: float = 0.0  # seconds: the median time a message that was waited for took
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def best(self) -> Suggestion | None:
+        """The change predicted to help most (None if none helps)."""
+        helping = [s for s in self.suggestions if s.gain > 0.01]
+        return max(helping, key=lambda s: s.gain) if helping else None
+
+    def waits_caused_by(self, rank: int) -> float:
+        """Seconds other ranks waited, at the root, for `rank`."""
+        return sum(w.seconds for w in self.waits if w.cause == rank and w.rank != rank)
+
+    def text(self) -> str:
+        """The report in a few lines, for a terminal or a notebook."""
+        m, s = self.measured, self.simulated
+        theory = "n/a" if self.theory_bubble is None else f"{self.theory_bubble:.1%}"
+        lines = [f"{self.schedule.name}: {self.schedule.n_ranks} ranks, {self.schedule.n_microbatches} "
+                 f"microbatches" + (f", {self.schedule.n_virtual} stages per rank" if self.schedule.n_virtual > 1
+                                    else ""),
+                 f"step {m.step_time() * 1e3:.2f} ms measured, {s.step_time() * 1e3:.2f} ms simulated on the "
+                 f"measured costs (messages free); bubble {m.bubble_fraction():.1%} measured, {s.bubble_fraction():.1%} "
+                 f"simulated, {theory} in theory",
+                 f"idle per rank (ms): the schedule's own (simulated, messages free), waits for messages "
+                 f"(measured, the schedule's included), compute beyond the median rank's, profiled step "
+                 f"outside the pipeline",
+                 "rank  bubble  schedule  waiting  straggler  outside"]
+        for r in self.ranks:
+            outside = "   n/a" if r.outside is None else f"{r.outside * 1e3:6.2f}"
+            lines.append(f"{r.rank:4d}  {r.bubble_fraction:6.1%}  {r.schedule_idle * 1e3:8.2f}  {r.waiting * 1e3:7.2f}"
+                         f"  {r.straggler * 1e3:9.2f}  {outside}")
+        if self.straggler is not None:
+            lines.append(f"straggler: rank {self.straggler}, computing "
+                         f"{self.ranks[self.straggler].straggler * 1e3:.2f} ms more than the median rank; the "
+                         f"other ranks waited {self.waits_caused_by(self.straggler) * 1e3:.2f} ms for it")
+        longest = sorted(self.waits, key=lambda w: -w.seconds)[:3]
+        for wait in longest:
+            lines.append(f"rank {wait.rank} waited {wait.seconds * 1e3:.2f} ms before {wait.action} for "
+                         f"microbatch {wait.microbatch} from rank {wait.peer}"
+                         + (f" (which waited on rank {wait.cause})" if wait.cause != wait.peer else ""))
+        if self.suggestions:
+            lines.append(f"predicted by the simulator on the measured costs, messages taking "
+                         f"{self.message_latency * 1e3:.2f} ms (the median of those waited for):")
+            for suggestion in sorted(self.suggestions, key=lambda s: -s.gain):
+                lines.append(f"  {suggestion.change}: {suggestion.predicted_step_time * 1e3:.2f} ms "
+                             f"({-suggestion.gain:+.0%})")
+            best = self.best
+            lines.append(f"most helpful single change: {best.change}" if best else
+                         "no single change is predicted to help by more than 1 %")
+        lines += self.notes
+        return "\n".join(lines)
+
+    def to_json(self) -> dict:
+        """The report as plain data."""
+        return {"schedule": self.schedule.name, "n_ranks": self.schedule.n_ranks,
+                "n_microbatches": self.schedule.n_microbatches, "n_virtual": self.schedule.n_virtual,
+                "step_time": {"measured": self.measured.step_time(), "simulated": self.simulated.step_time()},
+                "bubble": {"measured": self.measured.bubble_fraction(), "simulated": self.simulated.bubble_fraction(),
+                           "theory": self.theory_bubble},
+                "ranks": [dataclasses.asdict(r) for r in self.ranks],
+                "waits": [dataclasses.asdict(w) for w in self.waits],
+                "straggler": self.straggler,
+                "message_latency": self.message_latency,
+                "suggestions": [dataclasses.asdict(s) for s in self.suggestions],
+                "best": self.best.change if self.best else None, "notes": self.notes}
+
+
+def named_schedule(name: str, n_ranks: int, n_microbatches: int, n_virtual: int = 1) -> Schedule:
+    """The schedule called `name`: pplab's own, or the plan of one of torch's schedules."""
+    try:
+        return build(name, n_ranks, n_microbatches, n_virtual)
+    except ValueError as not_pplabs:
+        from pplab.schedules import torch_plan
+
+        try:
+            torch_plan(name)
+        except ValueError:
+            raise not_pplabs from None
+        from pplab.rank.torch_pp import torch_schedule
+
+        return torch_schedule(name, n_ranks, n_microbatches, n_virtual)
+
+
+def explain(measured: Timeline, schedule: Schedule, outside: list[float | None] | None = None) -> BubbleReport:
+    """Split each rank's idle time into the schedule's, waits, straggling and time outside.
+
+    `measured` must hold the compute actions `schedule` has, rank by rank (raises ValueError
+    naming the first that differs); `outside`, per rank, the profiled step's time outside them."""
+    _check_actions(measured, schedule)
+    costs = costs_from_timeline(measured, schedule.n_stages)  # messages free: the schedule's own idle
+    simulated = simulate(schedule, costs)
+    latency = _message_latency(measured, schedule)
+    waits = _waits(measured, schedule)
+    busy = [measured.busy_time(rank) for rank in range(schedule.n_ranks)]
+    median_busy = statistics.median(busy)
+    step = measured.step_time()
+    ranks = [RankBubble(rank, step, busy[rank], measured.idle_time(rank), measured.bubble_fraction(rank),
+                        simulated.idle_time(rank), sum(w.seconds for w in waits if w.rank == rank),
+                        max(0.0, busy[rank] - median_busy), outside[rank] if outside else None)
+             for rank in range(schedule.n_ranks)]
+    slowest = max(range(schedule.n_ranks), key=lambda rank: busy[rank])
+    straggler = slowest if schedule.n_ranks > 1 and busy[slowest] > STRAGGLER_RATIO * median_busy else None
+    report = BubbleReport(schedule, measured, simulated, theory(schedule, costs).bubble_fraction, ranks, waits,
+                          straggler)
+    with_latency = dataclasses.replace(costs, latency=latency)
+    report.suggestions = _suggestions(schedule, with_latency, simulate(schedule, with_latency).step_time())
+    report.message_latency = latency
+    return report
+
+
+def _message_latency(measured: Timeline, schedule: Schedule) -> float:
+    """What a message took in this run: the median time from the end of a compute on one rank to
+    the start of the compute on another that consumed its result, over those that waited for it."""
+    compute = {(e.stage, e.kind, e.microbatch): e for e in measured.events if e.is_compute}
+    spans = []
+    for rank in range(schedule.n_ranks):
+        free = measured.start
+        for event in sorted(measured.compute_events(rank), key=lambda e: e.start):
+            producer = _producer(event, compute, schedule)
+            if producer is not None and producer.rank != rank and producer.end > free:
+                spans.append(max(0.0, event.start - producer.end))
+            free = max(free, event.end)
+    return statistics.median(spans) if spans else 0.0
+
+
+def _check_actions(measured: Timeline, schedule: Schedule) -> None:
+    """Every rank ran exactly its scheduled compute actions (in any order)."""
+    for rank in range(schedule.n_ranks):
+        planned = sorted(str(a) for a in schedule.actions[rank] if a.kind.value in ("F", "B", "I", "W"))
+        ran = sorted(f"{e.stage}{e.kind}{e.microbatch}" for e in measured.compute_events(rank))
+        if planned != ran:
+            extra, missing = sorted(set(ran) - set(planned)), sorted(set(planned) - set(ran))
+            raise ValueError(
+                f"rank {rank} ran {len(ran)} compute actions, and {schedule.name} with {schedule.n_ranks} ranks, "
+                f"{schedule.n_microbatches} microbatches and {schedule.n_virtual} stage(s) per rank plans "
+                f"{len(planned)}" + (f"; not planned: {' '.join(extra[:6])}" if extra else "")
+                + (f"; not run: {' '.join(missing[:6])}" if missing else "")
+                + ": give the schedule, microbatches and stages per rank the run used")
+
+
+def _waits(measured: Timeline, schedule: Schedule) -> list[Wait]:
+    """Each compute action that began late because its input was not there when its rank was free."""
+    compute = {(e.stage, e.kind, e.microbatch): e for e in measured.events if e.is_compute}
+    start = measured.start
+    waits: dict[tuple, Wait] = {}
+    for rank in range(schedule.n_ranks):
+        free = start
+        for event in sorted(measured.compute_events(rank), key=lambda e: e.start):
+            producer = _producer(event, compute, schedule)
+            gap = event.start - free
+            if producer is not None and producer.rank != rank and gap > 0 and producer.end > free:
+                waits[(event.stage, event.kind, event.microbatch)] = Wait(
+                    rank, f"{event.stage}{event.kind}{event.microbatch}", event.microbatch, gap,
+                    producer.rank, producer.rank)
+            free = max(free, event.end)
+    # The root of a chain: a producer that itself started late waited on someone else.
+    def root(key, seen=()) -> int:
+        wait = waits[key]
+        producer = _producer(compute[key], compute, schedule)
+        upstream = (producer.stage, producer.kind, producer.microbatch)
+        if upstream in waits and upstream not in seen:
+            return root(upstream, (*seen, key))
+        return wait.peer
+    return [dataclasses.replace(wait, cause=root(key)) for key, wait in waits.items()]
+
+
+def _producer(event: Event, compute: dict, schedule: Schedule) -> Event | None:
+    """The compute whose result `event` consumes from another stage (None for the pipeline's ends)."""
+    if event.kind not in _FEEDS:
+        return None
+    kind, step = _FEEDS[event.kind]
+    stage = event.stage + step
+    if not 0 <= stage < schedule.n_stages:
+        return None
+    return compute.get((stage, kind, event.microbatch)) or compute.get((stage, "B", event.microbatch))
+
+
+def _suggestions(schedule: Schedule, costs: Costs, now: float) -> list[Suggestion]:
+    """The simulator's step time for one change at a time, against the run as it is."""
+    p, m, v = schedule.n_ranks, schedule.n_microbatches, schedule.n_virtual
+    forward = [costs.compute_time(Kind.F, s) for s in range(schedule.n_stages)]
+    backward = [costs.compute_time(Kind.I, s) + costs.compute_time(Kind.W, s) for s in range(schedule.n_stages)]
+    tried = []
+
+    def attempt(change: str, name: str, microbatches: int, virtual: int, f, b) -> None:
+        try:
+            predicted = simulate(named_schedule(name, p, microbatches, virtual),
+                                 Costs(forward=tuple(f), backward=tuple(b), latency=costs.latency)).step_time()
+        except ValueError:
+            return  # a schedule these sizes do not allow
+        tried.append(Suggestion(change, predicted, 1 - predicted / now))
+
+    attempt(f"{2 * m} microbatches of half the size", schedule.name, 2 * m, v,
+            [x / 2 for x in forward], [x / 2 for x in backward])
+    mean_f, mean_b = statistics.fmean(forward), statistics.fmean(backward)
+    attempt("stages rebalanced to equal work", schedule.name, m, v, [mean_f] * len(forward), [mean_b] * len(backward))
+    per_rank_f = [sum(forward[s * v:(s + 1) * v]) for s in range(p)]  # one stage per rank: v neighbours merged
+    per_rank_b = [sum(backward[s * v:(s + 1) * v]) for s in range(p)]
+    for name in ("gpipe", "1f1b", "zb-h1"):
+        if name != schedule.name:
+            attempt(f"schedule {name}", name, m, 1, per_rank_f, per_rank_b)
+    if schedule.name != "interleaved-1f1b" or v != 2:
+        attempt("schedule interleaved-1f1b with 2 stages per rank", "interleaved-1f1b", m, 2,
+                [x / 2 for x in per_rank_f for _ in range(2)], [x / 2 for x in per_rank_b for _ in range(2)])
+    return tried
+
