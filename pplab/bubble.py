@@ -106,9 +106,9 @@ class BubbleReport:
                  f"step {m.step_time() * 1e3:.2f} ms measured, {s.step_time() * 1e3:.2f} ms simulated on the "
                  f"measured costs (messages free); bubble {m.bubble_fraction():.1%} measured, {s.bubble_fraction():.1%} "
                  f"simulated, {theory} in theory",
-                 f"idle per rank (ms): the schedule's own (simulated, messages free), waits for messages "
-                 f"(measured, the schedule's included), compute beyond the median rank's, profiled step "
-                 f"outside the pipeline",
+                 "idle per rank (ms): the schedule's own (simulated, messages free), waits for messages "
+                 "(measured, the schedule's included), compute beyond the median rank's, profiled step "
+                 "outside the pipeline",
                  "rank  bubble  schedule  waiting  straggler  outside"]
         for r in self.ranks:
             outside = "   n/a" if r.outside is None else f"{r.outside * 1e3:6.2f}"
