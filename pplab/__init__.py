@@ -37,8 +37,8 @@ _EXPORTS = {
     "reference_step": "pplab.rank.reference",
     "simulate": "pplab.simulator",
     "Costs": "pplab.simulator",
-    "Event": "pplab.trace",
-    "Timeline": "pplab.trace",
+    "Event": "pplab.timeline",
+    "Timeline": "pplab.timeline",
     "TrainOptions": "pplab.rank.train",
     "load_model": "pplab.rank.checkpoint",
     "Mesh": "pplab.rank.mesh",
@@ -50,6 +50,7 @@ _EXPORTS = {
     "stage_costs": "pplab.schedule_search",  # a balance's per-stage costs, from per-layer ones
     "Lab": "pplab.views.lab",  # engines as ranks, from Jupyter: pipelines with live views
     "RankPool": "pplab.session",  # the same on local processes: command line, tests, scripts
+    "TorchrunRanks": "pplab.session",  # in a torchrun script: this process is one rank
     "Pipeline": "pplab.session",  # what lab.pipeline(...) and pool.pipeline(...) build
     "cleanup": "pplab.drivers.cluster",
 }
@@ -64,12 +65,14 @@ _MODULES = {
     "traced": "pplab.traced",  # any module, cut by torch's tracer
     "text": "pplab.text",  # documents, a byte-level BPE, packed sequences (tokenizers: the hf extra)
     "run": "pplab.session.run",  # one training run from one configuration: run.train(...), RunConfig
+    "profiled": "pplab.profiled",  # a run recorded with torch.profiler, read back as a Timeline
+    "bubble": "pplab.bubble",  # where a measured step's bubble went, and what would shrink it
 }
 
 __all__ = [*_EXPORTS, *_MODULES]
 
 if _TYPE_CHECKING:  # what static checkers and editors see
-    from pplab import comm, data, hf, model, schedules, session, simulator, text, trace, traced
+    from pplab import bubble, comm, data, hf, model, profiled, schedules, session, simulator, text, trace, traced
     from pplab.drivers import cluster
     from pplab.session import run
     from pplab.rank import checkpoint, checks, faults, mesh, train
@@ -83,10 +86,10 @@ if _TYPE_CHECKING:  # what static checkers and editors see
     from pplab.rank.profiler import hop_costs_on_rank, profile
     from pplab.rank.reference import reference_step
     from pplab.schedule_search import search, search_balance, stage_costs
-    from pplab.session import Pipeline, RankPool
+    from pplab.session import Pipeline, RankPool, TorchrunRanks
     from pplab.views.lab import Lab
     from pplab.simulator import Costs, simulate
-    from pplab.trace import Event, Timeline
+    from pplab.timeline import Event, Timeline
     from pplab.rank.train import TrainOptions
 
 

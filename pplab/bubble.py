@@ -25,9 +25,9 @@ import dataclasses
 import statistics
 from dataclasses import dataclass, field
 
-from pplab.schedules import Kind, Schedule, build, theory
+from pplab.schedules import Kind, Schedule, build, from_torch, theory, torch_plan
 from pplab.simulator import Costs, costs_from_timeline, simulate
-from pplab.trace import Event, Timeline
+from pplab.timeline import Event, Timeline
 
 __all__ = ["BubbleReport", "RankBubble", "Wait", "Suggestion", "explain", "named_schedule"]
 
@@ -151,19 +151,16 @@ class BubbleReport:
 
 
 def named_schedule(name: str, n_ranks: int, n_microbatches: int, n_virtual: int = 1) -> Schedule:
-    """The schedule called `name`: pplab's own, or the plan of one of torch's schedules."""
+    """The schedule called `name`: pplab's own, or the plan of one of torch's schedules (from torch's
+    planner: torch's pipelining package is imported for those)."""
     try:
         return build(name, n_ranks, n_microbatches, n_virtual)
     except ValueError as not_pplabs:
-        from pplab.schedules import torch_plan
-
         try:
-            torch_plan(name)
+            entry = torch_plan(name)
         except ValueError:
             raise not_pplabs from None
-        from pplab.rank.torch_pp import torch_schedule
-
-        return torch_schedule(name, n_ranks, n_microbatches, n_virtual)
+        return from_torch(entry.name, n_ranks, n_microbatches, n_virtual)
 
 
 def explain(measured: Timeline, schedule: Schedule, outside: list[float | None] | None = None) -> BubbleReport:

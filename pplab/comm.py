@@ -36,7 +36,7 @@ import torch
 import torch.distributed as dist
 
 from pplab.schedules import Action, Kind, Schedule
-from pplab.trace import Event
+from pplab.timeline import Event
 
 __all__ = ["StageLink", "PipelineTimeoutError", "encode_header", "decode_header", "MAX_DIMS", "message_tag"]
 

@@ -20,7 +20,7 @@ from dataclasses import dataclass, replace
 from pplab.formatting import ShownAsText, format_bytes, html_table, text_table
 from pplab.schedules import Schedule
 from pplab.simulator import Costs, simulate
-from pplab.trace import Timeline
+from pplab.timeline import Timeline
 
 
 # --- what was measured ----------------------------------------------------------------------------

@@ -36,7 +36,7 @@ import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from pplab.trace import Event, Timeline
+from pplab.timeline import Event, Timeline
 
 __all__ = ["ImportedRun", "from_profiler", "read_profiler_traces", "TraceImportError"]
 

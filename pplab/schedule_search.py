@@ -37,7 +37,7 @@ from pplab.formatting import ShownAsText, format_bytes, text_table
 from pplab.schedules import (SCHEDULE_NAMES, TORCH_SCHEDULES, Action, Dependencies, Kind, Schedule, ScheduleError,
                              add_communication, build, from_torch, releases_activations, validate)
 from pplab.simulator import Costs, simulate
-from pplab.trace import Timeline
+from pplab.timeline import Timeline
 
 
 @dataclass(frozen=True)

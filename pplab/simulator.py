@@ -37,7 +37,7 @@ from typing import Sequence, Union
 from pplab.schedules import (COMPUTE_KINDS, SEND_KINDS, Action, DeadlockError, Dependencies, Kind, Schedule,
                              ScheduleError)
 from pplab.schedules.compiled import KINDS, SEND_B, SEND_F, Compiled, boundaries, compile_schedule, no_cyclic_gc
-from pplab.trace import Event, Timeline
+from pplab.timeline import Event, Timeline
 
 __all__ = ["Costs", "simulate", "costs_from_timeline"]
 

@@ -16,7 +16,8 @@ import pytest
 
 import pplab
 
-CORE = ["pplab.arguments", "pplab.model", "pplab.data", "pplab.schedules", "pplab.trace", "pplab.formatting",
+CORE = ["pplab.arguments", "pplab.model", "pplab.data", "pplab.schedules", "pplab.timeline", "pplab.trace",
+        "pplab.profiled", "pplab.bubble", "pplab.formatting",
         "pplab.partition", "pplab.simulator", "pplab.prediction", "pplab.comm", "pplab.rank.runtime",
         "pplab.rank.step_clock", "pplab.rank.memory", "pplab.rank.split_backward", "pplab.rank.shards", "pplab.rank.gradients",
         "pplab.rank.reference", "pplab.rank.checks", "pplab.rank.rank_pipeline", "pplab.drivers.local", "pplab.drivers.torchrun", "pplab.rank.torch_pp",
@@ -26,7 +27,8 @@ CORE = ["pplab.arguments", "pplab.model", "pplab.data", "pplab.schedules", "ppla
 UPPER_FLOORS = ["ipyparallel", "IPython", "ipywidgets", "matplotlib", "pplab.drivers.cluster",
                 "pplab.views",
                 "transformers", "safetensors", "tokenizers", "datasets"]  # the hf extra: loaded on its path only, even by pplab.hf
-PURE_PYTHON = ["pplab", "pplab.schedules", "pplab.trace", "pplab.formatting", "pplab.simulator",
+PURE_PYTHON = ["pplab", "pplab.schedules", "pplab.timeline", "pplab.trace", "pplab.profiled", "pplab.formatting",
+               "pplab.simulator",
                "pplab.prediction", "pplab.checkpoint_files", "pplab.rank.rank_context"]  # not even torch
 
 

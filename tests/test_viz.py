@@ -172,12 +172,14 @@ def imported_modules(module_name: str) -> set[str]:
 
 
 @pytest.mark.parametrize("module, allowed_pplab", [
-    ("trace", {"pplab.schedules.actions"}),  # which pass frees a forward's activations
+    ("timeline", {"pplab.schedules.actions"}),  # which pass frees a forward's activations
+    ("trace", {"pplab.timeline", "pplab.profiled"}),  # the event model, and the profiler traces' reader
+    ("profiled", {"pplab.timeline"}),
     ("formatting", set()),
-    ("simulator", {"pplab.schedules", "pplab.schedules.compiled", "pplab.trace"}),
-    ("views.viz", {"pplab.trace", "pplab.formatting"}),
-    ("schedule_search", {"pplab.schedules", "pplab.simulator", "pplab.trace", "pplab.formatting"}),
-    ("prediction", {"pplab.schedules", "pplab.simulator", "pplab.trace", "pplab.formatting"}),
+    ("simulator", {"pplab.schedules", "pplab.schedules.compiled", "pplab.timeline"}),
+    ("views.viz", {"pplab.timeline", "pplab.formatting"}),
+    ("schedule_search", {"pplab.schedules", "pplab.simulator", "pplab.timeline", "pplab.formatting"}),
+    ("prediction", {"pplab.schedules", "pplab.simulator", "pplab.timeline", "pplab.formatting"}),
 ])
 def test_modules_keep_to_their_floor(module, allowed_pplab):
     imports = imported_modules(module)

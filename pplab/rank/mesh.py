@@ -35,7 +35,7 @@ from pplab.formatting import ShownAsText, format_bytes, html_table, text_table
 from pplab.rank.memory import SavedBytes
 from pplab.model import LlamaConfig, LlamaModel
 from pplab.rank.shards import local_tensor
-from pplab.trace import Event
+from pplab.timeline import Event
 
 __all__ = ["Mesh", "MeshPlace", "MESH_DIMS", "parallelize_stage", "apply_tensor_parallel",
            "apply_activation_checkpointing", "apply_fsdp", "MemoryTable", "memory_held",

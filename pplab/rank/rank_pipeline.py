@@ -27,7 +27,7 @@ from pplab.rank.runtime import Boundary, RankRuntime, RankStep
 from pplab.rank.tied import TiedGradients, tie_on_rank
 from pplab.schedules import Schedule, build, check_runnable, validate
 from pplab.simulator import Costs
-from pplab.trace import Event, Timeline
+from pplab.timeline import Event, Timeline
 
 
 PARAM_DTYPES = ("float32", "bfloat16")  # bf16: weights, activations and gradients; the loss in fp32

@@ -36,7 +36,7 @@ from pplab.schedules import Action, Dependencies, Kind, Schedule, check_runnable
 from pplab.simulator import Costs
 from pplab.rank.split_backward import input_gradient, torch_split_backward, weight_gradients
 from pplab.rank.step_clock import StepClock, pad_to_cost
-from pplab.trace import Event, Now
+from pplab.timeline import Event, Now
 
 Key = tuple[int, int]  # (stage, microbatch)
 

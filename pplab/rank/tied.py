@@ -24,7 +24,7 @@ import torch.distributed as dist
 from torch import nn
 
 from pplab.comm import PipelineTimeoutError
-from pplab.trace import Event
+from pplab.timeline import Event
 
 TIED_TAG = 1 << 30  # above every pipeline message's tag (pplab.comm.message_tag)
 

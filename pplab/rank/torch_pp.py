@@ -30,7 +30,7 @@ from pplab.rank.runtime import Boundary, RankStep
 from pplab.schedules import Action, Kind, Schedule, build, from_torch, torch_plan
 from pplab.simulator import Costs
 from pplab.rank.step_clock import StepClock, pad_to_cost
-from pplab.trace import Event, Now
+from pplab.timeline import Event, Now
 
 def torch_schedule(name: str, n_ranks: int, n_microbatches: int, n_virtual: int = 1) -> Schedule:
     """The pplab schedule torch will run for `name`, any spelling (checked on the client, torch's

@@ -45,7 +45,7 @@ from pplab.model import LlamaConfig, loss_fn
 from pplab.partition import layer_ranges
 from pplab.rank.rank_pipeline import PipelineSpec, RankPipeline
 from pplab.rank.reference import as_microbatches
-from pplab.trace import Event, Now
+from pplab.timeline import Event, Now
 
 __all__ = ["TrainOptions", "TrainRecord", "TrainHistory", "RankTrainer", "train_on_rank", "lr_factor",
            "make_optimizer", "prepare_data", "train_batch", "heldout_batches"]

@@ -19,6 +19,7 @@ import importlib as _importlib
 # Each name loads its module on first use: a rank that imports `pplab.session.on_rank`
 # loads neither the drivers nor ipyparallel.
 _EXPORTS = {"Lab": "pplab.session.drivers", "RankPool": "pplab.session.drivers",
+            "TorchrunRanks": "pplab.session.drivers",
             "Pipeline": "pplab.session.pipeline", "LiveStep": "pplab.session.pipeline"}
 
 __all__ = list(_EXPORTS)

@@ -1,8 +1,9 @@
 """The drivers as a session uses them: a lab and a pool of ranks that build pipelines.
 
-`Lab` is the ipyparallel lab (`pplab.cluster.Lab`) and `RankPool` the pool of local
-processes (`pplab.drivers.local.RankPool`), each with `pipeline(...)`, which builds a
-`Pipeline` on its ranks. The drivers themselves know nothing of pipelines. (`pplab.Lab`
+`Lab` is the ipyparallel lab (`pplab.cluster.Lab`), `RankPool` the pool of local
+processes (`pplab.drivers.local.RankPool`) and `TorchrunRanks` the processes torchrun started
+(`pplab.drivers.torchrun`: in a script, this process is one rank), each with `pipeline(...)`,
+which builds a `Pipeline` on its ranks. The drivers themselves know nothing of pipelines. (`pplab.Lab`
 is the notebook's lab, `pplab.views.lab.Lab`: its pipelines also show live views.)
 """
 
@@ -12,6 +13,7 @@ from collections.abc import Sequence
 
 from pplab.drivers.cluster.lab import Lab as _ClusterLab
 from pplab.drivers.local import RankPool as _LocalPool
+from pplab.drivers.torchrun import TorchrunRanks as _TorchrunRanks
 from pplab.model import LlamaConfig
 from pplab.rank.mesh import Mesh
 from pplab.rank.rank_pipeline import PipelineSpec
@@ -64,3 +66,7 @@ class Lab(_BuildsPipelines, _ClusterLab):
 
 class RankPool(_BuildsPipelines, _LocalPool):
     __doc__ = _LocalPool.__doc__
+
+
+class TorchrunRanks(_BuildsPipelines, _TorchrunRanks):
+    __doc__ = _TorchrunRanks.__doc__

@@ -29,7 +29,7 @@ from pplab.schedules import Schedule
 from pplab.session.on_rank import (RANK_ITEMS, build_on_rank, drop_on_rank, memory_on_rank, step_on_rank,
                                    train_on_rank)
 from pplab.simulator import Costs, simulate
-from pplab.trace import Event, Now, Timeline
+from pplab.timeline import Event, Now, Timeline
 from pplab.rank.train import ProgressBar, TrainHistory, TrainOptions, TrainRecord, prepare_data
 
 STREAM_DRAIN_SECONDS = 10.0  # how long a live step's result waits for events trailing it

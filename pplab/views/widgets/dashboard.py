@@ -20,7 +20,7 @@ import ipywidgets as widgets
 from pplab.rank.rank_pipeline import IMPLEMENTATIONS
 from pplab.schedules import SCHEDULE_NAMES, TORCH_SCHEDULES, theory
 from pplab.simulator import Costs, costs_from_timeline, simulate
-from pplab.trace import Timeline
+from pplab.timeline import Timeline
 from pplab.views.widgets.panels import (BubblesView, GradientsView, MemoryView, ShapesView, TimelineView,
                                   WhereView)
 from pplab.views.widgets.render import RED, Throttle
@@ -165,7 +165,7 @@ class Dashboard(widgets.VBox):
     def _take(self, items) -> None:
         """Put what the ranks published into the 'where each rank is' panel, and redraw it
         (also with nothing new: how long a rank has waited keeps growing)."""
-        from pplab.trace import Now
+        from pplab.timeline import Now
 
         for _, item in items:
             if isinstance(item, Now):

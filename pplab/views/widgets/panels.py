@@ -14,7 +14,7 @@ from collections.abc import Callable, Sequence
 import ipywidgets as widgets
 
 from pplab.formatting import format_bytes
-from pplab.trace import Timeline
+from pplab.timeline import Timeline
 from pplab.views.widgets.render import AMBER, RED, show_png, table
 
 FULL_WIDTH = widgets.Layout(width="100%")
@@ -319,7 +319,7 @@ class WhereView(widgets.VBox):
         self.render()
 
     def update(self, now, seen_at: float | None = None) -> None:
-        """Take a rank's latest `pplab.trace.Now` (what it started, whom it waits on)."""
+        """Take a rank's latest `pplab.timeline.Now` (what it started, whom it waits on)."""
         self.latest[now.rank] = now
         self.seen_at[now.rank] = time.monotonic() if seen_at is None else seen_at
 
