@@ -17,7 +17,10 @@ with. Sends and receives are the process group's operators (`c10d::send`, `c10d:
 gloo's `gloo:send`/`gloo:recv` or NCCL's `record_param_comms` after them): each becomes a SEND or
 RECV event of the action it serves, so that a rank waiting for a message shows as waiting on
 the wire, as in pplab's own timelines. A trace with GPU activity (`gpu_user_annotation` spans of
-the same labels, NCCL kernels) is read on the device's time instead: there the CPU only launches.
+the same labels) is read on the device's time instead, since there the CPU only launches: compute
+from those spans, collectives from NCCL's kernels. NCCL's point-to-point kernel (`SendRecv`) does
+not say which way it goes, so on the device a wait for a message shows as idle time. (This path is
+written from Kineto's documented fields and has not yet been run on a GPU.)
 
 Clocks: Kineto writes every timestamp as microseconds after `baseTimeNanoseconds`, the host's
 wall clock, so ranks on one host share a clock. Across hosts (different `host_name`) the ranks
@@ -336,19 +339,34 @@ def _check_one_step(traces: list[RankTrace], windows: list[tuple[float, float]],
 # ---------------------------------------------------------------- clocks
 
 
-def _collectives(trace: RankTrace, start: float, end: float, device: bool = False) -> list[Span]:
-    """The collectives in [start, end]: the backend's spans (gloo's, NCCL's), which last until the
-    collective is done, where the trace has them; else the c10d operators (which may only post it)."""
-    spans = [span for span in trace.within(start, end, COLLECTIVES) if span.device == device]
+def _collectives(trace: RankTrace, start: float, end: float, device: bool = False) -> list[tuple[Span, str | None]]:
+    """(span, kind) of the collectives in [start, end]. On the CPU: the backend's spans (gloo's),
+    which last until the collective is done, where the trace has them, else the c10d operators
+    (which may only post it). On the device: NCCL's collective kernels."""
+    if device:
+        return [(span, kind) for span in trace.within(start, end) if span.device
+                for kind in [_nccl_collective(span.name)] if kind is not None]
+    spans = [span for span in trace.within(start, end, COLLECTIVES) if not span.device]
     done = [span for span in spans if _BACKEND_SPAN.match(span.name)]
-    return done or spans
+    return [(span, COLLECTIVES[span.name]) for span in done or spans]
+
+
+def _nccl_collective(name: str) -> str | None:
+    """The Timeline kind of an NCCL kernel ("ncclDevKernel_AllReduce_Sum_f32_RING_LL" -> ALL_REDUCE)."""
+    if not name.startswith("nccl"):
+        return None
+    for marker, kind in (("AllReduce", "ALL_REDUCE"), ("AllGather", "ALL_GATHER"),
+                         ("ReduceScatter", "REDUCE_SCATTER")):
+        if marker in name:
+            return kind
+    return None
 
 
 def _collective_ends(trace: RankTrace, window: tuple[float, float]) -> list[tuple[str, float]]:
     """(operator, end in host seconds) of the collectives around and in a step, in order."""
     start, end = window
     reach = max(end - start, 1.0)  # pplab's step clock takes its collectives just before the step
-    return [(span.name, (trace.base_us + span.end) / 1e6) for span in _collectives(trace, start - reach, end)]
+    return [(span.name, (trace.base_us + span.end) / 1e6) for span, _ in _collectives(trace, start - reach, end)]
 
 
 def _clock_offsets(traces, windows, one_host: bool) -> tuple[list[float], float | None, list[str]]:
@@ -393,8 +411,7 @@ def _rank_events(trace: RankTrace, window: tuple[float, float], device: bool) ->
               for first, last, kind, stage, microbatch in computes]
     events += _message_events(trace, messages, computes)
     first_action = min((c[0] for c in computes), default=start)
-    for span in _collectives(trace, start, end, device):
-        kind = COLLECTIVES[span.name]
+    for span, kind in _collectives(trace, start, end, device):
         # One done before the rank's first action sets the step up (pplab's step clock takes one
         # to agree on time zero); those during and after it (a tied weight's sum, dp's) are the step's.
         if kind is not None and span.end > first_action:
