@@ -91,10 +91,12 @@ class RankTrace:
     base_us: float  # baseTimeNanoseconds / 1000: add it to a span's time for the host's wall clock
     spans: list[Span]
 
+    def __post_init__(self):
+        self._starts = [span.start for span in self.spans]
+
     def within(self, start: float, end: float, names=None) -> list[Span]:
         """The spans that lie inside [start, end] (all, or those whose name is in `names`)."""
-        starts = [span.start for span in self.spans]
-        first = bisect.bisect_left(starts, start)
+        first = bisect.bisect_left(self._starts, start)
         found = []
         for span in self.spans[first:]:
             if span.start > end:
@@ -112,7 +114,7 @@ class ImportedRun:
     files: list[str]
     step: int  # which of the traces' steps (0 = the first they hold)
     steps_in_trace: int
-    labels: str  # "pplab/torch PP labels", "torch GPipe labels" or "device labels"
+    labels: str  # "PP labels", "torch GPipe labels" or "device labels" (joined by "and" if mixed)
     one_host: bool
     alignment_error: float | None  # seconds; 0 on one host (one clock), None where nothing could tell
     outside: list[float | None]  # per rank, seconds of the ProfilerStep outside the pipeline's actions
