@@ -326,10 +326,12 @@ def list_schedule(p: int, m: int, v: int, costs: Costs, weights, cap: float, spl
     n_stages = pipeline.n_stages
     backward_kind = Kind.I if split else Kind.B
     inputs = _inputs_of_passes(pipeline, backward_kind, costs)
-    arrivals = defaultdict(set)  # per (kind, stage): how long after it ends its output is where it is needed
-    for needs in inputs.values():
+    rank_of = {stage: rank for rank in range(p) for stage in pipeline.stages_of(rank)}
+    # per (kind, stage): (the rank that needs its output, how long after it ends the output is there)
+    arrivals = defaultdict(set)
+    for (_, consumer), needs in inputs.items():
         for producer, delay in needs:
-            arrivals[producer].add(delay)
+            arrivals[producer].add((rank_of[consumer], delay))
     ended = {key: [None] * m for key in inputs}  # per (kind, stage): when its pass of each microbatch ended
     # Per stage, the same as plain lists, which the loop below reads without building keys:
     # when its forward (backward) of each microbatch ended, and the lists its needs are read from.
@@ -344,7 +346,9 @@ def list_schedule(p: int, m: int, v: int, costs: Costs, weights, cap: float, spl
     held = [0.0] * p
     busy_until = [0.0] * p
     orders = [[] for _ in range(p)]
-    moments, now = [0.0], 0.0
+    # (moment, rank): when something may let that rank start (it is free, or an input of its came).
+    # Only those ranks are looked at then: the others' choices are what they were.
+    wakes, now = [(0.0, rank) for rank in range(p)], 0.0
     remaining = n_stages * m * (3 if split else 2)
 
     def inputs_at(needs, mb: int) -> float | None:
@@ -363,9 +367,9 @@ def list_schedule(p: int, m: int, v: int, costs: Costs, weights, cap: float, spl
         nonlocal remaining
         orders[rank].append(action)
         end = busy_until[rank] = now + duration
-        heapq.heappush(moments, end)  # the rank is free again
-        for delay in arrivals.get((action.kind, action.stage), ()):  # its output reaches who needs it
-            heapq.heappush(moments, end + delay)
+        heapq.heappush(wakes, (end, rank))  # the rank is free again
+        for consumer, delay in arrivals.get((action.kind, action.stage), ()):  # its output reaches who needs it
+            heapq.heappush(wakes, (end + delay, consumer))
         if action.kind == Kind.F:
             held[rank] += weights[action.stage]
         elif releases_activations(action.kind):  # booked now: nothing else starts on the rank before it ends
@@ -374,12 +378,13 @@ def list_schedule(p: int, m: int, v: int, costs: Costs, weights, cap: float, spl
         return end
 
     while remaining:
-        if not moments:
+        if not wakes:
             return None  # nothing will ever happen again: a rank is stuck under the cap
-        now = heapq.heappop(moments)
-        while moments and moments[0] <= now:
-            heapq.heappop(moments)
-        for rank in range(p):
+        now, first = heapq.heappop(wakes)
+        woken = {first}
+        while wakes and wakes[0][0] <= now:
+            woken.add(heapq.heappop(wakes)[1])
+        for rank in sorted(woken):
             if busy_until[rank] > now:
                 continue
             stages = stages_of[rank]
