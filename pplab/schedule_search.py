@@ -7,11 +7,13 @@ last the LM head), and a schedule made for the measured costs can beat the hand-
 1. every built-in schedule that fits the sizes: pplab's (gpipe, 1f1b, zb-h1,
    interleaved-1f1b) and, where torch is installed, torch's plans (`TORCH_SCHEDULES`: the
    same four but zb-h1, and looped-bfs, interleaved-zero-bubble, zbv-zero-bubble, dualpipev);
-2. list schedules built on the same cost model, in time order (the zero-bubble paper's
-   heuristic): whenever a rank is idle it starts a backward (B, or I) whose gradient is
-   there, else a forward whose input is there and whose activations fit under a cap, else a
-   W it held back, which fills what would have been a bubble. Variants: each cap from one
-   microbatch up to the limit, backward-first or forward-first, B whole or split into I and W.
+2. list schedules built on the same cost model, in time order: whenever a rank is idle it
+   starts a backward (B, or I) whose gradient is there, else a forward whose input is there
+   and whose activations fit under a cap, else a W it held back, which fills what would have
+   been a bubble. Variants: each cap from one microbatch up to the limit, backward-first or
+   forward-first, B whole or split into I and W, and patient: a rank waits for a backward's
+   gradient instead of starting a filler that would still run when it arrives (so does the
+   zero-bubble paper's scheduler; it also tries several warm-up depths, which the caps do here).
 
 Each candidate must pass `validate`; the fastest whose simulated peak fits the limit wins.
 Since the built-ins are candidates, the result is never slower than any of them that fits.
@@ -157,7 +159,7 @@ def search(n_ranks: int, n_microbatches: int, costs: Costs, memory_limit: float 
     timeline = simulate(schedule, costs)
     if timeline.step_time() != best.step_time:  # the messages must not change the prediction
         raise RuntimeError(f"{best.name}: {timeline.step_time()} with its messages, {best.step_time} without")
-    return Found(schedule, best.step_time, _peaks(timeline, schedule, weights), memory_limit, unit,
+    return Found(schedule, best.step_time, _peaks(schedule, weights), memory_limit, unit,
                  tuple(tried), time.perf_counter() - started)
 
 
@@ -234,26 +236,26 @@ def _evaluate(name, schedule, builtin, note, costs, weights, memory_limit) -> Ca
     except ScheduleError as error:
         return Candidate(name, builtin=builtin, note=f"invalid: {error}")
     timeline = simulate(schedule, costs)
-    peak = max(_peaks(timeline, schedule, weights))
+    peak = max(_peaks(schedule, weights))
     fits = memory_limit is None or peak <= memory_limit * (1 + 1e-9)
     return Candidate(name, timeline.step_time(), peak, fits, builtin, note, schedule)
 
 
-def _peaks(timeline: Timeline, schedule: Schedule, weights) -> tuple[float, ...]:
+def _peaks(schedule: Schedule, weights) -> tuple[float, ...]:
     """Per rank, the most activations held at once: a forward holds its stage's weight from its
-    start until its B, or its W, ends (`Timeline.inflight` counts the same way)."""
-    changes = [[] for _ in range(schedule.n_ranks)]
-    for e in timeline.compute_events():
-        if e.kind == "F":
-            changes[e.rank].append((e.start, 1, weights[e.stage]))
-        elif releases_activations(e.kind):
-            changes[e.rank].append((e.end, 0, -weights[e.stage]))  # releases sort before holds
+    start until its B, or its W, ends (`Timeline.inflight` counts the same way). A rank runs one
+    action at a time, in its order, so the order alone says it: a release ends before the next
+    action starts, and the peak is reached as a forward starts. (No timeline needed: a search
+    reads thousands.)"""
     peaks = []
-    for rank_changes in changes:
+    for actions in schedule.actions:
         held = peak = 0.0
-        for _, _, delta in sorted(rank_changes):
-            held += delta
-            peak = max(peak, held)
+        for action in actions:
+            if action.kind == Kind.F:
+                held += weights[action.stage]
+                peak = max(peak, held)
+            elif releases_activations(action.kind):
+                held -= weights[action.stage]
         peaks.append(round(peak, 9))
     return tuple(peaks)
 
@@ -299,10 +301,11 @@ def _list_schedules(p: int, m: int, v: int, costs: Costs, weights, memory_limit,
     count = int(top / smallest + 1e-9)
     ks = set(range(1, min(count, 2 * p * v) + 1)) | set(range(2 * p * v, count + 1, p * v))
     caps = sorted({smallest * k for k in ks} | {top})
-    for split, backward_first, cap in itertools.product(splits, (True, False), caps):
-        orders = list_schedule(p, m, v, costs, weights, cap, split, backward_first)
+    variants = [(True, False), (False, False), (True, True)]  # (backward-first, patient)
+    for split, (backward_first, patient), cap in itertools.product(splits, variants, caps):
+        orders = list_schedule(p, m, v, costs, weights, cap, split, backward_first, patient)
         label = (f"list {'I+W' if split else 'B'} {'backward' if backward_first else 'forward'}-first "
-                 f"cap {_amount(cap, unit)}")
+                 f"{'patient ' if patient else ''}cap {_amount(cap, unit)}")
         if orders is None:
             yield label, None, False, "the cap leaves a rank unable to go on"
             continue
@@ -312,14 +315,17 @@ def _list_schedules(p: int, m: int, v: int, costs: Costs, weights, memory_limit,
 
 
 def list_schedule(p: int, m: int, v: int, costs: Costs, weights, cap: float, split: bool,
-                  backward_first: bool) -> list[list[Action]] | None:
+                  backward_first: bool, patient: bool = False) -> list[list[Action]] | None:
     """Per rank compute orders from a list schedule in time order on the cost model (loop placement:
     stage s on rank s % p); None when the cap leaves a rank unable to go on.
 
     At every moment something finishes or arrives, each idle rank starts, in this order of
     preference: a backward (B, or I) whose output gradient is there (with `backward_first`),
     a forward whose input is there if its activations fit under `cap`, a backward, and, with
-    `split`, a W it held back. Each stage runs its forwards, and its backwards, in microbatch order.
+    `split`, a W it held back. A `patient` rank starts no such filler when a backward's input
+    arrives before the filler would end: it waits, so that the critical backward is not delayed
+    (the zero-bubble paper's scheduler does the same). Each stage runs its forwards, and its
+    backwards, in microbatch order.
     What a pass waits for is the schedules' one dependency rule; what it holds, their release rule.
     """
     pipeline = _loop_pipeline(p, m, v)
@@ -341,6 +347,13 @@ def list_schedule(p: int, m: int, v: int, costs: Costs, weights, cap: float, spl
     forward_needs = [[(ended[producer], delay) for producer, delay in inputs[Kind.F, s]] for s in every_stage]
     backward_needs = [[(ended[producer], delay) for producer, delay in inputs[backward_kind, s]] for s in every_stage]
     stages_of = [pipeline.stages_of(rank) for rank in range(p)]
+    # Per stage, what the loop asks of each pass again and again: how long it takes, and who its
+    # output reaches when (a W's reaches no one).
+    forward_cost = [costs.compute_time(Kind.F, s) for s in every_stage]
+    backward_cost = [costs.compute_time(backward_kind, s) for s in every_stage]
+    weight_cost = [costs.compute_time(Kind.W, s) for s in every_stage]
+    forward_reaches = [sorted(arrivals.get((Kind.F, s), ())) for s in every_stage]
+    backward_reaches = [sorted(arrivals.get((backward_kind, s), ())) for s in every_stage]
     next_forward, next_backward = [0] * n_stages, [0] * n_stages
     held_back = [[] for _ in range(p)]  # (stage, microbatch) whose W waits
     held = [0.0] * p
@@ -362,13 +375,13 @@ def list_schedule(p: int, m: int, v: int, costs: Costs, weights, cap: float, spl
             at = arrived if arrived > at else at  # max(at, arrived), ties as max() breaks them
         return at
 
-    def start(rank: int, action: Action, duration: float) -> float:
+    def start(rank: int, action: Action, duration: float, reaches=()) -> float:
         """Put `action` on `rank` now; return when it ends."""
         nonlocal remaining
         orders[rank].append(action)
         end = busy_until[rank] = now + duration
         heapq.heappush(wakes, (end, rank))  # the rank is free again
-        for consumer, delay in arrivals.get((action.kind, action.stage), ()):  # its output reaches who needs it
+        for consumer, delay in reaches:  # its output reaches who needs it
             heapq.heappush(wakes, (end + delay, consumer))
         if action.kind == Kind.F:
             held[rank] += weights[action.stage]
@@ -392,22 +405,32 @@ def list_schedule(p: int, m: int, v: int, costs: Costs, weights, cap: float, spl
                          for t in [inputs_at(backward_needs[s], next_backward[s])] if t is not None and t <= now]
             forwards = [(t, s) for s in stages if next_forward[s] < m and held[rank] + weights[s] <= cap * (1 + 1e-9)
                         for t in [inputs_at(forward_needs[s], next_forward[s])] if t is not None and t <= now]
+            if patient and not backwards and (forwards or held_back[rank]):
+                soon = [t for s in stages if next_backward[s] < m
+                        for t in [inputs_at(backward_needs[s], next_backward[s])] if t is not None and t > now]
+                if forwards:
+                    filler = forward_cost[min(forwards, key=lambda ts: (ts[0], ts[1]))[1]]
+                else:
+                    filler = weight_cost[held_back[rank][0][0]]
+                if soon and min(soon) < now + filler:
+                    continue  # woken again when that input arrives
             if backwards and (backward_first or not forwards):
                 _, stage = min(backwards, key=lambda ts: (ts[0], -ts[1]))
                 mb = next_backward[stage]
                 next_backward[stage] += 1
-                backward_ended[stage][mb] = start(rank, Action(stage, backward_kind, mb),
-                                                  costs.compute_time(backward_kind, stage))
+                backward_ended[stage][mb] = start(rank, Action(stage, backward_kind, mb), backward_cost[stage],
+                                                  backward_reaches[stage])
                 if split:
                     held_back[rank].append((stage, mb))
             elif forwards:
                 _, stage = min(forwards, key=lambda ts: (ts[0], ts[1]))
                 mb = next_forward[stage]
                 next_forward[stage] += 1
-                forward_ended[stage][mb] = start(rank, Action(stage, Kind.F, mb), costs.compute_time(Kind.F, stage))
+                forward_ended[stage][mb] = start(rank, Action(stage, Kind.F, mb), forward_cost[stage],
+                                                 forward_reaches[stage])
             elif held_back[rank]:
                 stage, mb = held_back[rank].pop(0)
-                start(rank, Action(stage, Kind.W, mb), costs.compute_time(Kind.W, stage))
+                start(rank, Action(stage, Kind.W, mb), weight_cost[stage])
     return orders
 
 

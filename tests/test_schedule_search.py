@@ -110,12 +110,32 @@ def test_list_schedules_are_valid_for_any_costs_cap_and_policy():
                       weight_grad=[rng.uniform(0.2, 2) for _ in range(stages)], latency=rng.uniform(0, 1))
         weights = [1 / v] * stages
         cap = rng.choice((1, 2, p, 2 * p, m))
-        orders = list_schedule(p, m, v, costs, weights, cap, rng.random() < 0.5, rng.random() < 0.5)
+        orders = list_schedule(p, m, v, costs, weights, cap, rng.random() < 0.5, rng.random() < 0.5,
+                               patient=rng.random() < 0.5)
         if orders is None:
             continue
         schedule = add_communication(Schedule(orders, p, m, stages, v))
         validate(schedule)
         assert simulate(schedule, costs).step_time() > 0
+
+
+# The zero-bubble paper's scheduler waits for a critical input when that is sooner than a filler
+# would end; a list schedule that never leaves a rank idle started 2F3 just before 2I0's gradient came.
+WAITS_PAY = Costs(forward=1.0, input_grad=1.0, weight_grad=1.0, latency=0.1)
+WAITING_SCHEDULE = ["0F0 0F1 0F2 0F3 0I0 0W0 0I1 0W1 0I2 0W2 0I3 0W3",
+                    "1F0 1F1 1F2 1F3 1I0 1W0 1I1 1W1 1I2 1W2 1I3 1W3",
+                    "2F0 2F1 2F2 2I0 2F3 2I1 2W0 2I2 2W1 2I3 2W2 2W3",
+                    "3F0 3I0 3F1 3I1 3F2 3I2 3F3 3I3 3W0 3W1 3W2 3W3"]
+
+
+@pytest.mark.quick
+def test_a_rank_that_waits_for_a_critical_gradient_beats_every_builtin():
+    found = search(4, 4, WAITS_PAY, memory_limit=4)
+    assert found.step_time == pytest.approx(15.6)
+    assert found.best_builtin.step_time == pytest.approx(16.0)  # zb-h1
+    compute = found.schedule.compute_only()
+    assert [" ".join(map(str, actions)) for actions in compute.actions] == WAITING_SCHEDULE
+    assert max(found.peak_memory) <= 4
 
 
 def test_a_found_schedule_runs_on_four_ranks_with_exact_parity_within_its_memory():

@@ -92,7 +92,7 @@ def test_theory_the_timeline_and_the_search_count_activations_by_the_one_release
         timeline = simulate(schedule, costs)
         by_order = [peak for peak, _ in peak_inflight_at(schedule)]
         assert timeline.peak_inflight_per_rank() == by_order, schedule.name
-        assert list(_peaks(timeline, schedule, [1.0] * schedule.n_stages)) == by_order, schedule.name
+        assert list(_peaks(schedule, [1.0] * schedule.n_stages)) == by_order, schedule.name
 
 
 @pytest.mark.parametrize("text", ["F0", "2X0", "2F", "2 F0", "-1F0", "2SEND0", "2f0", ""])
