@@ -13,7 +13,12 @@ last the LM head), and a schedule made for the measured costs can beat the hand-
    been a bubble. Variants: each cap from one microbatch up to the limit, backward-first or
    forward-first, B whole or split into I and W, and patient: a rank waits for a backward's
    gradient instead of starting a filler that would still run when it arrives (so does the
-   zero-bubble paper's scheduler; it also tries several warm-up depths, which the caps do here).
+   zero-bubble paper's scheduler; it also tries several warm-up depths, which the caps do here),
+   and alternating: after its warm-up a rank prefers a backward after a forward and a forward
+   after a backward (the paper's 1F1B steady state), running a held-back W first when memory
+   stops the forward it wants.
+3. a local improvement of the fastest few: move one action of a rank a few places, keep what
+   the simulator says is shorter and still fits (`_improve`), within `improve_seconds`.
 
 Each candidate must pass `validate`; the fastest whose simulated peak fits the limit wins.
 Since the built-ins are candidates, the result is never slower than any of them that fits.
@@ -39,7 +44,6 @@ from pplab.formatting import ShownAsText, format_bytes, text_table
 from pplab.schedules import (SCHEDULE_NAMES, TORCH_SCHEDULES, Action, Dependencies, Kind, Schedule, ScheduleError,
                              add_communication, build, from_torch, releases_activations, validate)
 from pplab.simulator import Costs, simulate
-from pplab.timeline import Timeline
 
 
 @dataclass(frozen=True)
@@ -113,7 +117,8 @@ class NothingFitsError(ValueError):
 
 def search(n_ranks: int, n_microbatches: int, costs: Costs, memory_limit: float | None = None,
            saved_bytes: Sequence[int] | None = None, n_virtual: int | None = None,
-           split_backward: bool = True, include_torch: bool = True, show: bool | None = None) -> Found:
+           split_backward: bool = True, include_torch: bool = True, show: bool | None = None,
+           improve_seconds: float = 0.5) -> Found:
     """The fastest schedule the search finds for these sizes and costs under `memory_limit`.
 
     `costs` are per stage: with sequences of n_ranks * v values the stages are those v per
@@ -123,6 +128,8 @@ def search(n_ranks: int, n_microbatches: int, costs: Costs, memory_limit: float 
     `split_backward=False` keeps to whole backwards (B), for where I + W costs more than B
     (small layers, whose per-call overheads the split pays twice). A progress bar
     shows when the search is long (`show=None`), always (True) or never (False).
+    The fastest candidate is then improved locally (see `_improve`) until no move helps or
+    `improve_seconds` after the search began have passed (0: not at all).
     """
     started = time.perf_counter()
     _check_sizes(n_ranks, n_microbatches, memory_limit, n_virtual)
@@ -154,6 +161,14 @@ def search(n_ranks: int, n_microbatches: int, costs: Costs, memory_limit: float 
     fastest = min(c.step_time for c in fitting)
     ties = [c for c in fitting if c.step_time <= fastest * (1 + 1e-9)]  # equal but for rounding
     best = next((c for c in ties if c.builtin), ties[0])  # a tie goes to the built-in
+    # The fastest few candidates (one per kind of schedule) are each improved locally in turn.
+    starts = sorted(fitting, key=lambda c: c.step_time)[:IMPROVED_STARTS]
+    for start in starts:
+        improved = _improve(start.schedule, costs, weights, memory_limit, deadline=started + improve_seconds)
+        if improved is not None:
+            tried.append(improved)
+            if improved.step_time < best.step_time * (1 - 1e-9):
+                best = improved
     schedule = best.schedule if best.schedule.has_communication else add_communication(best.schedule)
     validate(schedule)
     timeline = simulate(schedule, costs)
@@ -161,6 +176,59 @@ def search(n_ranks: int, n_microbatches: int, costs: Costs, memory_limit: float 
         raise RuntimeError(f"{best.name}: {timeline.step_time()} with its messages, {best.step_time} without")
     return Found(schedule, best.step_time, _peaks(schedule, weights), memory_limit, unit,
                  tuple(tried), time.perf_counter() - started)
+
+
+IMPROVED_STARTS = 4  # how many of the fastest candidates the local improvement starts from
+IMPROVING_SHIFTS = (1, -1, 2, -2, 3, -3)  # how far an action may move in one step
+
+
+def _improve(schedule: Schedule, costs: Costs, weights, memory_limit, deadline: float) -> Candidate | None:
+    """A local improvement of `schedule`'s compute order: move one action of a rank a few places
+    earlier or later, keep the move when the simulator says the step is shorter and the memory
+    still fits, and go on until no move helps (or the deadline). A move that breaks the dependency
+    rule deadlocks the simulation and is dropped. The result, if any, is validated like every
+    other candidate."""
+    orders = [list(actions) for actions in schedule.compute_only().actions]
+    p, m, n_stages, v = schedule.n_ranks, schedule.n_microbatches, schedule.n_stages, schedule.n_virtual
+
+    def step_time(candidate) -> float | None:
+        trial = Schedule(candidate, p, m, n_stages, v, "improving", schedule.placement)
+        if memory_limit is not None and max(_peaks(trial, weights)) > memory_limit * (1 + 1e-9):
+            return None
+        try:
+            return simulate(trial, costs).step_time()
+        except ScheduleError:  # a deadlock: the swap broke what an action needs
+            return None
+
+    best = step_time(orders)
+    start = best
+    moved = True
+    while moved and best is not None and time.perf_counter() < deadline:
+        moved = False
+        for rank, i, shift in itertools.product(range(p), range(max(len(order) for order in orders)),
+                                                IMPROVING_SHIFTS):
+            order = orders[rank]
+            j = i + shift
+            if not (i < len(order) and 0 <= j < len(order)):
+                continue
+            action = order[i]
+            passed = order[j:i] if j < i else order[i + 1:j + 1]
+            if any((other.stage, other.kind) == (action.stage, action.kind) for other in passed):
+                continue  # a stage's passes of one kind stay in microbatch order
+            order.insert(j, order.pop(i))
+            shorter = step_time(orders)
+            if shorter is not None and shorter < best * (1 - 1e-9):
+                best, moved = shorter, True
+            else:
+                order.insert(i, order.pop(j))
+            if time.perf_counter() >= deadline:
+                break
+    if best is None or best >= start * (1 - 1e-9):
+        return None
+    name = f"{schedule.name}, improved"
+    improved = Schedule(orders, p, m, n_stages, v, name, schedule.placement)
+    candidate = _evaluate(name, add_communication(improved), False, "", costs, weights, memory_limit)
+    return candidate if candidate.fits and candidate.step_time is not None else None
 
 
 def _virtual_stages(costs: Costs, n_ranks: int, n_virtual: int | None) -> int:
@@ -296,16 +364,22 @@ def _list_schedules(p: int, m: int, v: int, costs: Costs, weights, memory_limit,
     pipeline = _loop_pipeline(p, m, v)
     most = max(sum(weights[s] for s in pipeline.stages_of(r)) for r in range(p)) * m  # all a rank could hold
     top = most if memory_limit is None else max(smallest, min(memory_limit, most))
-    # Caps of 1, 2, ... heaviest-stage microbatches up to twice the stages, then sparser up to
-    # the top: the smallest caps also say how little memory the search can make do with.
+    # Caps of 1, 2, ... heaviest-stage microbatches up to twice the stages (every one up to 16,
+    # about 16 of them beyond, so that large pipelines stay quick to search), then sparser up
+    # to the top: the smallest caps also say how little memory the search can make do with.
     count = int(top / smallest + 1e-9)
-    ks = set(range(1, min(count, 2 * p * v) + 1)) | set(range(2 * p * v, count + 1, p * v))
+    dense = min(count, 2 * p * v)
+    ks = (set(range(1, min(dense, 16) + 1)) | set(range(16, dense + 1, max(1, dense // 16)))
+          | set(range(2 * p * v, count + 1, p * v)))
     caps = sorted({smallest * k for k in ks} | {top})
-    variants = [(True, False), (False, False), (True, True)]  # (backward-first, patient)
-    for split, (backward_first, patient), cap in itertools.product(splits, variants, caps):
-        orders = list_schedule(p, m, v, costs, weights, cap, split, backward_first, patient)
-        label = (f"list {'I+W' if split else 'B'} {'backward' if backward_first else 'forward'}-first "
-                 f"{'patient ' if patient else ''}cap {_amount(cap, unit)}")
+    # (backward-first, patient, alternate); waiting and alternating are about where the Ws go
+    variants = [(True, False, False), (False, False, False), (True, True, False), (True, True, True)]
+    for split, (backward_first, patient, alternate), cap in itertools.product(splits, variants, caps):
+        if (patient or alternate) and not split:
+            continue
+        orders = list_schedule(p, m, v, costs, weights, cap, split, backward_first, patient, alternate)
+        policy = "alternating" if alternate else f"{'backward' if backward_first else 'forward'}-first"
+        label = f"list {'I+W' if split else 'B'} {policy} {'patient ' if patient else ''}cap {_amount(cap, unit)}"
         if orders is None:
             yield label, None, False, "the cap leaves a rank unable to go on"
             continue
@@ -315,7 +389,7 @@ def _list_schedules(p: int, m: int, v: int, costs: Costs, weights, memory_limit,
 
 
 def list_schedule(p: int, m: int, v: int, costs: Costs, weights, cap: float, split: bool,
-                  backward_first: bool, patient: bool = False) -> list[list[Action]] | None:
+                  backward_first: bool, patient: bool = False, alternate: bool = False) -> list[list[Action]] | None:
     """Per rank compute orders from a list schedule in time order on the cost model (loop placement:
     stage s on rank s % p); None when the cap leaves a rank unable to go on.
 
@@ -324,8 +398,10 @@ def list_schedule(p: int, m: int, v: int, costs: Costs, weights, cap: float, spl
     a forward whose input is there if its activations fit under `cap`, a backward, and, with
     `split`, a W it held back. A `patient` rank starts no such filler when a backward's input
     arrives before the filler would end: it waits, so that the critical backward is not delayed
-    (the zero-bubble paper's scheduler does the same). Each stage runs its forwards, and its
-    backwards, in microbatch order.
+    (the zero-bubble paper's scheduler does the same). An `alternate` rank, once it has run a
+    backward, prefers a backward after a forward and a forward after a backward (the paper's
+    steady 1F1B pattern) instead of always the one `backward_first` says. Each stage runs its
+    forwards, and its backwards, in microbatch order.
     What a pass waits for is the schedules' one dependency rule; what it holds, their release rule.
     """
     pipeline = _loop_pipeline(p, m, v)
@@ -355,6 +431,7 @@ def list_schedule(p: int, m: int, v: int, costs: Costs, weights, cap: float, spl
     forward_reaches = [sorted(arrivals.get((Kind.F, s), ())) for s in every_stage]
     backward_reaches = [sorted(arrivals.get((backward_kind, s), ())) for s in every_stage]
     next_forward, next_backward = [0] * n_stages, [0] * n_stages
+    next_backward_run = [False] * p  # has the rank run a backward yet (its warm-up is over)
     held_back = [[] for _ in range(p)]  # (stage, microbatch) whose W waits
     held = [0.0] * p
     busy_until = [0.0] * p
@@ -414,12 +491,20 @@ def list_schedule(p: int, m: int, v: int, costs: Costs, weights, cap: float, spl
                     filler = weight_cost[held_back[rank][0][0]]
                 if soon and min(soon) < now + filler:
                     continue  # woken again when that input arrives
-            if backwards and (backward_first or not forwards):
+            first = backward_first
+            if alternate and orders[rank] and next_backward_run[rank]:
+                first = orders[rank][-1].kind == Kind.F  # after a forward a backward, and the reverse
+                if not first and not forwards and held_back[rank] and any(
+                        next_forward[s] < m and (t := inputs_at(forward_needs[s], next_forward[s])) is not None
+                        and t <= now for s in stages):
+                    backwards = []  # the forward it wants waits for memory: a held-back W frees some
+            if backwards and (first or not forwards):
                 _, stage = min(backwards, key=lambda ts: (ts[0], -ts[1]))
                 mb = next_backward[stage]
                 next_backward[stage] += 1
                 backward_ended[stage][mb] = start(rank, Action(stage, backward_kind, mb), backward_cost[stage],
                                                   backward_reaches[stage])
+                next_backward_run[rank] = True
                 if split:
                     held_back[rank].append((stage, mb))
             elif forwards:

@@ -1,0 +1,87 @@
+"""pplab.search against the zero-bubble paper's scheduling heuristic, and how long a search takes.
+
+1. On a grid of cost models the paper's scheduler accepts (F, I = B's input half, W per stage;
+   a message time; a memory limit in microbatches held): p in {3, 4}, m in {2p, 3p}; uniform
+   stages, a heavy first stage (x1.5) or a heavy last one (x2); latencies 0, 0.1, 0.5, 1 and 2
+   forwards; limits p, 1.5p and 2p. For each, the step time of `pplab.search` against the best
+   of the built-in schedules that fit and of `zero_bubble_heuristic.best_heuristic` (written
+   here from the paper's description; the search does not use it). Goal: never slower.
+2. Search time on one core for p=8, m=24 (goal <= 1 s) and p=32, m=128 (goal <= 10 s).
+
+Run: python bench/bench_search_vs_zero_bubble.py   (about two minutes)
+Writes bench/results/search_vs_zero_bubble.json.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import platform
+import time
+from pathlib import Path
+
+from measuring import load
+from zero_bubble_heuristic import best_heuristic
+
+from pplab.schedule_search import search
+from pplab.simulator import Costs
+
+RESULTS = Path(__file__).parent / "results" / "search_vs_zero_bubble.json"
+
+
+def grid():
+    """(p, m, shape, latency, limit, costs) of every case."""
+    for p, m in ((3, 6), (4, 8), (4, 12), (3, 9)):
+        for shape in ("uniform", "heavy first", "heavy last"):
+            forward = [1.0] * p
+            if shape == "heavy first":
+                forward[0] = 1.5
+            if shape == "heavy last":
+                forward[-1] = 2.0
+            for latency in (0.0, 0.1, 0.5, 1.0, 2.0):
+                costs = Costs(forward=tuple(forward), input_grad=tuple(forward),
+                              weight_grad=tuple(0.8 * f for f in forward), latency=latency)
+                for limit in sorted({p, (3 * p) // 2, 2 * p}):
+                    yield p, m, shape, latency, limit, costs
+
+
+def main() -> None:
+    cases, counts = [], {"faster": 0, "equal": 0, "slower": 0}
+    for p, m, shape, latency, limit, costs in grid():
+        found = search(p, m, costs, memory_limit=limit, show=False)
+        paper = best_heuristic(p, m, costs, limit)
+        builtin = found.best_builtin.step_time if found.best_builtin else None
+        reference = min(t for t in (paper and paper[0], builtin) if t is not None)
+        verdict = ("equal" if abs(found.step_time - reference) <= 1e-9 * reference else
+                   "faster" if found.step_time < reference else "slower")
+        counts[verdict] += 1
+        cases.append(dict(p=p, m=m, stages=shape, latency=latency, limit=limit, search=found.step_time,
+                          found=found.schedule.name, paper_heuristic=paper and paper[0],
+                          best_builtin=builtin, verdict=verdict))
+        if verdict != "equal":
+            print(f"p={p} m={m} {shape:11s} latency {latency:3.1f} limit {limit}: search {found.step_time:6.2f}, "
+                  f"paper's heuristic {paper[0] if paper else float('nan'):6.2f}, built-ins {builtin:6.2f}: {verdict}")
+    print(counts)
+    timings = {}
+    warm = Costs(forward=1.0, input_grad=1.0, weight_grad=1.0, latency=0.1)
+    search(2, 2, warm, show=False)  # torch's planner imported once
+    for p, m, goal in ((8, 24, 1.0), (32, 128, 10.0)):
+        started = time.perf_counter()
+        found = search(p, m, warm, memory_limit=p, show=False)
+        seconds = time.perf_counter() - started
+        timings[f"p={p}, m={m}"] = dict(seconds=seconds, goal_seconds=goal, met=seconds <= goal,
+                                        candidates=len(found.tried), found=found.schedule.name)
+        print(f"search p={p} m={m}: {seconds:.2f} s ({len(found.tried)} candidates; goal {goal:g} s)")
+    RESULTS.parent.mkdir(exist_ok=True)
+    RESULTS.write_text(json.dumps(dict(
+        benchmark="bench_search_vs_zero_bubble", when=datetime.datetime.now().isoformat(timespec="seconds"),
+        machine=dict(platform=platform.platform(), cpus=os.cpu_count(), load=load()),
+        grid=dict(counts=counts, goal="never slower than the best of the built-ins and the paper's heuristic",
+                  met=counts["slower"] == 0, cases=cases),
+        search_time=timings), indent=2) + "\n")
+    print(f"wrote {RESULTS}")
+
+
+if __name__ == "__main__":
+    main()

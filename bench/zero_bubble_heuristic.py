@@ -1,0 +1,141 @@
+"""The zero-bubble paper's scheduling heuristic, written from its description, as a yardstick.
+
+Qi et al., "Zero Bubble Pipeline Parallelism" (ICLR 2024), section 3.1, describe how their
+scheduler builds a schedule for given F, B (= I), W times, a message time and a memory limit:
+
+* warm-up: each stage runs as many forwards as the memory limit allows before its first
+  backward; one more forward that would delay that backward is a yes/no hyperparameter;
+* then forwards and backwards alternate (1F1B); a W fills a gap longer than itself, or a gap that
+  would make this stage's idle time the largest of all stages so far, and a W runs when the
+  memory limit stops the next forward (it frees that memory);
+* a stage is always at least one forward ahead of the next; when it is more than one ahead, a
+  second yes/no hyperparameter lets it skip a forward for a backward;
+* when a stage runs out of forwards and backwards, its remaining Ws run one by one;
+* the best of the hyperparameters' combinations (a grid search) is the schedule.
+
+Where the text leaves a choice, this takes the simplest reading. It is not the paper's code
+(none was read), and the search in pplab does not use it: bench_search_vs_zero_bubble.py compares
+the search against it.
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+
+from pplab.schedule_search import _inputs_of_passes, _loop_pipeline
+from pplab.schedules import Action, Kind, Schedule, ScheduleError, add_communication, validate
+from pplab.simulator import Costs, simulate
+
+
+def heuristic_schedule(p: int, m: int, costs: Costs, memory_limit: int, extra_warmup: bool,
+                       skip_forward: bool) -> Schedule | None:
+    """One combination of the two hyperparameters: a compute order per rank (stage s on rank s)."""
+    pipeline = _loop_pipeline(p, m, 1)
+    inputs = _inputs_of_passes(pipeline, Kind.I, costs)
+    ended = {key: [None] * m for key in inputs}
+    f_cost = [costs.compute_time(Kind.F, s) for s in range(p)]
+    i_cost = [costs.compute_time(Kind.I, s) for s in range(p)]
+    w_cost = [costs.compute_time(Kind.W, s) for s in range(p)]
+    next_f, next_i, done_w = [0] * p, [0] * p, [0] * p
+    held, busy_until, idle, last_kind = [0] * p, [0.0] * p, [0.0] * p, [None] * p
+    free_since = [0.0] * p
+    orders = [[] for _ in range(p)]
+    wakes = [(0.0, s) for s in range(p)]
+    reaches = {}
+    for (kind, consumer), needs in inputs.items():
+        for producer, delay in needs:
+            reaches.setdefault(producer, []).append((consumer, delay))
+
+    def arrival(kind, stage, mb):
+        """When the inputs of (kind, stage, mb) are there; None while a producer has not started."""
+        at = 0.0
+        for producer, delay in inputs[kind, stage]:
+            done = ended[producer][mb]
+            if done is None:
+                return None
+            at = max(at, done + delay)
+        return at
+
+    def run(stage, kind, mb, cost, now):
+        orders[stage].append(Action(stage, kind, mb))
+        end = busy_until[stage] = now + cost
+        idle[stage] += now - free_since[stage]
+        free_since[stage] = end
+        if (kind, stage) in ended:
+            ended[kind, stage][mb] = end
+        heapq.heappush(wakes, (end, stage))
+        for consumer, delay in reaches.get((kind, stage), ()):
+            heapq.heappush(wakes, (end + delay, consumer))
+        last_kind[stage] = kind
+
+    total = 3 * p * m
+    steps = 0
+    while sum(len(order) for order in orders) < total:
+        if not wakes:
+            return None
+        now, stage = heapq.heappop(wakes)
+        steps += 1
+        if steps > 50 * total or busy_until[stage] > now:
+            if steps > 50 * total:
+                return None
+            continue
+        f_mb, i_mb = next_f[stage], next_i[stage]
+        f_at = arrival(Kind.F, stage, f_mb) if f_mb < m else None
+        i_at = arrival(Kind.I, stage, i_mb) if i_mb < f_mb else None
+        can_f = f_at is not None and f_at <= now and held[stage] < memory_limit
+        can_i = i_at is not None and i_at <= now
+        can_w = done_w[stage] < next_i[stage]
+        ahead = stage + 1 < p and next_f[stage] - next_f[stage + 1] > 1
+        warm = next_i[stage] == 0
+        choice = None
+        if warm:
+            if can_i:
+                choice = Kind.I
+            elif can_f and (extra_warmup or i_at is None or now + f_cost[stage] <= i_at):
+                choice = Kind.F
+        else:
+            prefer_f = last_kind[stage] != Kind.F and not (skip_forward and ahead and can_i)
+            if can_f and (prefer_f or not can_i):
+                choice = Kind.F
+            elif can_i:
+                choice = Kind.I
+            elif can_w:
+                coming = [t for t in (f_at if f_at is not None and held[stage] < memory_limit else None, i_at)
+                          if t is not None and t > now]
+                gap = min(coming) - now if coming else float("inf")
+                memory_full = f_mb < m and held[stage] >= memory_limit
+                largest = idle[stage] + gap > max(idle)
+                if gap >= w_cost[stage] or memory_full or largest:
+                    choice = Kind.W
+        if choice is None and next_f[stage] == m and next_i[stage] == m and can_w:
+            choice = Kind.W
+        if choice is Kind.F:
+            run(stage, Kind.F, f_mb, f_cost[stage], now)
+            next_f[stage] += 1
+            held[stage] += 1
+        elif choice is Kind.I:
+            run(stage, Kind.I, i_mb, i_cost[stage], now)
+            next_i[stage] += 1
+        elif choice is Kind.W:
+            run(stage, Kind.W, done_w[stage], w_cost[stage], now)
+            done_w[stage] += 1
+            held[stage] -= 1
+    return Schedule(orders, p, m, p, 1, f"zb heuristic warm-up+{int(extra_warmup)} skip-F {int(skip_forward)}")
+
+
+def best_heuristic(p: int, m: int, costs: Costs, memory_limit: int) -> tuple[float, Schedule] | None:
+    """The grid search over both hyperparameters: the fastest valid schedule, with its step time."""
+    best = None
+    for extra_warmup, skip_forward in itertools.product((False, True), repeat=2):
+        schedule = heuristic_schedule(p, m, costs, memory_limit, extra_warmup, skip_forward)
+        if schedule is None:
+            continue
+        try:
+            validate(add_communication(schedule))
+        except ScheduleError:
+            continue
+        step = simulate(schedule, costs).step_time()
+        if best is None or step < best[0]:
+            best = (step, schedule)
+    return best
