@@ -364,12 +364,12 @@ def _list_schedules(p: int, m: int, v: int, costs: Costs, weights, memory_limit,
     pipeline = _loop_pipeline(p, m, v)
     most = max(sum(weights[s] for s in pipeline.stages_of(r)) for r in range(p)) * m  # all a rank could hold
     top = most if memory_limit is None else max(smallest, min(memory_limit, most))
-    # Caps of 1, 2, ... heaviest-stage microbatches up to twice the stages (every one up to 16,
-    # about 16 of them beyond, so that large pipelines stay quick to search), then sparser up
+    # Caps of 1, 2, ... heaviest-stage microbatches up to twice the stages (every one up to 8,
+    # about 8 of them beyond, so that large pipelines stay quick to search), then sparser up
     # to the top: the smallest caps also say how little memory the search can make do with.
     count = int(top / smallest + 1e-9)
     dense = min(count, 2 * p * v)
-    ks = (set(range(1, min(dense, 16) + 1)) | set(range(16, dense + 1, max(1, dense // 16)))
+    ks = (set(range(1, min(dense, 8) + 1)) | set(range(8, dense + 1, max(1, dense // 8)))
           | set(range(2 * p * v, count + 1, p * v)))
     caps = sorted({smallest * k for k in ks} | {top})
     # (backward-first, patient, alternate); waiting and alternating are about where the Ws go
@@ -420,8 +420,11 @@ def list_schedule(p: int, m: int, v: int, costs: Costs, weights, cap: float, spl
     every_stage = range(n_stages)
     forward_ended = [ended[Kind.F, s] for s in every_stage]
     backward_ended = [ended[backward_kind, s] for s in every_stage]
-    forward_needs = [[(ended[producer], delay) for producer, delay in inputs[Kind.F, s]] for s in every_stage]
-    backward_needs = [[(ended[producer], delay) for producer, delay in inputs[backward_kind, s]] for s in every_stage]
+    forward_needs = [_Needs((ended[producer], delay) for producer, delay in inputs[Kind.F, s]) for s in every_stage]
+    backward_needs = [_Needs((ended[producer], delay) for producer, delay in inputs[backward_kind, s])
+                      for s in every_stage]
+    for needs in (*forward_needs, *backward_needs):
+        needs.ready = [None] * m
     stages_of = [pipeline.stages_of(rank) for rank in range(p)]
     # Per stage, what the loop asks of each pass again and again: how long it takes, and who its
     # output reaches when (a W's reaches no one).
@@ -442,7 +445,11 @@ def list_schedule(p: int, m: int, v: int, costs: Costs, weights, cap: float, spl
     remaining = n_stages * m * (3 if split else 2)
 
     def inputs_at(needs, mb: int) -> float | None:
-        """When the inputs of a pass with these needs are there for `mb`; None while one is not made."""
+        """When the inputs of a pass with these needs are there for `mb`; None while one is not made.
+        Once every producer has started it is known for good: it is kept in `needs.ready`."""
+        ready = needs.ready[mb]
+        if ready is not None:
+            return ready
         at = 0.0
         for producer_ended, delay in needs:
             done = producer_ended[mb]
@@ -450,6 +457,7 @@ def list_schedule(p: int, m: int, v: int, costs: Costs, weights, cap: float, spl
                 return None
             arrived = done + delay
             at = arrived if arrived > at else at  # max(at, arrived), ties as max() breaks them
+        needs.ready[mb] = at
         return at
 
     def start(rank: int, action: Action, duration: float, reaches=()) -> float:
@@ -517,6 +525,13 @@ def list_schedule(p: int, m: int, v: int, costs: Costs, weights, cap: float, spl
                 stage, mb = held_back[rank].pop(0)
                 start(rank, Action(stage, Kind.W, mb), weight_cost[stage])
     return orders
+
+
+class _Needs(list):
+    """A pass's needs, (when each producer's pass of a microbatch ended, the data's delay), with
+    `ready`: per microbatch, when they are all there, once that is known."""
+
+    ready: list
 
 
 def _loop_pipeline(p: int, m: int, v: int) -> Schedule:
