@@ -193,16 +193,21 @@ def explain(measured: Timeline, schedule: Schedule, outside: list[float | None] 
 def _message_latency(measured: Timeline, schedule: Schedule) -> float:
     """What a message took in this run: the median time from the end of a compute on one rank to
     the start of the compute on another that consumed its result, over those that waited for it."""
+    spans = [max(0.0, event.start - producer.end) for event, producer, _ in _late_inputs(measured, schedule)]
+    return statistics.median(spans) if spans else 0.0
+
+
+def _late_inputs(measured: Timeline, schedule: Schedule):
+    """(compute, its producer on another rank, when its rank became free) for every compute whose
+    input was not there yet when its rank became free."""
     compute = {(e.stage, e.kind, e.microbatch): e for e in measured.events if e.is_compute}
-    spans = []
     for rank in range(schedule.n_ranks):
         free = measured.start
         for event in sorted(measured.compute_events(rank), key=lambda e: e.start):
             producer = _producer(event, compute, schedule)
             if producer is not None and producer.rank != rank and producer.end > free:
-                spans.append(max(0.0, event.start - producer.end))
+                yield event, producer, free
             free = max(free, event.end)
-    return statistics.median(spans) if spans else 0.0
 
 
 def _check_actions(measured: Timeline, schedule: Schedule) -> None:
@@ -223,18 +228,12 @@ def _check_actions(measured: Timeline, schedule: Schedule) -> None:
 def _waits(measured: Timeline, schedule: Schedule) -> list[Wait]:
     """Each compute action that began late because its input was not there when its rank was free."""
     compute = {(e.stage, e.kind, e.microbatch): e for e in measured.events if e.is_compute}
-    start = measured.start
     waits: dict[tuple, Wait] = {}
-    for rank in range(schedule.n_ranks):
-        free = start
-        for event in sorted(measured.compute_events(rank), key=lambda e: e.start):
-            producer = _producer(event, compute, schedule)
-            gap = event.start - free
-            if producer is not None and producer.rank != rank and gap > 0 and producer.end > free:
-                waits[(event.stage, event.kind, event.microbatch)] = Wait(
-                    rank, f"{event.stage}{event.kind}{event.microbatch}", event.microbatch, gap,
-                    producer.rank, producer.rank)
-            free = max(free, event.end)
+    for event, producer, free in _late_inputs(measured, schedule):
+        if event.start > free:
+            waits[(event.stage, event.kind, event.microbatch)] = Wait(
+                event.rank, f"{event.stage}{event.kind}{event.microbatch}", event.microbatch,
+                event.start - free, producer.rank, producer.rank)
     # The root of a chain: a producer that itself started late waited on someone else.
     def root(key, seen=()) -> int:
         wait = waits[key]

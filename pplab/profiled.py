@@ -72,12 +72,7 @@ class Span:
     name: str
     start: float
     end: float
-    thread: object
     device: bool = False  # a GPU span (kernel or gpu_user_annotation)
-
-    @property
-    def duration(self) -> float:
-        return self.end - self.start
 
 
 @dataclass
@@ -125,8 +120,8 @@ class ImportedRun:
         clock = ("one host: one clock" if self.one_host else
                  f"ranks aligned on a collective, error {self.alignment_error * 1e6:.0f} us"
                  if self.alignment_error is not None else "hosts' clocks as recorded (no common collective)")
-        return (f"{len(self.files)} rank traces, step {self.step + 1} of {self.steps_in_trace}, "
-                f"{self.labels}; {clock}\n" + self.timeline.summary())
+        return "\n".join([f"{len(self.files)} rank traces, step {self.step + 1} of {self.steps_in_trace}, "
+                          f"{self.labels}; {clock}", *self.notes, self.timeline.summary()])
 
 
 def from_profiler(paths, *, step: int = -1) -> Timeline:
@@ -226,7 +221,6 @@ def _read_rank_trace(path: str) -> RankTrace:
         start = float(raw["ts"])
         category = raw.get("cat", "")
         spans.append(Span(raw.get("name", ""), start, start + float(raw["dur"]),
-                          (raw.get("pid"), raw.get("tid")),
                           device=category in ("kernel", "gpu_user_annotation", "gpu_memcpy")))
     spans.sort(key=lambda span: (span.start, -span.end))
     return RankTrace(path, int(rank), info.get("world_size"), str(data.get("host_name", "")),
@@ -288,8 +282,8 @@ def _overlapped_parts(trace: RankTrace, span: Span, inside: str) -> list[tuple[S
     # (In timing mode pplab's padding is such an operator: it is drawn as "pplab: timing pad".)
     forward_end = max((op.end for op in operators if op.end <= backward), default=backward)
     (forward, backward_part) = [(int(m.group(1)), m.group(2), int(m.group(3))) for m in parts]
-    return [(Span(span.name, span.start, forward_end, span.thread, span.device), forward),
-            (Span(span.name, backward, span.end, span.thread, span.device), backward_part)]
+    return [(Span(span.name, span.start, forward_end, span.device), forward),
+            (Span(span.name, backward, span.end, span.device), backward_part)]
 
 
 def _step_windows(trace: RankTrace) -> list[tuple[float, float, bool]]:
@@ -458,18 +452,20 @@ def _messages(trace: RankTrace, window: tuple[float, float], device: bool, label
             pending[direction].append(span)
             continue
         posted = pending[direction].pop(0) if pending[direction] else span
-        action = next((key for label, key in labels
-                       if label.start <= posted.start and posted.end <= label.end), None)
+        action = _labelled(posted, labels)
         # A receive's backend span ends when the message is in; a send's when its work is waited
         # for (torch waits for sends late, at the step's end): a send is drawn as its posting.
         arrived = max(posted.end, span.end) if direction == "recv" else posted.end
         found.append(_Message(direction, posted.start, arrived, action))
     for direction, spans in pending.items():  # no backend span (NCCL writes record_param_comms instead)
         for posted in spans:
-            action = next((key for label, key in labels if label.start <= posted.start and posted.end <= label.end),
-                          None)
-            found.append(_Message(direction, posted.start, posted.end, action))
+            found.append(_Message(direction, posted.start, posted.end, _labelled(posted, labels)))
     return sorted(found, key=lambda message: message.start)
+
+
+def _labelled(posted: Span, labels) -> tuple | None:
+    """The action a `PP:<stage>RECV_F<mb>`-style label around an operator names (None: no label)."""
+    return next((key for label, key in labels if label.start <= posted.start and posted.end <= label.end), None)
 
 
 def _compute_part(span: Span, action: tuple, messages: list[_Message]) -> tuple[float, float]:
