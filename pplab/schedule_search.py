@@ -7,17 +7,20 @@ last the LM head), and a schedule made for the measured costs can beat the hand-
 1. every built-in schedule that fits the sizes: pplab's (gpipe, 1f1b, zb-h1,
    interleaved-1f1b) and, where torch is installed, torch's plans (`TORCH_SCHEDULES`: the
    same four but zb-h1, and looped-bfs, interleaved-zero-bubble, zbv-zero-bubble, dualpipev);
-2. list schedules built on the same cost model, in time order: whenever a rank is idle it
-   starts a backward (B, or I) whose gradient is there, else a forward whose input is there
-   and whose activations fit under a cap, else a W it held back, which fills what would have
-   been a bubble. Variants: each cap from one microbatch up to the limit, backward-first or
-   forward-first, B whole or split into I and W, and patient: a rank waits for a backward's
-   gradient instead of starting a filler that would still run when it arrives (so does the
-   zero-bubble paper's scheduler; it also tries several warm-up depths, which the caps do here),
-   and alternating: after its warm-up a rank prefers a backward after a forward and a forward
-   after a backward (the paper's 1F1B steady state), running a held-back W first when memory
-   stops the forward it wants.
-3. a local improvement of the fastest few: move one action of a rank a few places, keep what
+2. list schedules built on the same cost model (`pplab.list_scheduling`), in time order:
+   whenever a rank is idle it starts a backward (B, or I) whose gradient is there, else a
+   forward whose input is there and whose activations fit under a cap, else a W it held back,
+   which fills what would have been a bubble. Variants: each cap from one microbatch up to the
+   limit, backward-first or forward-first, B whole or split into I and W; patient: a rank waits
+   for a backward's gradient instead of starting a filler that would still run when it arrives;
+   alternating: after its warm-up a rank prefers a backward after a forward and a forward after
+   a backward (the 1F1B steady state), running a held-back W first when memory stops the
+   forward it wants. With two stages per rank, each both looped and in a V (rank r holds
+   stages r and 2p-1-r, as ZBV and DualPipeV place them).
+3. the zero-bubble paper's heuristic (`pplab.zero_bubble_heuristic`, one stage per rank): its
+   four combinations of warm-up depth and skipped forwards, so the search is never slower
+   than it;
+4. a local improvement of the fastest few: move one action of a rank a few places, keep what
    the simulator says is shorter and still fits (`_improve`), within `improve_seconds`.
 
 Each candidate must pass `validate`; the fastest whose simulated peak fits the limit wins.
@@ -32,18 +35,18 @@ in microbatches of the rank's share of the model (a stage of a rank with v stage
 
 from __future__ import annotations
 
-import heapq
 import itertools
 import math
 import time
-from collections import defaultdict
 from dataclasses import dataclass, field
 from typing import Sequence
 
 from pplab.formatting import ShownAsText, format_bytes, text_table
-from pplab.schedules import (SCHEDULE_NAMES, TORCH_SCHEDULES, Action, Dependencies, Kind, Schedule, ScheduleError,
-                             add_communication, build, from_torch, releases_activations, validate)
+from pplab.list_scheduling import empty_pipeline, list_schedule
+from pplab.schedules import (SCHEDULE_NAMES, TORCH_SCHEDULES, Kind, Schedule, ScheduleError, add_communication, build,
+                             from_torch, releases_activations, v_placement, validate)
 from pplab.simulator import Costs, simulate
+from pplab.zero_bubble_heuristic import HYPERPARAMETERS, heuristic_name, heuristic_schedule
 
 
 @dataclass(frozen=True)
@@ -142,6 +145,8 @@ def search(n_ranks: int, n_microbatches: int, costs: Costs, memory_limit: float 
     candidates = list(_builtins(n_ranks, n_microbatches, v, include_torch))
     candidates += list(_list_schedules(n_ranks, n_microbatches, v, costs, weights, memory_limit, unit,
                                        (False, True) if split_backward else (False,)))
+    if v == 1 and split_backward:
+        candidates += list(_heuristic_schedules(n_ranks, n_microbatches, costs, weights, memory_limit))
     if not split_backward:
         candidates = [c for c in candidates if c[1] is None or not _splits(c[1])]
     tried = []
@@ -359,202 +364,55 @@ def _splits(schedule: Schedule) -> bool:
 
 
 def _list_schedules(p: int, m: int, v: int, costs: Costs, weights, memory_limit, unit: str, splits):
-    """List schedules for every cap up to the limit, backward- or forward-first, B or I+W."""
+    """List schedules for every cap up to the limit, backward- or forward-first, B or I+W; with two
+    stages per rank, both looped and in a V (rank r holds stages r and 2p-1-r, as ZBV and DualPipeV)."""
+    placements = [None, v_placement(p)] if v == 2 and p > 1 else [None]
+    for placement in placements:
+        pipeline = empty_pipeline(p, m, v, placement)
+        for split, policy, cap in _list_policies(p, v, pipeline, weights, memory_limit, splits):
+            backward_first, patient, alternate = policy
+            orders = list_schedule(p, m, v, costs, weights, cap, split, backward_first, patient, alternate, placement)
+            order = "alternating" if alternate else f"{'backward' if backward_first else 'forward'}-first"
+            label = (f"list {'V ' if placement else ''}{'I+W' if split else 'B'} {order} "
+                     f"{'patient ' if patient else ''}cap {_amount(cap, unit)}")
+            if orders is None:
+                yield label, None, False, "the cap leaves a rank unable to go on"
+                continue
+            # Compute order only: the simulator moves its data after the same message times as a
+            # schedule with sends and receives would (they cost no rank time), at half the actions.
+            yield label, Schedule(orders, p, m, p * v, v, label, placement), False, ""
+
+
+def _list_policies(p: int, v: int, pipeline: Schedule, weights, memory_limit, splits):
+    """(split, (backward_first, patient, alternate), cap) of every list schedule the search tries."""
     smallest = max(weights)  # one microbatch of the heaviest stage: the least a cap can be
-    pipeline = _loop_pipeline(p, m, v)
+    m = pipeline.n_microbatches
     most = max(sum(weights[s] for s in pipeline.stages_of(r)) for r in range(p)) * m  # all a rank could hold
     top = most if memory_limit is None else max(smallest, min(memory_limit, most))
     # Caps of 1, 2, ... heaviest-stage microbatches up to twice the stages (every one up to 8,
-    # about 8 of them beyond, so that large pipelines stay quick to search), then sparser up
+    # or 1, 2, 4, 8 beyond 16 stages, whose first ranks need more than 8 to fill the pipeline;
+    # about 8 of them beyond 8, so that large pipelines stay quick to search), then sparser up
     # to the top: the smallest caps also say how little memory the search can make do with.
     count = int(top / smallest + 1e-9)
     dense = min(count, 2 * p * v)
-    ks = (set(range(1, min(dense, 8) + 1)) | set(range(8, dense + 1, max(1, dense // 8)))
-          | set(range(2 * p * v, count + 1, p * v)))
+    small = range(1, min(dense, 8) + 1) if p * v <= 16 else [k for k in (1, 2, 4, 8) if k <= dense]
+    ks = set(small) | set(range(8, dense + 1, max(1, dense // 8))) | set(range(2 * p * v, count + 1, p * v))
     caps = sorted({smallest * k for k in ks} | {top})
     # (backward-first, patient, alternate); waiting and alternating are about where the Ws go
     variants = [(True, False, False), (False, False, False), (True, True, False), (True, True, True)]
-    for split, (backward_first, patient, alternate), cap in itertools.product(splits, variants, caps):
-        if (patient or alternate) and not split:
+    for split, variant, cap in itertools.product(splits, variants, caps):
+        if (variant[1] or variant[2]) and not split:
             continue
-        orders = list_schedule(p, m, v, costs, weights, cap, split, backward_first, patient, alternate)
-        policy = "alternating" if alternate else f"{'backward' if backward_first else 'forward'}-first"
-        label = f"list {'I+W' if split else 'B'} {policy} {'patient ' if patient else ''}cap {_amount(cap, unit)}"
-        if orders is None:
-            yield label, None, False, "the cap leaves a rank unable to go on"
-            continue
-        # Compute order only: the simulator moves its data after the same message times as a
-        # schedule with sends and receives would (they cost no rank time), at half the actions.
-        yield label, Schedule(orders, p, m, p * v, v, label), False, ""
+        yield split, variant, cap
 
 
-def list_schedule(p: int, m: int, v: int, costs: Costs, weights, cap: float, split: bool,
-                  backward_first: bool, patient: bool = False, alternate: bool = False) -> list[list[Action]] | None:
-    """Per rank compute orders from a list schedule in time order on the cost model (loop placement:
-    stage s on rank s % p); None when the cap leaves a rank unable to go on.
-
-    At every moment something finishes or arrives, each idle rank starts, in this order of
-    preference: a backward (B, or I) whose output gradient is there (with `backward_first`),
-    a forward whose input is there if its activations fit under `cap`, a backward, and, with
-    `split`, a W it held back. A `patient` rank starts no such filler when a backward's input
-    arrives before the filler would end: it waits, so that the critical backward is not delayed
-    (the zero-bubble paper's scheduler does the same). An `alternate` rank, once it has run a
-    backward, prefers a backward after a forward and a forward after a backward (the paper's
-    steady 1F1B pattern) instead of always the one `backward_first` says. Each stage runs its
-    forwards, and its backwards, in microbatch order.
-    What a pass waits for is the schedules' one dependency rule; what it holds, their release rule.
-    """
-    pipeline = _loop_pipeline(p, m, v)
-    n_stages = pipeline.n_stages
-    backward_kind = Kind.I if split else Kind.B
-    inputs = _inputs_of_passes(pipeline, backward_kind, costs)
-    rank_of = {stage: rank for rank in range(p) for stage in pipeline.stages_of(rank)}
-    # per (kind, stage): (the rank that needs its output, how long after it ends the output is there)
-    arrivals = defaultdict(set)
-    for (_, consumer), needs in inputs.items():
-        for producer, delay in needs:
-            arrivals[producer].add((rank_of[consumer], delay))
-    ended = {key: [None] * m for key in inputs}  # per (kind, stage): when its pass of each microbatch ended
-    # Per stage, the same as plain lists, which the loop below reads without building keys:
-    # when its forward (backward) of each microbatch ended, and the lists its needs are read from.
-    every_stage = range(n_stages)
-    forward_ended = [ended[Kind.F, s] for s in every_stage]
-    backward_ended = [ended[backward_kind, s] for s in every_stage]
-    forward_needs = [_Needs((ended[producer], delay) for producer, delay in inputs[Kind.F, s]) for s in every_stage]
-    backward_needs = [_Needs((ended[producer], delay) for producer, delay in inputs[backward_kind, s])
-                      for s in every_stage]
-    for needs in (*forward_needs, *backward_needs):
-        needs.ready = [None] * m
-    stages_of = [pipeline.stages_of(rank) for rank in range(p)]
-    # Per stage, what the loop asks of each pass again and again: how long it takes, and who its
-    # output reaches when (a W's reaches no one).
-    forward_cost = [costs.compute_time(Kind.F, s) for s in every_stage]
-    backward_cost = [costs.compute_time(backward_kind, s) for s in every_stage]
-    weight_cost = [costs.compute_time(Kind.W, s) for s in every_stage]
-    forward_reaches = [sorted(arrivals.get((Kind.F, s), ())) for s in every_stage]
-    backward_reaches = [sorted(arrivals.get((backward_kind, s), ())) for s in every_stage]
-    next_forward, next_backward = [0] * n_stages, [0] * n_stages
-    next_backward_run = [False] * p  # has the rank run a backward yet (its warm-up is over)
-    held_back = [[] for _ in range(p)]  # (stage, microbatch) whose W waits
-    held = [0.0] * p
-    busy_until = [0.0] * p
-    orders = [[] for _ in range(p)]
-    # (moment, rank): when something may let that rank start (it is free, or an input of its came).
-    # Only those ranks are looked at then: the others' choices are what they were.
-    wakes, now = [(0.0, rank) for rank in range(p)], 0.0
-    remaining = n_stages * m * (3 if split else 2)
-
-    def inputs_at(needs, mb: int) -> float | None:
-        """When the inputs of a pass with these needs are there for `mb`; None while one is not made.
-        Once every producer has started it is known for good: it is kept in `needs.ready`."""
-        ready = needs.ready[mb]
-        if ready is not None:
-            return ready
-        at = 0.0
-        for producer_ended, delay in needs:
-            done = producer_ended[mb]
-            if done is None:
-                return None
-            arrived = done + delay
-            at = arrived if arrived > at else at  # max(at, arrived), ties as max() breaks them
-        needs.ready[mb] = at
-        return at
-
-    def start(rank: int, action: Action, duration: float, reaches=()) -> float:
-        """Put `action` on `rank` now; return when it ends."""
-        nonlocal remaining
-        orders[rank].append(action)
-        end = busy_until[rank] = now + duration
-        heapq.heappush(wakes, (end, rank))  # the rank is free again
-        for consumer, delay in reaches:  # its output reaches who needs it
-            heapq.heappush(wakes, (end + delay, consumer))
-        if action.kind == Kind.F:
-            held[rank] += weights[action.stage]
-        elif releases_activations(action.kind):  # booked now: nothing else starts on the rank before it ends
-            held[rank] -= weights[action.stage]
-        remaining -= 1
-        return end
-
-    while remaining:
-        if not wakes:
-            return None  # nothing will ever happen again: a rank is stuck under the cap
-        now, first = heapq.heappop(wakes)
-        woken = {first}
-        while wakes and wakes[0][0] <= now:
-            woken.add(heapq.heappop(wakes)[1])
-        for rank in sorted(woken):
-            if busy_until[rank] > now:
-                continue
-            stages = stages_of[rank]
-            backwards = [(t, s) for s in stages if next_backward[s] < m
-                         for t in [inputs_at(backward_needs[s], next_backward[s])] if t is not None and t <= now]
-            forwards = [(t, s) for s in stages if next_forward[s] < m and held[rank] + weights[s] <= cap * (1 + 1e-9)
-                        for t in [inputs_at(forward_needs[s], next_forward[s])] if t is not None and t <= now]
-            if patient and not backwards and (forwards or held_back[rank]):
-                soon = [t for s in stages if next_backward[s] < m
-                        for t in [inputs_at(backward_needs[s], next_backward[s])] if t is not None and t > now]
-                if forwards:
-                    filler = forward_cost[min(forwards, key=lambda ts: (ts[0], ts[1]))[1]]
-                else:
-                    filler = weight_cost[held_back[rank][0][0]]
-                if soon and min(soon) < now + filler:
-                    continue  # woken again when that input arrives
-            first = backward_first
-            if alternate and orders[rank] and next_backward_run[rank]:
-                first = orders[rank][-1].kind == Kind.F  # after a forward a backward, and the reverse
-                if not first and not forwards and held_back[rank] and any(
-                        next_forward[s] < m and (t := inputs_at(forward_needs[s], next_forward[s])) is not None
-                        and t <= now for s in stages):
-                    backwards = []  # the forward it wants waits for memory: a held-back W frees some
-            if backwards and (first or not forwards):
-                _, stage = min(backwards, key=lambda ts: (ts[0], -ts[1]))
-                mb = next_backward[stage]
-                next_backward[stage] += 1
-                backward_ended[stage][mb] = start(rank, Action(stage, backward_kind, mb), backward_cost[stage],
-                                                  backward_reaches[stage])
-                next_backward_run[rank] = True
-                if split:
-                    held_back[rank].append((stage, mb))
-            elif forwards:
-                _, stage = min(forwards, key=lambda ts: (ts[0], ts[1]))
-                mb = next_forward[stage]
-                next_forward[stage] += 1
-                forward_ended[stage][mb] = start(rank, Action(stage, Kind.F, mb), forward_cost[stage],
-                                                 forward_reaches[stage])
-            elif held_back[rank]:
-                stage, mb = held_back[rank].pop(0)
-                start(rank, Action(stage, Kind.W, mb), weight_cost[stage])
-    return orders
-
-
-class _Needs(list):
-    """A pass's needs, (when each producer's pass of a microbatch ended, the data's delay), with
-    `ready`: per microbatch, when they are all there, once that is known."""
-
-    ready: list
-
-
-def _loop_pipeline(p: int, m: int, v: int) -> Schedule:
-    """The list schedules' pipeline before any action: p ranks, m microbatches, v stages per rank, looped."""
-    return Schedule([[] for _ in range(p)], p, m, p * v, v, "list")
-
-
-def _inputs_of_passes(pipeline: Schedule, backward_kind: Kind, costs: Costs) -> dict:
-    """Per (kind, stage) of every forward and backward: ((kind, stage) it waits for, the time the data
-    takes to come) for each need, from the one dependency rule for a compute order without messages.
-
-    The rule is asked for microbatch 0: every need of a pass is of its own microbatch.
-    """
-    stages = range(pipeline.n_stages)
-    rule = Dependencies(pipeline, with_communication=False,
-                        present={Action(stage, backward_kind, 0) for stage in stages})
-
-    def delay(need) -> float:
-        return 0.0 if need.transfer is None else costs.transfer_time(need.transfer)
-
-    return {(kind, stage): [((need.action.kind, need.action.stage), delay(need))
-                            for need in rule.needs(Action(stage, kind, 0))]
-            for kind in (Kind.F, backward_kind) for stage in stages}
+def _heuristic_schedules(p: int, m: int, costs: Costs, weights, memory_limit):
+    """The zero-bubble paper's heuristic, each combination of its two hyperparameters."""
+    limit = math.inf if memory_limit is None else memory_limit
+    for extra_warmup, skip_forward in HYPERPARAMETERS:
+        name = heuristic_name(extra_warmup, skip_forward)
+        schedule = heuristic_schedule(p, m, costs, limit, extra_warmup, skip_forward, weights)
+        yield name, schedule, False, "" if schedule is not None else "the limit leaves a rank unable to go on"
 
 
 # ---------------------------------------------------------------- stage balance
