@@ -178,7 +178,10 @@ def imported_modules(module_name: str) -> set[str]:
     ("formatting", set()),
     ("simulator", {"pplab.schedules", "pplab.schedules.compiled", "pplab.timeline"}),
     ("views.viz", {"pplab.timeline", "pplab.formatting"}),
-    ("schedule_search", {"pplab.schedules", "pplab.simulator", "pplab.timeline", "pplab.formatting"}),
+    ("schedule_search", {"pplab.schedules", "pplab.simulator", "pplab.timeline", "pplab.formatting",
+                         "pplab.list_scheduling", "pplab.zero_bubble_heuristic"}),
+    ("list_scheduling", {"pplab.schedules", "pplab.simulator", "pplab.timeline"}),
+    ("zero_bubble_heuristic", {"pplab.schedules", "pplab.simulator", "pplab.timeline", "pplab.list_scheduling"}),
     ("prediction", {"pplab.schedules", "pplab.simulator", "pplab.timeline", "pplab.formatting"}),
 ])
 def test_modules_keep_to_their_floor(module, allowed_pplab):
