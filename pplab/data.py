@@ -147,9 +147,13 @@ def batches(batch_size: int, seq_len: int, seed: int = 0, text: str | None = Non
         raise ValueError(f"split={split!r}: choose one of {', '.join(map(repr, SPLITS))}")
     if text is not None and path is not None:
         raise ValueError("give the corpus as text= or as path=, not both")
-    tokenizer = tokenizer or CharTokenizer()
-    corpus = load_text(path) if path is not None else default_corpus() if text is None else text
-    tokens = _split_tokens(torch.tensor(tokenizer.encode(corpus), dtype=torch.int64), split)
+    if tokenizer is None and text is None and path is None:
+        tokenizer, all_tokens = CharTokenizer(), _default_tokens()  # every default batch: encoded once
+    else:
+        tokenizer = tokenizer or CharTokenizer()
+        corpus = load_text(path) if path is not None else default_corpus() if text is None else text
+        all_tokens = torch.tensor(tokenizer.encode(corpus), dtype=torch.int64)
+    tokens = _split_tokens(all_tokens, split)
     if len(tokens) < 2:
         raise ValueError(f"the corpus ({split}) has {len(tokens)} token(s); next-token training "
                          f"needs at least 2")
@@ -163,6 +167,12 @@ def batches(batch_size: int, seq_len: int, seed: int = 0, text: str | None = Non
         windows = [tokens[s:s + seq_len + 1].tolist() for s in starts]
         yield pad_sequences(windows, seq_len, tokenizer.pad_id)
         step += 1
+
+
+@lru_cache(maxsize=1)
+def _default_tokens() -> torch.Tensor:
+    """The embedded corpus in the character tokenizer's ids (read only: batches copy windows out)."""
+    return torch.tensor(CharTokenizer().encode(default_corpus()), dtype=torch.int64)
 
 
 def _split_tokens(tokens: torch.Tensor, split: str) -> torch.Tensor:
