@@ -18,7 +18,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 
 from pplab.formatting import ShownAsText, format_bytes, html_table, text_table
-from pplab.schedules import Schedule
+from pplab.schedules import Schedule, add_communication
 from pplab.simulator import Costs, simulate
 from pplab.timeline import Timeline
 
@@ -53,6 +53,7 @@ class Profile(ShownAsText):
     seq_len: int
     latency: float = 0.0  # seconds from posting a message to its arrival (see `with_link`)
     send_cost: float = 0.0  # seconds the sender spends posting a message
+    link: str = "buffered"  # how a message moves (`pplab.simulator.Costs.link`), as measured by `with_link`
 
     def costs(self, split_backward: bool) -> Costs:
         """The simulator's costs: whole backwards (B) or split ones (I and W), with the link.
@@ -74,9 +75,9 @@ class Profile(ShownAsText):
         if split_backward:
             return Costs(forward=per_stage["forward"], input_grad=per_stage["input_grad"],
                          weight_grad=per_stage["weight_grad"], latency=self.latency,
-                         activation_bytes=activation_bytes)
+                         activation_bytes=activation_bytes, link=self.link)
         return Costs(forward=per_stage["forward"], backward=per_stage["backward"], latency=self.latency,
-                     activation_bytes=activation_bytes)
+                     activation_bytes=activation_bytes, link=self.link)
 
     def costs_for(self, schedule: Schedule) -> Costs:
         """The costs `schedule` runs on: split backwards if it has I and W actions."""
@@ -84,9 +85,14 @@ class Profile(ShownAsText):
 
     def with_link(self, hop: dict) -> "Profile":
         """The same profile with a measured link (what `pplab.rank.profiler.hop_costs_on_rank` returns):
-        a message arrives one hop after it is posted; posting takes the sender `send` seconds."""
+        a message arrives one hop after it is posted; posting takes the sender `send` seconds; and
+        where a receive posted after its message was sent still waits more than half a hop for it,
+        the link is a rendezvous (the message moved only once the receive was posted)."""
         send = min(hop["send"], hop["pplab"])
-        return replace(self, latency=hop["pplab"] - send, send_cost=send)
+        latency = hop["pplab"] - send
+        late = hop.get("late_receive")  # measurements from before it was measured: buffered
+        link = "rendezvous" if late is not None and late > latency / 2 else "buffered"
+        return replace(self, latency=latency, send_cost=send, link=link)
 
     def table(self) -> list[list[str]]:
         """One row of text per stage."""
@@ -146,6 +152,8 @@ def predict(schedule: Schedule, costs: Costs | Profile, memory: Profile | None =
     if memory is not None and len(memory.stages) != schedule.n_stages:
         raise ValueError(f"the profile has {len(memory.stages)} stages but the schedule "
                          f"{schedule.name!r} has {schedule.n_stages}: profile with n_stages={schedule.n_stages}")
+    if costs.link == "rendezvous" and not schedule.has_communication:
+        schedule = add_communication(schedule)  # a rendezvous waits on receives: the schedule needs them
     timeline = simulate(schedule, costs)
     if memory is not None:  # each forward holds its stage's saved bytes until its backward ends
         timeline = Timeline([replace(e, bytes=memory.stages[e.stage].activation_bytes) if e.kind == "F" else e
@@ -156,7 +164,7 @@ def predict(schedule: Schedule, costs: Costs | Profile, memory: Profile | None =
                    for r in ranks)
     how = ("step time and bubble: pplab's simulator on the measured per-stage costs "
            f"({'I and W' if costs.input_grad is not None and 'I' in _kinds(schedule) else 'B'} for backwards, "
-           f"latency {costs.latency * 1e3:.2f} ms per hop); activations: the simulated timeline, each "
+           f"latency {costs.latency * 1e3:.2f} ms per hop, {costs.link} link); activations: the simulated timeline, each "
            f"forward holding its stage's measured saved bytes until its backward (B, or W) ends; static: "
            f"4 x parameter bytes (parameters, gradients, AdamW's two moments)")
     return Prediction(timeline.step_time(), timeline.bubble_fraction(), activations, static, timeline, how)

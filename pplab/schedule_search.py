@@ -38,7 +38,7 @@ from __future__ import annotations
 import itertools
 import math
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Sequence
 
 from pplab.formatting import ShownAsText, format_bytes, text_table
@@ -132,11 +132,16 @@ def search(n_ranks: int, n_microbatches: int, costs: Costs, memory_limit: float 
     (small layers, whose per-call overheads the split pays twice). A progress bar
     shows when the search is long (`show=None`), always (True) or never (False).
     The fastest candidate is then improved locally (see `_improve`) until no move helps or
-    `improve_seconds` after the search began have passed (0: not at all).
+    `improve_seconds` after the search began have passed (0: not at all). Candidates are
+    compared on a buffered link whatever `costs.link` says (`pplab.predict` shows what a
+    rendezvous does to the one found).
     """
     started = time.perf_counter()
     _check_sizes(n_ranks, n_microbatches, memory_limit, n_virtual)
     _check_costs(costs)
+    # Candidates are compared on buffered links: a rendezvous needs every send and receive
+    # simulated, at several times the cost; `pplab.predict` shows its effect on the one found.
+    costs = replace(costs, link="buffered") if costs.link != "buffered" else costs
     v = _virtual_stages(costs, n_ranks, n_virtual)
     _check_saved_bytes(saved_bytes, n_ranks * v)
     costs.check_stages(n_ranks * v)

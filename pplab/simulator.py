@@ -16,6 +16,12 @@ communication costs:
   each direction of a boundary carries one message at a time, a message waiting
   for the ones sent before it to be transmitted (``bytes / bandwidth`` each; the
   latency overlaps), which is what a slow link does to a pipeline;
+* with ``Costs(link="rendezvous")`` a message leaves only once its receive is posted, as
+  gloo and NCCL move data: it arrives ``transfer time`` after the later of its send and
+  the posting of its receive, and its SEND event ends then. A receive is posted as pplab's
+  runtime posts it on gloo: ahead of its turn, as soon as its rank has finished the
+  communication before it (so a message waits only for a receiver that is itself stuck
+  in an earlier wait, or whose compute in between is shorter than the transfer);
 * a schedule without sends and receives (``schedule.compute_only()``) moves
   data between ranks by itself, after the same transfer time;
 * a schedule that cannot finish raises `DeadlockError`, naming what every
@@ -31,7 +37,7 @@ from __future__ import annotations
 import math
 import statistics
 from collections import defaultdict
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Sequence, Union
 
 from pplab.schedules import (COMPUTE_KINDS, SEND_KINDS, Action, DeadlockError, Dependencies, Kind, Schedule,
@@ -40,6 +46,9 @@ from pplab.schedules.compiled import KINDS, SEND_B, SEND_F, Compiled, boundaries
 from pplab.timeline import Event, Timeline
 
 __all__ = ["Costs", "simulate", "costs_from_timeline"]
+
+LINKS = ("buffered", "rendezvous")
+"""How a message moves: when its send is posted, or once its receive is posted too."""
 
 PerStage = Union[float, Sequence[float]]
 """A value for every stage: one number for all, or one number per stage."""
@@ -70,6 +79,7 @@ class Costs:
     bandwidth: float | None = None
     activation_bytes: int | Sequence[int] | None = None
     link_contention: bool = False  # True: a link carries one message at a time (see the module docstring)
+    link: str = "buffered"  # how a message moves: "buffered" (at its send) or "rendezvous" (see the module docstring)
 
     def __post_init__(self):
         if self.backward is None:
@@ -81,6 +91,8 @@ class Costs:
                 # A tuple keeps Costs immutable and hashable, and is quick to index.
                 object.__setattr__(self, name, tuple(getattr(self, name)))
         _check_number("latency", self.latency)
+        if self.link not in LINKS:
+            raise ValueError(f"Costs: link={self.link!r}: choose one of {', '.join(map(repr, LINKS))}")
         if self.bandwidth is not None:
             _check_number("bandwidth", self.bandwidth)
             if self.bandwidth == 0:
@@ -225,7 +237,12 @@ def simulate(schedule: Schedule, costs: Costs | None = None) -> Timeline:
     if costs.link_contention and not schedule.has_communication:
         raise ValueError(f"Costs(link_contention=True) queues messages on their links, and schedule "
                          f"{schedule.name!r} has none: add them first (pplab.schedules.add_communication)")
+    if costs.link == "rendezvous" and not schedule.has_communication:
+        raise ValueError(f"Costs(link='rendezvous') holds a message until its receive is posted, and schedule "
+                         f"{schedule.name!r} has no receives: add them first (pplab.schedules.add_communication)")
     with no_cyclic_gc():
+        if costs.link == "rendezvous":  # the readable path only: a prediction, not a search's thousands
+            return _Simulation(schedule, costs).run()
         compiled = compile_schedule(schedule)
         if compiled is None:  # no integer form: mixed B and I/W on a stage, or stray actions
             return _Simulation(schedule, costs).run()
@@ -357,6 +374,10 @@ class _Simulation:
         self.free_at = [0.0] * schedule.n_ranks
         self.events: list[Event] = []
         self.link_free: dict[tuple[Kind, int], float] = {}  # with link contention: when each link is free
+        # With a rendezvous link: when each rank posts the receives of its next communication
+        # (the end of its last one), and each send's start and event, to end it when it leaves.
+        self.receives_posted_at = [0.0] * schedule.n_ranks
+        self.sent: dict[Action, tuple[float, int]] = {}
 
     def run(self) -> Timeline:
         runnable = list(range(self.schedule.n_ranks))
@@ -382,6 +403,9 @@ class _Simulation:
             self._execute(rank, action, inputs_at)
             woken += self.waiting.pop(action, [])
             self.next_index[rank] += 1
+            following = self.next_index[rank]
+            if action.is_comm and (following == len(actions) or not actions[following].is_comm):
+                self.receives_posted_at[rank] = self.free_at[rank]  # the runtime posts the next ones now
         return woken
 
     def _execute(self, rank: int, action: Action, inputs_at: float) -> None:
@@ -404,6 +428,7 @@ class _Simulation:
             sending = max(start, self.link_free.get(link, 0.0))
             self.link_free[link] = sending + self.costs.transmission_time(action.boundary)
         arrival = sending + self.costs.transfer_time(action.boundary)
+        self.sent[action] = (sending, len(self.events))
         self.events.append(Event(rank, action.kind.value, action.stage, action.microbatch, start, arrival,
                                  bytes=self.costs.message_bytes(action.boundary)))
         self._record(action, arrival)
@@ -413,6 +438,8 @@ class _Simulation:
         # only the waiting that overlapped the transfer; waiting for the
         # sender to send at all is idle time, like any other bubble.
         sent_at = arrival - self.costs.transfer_time(action.boundary)
+        if self.costs.link == "rendezvous":
+            arrival = self._rendezvous(rank, action, arrival)
         posted = self.free_at[rank]
         end = max(posted, arrival)
         self.free_at[rank] = end
@@ -420,6 +447,17 @@ class _Simulation:
                                  min(max(posted, sent_at), end), end,
                                  bytes=self.costs.message_bytes(action.boundary)))
         self._record(action, end)
+
+    def _rendezvous(self, rank: int, action: Action, arrival: float) -> float:
+        """When the message of receive `action` arrives on a rendezvous link: it left at the later
+        of its send and the posting of this receive; its SEND event ends when it arrived."""
+        send = action.partner()
+        sending, index = self.sent[send]
+        leaves = max(sending, self.receives_posted_at[rank])
+        if leaves > sending:
+            arrival = max(arrival, leaves + self.costs.transfer_time(action.boundary))
+            self.events[index] = replace(self.events[index], end=arrival)
+        return arrival
 
     def _record(self, action: Action, time: float) -> None:
         if action in self.ready_at:

@@ -89,3 +89,23 @@ def test_measured_activation_peaks_land_on_the_prediction(two_stages):
         for rank in range(2):
             assert measured.peak_inflight_bytes(rank) == pytest.approx(predicted.peak_activation_bytes[rank],
                                                                        rel=0.05), (spec.schedule.name, rank)
+
+
+@pytest.mark.quick
+def test_a_link_whose_late_receive_waits_a_hop_is_a_rendezvous_in_the_prediction():
+    """`with_link` reads how a message moves off the hop measurement: a receive posted after
+    its message was sent that still waits more than half a hop means a rendezvous, and the
+    prediction then holds messages until their receives are posted (a compute-only schedule
+    gets its sends and receives added)."""
+    stage = StageProfile(forward=1.0, backward=2.0, input_grad=1.0, weight_grad=1.0, parameter_bytes=4,
+                         activation_bytes=8, output_bytes=8)
+    bare = Profile((stage, stage), 1, 1)
+    hop = {"pplab": 2.1, "send": 0.1}
+    assert bare.with_link(hop).link == "buffered"  # measured before late receives were
+    assert bare.with_link({**hop, "late_receive": 0.05}).link == "buffered"
+    rendezvous = bare.with_link({**hop, "late_receive": 1.9})
+    assert rendezvous.link == "rendezvous" and rendezvous.costs(False).link == "rendezvous"
+    gpipe = build("gpipe", 2, 4)
+    assert predict(gpipe.compute_only(), rendezvous).step_time == predict(gpipe, rendezvous).step_time
+    assert predict(gpipe, rendezvous).step_time > predict(gpipe, bare.with_link(hop)).step_time
+    assert "rendezvous link" in predict(gpipe, rendezvous).how

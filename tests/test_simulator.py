@@ -235,3 +235,39 @@ def test_with_link_contention_a_message_waits_for_the_one_before_it():
     assert [e.end for e in free.events if e.kind == "SEND_F"] == [3.5, 4.5, 5.5]
     with pytest.raises(ValueError, match="has none: add them first"):
         simulate(build("gpipe", 2, 3).compute_only(), costs)
+
+
+@pytest.mark.quick
+def test_a_rendezvous_link_holds_a_message_until_its_receive_is_posted():
+    """GPipe on 2 ranks, a hop of 2: rank 1 posts its receive of microbatch 1 when its wait for
+    microbatch 0 ends (t=3, as the runtime posts one compute ahead), after rank 0 sent it (t=2):
+    the message leaves at 3 and arrives at 5, not at 4; each later one waits the same way."""
+    schedule = build("gpipe", 2, 4)
+    buffered = simulate(schedule, Costs(forward=1, backward=2, latency=2))
+    rendezvous = simulate(schedule, Costs(forward=1, backward=2, latency=2, link="rendezvous"))
+
+    def event(timeline, rank, kind, microbatch):
+        return next(e for e in timeline.events if (e.rank, e.kind, e.microbatch) == (rank, kind, microbatch))
+
+    assert event(buffered, 1, "RECV_F", 1).end == 4 and event(rendezvous, 1, "RECV_F", 1).end == 5
+    assert event(rendezvous, 0, "SEND_F", 1).end == 5  # a send completes when its message has crossed
+    assert (buffered.step_time(), rendezvous.step_time()) == (19, 22)
+
+
+@pytest.mark.quick
+@pytest.mark.parametrize("name, v", [("1f1b", 1), ("zb-h1", 1), ("interleaved-1f1b", 2)])
+def test_a_rendezvous_costs_nothing_when_the_compute_between_covers_the_hop(name, v):
+    """Receives posted one compute ahead are posted before their sends whenever a hop is
+    shorter than a compute: the rendezvous then changes no time."""
+    schedule = build(name, 4, 8, v)
+    costs = Costs(forward=1, input_grad=1, weight_grad=1, latency=0.1)
+    assert simulate(schedule, costs).step_time() == \
+        simulate(schedule, dataclasses.replace(costs, link="rendezvous")).step_time()
+
+
+@pytest.mark.quick
+def test_a_rendezvous_needs_receives_and_a_link_needs_a_known_name():
+    with pytest.raises(ValueError, match=r"no receives: add them first"):
+        simulate(build("1f1b", 2, 4).compute_only(), Costs(link="rendezvous"))
+    with pytest.raises(ValueError, match=r"link='pigeon': choose one of 'buffered', 'rendezvous'"):
+        Costs(link="pigeon")

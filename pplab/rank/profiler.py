@@ -137,7 +137,10 @@ def hop_costs_on_rank(rank: int, world_size: int, nbytes: int, repeats: int = 20
 
     Run it on 2 ranks (e.g. `pplab.drivers.local.run_ranks(2, hop_costs_on_rank, nbytes)`); each
     round trip carries an activation forward and its gradient back, as a pipeline's hops do.
-    Returns, on every rank, the medians and all the samples (seconds, one way).
+    Also how long a receive posted 2 ms after its message was sent still waits for it
+    (`late_receive`: about a hop where the link moves a message only once its receive is posted,
+    as gloo and NCCL do; about nothing where it buffers). Returns, on every rank, the medians and
+    all the samples (seconds, one way).
     """
     import torch.distributed as dist
 
@@ -187,7 +190,19 @@ def hop_costs_on_rank(rank: int, world_size: int, nbytes: int, repeats: int = 20
         link.mailbox.received.clear()
         return posted
 
-    samples = {"pplab": [], "bare": [], "send": []}
+    def late_receive(delay: float = 0.002) -> float | None:
+        """How long a receive posted `delay` after its message was sent waits for it: about
+        nothing if the link buffered the message, about a hop if it moves only once posted."""
+        inbox = torch.empty_like(tensor)
+        if rank == 0:
+            dist.isend(tensor, peer).wait()
+            return None
+        time.sleep(delay)
+        started = time.perf_counter()
+        dist.irecv(inbox, peer).wait()
+        return time.perf_counter() - started
+
+    samples = {"pplab": [], "bare": [], "send": [], "late_receive": []}
     for index in range(repeats + 10):  # the first 10 warm up
         order = (("pplab", pplab_round_trip), ("bare", bare_round_trip))
         for name, round_trip in order if index % 2 else order[::-1]:
@@ -198,7 +213,15 @@ def hop_costs_on_rank(rank: int, world_size: int, nbytes: int, repeats: int = 20
                 samples[name].append((time.perf_counter() - started) / 2)
         dist.barrier()
         posted = pplab_send()
+        dist.barrier()
+        waited = late_receive()
         if index >= 10:
             samples["send"].append(posted)
-    medians = {name: statistics.median(values) for name, values in samples.items()}
-    return {**medians, "send": medians["send"] if rank == 0 else None, "samples": samples}
+            if waited is not None:
+                samples["late_receive"].append(waited)
+    # Each rank knows its own half: the sender the posting, the receiver the late wait.
+    late = [None] * 2
+    dist.all_gather_object(late, statistics.median(samples["late_receive"]) if rank == 1 else None)
+    medians = {name: statistics.median(values) for name, values in samples.items() if values}
+    return {**medians, "send": medians["send"] if rank == 0 else None, "late_receive": late[1],
+            "samples": samples}
