@@ -53,6 +53,7 @@ class Dashboard(widgets.VBox):
         self.tabs = widgets.Tab(children=[self.bubbles, self.shapes, self.gradients, self.memory],
                                 titles=["bubbles", "activation shapes", "gradient flow", "memory and loss"])
         self._memory_stale = False  # its pictures wait until someone opens its tab
+        self._finished = None  # (result, predicted) of a step whose panels are not filled yet
         self.tabs.observe(lambda _: self._draw_memory_if_shown(), names="selected_index")
         super().__init__([self.controls, widgets.HBox([self.progress, self.status]), self.where,
                           self.timeline, self.tabs])
@@ -135,6 +136,7 @@ class Dashboard(widgets.VBox):
             if raise_errors:
                 raise
         finally:
+            self._show_finished()  # the last step's panels: no next step to fill them during
             self.running = False
             self._enable_controls(True)
             # Theory and simulation for the costs measured last: once per run, not per step.
@@ -142,10 +144,13 @@ class Dashboard(widgets.VBox):
             self._draw_pictures()
 
     def _one_step(self, index: int, steps: int):
-        predicted = self._predicted()
         number = len(self.results) + 1
         self._say(f"step {number} running ({index + 1} of {steps})")
         live = self.pipe.start_step(self.batch, live_interval=LIVE_INTERVAL)
+        # While the ranks start: the panels of the step before (the client's work between
+        # steps would otherwise add to every step) and this step's prediction.
+        self._show_finished()
+        predicted = self._predicted()
         redraw = Throttle(LIVE_REDRAW_SECONDS)
         while not live.finished():
             self._take(live.poll())
@@ -156,7 +161,16 @@ class Dashboard(widgets.VBox):
         result = live.result()
         self._take(live.poll())
         self.results.append(result)
-        self.timeline.add_step(result.timeline, predicted, picture=False)
+        self._finished = (result, predicted)
+
+    def _show_finished(self) -> None:
+        """Put the last finished step, if not shown yet, into the timeline, bubble, shape,
+        gradient and loss panels."""
+        if self._finished is None:
+            return
+        (result, predicted), self._finished = self._finished, None
+        # Not drawn: the next step's live view, or the run's closing picture, replaces it at once.
+        self.timeline.add_step(result.timeline, predicted, draw=False)
         self.bubbles.add(result.timeline, picture=False)
         self.shapes.show(result.boundary_shapes)
         self.gradients.show(result.grad_stats, stage_of=self._stage_of())

@@ -87,8 +87,10 @@ class TimelineView(widgets.VBox):
         self.live_draws += 1
         self._caption(timeline if len(timeline) else None, predicted, note)
 
-    def add_step(self, timeline: Timeline, predicted: Timeline | None = None, picture: bool = True) -> None:
-        """Keep a finished step and show it (as a picture, or as SVG while a run goes on)."""
+    def add_step(self, timeline: Timeline, predicted: Timeline | None = None, picture: bool = True,
+                 draw: bool = True) -> None:
+        """Keep a finished step and show it (as a picture, or as SVG while a run goes on; with
+        `draw=False` not at all, where the caller draws over it at once)."""
         self.history.append((timeline, predicted))
         self.picker.unobserve(self._picked, names="value")
         self.picker.options = [(f"{i + 1}", i) for i in range(len(self.history))]
@@ -96,6 +98,8 @@ class TimelineView(widgets.VBox):
         self.picker.layout.display = None
         self.picker.observe(self._picked, names="value")
         note = f"step {len(self.history)}"
+        if not draw:
+            return
         if picture:
             self.show(timeline, predicted, note)
         else:

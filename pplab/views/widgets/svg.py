@@ -24,8 +24,7 @@ def timeline_svg(measured: Timeline | None, predicted: Timeline | None = None,
     parts = [(t, t.label or "") for t in (predicted, measured) if t is not None and len(t)]
     if not parts:
         return "<div style='color:#888'>no events yet</div>"
-    parts = [(t.normalised(), label) for t, label in parts]
-    until = max(t.end for t, _ in parts) or 1.0
+    until = max(t.end - t.start for t, _ in parts) or 1.0  # each drawn from its own start
     scale = (width - LABEL_WIDTH - 8) / until
     shapes, y = [], 0
     for timeline, label in parts:
@@ -36,7 +35,7 @@ def timeline_svg(measured: Timeline | None, predicted: Timeline | None = None,
             shapes.append(f"<rect x='{LABEL_WIDTH}' y='{y}' width='{until * scale:.1f}' height='{ROW - 4}' "
                           f"fill='{IDLE}'/>")
             for event in timeline.of_rank(rank):
-                shapes.append(_box(event, y, scale, colours))
+                shapes.append(_box(event, y, scale, colours, timeline.start))
             y += ROW
         y += 6
     ticks = _ticks(until, scale, y)
@@ -44,8 +43,8 @@ def timeline_svg(measured: Timeline | None, predicted: Timeline | None = None,
             f"font-family='sans-serif'>{''.join(shapes)}{ticks}</svg>")
 
 
-def _box(event, y: float, scale: float, colours: dict[str, str]) -> str:
-    x = LABEL_WIDTH + event.start * scale
+def _box(event, y: float, scale: float, colours: dict[str, str], origin: float = 0.0) -> str:
+    x = LABEL_WIDTH + (event.start - origin) * scale
     w = max(event.duration * scale, 0.5)
     colour = colours.get(event.kind, "#999999")
     if event.is_comm:  # a thin strip under the row: time spent on the wire
