@@ -38,9 +38,11 @@ DURATION_SLACK = 0.5e-3  # s: an action's duration read from its label, against 
 MEDIAN_DIFFERENCE = 0.2e-3  # s: the median over a run's actions
 # torch's multi-stage labels begin before pplab's timing inside them does: a rank taken off a busy
 # CPU in between (the other test worker) makes that label longer, rarely (once in 600 actions in a
-# CI run, by 15 ms). Up to one action in 20 may be such an outlier; the bubble may differ by what
-# the labels add to the ranks' busy time beyond pplab's timing, and 2 points beyond that.
+# CI run, by 15 ms; twice in 32 in a full run here, by 3 ms: one scheduler slice). Up to one action
+# in 20, and never fewer than two, may be such an outlier; the bubble may differ by what the labels
+# add to the ranks' busy time beyond pplab's timing, and 2 points beyond that.
 OUTLIERS = 0.05
+FEWEST_OUTLIERS_ALLOWED = 2
 BUBBLE_POINTS = 0.02
 
 
@@ -134,7 +136,7 @@ def test_every_schedule_reads_back_as_pplab_recorded_it(traces, run):
                    for event in timeline.compute_events()]
     outliers = [(event, difference) for event, difference in differences
                 if abs(difference) > DURATION_SLACK + 0.25 * (event.duration - difference)]
-    assert len(outliers) <= len(differences) * OUTLIERS, outliers
+    assert len(outliers) <= max(FEWEST_OUTLIERS_ALLOWED, len(differences) * OUTLIERS), outliers
     assert statistics.median(abs(difference) for _, difference in differences) <= MEDIAN_DIFFERENCE
     from pplab.trace import Timeline
 
