@@ -36,6 +36,7 @@ from pplab.data import batches
 from pplab.drivers.local import run_ranks
 from pplab.prediction import predict
 from pplab.rank.profiler import hop_costs_on_rank, profile
+from pplab.schedules import Kind
 
 RESULTS = Path(__file__).parent / "results" / "predict.json"
 CONFIG = pplab.LlamaConfig.tiny()
@@ -92,10 +93,13 @@ def real_runs(pool: pplab.RankPool, link: dict) -> dict:
         for name, v in SCHEDULES:
             if timing is None:
                 on_link, on_buffer = predict(schedules[name], profiles[v]), predict(schedules[name], buffered[v])
-            else:  # the padded costs, with the measured link
-                timed = replace(timing, latency=profiles[v].latency, link=profiles[v].link)
-                on_link = predict(schedules[name], timed, profiles[v])
-                on_buffer = predict(schedules[name], replace(timed, link="buffered"), profiles[v])
+            else:  # the profile with the padded costs as its compute: the link and the sends' posting kept
+                padded = replace(profiles[v], stages=tuple(
+                    replace(stage, forward=timing.compute_time(Kind.F, s), backward=timing.compute_time(Kind.B, s),
+                            input_grad=timing.compute_time(Kind.I, s), weight_grad=timing.compute_time(Kind.W, s))
+                    for s, stage in enumerate(profiles[v].stages)))
+                on_link = predict(schedules[name], padded)
+                on_buffer = predict(schedules[name], replace(padded, link="buffered"))
             errors = [m / on_link.step_time - 1 for m in measured[mode][name]]
             rows[name] = dict(measured_step_s=measured[mode][name], predicted_step_s=on_link.step_time,
                               predicted_buffered_step_s=on_buffer.step_time,

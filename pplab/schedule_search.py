@@ -141,7 +141,7 @@ def search(n_ranks: int, n_microbatches: int, costs: Costs, memory_limit: float 
     _check_costs(costs)
     # Candidates are compared on buffered links: a rendezvous needs every send and receive
     # simulated, at several times the cost; `pplab.predict` shows its effect on the one found.
-    costs = replace(costs, link="buffered") if costs.link != "buffered" else costs
+    costs = replace(costs, link="buffered")
     v = _virtual_stages(costs, n_ranks, n_virtual)
     _check_saved_bytes(saved_bytes, n_ranks * v)
     costs.check_stages(n_ranks * v)
@@ -471,7 +471,8 @@ def stage_costs(layer_costs: Costs, balance: Sequence[int]) -> Costs:
              if getattr(layer_costs, name) is not None}
     backward = {} if len(given) == 2 else {"backward": summed(layer_costs.backward)}
     return Costs(forward=summed(layer_costs.forward), **backward, **given, latency=layer_costs.latency,
-                 bandwidth=layer_costs.bandwidth, activation_bytes=last_of(layer_costs.activation_bytes))
+                 bandwidth=layer_costs.bandwidth, activation_bytes=last_of(layer_costs.activation_bytes),
+                 link_contention=layer_costs.link_contention, link=layer_costs.link)
 
 
 def _layer_count(layer_costs: Costs) -> int:

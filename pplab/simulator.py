@@ -19,9 +19,11 @@ communication costs:
 * with ``Costs(link="rendezvous")`` a message leaves only once its receive is posted, as
   gloo and NCCL move data: it arrives ``transfer time`` after the later of its send and
   the posting of its receive, and its SEND event ends then. A receive is posted as pplab's
-  runtime posts it on gloo: ahead of its turn, as soon as its rank has finished the
-  communication before it (so a message waits only for a receiver that is itself stuck
-  in an earlier wait, or whose compute in between is shorter than the transfer);
+  runtime posts it on gloo when its shape is known (every gradient; activations of fixed
+  shapes): ahead of its turn, as soon as its rank has finished the communication before it
+  (so a message waits only for a receiver that is itself stuck in an earlier wait, or whose
+  compute in between is shorter than the transfer). Where the runtime posts a receive only
+  at its turn (NCCL, activations of varying shapes) this prediction is optimistic;
 * a schedule without sends and receives (``schedule.compute_only()``) moves
   data between ranks by itself, after the same transfer time;
 * a schedule that cannot finish raises `DeadlockError`, naming what every
@@ -237,6 +239,9 @@ def simulate(schedule: Schedule, costs: Costs | None = None) -> Timeline:
     if costs.link_contention and not schedule.has_communication:
         raise ValueError(f"Costs(link_contention=True) queues messages on their links, and schedule "
                          f"{schedule.name!r} has none: add them first (pplab.schedules.add_communication)")
+    if costs.link == "rendezvous" and costs.link_contention:
+        raise ValueError("Costs(link='rendezvous', link_contention=True): a queue on a link that holds "
+                         "messages until their receives are posted is not modelled; choose one of the two")
     if costs.link == "rendezvous" and not schedule.has_communication:
         raise ValueError(f"Costs(link='rendezvous') holds a message until its receive is posted, and schedule "
                          f"{schedule.name!r} has no receives: add them first (pplab.schedules.add_communication)")
@@ -428,7 +433,8 @@ class _Simulation:
             sending = max(start, self.link_free.get(link, 0.0))
             self.link_free[link] = sending + self.costs.transmission_time(action.boundary)
         arrival = sending + self.costs.transfer_time(action.boundary)
-        self.sent[action] = (sending, len(self.events))
+        if self.costs.link == "rendezvous":  # to end its event when it has left
+            self.sent[action] = (sending, len(self.events))
         self.events.append(Event(rank, action.kind.value, action.stage, action.microbatch, start, arrival,
                                  bytes=self.costs.message_bytes(action.boundary)))
         self._record(action, arrival)

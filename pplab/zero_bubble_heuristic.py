@@ -40,7 +40,10 @@ def heuristic_schedule(p: int, m: int, costs: Costs, memory_limit: float, extra_
     """One combination of the two hyperparameters: a compute order per rank (stage s on rank s),
     or None when the limit leaves a rank unable to go on. `weights` are what one microbatch of
     each stage counts against `memory_limit` (default 1: the limit is in microbatches)."""
+    costs.check_stages(p)
     weights = [1.0] * p if weights is None else list(weights)
+    if len(weights) != p:
+        raise ValueError(f"weights has {len(weights)} values for {p} stages: give one per stage")
     pipeline = empty_pipeline(p, m, 1)
     inputs = inputs_of_passes(pipeline, Kind.I, costs)
     ended = {key: [None] * m for key in inputs}

@@ -230,3 +230,10 @@ def test_search_balance_refuses_bad_sizes_before_searching():
         search_balance(9, 4, HEAVY_HEAD_LAYERS)
     with pytest.raises(ValueError, match="saved_bytes has 2 values but there are 8 layers"):
         search_balance(2, 4, HEAVY_HEAD_LAYERS, saved_bytes=[1, 2])
+
+
+@pytest.mark.quick
+def test_the_zero_bubble_heuristic_refuses_costs_for_other_stages():
+    """It places one stage per rank: costs for two stages per rank are refused, not half read."""
+    with pytest.raises(ValueError, match=r"forward has 8 values but the schedule has 4 stages"):
+        best_heuristic(4, 8, Costs(forward=[1.0] * 8, input_grad=1.0, weight_grad=1.0), 4)

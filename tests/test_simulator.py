@@ -271,3 +271,5 @@ def test_a_rendezvous_needs_receives_and_a_link_needs_a_known_name():
         simulate(build("1f1b", 2, 4).compute_only(), Costs(link="rendezvous"))
     with pytest.raises(ValueError, match=r"link='pigeon': choose one of 'buffered', 'rendezvous'"):
         Costs(link="pigeon")
+    with pytest.raises(ValueError, match=r"link_contention=True\): a queue on a link .* choose one"):
+        simulate(build("1f1b", 2, 4), Costs(link="rendezvous", link_contention=True, latency=1))

@@ -137,7 +137,7 @@ def hop_costs_on_rank(rank: int, world_size: int, nbytes: int, repeats: int = 20
 
     Run it on 2 ranks (e.g. `pplab.drivers.local.run_ranks(2, hop_costs_on_rank, nbytes)`); each
     round trip carries an activation forward and its gradient back, as a pipeline's hops do.
-    Also how long a receive posted 2 ms after its message was sent still waits for it
+    Also how long a receive posted well after its message was sent still waits for it
     (`late_receive`: about a hop where the link moves a message only once its receive is posted,
     as gloo and NCCL do; about nothing where it buffers). Returns, on every rank, the medians and
     all the samples (seconds, one way).
@@ -149,6 +149,7 @@ def hop_costs_on_rank(rank: int, world_size: int, nbytes: int, repeats: int = 20
 
     if world_size != 2:
         raise ValueError(f"the hop is measured between 2 ranks, not {world_size}")
+    check_positive_int("repeats", repeats, example=200)  # both ranks refuse alike: no one left waiting
     device = torch.device(device)
     tensor = torch.zeros(nbytes // 4, dtype=torch.float32, device=device)
     schedule = build("gpipe", 2, 1)
@@ -190,17 +191,18 @@ def hop_costs_on_rank(rank: int, world_size: int, nbytes: int, repeats: int = 20
         link.mailbox.received.clear()
         return posted
 
-    def late_receive(delay: float = 0.002) -> float | None:
-        """How long a receive posted `delay` after its message was sent waits for it: about
-        nothing if the link buffered the message, about a hop if it moves only once posted."""
+    def late_receive() -> float | None:
+        """How long a receive posted well after its message was sent (2 ms and three one-way
+        hops so far) waits for it: about nothing if the link buffered the message, about a hop
+        if it moves only once posted."""
         inbox = torch.empty_like(tensor)
         if rank == 0:
             dist.isend(tensor, peer).wait()
             return None
-        time.sleep(delay)
-        started = time.perf_counter()
+        time.sleep(0.002 + 3 * statistics.median(samples["pplab"] or [0.0]))
+        started = _now(device)
         dist.irecv(inbox, peer).wait()
-        return time.perf_counter() - started
+        return _now(device) - started
 
     samples = {"pplab": [], "bare": [], "send": [], "late_receive": []}
     for index in range(repeats + 10):  # the first 10 warm up
@@ -220,8 +222,9 @@ def hop_costs_on_rank(rank: int, world_size: int, nbytes: int, repeats: int = 20
             if waited is not None:
                 samples["late_receive"].append(waited)
     # Each rank knows its own half: the sender the posting, the receiver the late wait.
-    late = [None] * 2
-    dist.all_gather_object(late, statistics.median(samples["late_receive"]) if rank == 1 else None)
+    late = torch.tensor([statistics.median(samples["late_receive"]) if rank == 1 else 0.0],
+                        dtype=torch.float64, device=device)
+    dist.broadcast(late, src=1)
     medians = {name: statistics.median(values) for name, values in samples.items() if values}
-    return {**medians, "send": medians["send"] if rank == 0 else None, "late_receive": late[1],
+    return {**medians, "send": medians["send"] if rank == 0 else None, "late_receive": late.item(),
             "samples": samples}

@@ -68,8 +68,9 @@ def pad_to_cost(timing: Costs | None, action: Action, started: float, clock) -> 
             with record_function("pplab: timing pad"):  # a profiler trace shows it as the action's work
                 # Sleep most of it and spin the end: a sleep wakes 0.1-0.3 ms late here, which
                 # timing mode would add to every action and a prediction would miss.
-                if until - clock() > SPIN_SECONDS:
-                    time.sleep(until - clock() - SPIN_SECONDS)
+                left = until - clock()  # read once: a second read could come after `until`
+                if left > SPIN_SECONDS:
+                    time.sleep(left - SPIN_SECONDS)
                 while clock() < until:
                     pass
 

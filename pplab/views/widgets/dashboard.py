@@ -12,6 +12,7 @@ series of steps ends, so that rendering does not take the CPU the ranks need.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import html
 import time
 
@@ -136,9 +137,9 @@ class Dashboard(widgets.VBox):
             if raise_errors:
                 raise
         finally:
-            self._show_finished()  # the last step's panels: no next step to fill them during
             self.running = False
             self._enable_controls(True)
+            self._show_finished()  # the last step's panels: no next step to fill them during
             # Theory and simulation for the costs measured last: once per run, not per step.
             self._set_references(picture=False)
             self._draw_pictures()
@@ -149,8 +150,13 @@ class Dashboard(widgets.VBox):
         live = self.pipe.start_step(self.batch, live_interval=LIVE_INTERVAL)
         # While the ranks start: the panels of the step before (the client's work between
         # steps would otherwise add to every step) and this step's prediction.
-        self._show_finished()
-        predicted = self._predicted()
+        try:
+            self._show_finished()
+            predicted = self._predicted()
+        except BaseException:
+            with contextlib.suppress(Exception):
+                live.result()  # no step is left running with nobody to collect it
+            raise
         redraw = Throttle(LIVE_REDRAW_SECONDS)
         while not live.finished():
             self._take(live.poll())
@@ -170,7 +176,7 @@ class Dashboard(widgets.VBox):
             return
         (result, predicted), self._finished = self._finished, None
         # Not drawn: the next step's live view, or the run's closing picture, replaces it at once.
-        self.timeline.add_step(result.timeline, predicted, draw=False)
+        self.timeline.add_step(result.timeline, predicted, show=False)
         self.bubbles.add(result.timeline, picture=False)
         self.shapes.show(result.boundary_shapes)
         self.gradients.show(result.grad_stats, stage_of=self._stage_of())
@@ -306,7 +312,7 @@ class Dashboard(widgets.VBox):
             self._say_error(error)
             return
         self.pipe.close()
-        self.pipe, self.results = new, []
+        self.pipe, self.results, self._finished = new, [], None
         self.where.reset(new.spec.world_size, self._labels())
         self.bubbles.rows = []
         self._set_references()

@@ -87,23 +87,17 @@ class TimelineView(widgets.VBox):
         self.live_draws += 1
         self._caption(timeline if len(timeline) else None, predicted, note)
 
-    def add_step(self, timeline: Timeline, predicted: Timeline | None = None, picture: bool = True,
-                 draw: bool = True) -> None:
-        """Keep a finished step and show it (as a picture, or as SVG while a run goes on; with
-        `draw=False` not at all, where the caller draws over it at once)."""
+    def add_step(self, timeline: Timeline, predicted: Timeline | None = None, show: bool = True) -> None:
+        """Keep a finished step in the picker and, with `show`, draw it as a picture (without,
+        where the caller draws over it at once: a run's next live view, or its closing picture)."""
         self.history.append((timeline, predicted))
         self.picker.unobserve(self._picked, names="value")
         self.picker.options = [(f"{i + 1}", i) for i in range(len(self.history))]
         self.picker.value = len(self.history) - 1
         self.picker.layout.display = None
         self.picker.observe(self._picked, names="value")
-        note = f"step {len(self.history)}"
-        if not draw:
-            return
-        if picture:
-            self.show(timeline, predicted, note)
-        else:
-            self.show_live(timeline, predicted, note)
+        if show:
+            self.show(timeline, predicted, f"step {len(self.history)}")
 
     def _caption(self, timeline: Timeline | None, predicted: Timeline | None, note: str) -> None:
         self.shown = timeline

@@ -28,6 +28,7 @@ def timeline_svg(measured: Timeline | None, predicted: Timeline | None = None,
     scale = (width - LABEL_WIDTH - 8) / until
     shapes, y = [], 0
     for timeline, label in parts:
+        origin = timeline.start  # read once: on a plain timeline it is a min over the events
         shapes.append(f"<text x='0' y='{y + 12}' font-size='12' font-weight='bold'>{html.escape(label)}</text>")
         y += 18
         for rank in range(timeline.n_ranks):
@@ -35,7 +36,7 @@ def timeline_svg(measured: Timeline | None, predicted: Timeline | None = None,
             shapes.append(f"<rect x='{LABEL_WIDTH}' y='{y}' width='{until * scale:.1f}' height='{ROW - 4}' "
                           f"fill='{IDLE}'/>")
             for event in timeline.of_rank(rank):
-                shapes.append(_box(event, y, scale, colours, timeline.start))
+                shapes.append(_box(event, y, scale, colours, origin))
             y += ROW
         y += 6
     ticks = _ticks(until, scale, y)
