@@ -38,12 +38,7 @@ def list_schedule(p: int, m: int, v: int, costs: Costs, weights, cap: float, spl
     n_stages = pipeline.n_stages
     backward_kind = Kind.I if split else Kind.B
     inputs = inputs_of_passes(pipeline, backward_kind, costs)
-    rank_of = {stage: rank for rank in range(p) for stage in pipeline.stages_of(rank)}
-    # per (kind, stage): (the rank that needs its output, how long after it ends the output is there)
-    arrivals = defaultdict(set)
-    for (_, consumer), needs in inputs.items():
-        for producer, delay in needs:
-            arrivals[producer].add((rank_of[consumer], delay))
+    arrivals = outputs_reach(inputs, pipeline)
     ended = {key: [None] * m for key in inputs}  # per (kind, stage): when its pass of each microbatch ended
     # Per stage, the same as plain lists, which the loop below reads without building keys:
     # when its forward (backward) of each microbatch ended, and the lists its needs are read from.
@@ -61,8 +56,8 @@ def list_schedule(p: int, m: int, v: int, costs: Costs, weights, cap: float, spl
     forward_cost = [costs.compute_time(Kind.F, s) for s in every_stage]
     backward_cost = [costs.compute_time(backward_kind, s) for s in every_stage]
     weight_cost = [costs.compute_time(Kind.W, s) for s in every_stage]
-    forward_reaches = [sorted(arrivals.get((Kind.F, s), ())) for s in every_stage]
-    backward_reaches = [sorted(arrivals.get((backward_kind, s), ())) for s in every_stage]
+    forward_reaches = [arrivals.get((Kind.F, s), ()) for s in every_stage]
+    backward_reaches = [arrivals.get((backward_kind, s), ()) for s in every_stage]
     next_forward, next_backward = [0] * n_stages, [0] * n_stages
     next_backward_run = [False] * p  # has the rank run a backward yet (its warm-up is over)
     held_back = [[] for _ in range(p)]  # (stage, microbatch) whose W waits
@@ -155,6 +150,17 @@ def list_schedule(p: int, m: int, v: int, costs: Costs, weights, cap: float, spl
                 stage, mb = held_back[rank].pop(0)
                 start(rank, Action(stage, Kind.W, mb), weight_cost[stage])
     return orders
+
+
+def outputs_reach(inputs: dict, pipeline: Schedule) -> dict:
+    """Per (kind, stage) whose output some pass needs: (the rank that needs it, how long after the
+    pass ends it is there), sorted, once each; the inversion of `inputs_of_passes`."""
+    rank_of = {stage: rank for rank in range(pipeline.n_ranks) for stage in pipeline.stages_of(rank)}
+    reaches = defaultdict(set)
+    for (_, consumer), needs in inputs.items():
+        for producer, delay in needs:
+            reaches[producer].add((rank_of[consumer], delay))
+    return {producer: sorted(ranks) for producer, ranks in reaches.items()}
 
 
 class _Needs(list):

@@ -28,7 +28,7 @@ import heapq
 import itertools
 from typing import Sequence
 
-from pplab.list_scheduling import empty_pipeline, inputs_of_passes
+from pplab.list_scheduling import empty_pipeline, inputs_of_passes, outputs_reach
 from pplab.schedules import Action, Kind, Schedule, ScheduleError, add_communication, validate
 from pplab.simulator import Costs, simulate
 
@@ -55,10 +55,7 @@ def heuristic_schedule(p: int, m: int, costs: Costs, memory_limit: float, extra_
     free_since = [0.0] * p
     orders = [[] for _ in range(p)]
     wakes = [(0.0, s) for s in range(p)]
-    reaches = {}
-    for (kind, consumer), needs in inputs.items():
-        for producer, delay in needs:
-            reaches.setdefault(producer, []).append((consumer, delay))
+    reaches = outputs_reach(inputs, pipeline)  # stage s is on rank s
 
     def arrival(kind, stage, mb):
         """When the inputs of (kind, stage, mb) are there; None while a producer has not started."""

@@ -24,11 +24,11 @@ def timeline_svg(measured: Timeline | None, predicted: Timeline | None = None,
     parts = [(t, t.label or "") for t in (predicted, measured) if t is not None and len(t)]
     if not parts:
         return "<div style='color:#888'>no events yet</div>"
-    until = max(t.end - t.start for t, _ in parts) or 1.0  # each drawn from its own start
+    parts = [(t.normalised(), label) for t, label in parts]
+    until = max(t.end for t, _ in parts) or 1.0
     scale = (width - LABEL_WIDTH - 8) / until
     shapes, y = [], 0
     for timeline, label in parts:
-        origin = timeline.start  # read once: on a plain timeline it is a min over the events
         shapes.append(f"<text x='0' y='{y + 12}' font-size='12' font-weight='bold'>{html.escape(label)}</text>")
         y += 18
         for rank in range(timeline.n_ranks):
@@ -36,7 +36,7 @@ def timeline_svg(measured: Timeline | None, predicted: Timeline | None = None,
             shapes.append(f"<rect x='{LABEL_WIDTH}' y='{y}' width='{until * scale:.1f}' height='{ROW - 4}' "
                           f"fill='{IDLE}'/>")
             for event in timeline.of_rank(rank):
-                shapes.append(_box(event, y, scale, colours, origin))
+                shapes.append(_box(event, y, scale, colours))
             y += ROW
         y += 6
     ticks = _ticks(until, scale, y)
@@ -44,8 +44,8 @@ def timeline_svg(measured: Timeline | None, predicted: Timeline | None = None,
             f"font-family='sans-serif'>{''.join(shapes)}{ticks}</svg>")
 
 
-def _box(event, y: float, scale: float, colours: dict[str, str], origin: float = 0.0) -> str:
-    x = LABEL_WIDTH + (event.start - origin) * scale
+def _box(event, y: float, scale: float, colours: dict[str, str]) -> str:
+    x = LABEL_WIDTH + event.start * scale
     w = max(event.duration * scale, 0.5)
     colour = colours.get(event.kind, "#999999")
     if event.is_comm:  # a thin strip under the row: time spent on the wire
