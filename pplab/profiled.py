@@ -17,10 +17,11 @@ with. Sends and receives are the process group's operators (`c10d::send`, `c10d:
 gloo's `gloo:send`/`gloo:recv` or NCCL's `record_param_comms` after them): each becomes a SEND or
 RECV event of the action it serves, so that a rank waiting for a message shows as waiting on
 the wire, as in pplab's own timelines. A trace with GPU activity (`gpu_user_annotation` spans of
-the same labels) is read on the device's time instead, since there the CPU only launches: compute
-from those spans, collectives from NCCL's kernels. NCCL's point-to-point kernel (`SendRecv`) does
-not say which way it goes, so on the device a wait for a message shows as idle time. (This path is
-written from Kineto's documented fields and has not yet been run on a GPU.)
+the same labels) is read on the device's time instead, since there the CPU only launches: an
+action is the span of the kernels launched while its label was open (by any thread: autograd
+launches a backward from its own), collectives are NCCL's kernels. NCCL's point-to-point kernel
+(`SendRecv`) does not say which way it goes, so on the device a wait for a message shows as idle
+time. Checked against a real trace of an H200 (bench/results/gpu_step_trace.json.gz).
 
 Clocks: Kineto writes every timestamp as microseconds after `baseTimeNanoseconds`, the host's
 wall clock, so ranks on one host share a clock. Across hosts (different `host_name`) the ranks
@@ -59,6 +60,8 @@ COLLECTIVES = {  # operator -> the Timeline's kind (None: a collective that move
 }
 _BACKEND_SPAN = re.compile(r"^(gloo|nccl):")  # the backend's own span, after the c10d operator's
 _COMPUTE_KINDS = {"F", "B", "I", "W"}
+_LAUNCHES = {"cuda_runtime", "cuda_driver"}  # the host's calls that queue device work (a correlation id)
+_DEVICE_WORK = {"kernel", "gpu_memcpy", "gpu_memset"}  # the device's work, with its launch's correlation id
 
 
 class TraceImportError(ValueError):
@@ -214,17 +217,48 @@ def _read_rank_trace(path: str) -> RankTrace:
             raise TraceImportError(f"{path}: no distributedInfo.rank in the trace and no 'rank<N>' in its "
                                    f"name: profile after init_process_group, or name the file by its rank")
         rank = int(named.group(1))
-    spans = []
+    spans, launches, device_work = [], {}, {}
     for raw in data["traceEvents"]:
         if raw.get("ph") != "X" or "ts" not in raw or "dur" not in raw:
             continue
-        start = float(raw["ts"])
+        start, name = float(raw["ts"]), raw.get("name", "")
         category = raw.get("cat", "")
-        spans.append(Span(raw.get("name", ""), start, start + float(raw["dur"]),
+        correlation = (raw.get("args") or {}).get("correlation")
+        if category in _LAUNCHES and correlation is not None:
+            launches[correlation] = start
+        elif category in _DEVICE_WORK and correlation is not None:
+            device_work[correlation] = (start, start + float(raw["dur"]))
+        if category == "gpu_user_annotation" and _is_action_label(name):
+            continue  # replaced by the work the action launched (_device_spans)
+        spans.append(Span(name, start, start + float(raw["dur"]),
                           device=category in ("kernel", "gpu_user_annotation", "gpu_memcpy")))
+    spans += _device_spans(spans, launches, device_work)
     spans.sort(key=lambda span: (span.start, -span.end))
     return RankTrace(path, int(rank), info.get("world_size"), str(data.get("host_name", "")),
                      float(data.get("baseTimeNanoseconds", 0)) / 1e3, spans)
+
+
+def _is_action_label(name: str) -> bool:
+    return bool(PP_LABEL.match(name) or GPIPE_LABEL.match(name) or OVERLAP_LABEL.match(name))
+
+
+def _device_spans(spans: list[Span], launches: dict, device_work: dict) -> list[Span]:
+    """Each action label's span on the device: from the first to the last kernel (or copy) launched
+    while the label was open, by any thread of the rank. Kineto's own device copy of a label
+    (`gpu_user_annotation`) covers only what the labelling thread launched, and autograd launches
+    a backward's kernels from its device thread: on a real GPU trace every B was 1 us long."""
+    launched = sorted((launches[key], *work) for key, work in device_work.items() if key in launches)
+    launch_times = [launch for launch, _, _ in launched]
+    found = []
+    for span in spans:
+        if span.device or not _is_action_label(span.name):
+            continue
+        inside = launched[bisect.bisect_left(launch_times, span.start):
+                          bisect.bisect_right(launch_times, span.end)]
+        if inside:
+            found.append(Span(span.name, min(start for _, start, _ in inside),
+                              max(end for _, _, end in inside), device=True))
+    return found
 
 
 def _check_ranks(traces: list[RankTrace]) -> None:
@@ -298,7 +332,8 @@ def _step_windows(trace: RankTrace) -> list[tuple[float, float, bool]]:
             f"Schedule1F1B writes none, and pplab will not guess its actions from the operators' order: "
             f"profile it through pplab (lab.pipeline(..., impl='torch') labels it), or wrap its stage's "
             f"forward_one_chunk/backward_one_chunk in record_function('PP:<stage>F<mb>') yourself")
-    steps = sorted((span.start, span.end) for span in trace.spans if STEP_LABEL.match(span.name))
+    steps = sorted((span.start, span.end) for span in trace.spans
+                   if STEP_LABEL.match(span.name) and not span.device)
     steps = [window for window in steps
              if any(window[0] <= span.start and span.end <= window[1] for span, _ in actions)]
     if steps:

@@ -243,3 +243,24 @@ def test_a_trace_of_no_pipeline_is_refused(tmp_path):
         from_profiler(tmp_path / "notes.json")
     with pytest.raises(TraceImportError, match="no such file or folder"):
         from_profiler(tmp_path / "nothing-here")
+
+
+GPU_TRACE = Path(__file__).parent.parent / "bench" / "results" / "gpu_step_trace.json.gz"
+
+
+@pytest.mark.quick
+def test_a_real_gpu_trace_reads_each_action_as_the_device_work_it_launched():
+    """A step of 1f1b on one H200 rank (bench/bench_gpu.py). autograd launches a backward's kernels
+    from its own thread, so Kineto's device copy of the `PP:0B0` label is 1 us long; read from the
+    kernels launched while the label was open, every backward is as long as its label says."""
+    run = read_profiler_traces(GPU_TRACE)
+    events = run.timeline.events
+    assert run.labels == "device labels"
+    assert [(e.kind, e.microbatch) for e in events] == [(kind, mb) for mb in range(4) for kind in "FB"]
+    trace = json.loads(gzip.open(GPU_TRACE, "rt").read())
+    host_labels = {e["name"]: e["dur"] / 1e6 for e in trace["traceEvents"]
+                   if e.get("cat") == "user_annotation" and e["name"].startswith("PP:")}
+    for event in events:  # the device's part of each action, within its host label
+        label = host_labels[f"PP:0{event.kind}{event.microbatch}"]
+        assert 0.9 * label < event.end - event.start <= label + 1e-4
+    assert run.timeline.bubble_fraction() < 0.05  # one rank, no waits: the actions fill the step
