@@ -15,14 +15,19 @@
    the hop's late receive; the buffered prediction beside it. Reported: the median error over
    the runs and its range. Goals: real mode within 10 %, timing mode within 5 %, memory 1 %.
 
-Run: python bench/bench_predict.py   (about five minutes)
+   All of 1 and 3 twice: with the ranks placed by the kernel (free, the default) and with each
+   rank's threads kept on a core of its own (pinned: `RankPool(2, cores=[0, 1])`).
+
+Run: python bench/bench_predict.py [--placements free pinned] [--output PATH]   (about ten minutes)
 Writes bench/results/predict.json.
 """
 
 from __future__ import annotations
 
+import argparse
 import datetime
 import json
+import os
 import platform
 import statistics
 import time
@@ -68,17 +73,17 @@ def split_backward() -> dict:
                 met={label: all(r["ratio"] <= 1.10 for r in stage_rows) for label, stage_rows in rows.items()})
 
 
-def real_runs(pool: pplab.RankPool, link: dict) -> dict:
-    """Real mode and timing mode, ROUNDS rounds each (the schedules interleaved in every round, so
+def real_runs(pool: pplab.RankPool, link: dict, modes=("real", "timing"), rounds: int = ROUNDS) -> dict:
+    """Real mode and timing mode, `rounds` rounds each (the schedules interleaved in every round, so
     that a machine getting busier affects all alike): per round the median step of STEPS steps,
     against the prediction on a buffered link and on the link `with_link` measured."""
     profiles = {v: profile(CONFIG, MICROBATCH_SIZE, SEQ_LEN, 2 * v, show=False).with_link(link) for v in (1, 2)}
     buffered = {v: replace(p, link="buffered") for v, p in profiles.items()}
     batch = next(batches(MICROBATCH_SIZE * MICROBATCHES, SEQ_LEN))
-    modes = {"real": None, "timing": TIMING}
+    modes = {mode: timing for mode, timing in {"real": None, "timing": TIMING}.items() if mode in modes}
     measured = {mode: {name: [] for name, _ in SCHEDULES} for mode in modes}
     peaks, schedules = {}, {}
-    for _ in range(ROUNDS):
+    for _ in range(rounds):
         for mode, timing in modes.items():
             for name, v in SCHEDULES:
                 with pool.pipeline(CONFIG, name, MICROBATCHES, v, timing=timing) as pipe:
@@ -115,43 +120,56 @@ def real_runs(pool: pplab.RankPool, link: dict) -> dict:
         report[mode] = dict(schedules=rows, goal=f"median step time within {goal:.0%} of the prediction",
                             met=all(abs(r["time_error"]["median"]) <= goal for r in rows.values()))
     report["link"] = dict(link=profiles[1].link, latency_s=profiles[1].latency, send_s=profiles[1].send_cost)
-    report["real"]["memory_met"] = all(r["memory_error"] <= 0.01 for r in report["real"]["schedules"].values())
+    if "real" in report:
+        report["real"]["memory_met"] = all(r["memory_error"] <= 0.01 for r in report["real"]["schedules"].values())
     report["profile"] = str(profiles[1])
     return report
 
 
 def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--placements", nargs="+", choices=("free", "pinned"), default=["free", "pinned"])
+    parser.add_argument("--output", default=str(RESULTS))
+    parser.add_argument("--modes", nargs="+", choices=("real", "timing"), default=["real", "timing"])
+    parser.add_argument("--rounds", type=int, default=ROUNDS)
+    args = parser.parse_args()
     started = time.perf_counter()
     torch.set_num_threads(1)
     report = {"when": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
               "machine": platform.platform(), "torch": torch.__version__,
               "microbatch_size": MICROBATCH_SIZE, "seq_len": SEQ_LEN, "microbatches": MICROBATCHES}
-    with pplab.RankPool(2) as pool:  # the ranks of the hop and of the real runs, started once
-        report["hop"] = hop(pool)
-        for nbytes, row in report["hop"]["rows"].items():
-            print(f"hop of {int(nbytes) / 1024:.0f} KiB: pplab {row['pplab_s'] * 1e6:.0f} us, bare "
-                  f"{row['bare_s'] * 1e6:.0f} us, ratio {row['ratio']:.2f} (goal <= 1.3); posting a send "
-                  f"{row['send_s'] * 1e6:.0f} us")
-        report["split_backward"] = split_backward()
-        for label, rows in report["split_backward"]["rows"].items():
-            print(f"(I + W) / B, {label}: " + ", ".join(f"stage {r['stage']} {r['ratio']:.2f}" for r in rows))
-        link = report["hop"]["rows"][str(report["hop"]["activation_bytes"])]
-        report["runs"] = real_runs(pool, {"pplab": link["pplab_s"], "send": link["send_s"],
-                                          "late_receive": link["late_receive_s"]})
-    print(f"link: {report['runs']['link']}")
-    for mode in ("real", "timing"):
-        for name, row in report["runs"][mode]["schedules"].items():
-            error = row["time_error"]
-            print(f"{mode:6s} {name:17s} step measured {statistics.median(row['measured_step_s']) * 1e3:6.1f} ms, "
-                  f"predicted {row['predicted_step_s'] * 1e3:6.1f} ms: {error['median']:+.1%} "
-                  f"[{error['low']:+.1%}, {error['high']:+.1%}] over {ROUNDS} runs (buffered link: "
-                  f"{row['time_error_buffered']:+.1%})" + (f"; activations {row['memory_error']:.1%} off"
-                                                           if "memory_error" in row else ""))
-        print(f"{mode}: {report['runs'][mode]['goal']}: {'met' if report['runs'][mode]['met'] else 'NOT met'}")
+    report["split_backward"] = split_backward()
+    for label, rows in report["split_backward"]["rows"].items():
+        print(f"(I + W) / B, {label}: " + ", ".join(f"stage {r['stage']} {r['ratio']:.2f}" for r in rows))
+    # The ranks placed by the kernel (the default), and each kept on a core of its own (pplab.drivers.cores)
+    placements = {"free": None, "pinned": sorted(os.sched_getaffinity(0))[:2]}
+    for placement in args.placements:
+        cores = placements[placement]
+        with pplab.RankPool(2, cores=cores) as pool:  # the ranks of the hop and of the real runs, started once
+            hop_report = hop(pool)
+            for nbytes, row in hop_report["rows"].items():
+                print(f"{placement}: hop of {int(nbytes) / 1024:.0f} KiB: pplab {row['pplab_s'] * 1e6:.0f} us, bare "
+                      f"{row['bare_s'] * 1e6:.0f} us, ratio {row['ratio']:.2f} (goal <= 1.3); posting a send "
+                      f"{row['send_s'] * 1e6:.0f} us")
+            link = hop_report["rows"][str(hop_report["activation_bytes"])]
+            runs = real_runs(pool, {"pplab": link["pplab_s"], "send": link["send_s"],
+                                    "late_receive": link["late_receive_s"]}, args.modes, args.rounds)
+        report[placement] = {"cores": cores, "hop": hop_report, "runs": runs}
+        print(f"{placement}: link: {runs['link']}")
+        for mode in args.modes:
+            for name, row in runs[mode]["schedules"].items():
+                error = row["time_error"]
+                print(f"{placement} {mode:6s} {name:17s} step measured {statistics.median(row['measured_step_s']) * 1e3:6.1f}"
+                      f" ms, predicted {row['predicted_step_s'] * 1e3:6.1f} ms: {error['median']:+.1%} "
+                      f"[{error['low']:+.1%}, {error['high']:+.1%}] over {args.rounds} runs (buffered link: "
+                      f"{row['time_error_buffered']:+.1%})" + (f"; activations {row['memory_error']:.1%} off"
+                                                               if "memory_error" in row else ""))
+            print(f"{placement} {mode}: {runs[mode]['goal']}: {'met' if runs[mode]['met'] else 'NOT met'}")
     report["seconds"] = round(time.perf_counter() - started, 1)
-    RESULTS.parent.mkdir(exist_ok=True)
-    RESULTS.write_text(json.dumps(report, indent=2) + "\n")
-    print(f"wrote {RESULTS}")
+    output = Path(args.output)
+    output.parent.mkdir(exist_ok=True)
+    output.write_text(json.dumps(report, indent=2) + "\n")
+    print(f"wrote {output}")
 
 
 if __name__ == "__main__":

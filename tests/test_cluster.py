@@ -9,6 +9,7 @@ from __future__ import annotations
 import _thread
 import contextlib
 import json
+import re
 import os
 import signal
 import subprocess
@@ -173,6 +174,7 @@ def all_gone(pids, within=10.0):
                  marks=pytest.mark.skipif(torch.cuda.device_count() >= 2, reason="has 2 GPUs")),
     ({"n_ranks": 2, "op_timeout": 0}, "op_timeout=0"),
     ({"n_ranks": 2, "threads": 0}, "threads=0"),
+    ({"n_ranks": 2, "cores": [0, 0]}, "give distinct core numbers, one per rank"),
 ])
 def test_bad_arguments_are_rejected_before_anything_starts(arguments, named, ipython_dir):
     from conftest import lab_processes
@@ -442,12 +444,39 @@ def test_engines_started_one_process_each_without_the_fork_server(lab_factory):
     assert all_gone(pids)
 
 
+def thread_cores() -> list[list[int]]:
+    """The cores each thread of this process may run on (gloo's transport threads included)."""
+    import os
+
+    return sorted({tuple(sorted(os.sched_getaffinity(int(t)))) for t in os.listdir("/proc/self/task")})
+
+
+TWO_CORES = pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="pinning 2 ranks needs 2 cores")
+
+
+@TWO_CORES
 @pytest.mark.timeout(120)
-def test_a_lab_used_as_a_context_manager_stops_at_the_end(ipython_dir):
-    with pplab.Lab(n_ranks=2, device="cpu", verbose=False) as lab:
+def test_a_lab_used_as_a_context_manager_stops_at_the_end_and_its_ranks_kept_their_cores(ipython_dir):
+    cores = sorted(os.sched_getaffinity(0))[:2][::-1]  # reversed: rank 0 on the second core
+    with pplab.Lab(n_ranks=2, device="cpu", cores=cores, verbose=False) as lab:
         pids = [row.pid for row in lab.status()]
         assert_healthy(lab)
+        assert lab.run(thread_cores) == [[(cores[0],)], [(cores[1],)]]
     assert all_gone(pids)
+
+
+@TWO_CORES
+def test_a_pools_ranks_keep_their_cores_and_bad_cores_are_refused_before_starting():
+    cores = sorted(os.sched_getaffinity(0))[:2][::-1]
+    with pplab.RankPool(2, cores=cores) as pool:
+        assert pool.run(thread_cores) == [[(cores[0],)], [(cores[1],)]]
+    allowed = sorted(os.sched_getaffinity(0))
+    for bad, said in ((cores[:1], r"names 1 core\(s\) for 2 ranks: give one per rank"),
+                      ([cores[0]] * 2, "give distinct core numbers"),
+                      ([allowed[0], 4096], re.escape(f"this process may run on cores {allowed}, not on [4096]")),
+                      ("0,1", "give one core number per rank")):
+        with pytest.raises(ValueError, match=said):
+            pplab.RankPool(2, cores=bad)
 
 
 @pytest.mark.timeout(120)

@@ -37,9 +37,11 @@ import time
 import traceback
 import weakref
 from datetime import timedelta
+from collections.abc import Sequence
 from multiprocessing import connection
 
 from pplab.arguments import check_positive_int, check_positive_seconds
+from pplab.drivers.cores import check_cores, pin_this_process
 from pplab.rank.rank_context import RankContext, RankError, RankEvent, StillRunning, rank_context, set_rank_context
 
 
@@ -109,9 +111,12 @@ class _Rendezvous:
         shutil.rmtree(self.directory, ignore_errors=True)
 
 
-def _join_group(rank: int, world_size: int, rendezvous: str, backend: str, op_timeout: float):
-    """Make this fresh process rank `rank` of a process group on this host; its device."""
+def _join_group(rank: int, world_size: int, rendezvous: str, backend: str, op_timeout: float,
+                core: int | None = None):
+    """Make this fresh process rank `rank` of a process group on this host (on `core`, if given); its device."""
     os.environ.update(GLOO_SOCKET_IFNAME="lo", OMP_NUM_THREADS="1")
+    if core is not None:  # before the backend starts its threads: they inherit it
+        pin_this_process(core)
     import torch
     import torch.distributed as dist
 
@@ -243,7 +248,7 @@ def one_line(ename: str, evalue: str) -> str:
 _STOP = b""  # what a pool sends a rank to make it leave
 
 
-def _pool_rank_main(rank, world_size, rendezvous, backend, op_timeout, link):
+def _pool_rank_main(rank, world_size, rendezvous, backend, op_timeout, link, core=None):
     """A pool's rank: join the group once, then run each call sent, until told to stop."""
     lock = threading.Lock()  # the call's thread and its feed's thread both send
 
@@ -252,7 +257,7 @@ def _pool_rank_main(rank, world_size, rendezvous, backend, op_timeout, link):
             link.send(message)
 
     try:
-        device = _join_group(rank, world_size, rendezvous, backend, op_timeout)
+        device = _join_group(rank, world_size, rendezvous, backend, op_timeout, core)
     except BaseException as error:
         send(None, "error", error_report(error))
         raise SystemExit(1)
@@ -298,16 +303,18 @@ class RankPool:
     """
 
     def __init__(self, n_ranks: int, *, backend: str = "gloo", timeout: float = 120.0,
-                 op_timeout: float = 30.0, grace: float = 3.0):
+                 op_timeout: float = 30.0, grace: float = 3.0, cores: Sequence[int] | None = None):
         """`timeout`: how long a call may take (the default of `run(..., timeout=)`); `op_timeout`:
         how long ONE wait between ranks may take (joining the group, a collective, a P2P op).
+        `cores`: one core per rank to keep its threads on (e.g. [0, 1]; default: none, the kernel
+        places them; see pplab.drivers.cores for when pinning pays).
 
         `pool.world_size` is `n_ranks` (torch.distributed's word for the number of ranks).
         """
         check_positive_int("n_ranks", n_ranks)
         check_positive_seconds("timeout", timeout)
         check_positive_seconds("op_timeout", op_timeout)
-        self.world_size, self.backend = n_ranks, backend
+        self.world_size, self.backend, self.cores = n_ranks, backend, check_cores(cores, n_ranks)
         self.timeout, self.op_timeout, self.grace = timeout, op_timeout, grace
         self._context = process_context()
         self._processes: list = []
@@ -398,7 +405,8 @@ class RankPool:
         self._rendezvous, links = _Rendezvous(), [self._context.Pipe() for _ in range(self.world_size)]
         self._processes = [self._context.Process(
             target=_pool_rank_main, daemon=True, name=f"pplab-rank-{rank}",
-            args=(rank, self.world_size, self._rendezvous.url, self.backend, self.op_timeout, links[rank][1]))
+            args=(rank, self.world_size, self._rendezvous.url, self.backend, self.op_timeout, links[rank][1],
+                  self.cores[rank] if self.cores else None))
             for rank in range(self.world_size)]
         for process in self._processes:
             process.start()

@@ -25,6 +25,7 @@ import torch.distributed as dist
 from pplab.comm import PipelineTimeoutError
 from pplab.drivers.cluster.gloo_adapter import gloo_transport_failed
 from pplab.drivers.cluster.plan import RankSpec
+from pplab.drivers.cores import pin_this_process
 from pplab.drivers.local import free_port
 from pplab.rank.rank_context import RankContext, publish, set_rank_context
 
@@ -82,6 +83,8 @@ def setup_rank(spec: RankSpec) -> dict:
     for entry in reversed(spec.sys_path):
         if entry not in sys.path:
             sys.path.insert(0, entry)  # so functions from the notebook's own modules import here
+    if spec.core is not None:
+        pin_this_process(spec.core)  # before the backend starts its threads: they inherit it
     if spec.threads is not None:
         torch.set_num_threads(spec.threads)
     if spec.gloo_ifname:

@@ -33,6 +33,7 @@ from pplab.drivers.cluster.launchers import ConnectedCluster, LocalCluster
 from pplab.drivers.cluster.plan import (RankSpec, assign_ranks, check_gpus, check_threads, choose_backend_device,
                                 local_ranks, loopback_interface)
 from pplab.drivers.cluster.status import RankGroup, RankInfo, RankTable
+from pplab.drivers.cores import check_cores
 from pplab.rank.rank_context import RankEvent
 
 TEARDOWN_SECONDS = 5.0
@@ -124,7 +125,8 @@ class Lab:
                  op_timeout: float = 60.0, threads: int | None = 1, grace: float = 3.0,
                  start_timeout: float = 120.0, controller_ip: str = "127.0.0.1",
                  fork: bool | None = None, profile_dir: str | None = None,
-                 gpus: Sequence[int] | None = None, activate: bool = True, verbose: bool = True):
+                 gpus: Sequence[int] | None = None, cores: Sequence[int] | None = None,
+                 activate: bool = True, verbose: bool = True):
         """Start a local lab: a controller and `n_ranks` engines joined in one process group.
 
         op_timeout: seconds ONE wait between ranks (a rendezvous, a collective, a P2P op) may take
@@ -135,6 +137,8 @@ class Lab:
         fork: start engines by forking one process that imported torch (default on Linux).
         gpus: the CUDA devices of the ranks, one per rank (e.g. [2, 3]: each attendee of a
             workshop its own; see pplab.cluster.gpus_for_seat); default: 0..n_ranks-1 if there are enough.
+        cores: one core per rank to keep its threads on (e.g. [0, 1]), where every rank can have a core
+            of its own; default: none (see pplab.drivers.cores for when pinning pays).
         """
         check_positive_int("n_ranks", n_ranks, example=2)
         self._configure(n_ranks=n_ranks, backend=backend, device=device, op_timeout=op_timeout,
@@ -145,6 +149,7 @@ class Lab:
 
             self._gpus = check_gpus(gpus, n_ranks, device, torch.cuda.device_count())
             self._requested["device"] = device = "cuda"
+        self._cores = check_cores(cores, n_ranks)
         # Reject a forced backend/device this host cannot honour before starting anything.
         here = socket.gethostname()
         choose_backend_device(backend, device, {here: _local_gpu_count(backend, device)},
@@ -193,6 +198,7 @@ class Lab:
         self._activate = activate
         self._verbose = verbose
         self._gpus: tuple[int, ...] | None = None  # the ranks' CUDA devices, if chosen
+        self._cores: tuple[int, ...] | None = None  # the ranks' cores, if pinned
         self._view = None
         self._ranks = RankGroup([], {})
         self._last_call: RankCall | None = None
@@ -301,7 +307,8 @@ class Lab:
         sys_path = tuple(sys.path)  # engines import what the notebook can (missing dirs are skipped)
         specs = [RankSpec(rank, len(order), local_rank, local_size, self.backend, self.device,
                           rendezvous, self.op_timeout, self._launcher.threads_per_rank(self.threads),
-                          gloo_ifname, sys_path, self._gpus[rank] if self._gpus else None)
+                          gloo_ifname, sys_path, self._gpus[rank] if self._gpus else None,
+                          self._cores[rank] if self._cores else None)
                  for rank, (local_rank, local_size) in enumerate(local_ranks(hosts))]
         joining = ipp.AsyncResult.join(*[self.client[engine_id].apply_async(engine.setup_rank, spec)
                                          for engine_id, spec in zip(order, specs)])

@@ -31,6 +31,7 @@ class RankSpec:
     gloo_ifname: str | None  # network interface for gloo/NCCL sockets; None lets them choose
     sys_path: tuple[str, ...] = ()  # entries of the client's sys.path to add on the engine
     gpu: int | None = None  # the CUDA device of this rank (default: its local rank)
+    core: int | None = None  # the core its threads stay on (default: none, the kernel places them)
 
 
 def check_threads(threads: object) -> int | None:
