@@ -94,6 +94,7 @@ def test_memory_view_draws_every_rank_and_the_loss_curve():
 def test_what_if_sliders_redraw_the_simulation():
     panel = WhatIf("zb-h1", n_ranks=4, n_microbatches=8)
     assert panel.bubble == pytest.approx(simulate(build("zb-h1", 4, 8)).bubble_fraction())
+    assert panel.weight_share.layout.display is None  # zb-h1 splits B: W's share is a lever
     draws = panel.draws
     panel.stage.value = "stage 3"
     panel.forward.value = 3.0  # a slow last stage
@@ -103,6 +104,7 @@ def test_what_if_sliders_redraw_the_simulation():
     assert "runs one stage per rank" in panel.numbers.value
     panel.schedule_name.value = "interleaved-1f1b"
     assert panel.timeline.n_ranks == 4 and "simulated" in panel.numbers.value
+    assert panel.weight_share.layout.display == "none"  # a whole B: the slider would change nothing
 
 
 def test_what_if_starts_from_the_costs_a_measured_run_shows():

@@ -158,6 +158,75 @@ def _role_hint(role: str) -> str:
 
 # --- 3 · send and receive, with gradients (a 2-rank lab) ------------------------------------------
 
+MESSAGES = "pplab-exercise-messages"  # the tag of what a rank publishes about the learner's messages
+
+
+class _MessagesWatched:
+    """The learner's sends and receives on this rank (`dist.send`, `recv`, `isend`, `irecv` and the
+    waits on their works). Before each wait the rank publishes what it sent so far and what it now
+    waits for, so that when a run fails the checker can say what every rank was doing, also a rank
+    still stuck in its wait. torch.distributed's own functions do the work; this only notes the calls."""
+
+    NAMES = ("send", "recv", "isend", "irecv")
+
+    def __init__(self):
+        self.sent: list[str] = []
+
+    def __enter__(self):
+        import torch.distributed as dist
+
+        self.originals = {name: getattr(dist, name) for name in self.NAMES}
+        for name, original in self.originals.items():
+            setattr(dist, name, self._watched(name, original))
+        return self
+
+    def __exit__(self, kind, error, trace):
+        import torch.distributed as dist
+
+        for name, original in self.originals.items():
+            setattr(dist, name, original)
+        if error is None:
+            self.note(None, finished=True)
+
+    def note(self, waiting: str | None, finished: bool = False) -> None:
+        from pplab.rank.rank_context import publish
+
+        sent = ", ".join(self.sent) or "nothing"
+        doing = "returned" if finished else f"was waiting in {waiting}"
+        publish((MESSAGES, f"sent {sent}, and {doing}"))
+
+    def waits(self, what: str, wait, sends: bool):
+        self.note(what)
+        result = wait()
+        if sends:
+            self.sent.append(what)
+        return result
+
+    def _watched(self, name, original):
+        def call(tensor, *args, **kwargs):
+            peer = kwargs.get("dst", kwargs.get("src", args[0] if args else None))
+            given = f"a {list(tensor.shape)} tensor" if hasattr(tensor, "shape") else repr(tensor)
+            what = f"dist.{name}({'dst' if 'send' in name else 'src'}={peer}) of {given}"
+            if name in ("isend", "irecv"):
+                return _WatchedWork(original(tensor, *args, **kwargs), self, what, sends=name == "isend")
+            return self.waits(what, lambda: original(tensor, *args, **kwargs), sends=name == "send")
+        return call
+
+
+class _WatchedWork:
+    """A work of isend/irecv whose wait() is noted."""
+
+    def __init__(self, work, watched: _MessagesWatched, what: str, sends: bool):
+        self._work, self._watched, self._what, self._sends = work, watched, what, sends
+
+    def wait(self, *args, **kwargs):
+        return self._watched.waits(f"the wait() of {self._what}", lambda: self._work.wait(*args, **kwargs),
+                                   self._sends)
+
+    def __getattr__(self, name):
+        return getattr(self._work, name)
+
+
 def _forward_backward_on_rank(forward_backward, config, batch) -> dict:
     from pplab.rank.rank_context import rank_context
     from pplab.partition import build_stage
@@ -165,7 +234,8 @@ def _forward_backward_on_rank(forward_backward, config, batch) -> dict:
     rank = rank_context().rank
     stage = build_stage(config, rank, 2)
     tokens, targets = batch
-    loss = forward_backward(stage, rank, tokens, targets)
+    with _MessagesWatched():
+        loss = forward_backward(stage, rank, tokens, targets)
     return {"loss": None if loss is None else float(loss),
             "grads": {n: None if p.grad is None else p.grad.clone() for n, p in stage.named_parameters()}}
 
@@ -218,41 +288,66 @@ def _run_on_lab(lab, name: str, on_rank, learner_code, *args):
     if lab.device != "cpu":
         return Verdict(name, False, f"this exercise's tensors live on the CPU, but the lab runs on "
                                     f"{lab.device}: start it with pplab.Lab(n_ranks=2, device='cpu')")
+    call = None
     try:
         imports, shared = _globals_used(learner_code)
         lab.run(_bind_on_rank, imports)
         if shared:
             lab.view.push(shared, block=True)
-        return lab.run(on_rank, learner_code, *args, timeout=lab.op_timeout + 60)
+        call = lab.run_async(on_rank, learner_code, *args, timeout=lab.op_timeout + 60)
+        return call.result()
     except LabError as error:
         if getattr(error, "ename", "") == "NotImplementedError":
             _restart_if_needed(lab)
             return Verdict(name, False, NOT_WRITTEN)
-        lines = [line for line in error.summary.splitlines() if line.strip()]
-        said = "\n".join(lines[:3])
+        # The first lines say who raised what, in the learner's function (not the checker's, on the
+        # ranks); what every rank did with its messages follows, from what the ranks published.
+        said = "\n".join(line.replace(f"{on_rank.__name__}()", f"your {learner_code.__name__}()")
+                         for line in error.summary.splitlines()[:2] if line.strip())
         every_error = {rank: str(remote) for rank, remote in lab.last_errors.items()}
         waited = sorted(rank for rank, text in every_error.items() if "timed out" in text.lower())
-        hint = ""
+        messages = _messages_of_every_rank(call, lab.world_size)
         if waited:  # gloo's words for a receive that gave up; the other side's error follows from it
-            others = sorted(set(every_error) - set(waited))
-            said = (f"rank{'s' if len(waited) > 1 else ''} {', '.join(map(str, waited))} waited "
-                    f"{lab.op_timeout:g} s for a message that never came"
-                    + (f"; then rank{'s' if len(others) > 1 else ''} {', '.join(map(str, others))} lost "
-                       f"the connection" if others else "") + ".")
+            said = f"a wait gave up after the lab's op_timeout of {lab.op_timeout:g} s" + \
+                (f":\n{messages}" if messages else ".")
+        elif messages:
+            said += f"\nThe ranks' messages by then:\n{messages}"
+        hint = ""
+        if waited:
             hint = ("\nIf both ranks receive first, neither sends: a deadlock; let one side send first. "
                     "If only one rank waited, its peer never sent what it expected: check each send's dst "
                     "and each receive's src, and that every message has its partner.")
-        elif "NoneType" in said:
+        elif "NoneType" in said or " of None" in said:
             hint = ("\nSomething was None: a received activation has no .grad unless it requires grad "
                     "(x.requires_grad_()) before the stage runs on it.")
         restarted = _restart_if_needed(lab)
         return Verdict(name, False, f"{said}{hint}" + ("\n(The lab was restarted for your next try.)" if restarted else ""))
 
 
+def _messages_of_every_rank(call, world_size: int) -> str:
+    """'rank 0 sent nothing, and was waiting in dist.recv(src=1) of a [2, 16, 64] tensor\nrank 1 ...', from
+    the last state each rank published (see _MessagesWatched); '' where no rank said anything."""
+    if call is None:
+        return ""
+    try:
+        call.wait_for_events(1.0)  # what a rank published just before it failed may trail its error
+    except Exception:  # noqa: BLE001 - a call that never reached the ranks has nothing to wait for
+        pass
+    last = {event.rank: event.payload[1] for event in call.poll_events()
+            if isinstance(event.payload, tuple) and event.payload[:1] == (MESSAGES,)}
+    if not last:
+        return ""
+    return "\n".join(f"rank {rank} {last.get(rank, 'sent and received nothing')}"
+                              for rank in range(world_size))
+
+
 def _restart_if_needed(lab) -> bool:
     """Give the learner a working lab for the next try; True if it had to be restarted."""
     if lab.state == "running":
         return False
+    # A restart takes seconds (the stuck ranks are killed, fresh ones join): say why the verdict waits.
+    print("pplab: your code failed on the ranks; restarting the lab for your next try, the verdict follows ...",
+          flush=True)
     lab.restart()
     return True
 
