@@ -383,6 +383,63 @@ def cleanup(args: argparse.Namespace) -> int:
     return 0
 
 
+def room_command(args: argparse.Namespace) -> int:
+    """Serve the room (every attendee's lab and exercise verdicts, pplab.room) as a page on loopback."""
+    import http.server
+    import json as json_module
+
+    import pplab.room as room
+    from pplab.views.exercises import EXERCISES
+
+    room.read_room(args.folder)  # a wrong folder is said now, before anything listens
+
+    class RoomPage(http.server.BaseHTTPRequestHandler):
+        def do_GET(self):  # noqa: N802 - http.server's name
+            seats = room.read_room(args.folder)
+            if self.path == "/room.json":
+                body, kind = json_module.dumps([vars(seat) | {"state": seat.state} for seat in seats]), \
+                    "application/json"
+            elif self.path == "/":
+                body, kind = _room_page(seats, EXERCISES, args.folder, args.refresh), "text/html; charset=utf-8"
+            else:
+                self.send_error(404, "the room is at / (and /room.json)")
+                return
+            data = body.encode()
+            self.send_response(200)
+            self.send_header("Content-Type", kind)
+            self.send_header("Content-Length", str(len(data)))
+            self.end_headers()
+            self.wfile.write(data)
+
+        def log_message(self, *_):  # one line per reload would drown the terminal
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", args.port), RoomPage)
+    print(f"pplab room: {args.folder} at http://127.0.0.1:{server.server_address[1]}/ (loopback only; "
+          f"from a laptop: ssh -L {server.server_address[1]}:127.0.0.1:{server.server_address[1]} this server). "
+          f"Ctrl-C stops it.", flush=True)
+    try:
+        server.serve_forever()
+    except KeyboardInterrupt:
+        pass
+    finally:
+        server.server_close()
+    return 0
+
+
+def _room_page(seats, exercises, folder, refresh: float) -> str:
+    import html as html_module
+
+    import pplab.room as room
+
+    return (f"<!doctype html><html><head><meta charset='utf-8'><meta http-equiv='refresh' content='{refresh:g}'>"
+            f"<title>pplab room</title><style>body{{font-family:sans-serif;margin:20px}}"
+            f"table{{border-collapse:collapse}}td,th{{border:1px solid #ddd;padding:4px 10px;text-align:left}}"
+            f"</style></head><body><h2>pplab room: {html_module.escape(str(folder))}</h2>"
+            f"<p>{html_module.escape(room.room_summary(seats))} (re-read every {refresh:g} s)</p>"
+            f"{room.room_table_html(seats, exercises)}</body></html>")
+
+
 def _positive_int(text: str) -> int:
     """An option's whole number >= 1, or argparse's error naming the value."""
     try:
@@ -582,6 +639,16 @@ def build_parser() -> argparse.ArgumentParser:
                              help="which of the traces' steps (0 = the first; default -1, the last)")
     run_analyze.add_argument("--out", default="pplab-analysis", help="folder for the picture, trace and report")
     run_analyze.set_defaults(handler=analyze_command)
+    run_room = commands.add_parser(
+        "room", help="an instructor's page of the room: every attendee's lab and exercise verdicts",
+        description="Serve, on loopback, a page listing every attendee's lab (seat, device, GPUs, ranks, "
+                    "running or dead, last activity) and exercise verdicts, from what the labs and checkers "
+                    "write to the folder the attendees have as PPLAB_ROOM (docs/instructor.md).")
+    run_room.add_argument("folder", help="the room's folder (the attendees' PPLAB_ROOM)")
+    run_room.add_argument("--port", type=int, default=8765, help="loopback port (default 8765; 0: any free one)")
+    run_room.add_argument("--refresh", type=functools.partial(_number, positive=True), default=3.0,
+                          help="seconds between the page's reloads (default 3)")
+    run_room.set_defaults(handler=room_command)
     run_cleanup = commands.add_parser("cleanup", help="stop lab clusters left by killed kernels")
     run_cleanup.add_argument("--force", action="store_true", help="also stop labs of running kernels")
     run_cleanup.set_defaults(handler=cleanup)

@@ -86,10 +86,17 @@ def test_stop_ends_a_background_run_after_the_current_step(lab2):
 def test_changing_a_control_rebuilds_on_the_ranks_and_bad_sizes_are_said(lab2):
     dashboard = lab2.pipeline(CONFIG, schedule="1f1b", n_microbatches=4).dashboard()
     try:
+        dashboard.run_steps(2)  # 1f1b's steps: the rebuild must forget them
         dashboard.schedule_name.value = "gpipe"
         assert dashboard.pipe.schedule.name == "gpipe" and dashboard.pipe.schedule.n_microbatches == 4
+        assert "rebuilt: gpipe, 4 microbatches, 1 stage per rank, impl=pplab" in dashboard.status.value
+        assert dashboard.timeline.history == [] and dashboard.bubbles.rows == []
+        assert "the new schedule, before its first step" in dashboard.timeline.caption.value
         (result,) = dashboard.run_steps(1)
         assert result.timeline.n_ranks == 2
+        # One step of the new schedule: one in the step picker, one in the caption, one bubble row
+        assert [label for label, _ in dashboard.timeline.picker.options] == ["1"]
+        assert dashboard.timeline.caption.value.startswith("step 1") and len(dashboard.bubbles.rows) == 1
         before = dashboard.pipe
         dashboard.n_virtual.value = 2  # gpipe runs one stage per rank
         assert dashboard.pipe is before and "runs one stage per rank" in dashboard.status.value

@@ -16,10 +16,13 @@ the lab for the next try.
 
 from __future__ import annotations
 
+import functools
 import html
 import traceback
 import types
 from dataclasses import dataclass
+
+import pplab.room as room
 
 __all__ = ["check_stage_forward", "check_send_recv", "check_warmup", "check_clipping", "check_schedule",
            "Verdict"]
@@ -50,6 +53,21 @@ class Verdict:
                 f"<b style='color:{colour}'>{mark}</b> · {html.escape(self.exercise)}<br>{lines}</div>")
 
 
+# The exercises in the course's order, by the names their verdicts carry (the room's columns).
+EXERCISES = ["a stage's forward", "send and receive, with gradients", "the 1F1B warm-up", "global-norm clipping",
+             "a schedule by hand"]
+
+
+def _reported(check):
+    """A checker whose verdict also goes to the instructor's room (`pplab.room`), where there is one."""
+    @functools.wraps(check)
+    def checked(*args, **kwargs) -> Verdict:
+        verdict = check(*args, **kwargs)
+        room.record_verdict(verdict.exercise, verdict.right, verdict.message)
+        return verdict
+    return checked
+
+
 def _raised(exercise: str, error: BaseException, hint: str = "") -> Verdict:
     """A verdict for learner code that raised: where, what, and a hint if one fits."""
     if isinstance(error, NotImplementedError):
@@ -60,6 +78,7 @@ def _raised(exercise: str, error: BaseException, hint: str = "") -> Verdict:
 
 # --- 1 · the 1F1B warm-up (pure) ----------------------------------------------------------------
 
+@_reported
 def check_warmup(warmup_forwards, max_ranks: int = 8, max_microbatches: int = 12) -> Verdict:
     """`warmup_forwards(rank, n_ranks, n_microbatches)`: the forwards rank runs in 1F1B before
     its steady one-forward-one-backward phase. Judged against pplab's 1F1B schedules."""
@@ -101,6 +120,7 @@ def _warmup_hint(rank: int, n_ranks: int, n_microbatches: int, given, expected: 
 
 # --- 2 · a stage's forward: first, middle, last (pure) ---------------------------------------------
 
+@_reported
 def check_stage_forward(stage_forward, seed: int = 0) -> Verdict:
     """`stage_forward(stage, x)`: what a stage (`pplab.build_stage`) computes, from its parts
     (embed_tokens, rotary_emb, layers, norm, lm_head): judged on the first, a middle and the
@@ -240,6 +260,7 @@ def _forward_backward_on_rank(forward_backward, config, batch) -> dict:
             "grads": {n: None if p.grad is None else p.grad.clone() for n, p in stage.named_parameters()}}
 
 
+@_reported
 def check_send_recv(lab, forward_backward, seed: int = 0) -> Verdict:
     """`forward_backward(stage, rank, tokens, targets)`: rank 0 runs stage 0 and sends its output,
     rank 1 receives it, runs stage 1 and the loss, and sends back the gradient of what it
@@ -399,6 +420,7 @@ def _bind_on_rank(imports: dict[str, tuple[str, str | None]]) -> None:
 
 # --- 4 · a schedule by hand (a lab) ------------------------------------------------------------------
 
+@_reported
 def check_schedule(lab, lines, n_microbatches: int = 4, max_in_flight: int | None = None) -> Verdict:
     """A schedule written as one line of actions per rank ("0F0 0F1 0B0 ..."): it must name every
     microbatch, hold at most `max_in_flight` activations on a rank, never deadlock, and match
@@ -461,6 +483,7 @@ def _clip_on_rank(clip_global_norm, config, batch, max_norm: float) -> dict:
             "before": {n: reference.grads[n] for n, _ in stage.named_parameters()}}
 
 
+@_reported
 def check_clipping(lab, clip_global_norm, seed: int = 0) -> Verdict:
     """`clip_global_norm(parameters, max_norm)` runs on every rank with that rank's stage
     parameters, scales their gradients so that the norm of all stages' gradients together is at

@@ -125,24 +125,28 @@ def plot_timeline(timeline: Timeline, ax: Axes | None = None, title: str | None 
     return ax.figure
 
 
-def compare_timelines(predicted: Timeline, measured: Timeline, titles: tuple[str, str] | None = None) -> Figure:
+def compare_timelines(predicted: Timeline, measured: Timeline, titles: tuple[str, str] | None = None,
+                      shared_time: bool = True) -> Figure:
     """Predicted and measured timelines stacked on one shared time axis, both starting at 0.
 
     Give the simulator's `Costs` in seconds (e.g. measured F and B times) for
-    the two to be on the same scale.
+    the two to be on the same scale. `shared_time=False` gives each its own time axis:
+    for comparing the shapes of steps of very different lengths (real mode and timing mode).
     """
     titles = titles or (predicted.label or "predicted", measured.label or "measured")
     n_rows = predicted.n_ranks + measured.n_ranks
     fig = _new_figure(_timeline_width(predicted, measured), 2.2 + 0.5 * n_rows)
-    top, bottom = fig.subplots(2, 1, sharex=True, height_ratios=[max(predicted.n_ranks, 1), max(measured.n_ranks, 1)])
+    top, bottom = fig.subplots(2, 1, sharex=shared_time,
+                               height_ratios=[max(predicted.n_ranks, 1), max(measured.n_ranks, 1)])
     handles = {}
     predicted, measured = predicted.normalised(), measured.normalised()
     # Both panels span the longer step: the shared x axis must not cut the other one off.
-    until = max(predicted.end, measured.end)
+    until = max(predicted.end, measured.end) if shared_time else None
     for ax, timeline, title in ((top, predicted, titles[0]), (bottom, measured, titles[1])):
         for handle in _draw_timeline(ax, timeline, title, until):
             handles[handle.get_label()] = handle
-    top.set_xlabel("")
+    if shared_time:
+        top.set_xlabel("")
     # Kinds first, then the entries that explain the background and the shading.
     last = [handles.pop(label) for label in ("idle", _SHADING_LABEL) if label in handles]
     legend = [*handles.values(), *last]
@@ -298,8 +302,9 @@ def _draw_labels(ax: Axes, events: list[Event], shading: _Shading, band) -> None
 
 
 def _draw_rank_bubbles(ax: Axes, timeline: Timeline) -> None:
-    # Per-rank bubble at the right end of each row: where the idle time is.
+    # Per-rank bubble at the right end of each row: where the idle time is; the column says so.
     to_row = blended_transform_factory(ax.transAxes, ax.transData)
+    ax.text(1.005, 1.0, "idle", transform=ax.transAxes, ha="left", va="bottom", fontsize=8, color="#555555")
     for r in range(timeline.n_ranks):
         ax.text(1.005, r + 0.5, f"{timeline.bubble_fraction(r):.0%}", transform=to_row,
                 ha="left", va="center", fontsize=8, color="#555555")
@@ -341,7 +346,8 @@ def plot_memory(timeline: Timeline, title: str | None = None) -> Figure:
         values = [(t, held / scale) for t, held in steps or []]
         _draw_steps(ax, values, timeline.start, timeline.end)
         highest = max([highest, *(v for _, v in values)])
-        note = f"peak {timeline.peak_inflight(rank)}"
+        held = timeline.peak_inflight(rank)
+        note = f"peak {held} microbatch{'es' if held != 1 else ''}"
         if use_bytes:
             note += f" ({format_bytes(timeline.peak_inflight_bytes(rank))})"
         ax.text(1.005, 0.5, note, transform=ax.transAxes, ha="left", va="center", fontsize=8)
@@ -426,7 +432,8 @@ def plot_training(records: Sequence, title: str | None = None) -> Figure:
     lr_axis.tick_params(axis="y", colors="#777777", labelsize=8)
     lr_axis.ticklabel_format(axis="y", style="sci", scilimits=(0, 0))
     handles = ax.get_legend_handles_labels()[0] + lr_axis.get_legend_handles_labels()[0]
-    ax.legend(handles=handles, loc="upper right", frameon=False, fontsize=8)
+    # Below the axes: inside, wherever it sat, it covered the loss or the learning rate's curve.
+    fig.legend(handles=handles, loc="outside lower center", ncol=len(handles), frameon=False, fontsize=8)
     if records:
         last = records[-1]
         ax.set_title(title or f"step {last.step}: loss {last.loss:.3f}"

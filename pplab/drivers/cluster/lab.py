@@ -25,6 +25,7 @@ from dataclasses import replace
 from collections.abc import Sequence
 from typing import Callable, Iterator
 
+import pplab.room as room
 from pplab.arguments import check_positive_int, check_positive_seconds
 from pplab.drivers.cluster import engine, records
 from pplab.drivers.cluster.calls import RankCall
@@ -198,6 +199,7 @@ class Lab:
         self._activate = activate
         self._verbose = verbose
         self._gpus: tuple[int, ...] | None = None  # the ranks' CUDA devices, if chosen
+        self._told_the_room = 0.0  # when this lab last wrote its record in the room (monotonic seconds)
         self._cores: tuple[int, ...] | None = None  # the ranks' cores, if pinned
         self._view = None
         self._ranks = RankGroup([], {})
@@ -224,6 +226,7 @@ class Lab:
             raise
         if self._activate:
             self.activate()
+        self._tell_the_room("running")
         progress.finish(f"lab ready: {self.world_size} ranks, {self.backend} on {self.device}")
 
     def _wait_for_engines(self, count: int, progress: _Progress, exclude=()) -> list[int]:
@@ -401,7 +404,19 @@ class Lab:
         # Through engine.call_on_rank: it tells the client when fn's error broke the process group.
         running = self._view.apply_async(engine.call_on_rank, fn, *args, **kwargs)
         self._last_call = RankCall(self._ranks, running, name, timeout, self.grace)
+        if time.monotonic() - self._told_the_room > room.ACTIVITY_EVERY:
+            self._tell_the_room("running")  # the attendee is at work
         return self._last_call
+
+    def _tell_the_room(self, state: str) -> None:
+        """Where an instructor set PPLAB_ROOM: this lab's record in the room (pplab.room)."""
+        self._told_the_room = time.monotonic()
+        if room.room_folder() is None:
+            return
+        here = socket.gethostname()
+        gpus = list(self._gpus) if self._gpus else list(range(self.world_size)) if self.device == "cuda" else []
+        room.record_lab(self.cluster_id or "lab", state=state, device=self.device, n_ranks=self.world_size,
+                        gpus=gpus, pids=[pid for host, pid in self.rank_processes if host == here])
 
     @property
     def rank_processes(self) -> tuple[tuple[str, int], ...]:
@@ -460,9 +475,11 @@ class Lab:
 
     def _shutdown(self, kill: bool) -> None:
         """Close the client and end every process this lab started (SIGKILL if `kill`)."""
-        self._stopped = True
+        was_running, self._stopped = not self._stopped, True
         _running_labs.discard(self)
         self._launcher.stop(kill)
+        if was_running:
+            self._tell_the_room("stopped")
 
     def __del__(self) -> None:
         # A running lab nobody refers to any more (e.g. a start cell run twice) must not

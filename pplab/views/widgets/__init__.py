@@ -4,7 +4,8 @@
 work. Each panel also works alone, on static or simulated timelines:
 `TimelineView`, `BubblesView`, `ShapesView`, `GradientsView`, `MemoryView`,
 `WhereView`, `WhatIf`, the simulator under sliders, and `TrainingView`, a training run's
-progress, loss curves and latest step.
+progress, loss curves and latest step. `RoomView(folder)` is an instructor's: every attendee's
+lab and exercise verdicts (pplab.room).
 """
 
 from pplab.views.widgets.panels import (BubblesView, GradientsView, MemoryView, ShapesView, TimelineView,
@@ -12,6 +13,7 @@ from pplab.views.widgets.panels import (BubblesView, GradientsView, MemoryView, 
 from pplab.views.widgets.whatif import WhatIf
 from pplab.views.widgets.training import TrainingView
 from pplab.views.widgets.dashboard import Dashboard
+from pplab.views.widgets.room import RoomView
 
 __all__ = ["Dashboard", "TimelineView", "BubblesView", "ShapesView", "GradientsView", "MemoryView", "WhereView", "WhatIf",
-           "TrainingView"]
+           "TrainingView", "RoomView"]

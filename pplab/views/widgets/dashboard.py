@@ -312,11 +312,21 @@ class Dashboard(widgets.VBox):
             self._say_error(error)
             return
         self.pipe.close()
+        # A fresh history: steps, timelines and bubbles of the old schedule would be read as the new one's.
         self.pipe, self.results, self._finished = new, [], None
         self.where.reset(new.spec.world_size, self._labels())
-        self.bubbles.rows = []
+        self.timeline.reset(self._labels())
+        self.bubbles.reset()
         self._set_references()
-        self._say(f"rebuilt: {new!r}")
+        costs, label = self._costs()
+        plan = simulate(new.schedule, costs)
+        self.timeline.show(None, Timeline(plan.events, plan.n_ranks, label=label or "simulated"),
+                           note="the new schedule, before its first step")
+        schedule = new.schedule
+        self._say(html.escape(f"rebuilt: {schedule.name}, {schedule.n_microbatches} microbatches, "
+                              f"{schedule.n_virtual} stage{'s' if schedule.n_virtual > 1 else ''} per rank, "
+                              f"impl={new.spec.impl}{', timing mode' if new.spec.timing else ''}; "
+                              f"a fresh history of steps"))
 
     def _enable_controls(self, enabled: bool) -> None:
         for control in (self.schedule_name, self.n_microbatches, self.n_virtual, self.timing,

@@ -99,6 +99,15 @@ class TimelineView(widgets.VBox):
         if show:
             self.show(timeline, predicted, f"step {len(self.history)}")
 
+    def reset(self, rank_labels: list[str] | None = None) -> None:
+        """Forget every step (a rebuilt pipeline starts a fresh history); nothing is drawn."""
+        self.rank_labels, self.history = rank_labels, []
+        self.picker.unobserve(self._picked, names="value")
+        self.picker.options, self.picker.layout.display = [], "none"
+        self.picker.observe(self._picked, names="value")
+        self.image.layout.display = self.live.layout.display = "none"
+        self._caption(None, None, "")
+
     def _caption(self, timeline: Timeline | None, predicted: Timeline | None, note: str) -> None:
         self.shown = timeline
         parts = [note] if note else []
@@ -143,6 +152,12 @@ class BubblesView(widgets.VBox):
         self.rows.append(row)
         self._render(picture)
         return row
+
+    def reset(self) -> None:
+        """Forget the measured steps (a rebuilt pipeline's are another schedule's); its plot goes too."""
+        self.rows = []
+        self.image.layout.display = "none"
+        self._render()
 
     def draw_plot(self) -> None:
         """Draw the plot of the bubble across steps (deferred during a run)."""

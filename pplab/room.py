@@ -1,0 +1,208 @@
+"""The room: what every attendee's lab and exercise checks write to a folder the instructor names.
+
+An instructor running a workshop on one server sets `PPLAB_ROOM=/some/shared/folder` for every
+attendee (in JupyterHub's spawner environment, say) and, optionally, `PPLAB_SEAT` to each one's
+seat or name (default: their login name). From then on, each attendee's lab writes one small
+JSON file there when it starts, runs, restarts and stops (`labs/<attendee>--<lab>.json`: seat,
+device, GPUs, ranks, its processes, last activity), and each exercise checker appends its verdict
+to `verdicts/<attendee>.jsonl`. Nothing is sent anywhere: the attendees only write files, and
+the instructor reads them (`pplab room FOLDER`, a page on loopback; or `pplab.widgets.RoomView`
+in a notebook). Without `PPLAB_ROOM` nothing is written.
+
+A lab counts as dead when its record says it runs but one of its processes is gone (on this
+host), or, on another host, when it has not been heard of for `SILENT_SECONDS`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import getpass
+import html
+import json
+import os
+import re
+import socket
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+ROOM_ENV, SEAT_ENV = "PPLAB_ROOM", "PPLAB_SEAT"
+SILENT_SECONDS = 600.0  # a lab on another host not heard of for this long is shown as dead
+ACTIVITY_EVERY = 2.0  # seconds: a lab's "last activity" is written at most this often
+
+
+def room_folder() -> Path | None:
+    """The room's folder (from PPLAB_ROOM), or None where no instructor asked for one."""
+    folder = os.environ.get(ROOM_ENV)
+    return Path(folder) if folder else None
+
+
+def attendee() -> str:
+    """Who this is: PPLAB_SEAT, else the login name (a file name's worth of it)."""
+    name = os.environ.get(SEAT_ENV) or getpass.getuser()
+    return re.sub(r"[^A-Za-z0-9_.-]+", "_", name) or "anonymous"
+
+
+# ---------------------------------------------------------------- writing (attendees)
+
+
+def record_lab(lab_id: str, **facts) -> None:
+    """Write (replace) this attendee's record of one lab: `facts` such as state, device, n_ranks,
+    gpus, pids (the lab's processes on this host). Does nothing outside a room."""
+    folder = room_folder()
+    if folder is None:
+        return
+    record = {"attendee": attendee(), "lab": lab_id, "host": socket.gethostname(), "client_pid": os.getpid(),
+              "last_activity": time.time(), **facts}
+    with _never_in_the_way(folder):
+        _write_atomically(folder / "labs" / f"{attendee()}--{lab_id}.json", json.dumps(record))
+
+
+def record_verdict(exercise: str, right: bool, message: str) -> None:
+    """Append one checker's verdict to this attendee's file: its first line is the reason."""
+    folder = room_folder()
+    if folder is None:
+        return
+    reason = next((line for line in message.splitlines() if line.strip()), "")
+    line = json.dumps({"attendee": attendee(), "exercise": exercise, "right": bool(right), "reason": reason,
+                       "time": time.time()})
+    with _never_in_the_way(folder):
+        (folder / "verdicts").mkdir(parents=True, exist_ok=True)
+        # One short line per write with O_APPEND: lines of several kernels never interleave.
+        with open(folder / "verdicts" / f"{attendee()}.jsonl", "a") as file:
+            file.write(line + "\n")
+
+
+_warned: set[str] = set()
+
+
+@contextlib.contextmanager
+def _never_in_the_way(folder: Path):
+    """A room that cannot be written to must not stop the attendee's work: say so once, go on."""
+    try:
+        yield
+    except OSError as error:
+        if str(folder) not in _warned:
+            _warned.add(str(folder))
+            print(f"pplab: cannot write to the room {folder} ({error}); the instructor will not see this lab",
+                  file=sys.stderr)
+
+
+def _write_atomically(path: Path, text: str) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    partial = path.with_name(f".{path.name}.{os.getpid()}.partial")
+    partial.write_text(text)
+    os.replace(partial, path)  # a reader sees the old record or the new one, never half of one
+
+
+# ---------------------------------------------------------------- reading (the instructor)
+
+
+@dataclass
+class Seat:
+    """One attendee: their newest lab and their latest verdict per exercise."""
+
+    attendee: str
+    lab: dict | None = None
+    state: str = "no lab"  # running, stopped, dead, no lab
+    verdicts: dict[str, dict] = field(default_factory=dict)  # exercise -> its latest verdict
+
+    @property
+    def last_activity(self) -> float | None:
+        times = [v["time"] for v in self.verdicts.values()] + ([self.lab["last_activity"]] if self.lab else [])
+        return max(times, default=None)
+
+
+def read_room(folder: str | Path, now: float | None = None) -> list[Seat]:
+    """Every attendee the room's folder knows, by name: their newest lab (alive or dead) and verdicts."""
+    folder, now = Path(folder), time.time() if now is None else now
+    if not folder.is_dir():
+        raise ValueError(f"{folder}: no such room folder; give the folder set as {ROOM_ENV} for the "
+                         f"attendees (make it before the workshop: the attendees' labs write into it)")
+    seats: dict[str, Seat] = {}
+    for path in sorted((folder / "labs").glob("*.json")):
+        try:
+            lab = json.loads(path.read_text())
+        except (OSError, json.JSONDecodeError):
+            continue  # a file being replaced right now: the next look reads it
+        seat = seats.setdefault(lab["attendee"], Seat(lab["attendee"]))
+        if seat.lab is None or lab["last_activity"] > seat.lab["last_activity"]:
+            seat.lab, seat.state = lab, _lab_state(lab, now)
+    for path in sorted((folder / "verdicts").glob("*.jsonl")):
+        for line in path.read_text().splitlines():
+            try:
+                verdict = json.loads(line)
+            except json.JSONDecodeError:
+                continue  # a line being written right now
+            seat = seats.setdefault(verdict["attendee"], Seat(verdict["attendee"]))
+            seat.verdicts[verdict["exercise"]] = verdict  # in file order: the latest stays
+    return [seats[name] for name in sorted(seats)]
+
+
+def _lab_state(lab: dict, now: float) -> str:
+    if lab.get("state") != "running":
+        return lab.get("state", "unknown")
+    if lab.get("host") == socket.gethostname():
+        return "running" if all(_alive(pid) for pid in [lab["client_pid"], *lab.get("pids", [])]) else "dead"
+    return "running" if now - lab["last_activity"] < SILENT_SECONDS else "dead"
+
+
+def _alive(pid: int) -> bool:
+    """Whether process `pid` of this host runs (a zombie, killed but not yet reaped, does not)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's process: it exists
+        pass
+    try:  # Linux: the state follows the command's closing parenthesis in /proc/<pid>/stat
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except (OSError, IndexError):
+        return True
+
+
+def room_summary(seats: list[Seat]) -> str:
+    """'3 attendees: 2 labs running, 1 dead; 2 exercises right'."""
+    running = sum(seat.state == "running" for seat in seats)
+    dead = sum(seat.state == "dead" for seat in seats)
+    right = sum(verdict["right"] for seat in seats for verdict in seat.verdicts.values())
+    return f"{len(seats)} attendees: {running} labs running, {dead} dead; {right} exercises right"
+
+
+def room_table_html(seats: list[Seat], exercises: list[str] = (), now: float | None = None) -> str:
+    """The room as one HTML table: a row per attendee, their lab, then a column per exercise."""
+    now = time.time() if now is None else now
+    names = list(dict.fromkeys([*exercises, *(name for seat in seats for name in seat.verdicts)]))
+    colours = {"running": "#1a7f37", "dead": "#c00000", "stopped": "#777777"}
+    head = "".join(f"<th>{html.escape(text)}</th>" for text in
+                   ["seat", "lab", "device", "ranks", "last activity", *names])
+    rows = []
+    for seat in seats:
+        lab = seat.lab or {}
+        device = lab.get("device", "")
+        if lab.get("gpus"):
+            device += f" (GPUs {', '.join(map(str, lab['gpus']))})"
+        cells = [f"<td>{html.escape(seat.attendee)}</td>",
+                 f"<td style='color:{colours.get(seat.state, '#000')}'>{html.escape(seat.state)}</td>",
+                 f"<td>{html.escape(device)}</td>", f"<td>{lab.get('n_ranks', '')}</td>",
+                 f"<td>{_ago(seat.last_activity, now)}</td>"]
+        for name in names:
+            verdict = seat.verdicts.get(name)
+            if verdict is None:
+                cells.append("<td style='color:#777'>not yet</td>")
+            elif verdict["right"]:
+                cells.append("<td style='color:#1a7f37'>✔ right</td>")
+            else:
+                cells.append(f"<td style='color:#c00000'>✘ {html.escape(verdict['reason'][:120])}</td>")
+        rows.append("<tr>" + "".join(cells) + "</tr>")
+    empty = "" if seats else f"<tr><td colspan='{5 + len(names)}'>nobody yet</td></tr>"
+    return (f"<table class='pplab-room'><thead><tr>{head}</tr></thead><tbody>{''.join(rows)}{empty}"
+            f"</tbody></table>")
+
+
+def _ago(when: float | None, now: float) -> str:
+    if when is None:
+        return ""
+    seconds = max(0, now - when)
+    return f"{seconds:.0f} s ago" if seconds < 120 else f"{seconds / 60:.0f} min ago"

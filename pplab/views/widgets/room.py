@@ -1,0 +1,57 @@
+"""The instructor's view of the room in a notebook: every attendee's lab and exercise verdicts, kept fresh.
+
+What it shows is what the attendees' labs and checkers wrote to the room's folder (`pplab.room`);
+`pplab room FOLDER` serves the same table as a page on loopback.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+import ipywidgets as widgets
+
+import pplab.room as room
+
+
+class RoomView(widgets.VBox):
+    """A table of the room (`folder`: the PPLAB_ROOM the attendees have), re-read every `refresh` seconds."""
+
+    def __init__(self, folder, refresh: float = 2.0, exercises: list[str] | None = None):
+        from pplab.arguments import check_positive_seconds
+        from pplab.views.exercises import EXERCISES
+
+        self.folder, self.refresh_seconds = folder, check_positive_seconds("refresh", refresh)
+        self.exercises = EXERCISES if exercises is None else exercises
+        self.seats: list[room.Seat] = []
+        self.table = widgets.HTML()
+        self.summary = widgets.HTML()
+        super().__init__([self.summary, self.table])
+        self.refresh()  # a folder that does not exist is said here, at once
+        try:  # in a notebook the kernel's loop runs: follow the room on it, leaving the kernel free
+            self._task = asyncio.get_running_loop().create_task(self._follow())
+        except RuntimeError:  # a plain script: call refresh() to look again
+            self._task = None
+
+    def refresh(self) -> None:
+        """Read the room's folder again and redraw."""
+        self.seats = room.read_room(self.folder)
+        self.table.value = _STYLE + room.room_table_html(self.seats, self.exercises)
+        attendees, rest = room.room_summary(self.seats).split(":", 1)
+        self.summary.value = f"<b>{attendees}</b>:{rest}"
+
+    def stop(self) -> None:
+        """Stop re-reading the folder."""
+        if self._task is not None:
+            self._task.cancel()
+
+    async def _follow(self) -> None:
+        while True:
+            await asyncio.sleep(self.refresh_seconds)
+            try:
+                self.refresh()
+            except (OSError, ValueError) as error:  # the folder went away: say so, keep trying
+                self.summary.value = f"<span style='color:#c00000'>{error}</span>"
+
+
+_STYLE = ("<style>.pplab-room{border-collapse:collapse;font-size:13px}.pplab-room td,.pplab-room th"
+          "{border:1px solid #ddd;padding:3px 8px;text-align:left}</style>")

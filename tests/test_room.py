@@ -1,0 +1,122 @@
+"""The instructor's view of the room: what attendees' labs and checkers write, read back and served.
+
+Three attendees work in three processes of their own, each with a real lab, and check exercises
+right and wrong; one attendee's rank dies. The room's folder says it all, `RoomView` shows it,
+and `pplab room` serves it to a real browser (headless Chromium), which sees it change.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+from pplab import room
+
+ATTENDEE = textwrap.dedent("""
+    import sys
+    import pplab
+    from pplab import exercises
+
+    def warmup_forwards(rank, n_ranks, n_microbatches):
+        return min(n_ranks - 1 - rank, n_microbatches) if {right} else n_ranks - 1 - rank
+
+    lab = pplab.Lab(n_ranks=1, device="cpu", verbose=False)
+    print(exercises.check_warmup(warmup_forwards), flush=True)
+    print("pids", *[pid for _, pid in lab.rank_processes], flush=True)
+    sys.stdin.readline()  # the test looks at the room now; then it lets this attendee go home
+    lab.stop()
+""")
+
+
+@pytest.mark.quick
+def test_what_a_lab_and_a_checker_write_is_read_back(tmp_path, monkeypatch):
+    monkeypatch.setenv(room.ROOM_ENV, str(tmp_path))
+    monkeypatch.setenv(room.SEAT_ENV, "seat 7")  # made a file name: seat_7
+    room.record_lab("abc", state="running", device="cuda", n_ranks=2, gpus=[2, 3], pids=[os.getpid()])
+    room.record_verdict("the 1F1B warm-up", False, "rank 0 of 3 with 1 microbatch: you said 2, it runs 1.\nwhy")
+    room.record_verdict("a stage's forward", True, "every stage computes what it should")
+    (tmp_path / "verdicts" / "seat_7.jsonl").open("a").write('{"attendee": "seat_7", "exerc')  # being written
+    [seat] = room.read_room(tmp_path)
+    assert seat.attendee == "seat_7" and seat.state == "running" and seat.lab["gpus"] == [2, 3]
+    assert seat.verdicts["the 1F1B warm-up"]["reason"] == "rank 0 of 3 with 1 microbatch: you said 2, it runs 1."
+    page = room.room_table_html(room.read_room(tmp_path), ["a stage's forward", "the 1F1B warm-up", "clipping"])
+    assert "cuda (GPUs 2, 3)" in page and "✔ right" in page and "✘ rank 0 of 3" in page and "not yet" in page
+    room.record_lab("abc", state="running", device="cpu", n_ranks=2, pids=[2 ** 22 + 12345])  # no such process
+    assert room.read_room(tmp_path)[0].state == "dead"
+    monkeypatch.delenv(room.ROOM_ENV)
+    room.record_verdict("clipping", True, "right")  # outside a room: nothing written
+    assert "clipping" not in room.read_room(tmp_path)[0].verdicts
+    with pytest.raises(ValueError, match="no such room folder"):
+        room.read_room(tmp_path / "nowhere")
+
+
+@pytest.mark.timeout(180)
+def test_three_attendees_labs_and_verdicts_are_seen_live_in_a_browser(tmp_path, ipython_dir):
+    folder = tmp_path / "room"
+    folder.mkdir()
+    attendees = {}
+    server = None
+    try:
+        for seat, right in (("ada", True), ("bo", False), ("cy", True)):
+            env = {**os.environ, room.ROOM_ENV: str(folder), room.SEAT_ENV: seat}
+            attendees[seat] = subprocess.Popen([sys.executable, "-c", ATTENDEE.format(right=right)], env=env,
+                                               stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+        said = {seat: [process.stdout.readline(), process.stdout.readline()]
+                for seat, process in attendees.items()}
+        assert said["ada"][0].startswith("RIGHT") and said["bo"][0].startswith("NOT YET"), said
+        os.kill(int(said["cy"][1].split()[1]), signal.SIGKILL)  # cy's rank dies
+
+        seats = {seat.attendee: seat for seat in room.read_room(folder)}
+        assert {name: seat.state for name, seat in seats.items()} == {"ada": "running", "bo": "running",
+                                                                      "cy": "dead"}
+        assert seats["bo"].verdicts["the 1F1B warm-up"]["reason"].startswith("rank 0 of 3 with 1 microbatch")
+
+        from pplab.views.widgets import RoomView
+
+        view = RoomView(folder)
+        assert "3 attendees</b>: 2 labs running, 1 dead; 2 exercises right" in view.summary.value
+
+        server = subprocess.Popen([sys.executable, "-m", "pplab", "room", str(folder), "--port", "0",
+                                   "--refresh", "1"], stdout=subprocess.PIPE, text=True)
+        url = re.search(r"http://127\.0\.0\.1:\d+/", server.stdout.readline()).group(0)
+        _look_in_a_browser(url, attendees, tmp_path)
+    finally:
+        for process in attendees.values():
+            if process.poll() is None:
+                process.communicate("\n", timeout=60)  # each stops its lab (cy's with a dead rank)
+        if server is not None:
+            server.terminate()
+            server.wait(timeout=10)
+    assert [process.returncode for process in attendees.values()] == [0, 0, 0]
+    assert {seat.attendee: seat.state for seat in room.read_room(folder)} == {
+        "ada": "stopped", "bo": "stopped", "cy": "stopped"}
+
+
+def _look_in_a_browser(url, attendees, tmp_path):
+    from test_browser import CHROMIUM, _browser_or_skip
+
+    _browser_or_skip()
+    from playwright.sync_api import sync_playwright
+
+    with sync_playwright() as playwright:
+        browser = playwright.chromium.launch(executable_path=CHROMIUM, args=["--no-sandbox"])
+        try:
+            page = browser.new_page(viewport={"width": 1440, "height": 900})
+            page.goto(url)
+            text = page.inner_text("table")
+            assert re.search(r"ada\s+running", text) and re.search(r"cy\s+dead", text), text
+            assert "✘ rank 0 of 3 with 1 microbatch" in text and "✔ right" in text
+            page.screenshot(path=str(tmp_path / "room-before.png"))
+            attendees["ada"].communicate("\n", timeout=60)  # ada stops her lab and goes home
+            page.wait_for_function("document.querySelector('table').innerText.includes('stopped')", timeout=15000)
+            page.screenshot(path=str(tmp_path / "room-after.png"))
+            if os.environ.get("PPLAB_SCREENSHOTS"):
+                page.screenshot(path=os.path.join(os.environ["PPLAB_SCREENSHOTS"], "room.png"))
+        finally:
+            browser.close()
