@@ -53,6 +53,12 @@ def clip_global_norm(parameters, max_norm):
 GPIPE_BY_HAND = """
 my_schedule = ["0F0 0F1 0F2 0F3 0B0 0B1 0B2 0B3", "1F0 1F1 1F2 1F3 1B0 1B1 1B2 1B3"]
 """
+TARGETS_ON_THE_FIRST_RANK = mistaken("07b_exercise_torch_api_by_hand", "schedule.step(tokens)\n",
+                                     "schedule.step(tokens, target=targets)\n").replace(
+    "schedule.step(target=targets, losses=losses)", "schedule.step(losses=losses)")
+LOSSES_NOT_COLLECTED = mistaken("07b_exercise_torch_api_by_hand", "return losses", "return None")
+BATCH_NOT_CHECKED = mistaken("07b_exercise_torch_api_by_hand", "    if tokens.shape[0] % n_microbatches:",
+                             "    if False:")
 DEADLOCKED_BY_HAND = """
 my_schedule = ["0F0 0B0 0F1 0B1 0F2 0B2 0F3 0B3", "1F1 1B1 1F0 1B0 1F2 1B2 1F3 1B3"]
 """
@@ -74,6 +80,13 @@ WRONG_ANSWERS = [
      r"NOT YET .*\n(.*\n)*Something was None: a received activation has no .grad unless it requires grad"),
     ("04b_exercise_1f1b_warmup", WARMUP_IGNORES_MICROBATCHES,
      r"NOT YET .* rank 0 of 3 with 1 microbatch: you said 2, it runs 1.\nwith 1 microbatch a rank cannot run"),
+    ("07b_exercise_torch_api_by_hand", TARGETS_ON_THE_FIRST_RANK,
+     r"NOT YET .* the last rank stepped without its targets: torch's last stage computes the loss, so it takes "
+     r"step\(target=targets, losses=losses\)"),
+    ("07b_exercise_torch_api_by_hand", LOSSES_NOT_COLLECTED,
+     r"NOT YET .* the last rank returned None: torch puts each microbatch's loss into the list"),
+    ("07b_exercise_torch_api_by_hand", BATCH_NOT_CHECKED,
+     r"NOT YET .* with n_microbatches=3 and a batch of 8, torch splits the batch 3, 3, 2 .*raise a ValueError"),
     ("08b_exercise_global_clipping", PER_STAGE_CLIPPING,
      r"NOT YET .* rank 0 returned the norm [\d.]+, but the norm of all stages' gradients is [\d.]+ \(the norm "
      r"of this rank's own gradients: sum the squares on every rank, all_reduce"),

@@ -10,6 +10,8 @@ the lab for the next try.
     warmup_forwards(rank, n_ranks, n_microbatches)       -> check_warmup
     stage_forward(stage, x)                              -> check_stage_forward
     forward_backward(stage, rank, tokens, targets)       -> check_send_recv (on a 2-rank lab)
+    train_step(module, rank, n_ranks, tokens, targets, n_microbatches)
+                                                         -> check_torch_step (on a 2-rank lab)
     a schedule's text, one line per rank                 -> check_schedule (on a lab)
     clip_global_norm(parameters, max_norm)               -> check_clipping (on a 2-rank lab)
 """
@@ -24,8 +26,8 @@ from dataclasses import dataclass
 
 import pplab.room as room
 
-__all__ = ["check_stage_forward", "check_send_recv", "check_warmup", "check_clipping", "check_schedule",
-           "Verdict"]
+__all__ = ["check_stage_forward", "check_send_recv", "check_warmup", "check_torch_step", "check_clipping",
+           "check_schedule", "Verdict"]
 
 NOT_WRITTEN = "not written yet: replace `raise NotImplementedError` in the exercise cell with your code"
 
@@ -54,8 +56,8 @@ class Verdict:
 
 
 # The exercises in the course's order, by the names their verdicts carry (the room's columns).
-EXERCISES = ["a stage's forward", "send and receive, with gradients", "the 1F1B warm-up", "global-norm clipping",
-             "a schedule by hand"]
+EXERCISES = ["a stage's forward", "send and receive, with gradients", "the 1F1B warm-up", "torch's API by hand",
+             "global-norm clipping", "a schedule by hand"]
 
 
 def _reported(check):
@@ -297,6 +299,84 @@ def check_send_recv(lab, forward_backward, seed: int = 0) -> Verdict:
                 return Verdict(name, False, f"rank {rank}'s {param} differs from one device by {difference:.2e}: {why}")
     return Verdict(name, True, f"loss {loss:.6f} and every gradient on both ranks equal one device's")
 
+
+
+# --- 4 · torch's own API by hand: PipelineStage, ScheduleGPipe, each rank's step (a 2-rank lab) ----
+
+def _torch_step_on_rank(train_step, config, batch, n_microbatches) -> dict:
+    from pplab.partition import build_stage
+    from pplab.rank.rank_context import rank_context
+
+    context = rank_context()
+    module = build_stage(config, context.rank, context.world_size)
+    tokens, targets = batch
+    losses = train_step(module, context.rank, context.world_size, tokens, targets, n_microbatches)
+    return {"losses": None if losses is None else [float(loss.detach()) for loss in losses],
+            "grads": {n: None if p.grad is None else p.grad.clone() for n, p in module.named_parameters()}}
+
+
+@_reported
+def check_torch_step(lab, train_step, seed: int = 0) -> Verdict:
+    """`train_step(module, rank, n_ranks, tokens, targets, n_microbatches)`: on every rank, wrap this
+    rank's stage module in torch's `PipelineStage`, make a `ScheduleGPipe` with `loss_fn`, and call
+    its `step` as each rank must (the inputs on the first rank, `target=` and `losses=` on the last,
+    nothing between); return the losses on the last rank (None elsewhere). A batch that
+    `n_microbatches` does not divide must be refused with a ValueError on every rank, before any
+    rank steps. Judged against one device on a 2-rank lab."""
+    from pplab.data import batches
+    from pplab.model import LlamaConfig
+    from pplab.rank.reference import reference_step
+
+    name = "torch's API by hand"
+    if lab.world_size != 2:
+        return Verdict(name, False, f"this exercise runs on 2 ranks; the lab has {lab.world_size}: "
+                                    f"start it with pplab.Lab(n_ranks=2)")
+    config = LlamaConfig.tiny()
+    batch = next(batches(8, 16, seed=seed))
+    ran = _run_on_lab(lab, name, _torch_step_on_rank, train_step, config, batch, 4)
+    if isinstance(ran, Verdict):
+        return _torch_hint(ran)
+    reference = reference_step(config, batch, 4, seed=0)
+    losses = ran[1]["losses"]
+    if not losses:
+        return Verdict(name, False, f"the last rank returned {losses!r}: torch puts each microbatch's loss into "
+                                    f"the list given as step(target=..., losses=losses) on the last rank; "
+                                    f"pass one and return it")
+    mean = sum(losses) / len(losses)
+    if len(losses) != 4 or abs(mean - reference.loss) > 1e-5 * abs(reference.loss):
+        return Verdict(name, False, f"the last rank's {len(losses)} losses average {mean:.6f}; one device gets "
+                                    f"{reference.loss:.6f} over 4 microbatches: use n_microbatches as given")
+    for rank in (1, 0):
+        for param, grad in ran[rank]["grads"].items():
+            if grad is None:
+                return Verdict(name, False, f"rank {rank}'s {param} got no gradient: ScheduleGPipe runs the "
+                                            f"backward only with a loss: give it loss_fn=loss_fn")
+            difference = (grad - reference.grads[param]).abs().max().item()
+            if difference > 1e-5:
+                return Verdict(name, False, f"rank {rank}'s {param} differs from one device by {difference:.2e}: "
+                                            f"every rank must step the same batch, once")
+    # Now a batch of 8 with 3 microbatches: torch would split it 3, 3, 2 and fail later, far from the cause.
+    refused = _run_on_lab(lab, name, _torch_step_on_rank, train_step, config, batch, 3)
+    # Refused on every rank before any step: a ValueError, and the process group intact (no restart).
+    if not isinstance(refused, Verdict) or "raised ValueError" not in refused.message \
+            or "restarted" in refused.message:
+        return Verdict(name, False, "with n_microbatches=3 and a batch of 8, torch splits the batch 3, 3, 2 and "
+                                    "fails later with 'Expected input batch_size (48) to match target batch_size "
+                                    "(32)', or worse; check tokens.shape[0] % n_microbatches first and raise a "
+                                    "ValueError naming both (on every rank, before any step)")
+    return Verdict(name, True, f"the mean of the last rank's 4 losses ({mean:.6f}) and every gradient on both "
+                               f"ranks equal one device's, and a batch that 3 microbatches do not divide is "
+                               f"refused before any rank steps")
+
+
+def _torch_hint(verdict: Verdict) -> Verdict:
+    """The checker's verdict on a failed run, with what torch's own words there usually mean."""
+    if "target required for last stage" in verdict.message:
+        return Verdict(verdict.exercise, False, "the last rank stepped without its targets: torch's last stage "
+                                                "computes the loss, so it takes step(target=targets, "
+                                                "losses=losses); the first rank takes the inputs, step(tokens)\n"
+                                                + verdict.message)
+    return verdict
 
 def _run_on_lab(lab, name: str, on_rank, learner_code, *args):
     """Run `on_rank(learner_code, *args)` on every rank, where the learner's function finds the
