@@ -61,6 +61,11 @@ def kind_colours() -> dict[str, str]:
     return {kind: face for kind, (face, _, _) in _KIND_STYLE.items()}
 
 
+def kind_labels() -> dict[str, str]:
+    """The legend's words for every action kind ("forward F", "send", ...), for the live SVG's legend."""
+    return {kind: label for kind, (_, _, label) in _KIND_STYLE.items()}
+
+
 def _style(kind: str) -> tuple[str, str, str]:
     return _KIND_STYLE.get(kind, (_OTHER_COLOUR, "", kind))
 

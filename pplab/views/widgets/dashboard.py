@@ -46,7 +46,7 @@ class Dashboard(widgets.VBox):
         self._task: asyncio.Task | None = None
         self._build_controls()
         self.where = WhereView(pipe.spec.world_size, stalled_after, self._labels())
-        self.timeline = TimelineView(rank_labels=self._labels())
+        self.timeline = TimelineView(rank_labels=self._labels(), pictures=False)  # one size, live or done
         self.bubbles = BubblesView()
         self.shapes = ShapesView()
         self.gradients = GradientsView()
@@ -161,8 +161,7 @@ class Dashboard(widgets.VBox):
         while not live.finished():
             self._take(live.poll())
             if redraw.ready():
-                self.timeline.show_live(live.timeline(f"step {number} (running)"), predicted,
-                                        note=f"step {number}, running")
+                self.timeline.show_live(live.timeline(f"step {number} (running)"), predicted)
             yield live  # the caller waits on it (blocking) or sleeps (on the event loop)
         result = live.result()
         self._take(live.poll())

@@ -44,9 +44,11 @@ class TimelineView(widgets.VBox):
     """
 
     def __init__(self, timeline: Timeline | None = None, predicted: Timeline | None = None,
-                 rank_labels: list[str] | None = None):
-        """`rank_labels` names the rows of a measured timeline (a mesh's: 'rank 3 · pp1 dp1')."""
-        self.rank_labels = rank_labels
+                 rank_labels: list[str] | None = None, pictures: bool = True):
+        """`rank_labels` names the rows of a measured timeline (a mesh's: 'rank 3 · pp1 dp1');
+        `pictures=False` draws finished steps as SVG too, the size of the live view (the dashboard:
+        its height stays put when a run ends, and no picture takes the ranks' CPU)."""
+        self.rank_labels, self.pictures = rank_labels, pictures
         self.image = _image()
         self.live = widgets.HTML(layout=widgets.Layout(display="none", overflow="auto"))
         self.caption = widgets.HTML()
@@ -57,8 +59,9 @@ class TimelineView(widgets.VBox):
         self.live_draws = 0  # live (SVG) redraws
         from pplab.views import viz  # matplotlib's import takes a second: pay it now, not in the first live redraw
 
-        self._colours = viz.kind_colours()
+        self._colours, self._labels = viz.kind_colours(), viz.kind_labels()
         super().__init__([self.picker, self.caption, self.live, self.image])
+        self._hide_picker()
         self.picker.observe(self._picked, names="value")
         if timeline is not None or predicted is not None:
             self.show(timeline, predicted)
@@ -68,6 +71,15 @@ class TimelineView(widgets.VBox):
         from pplab.views import viz
 
         has_events = timeline is not None and len(timeline) > 0
+        if not self.pictures:
+            from pplab.views.widgets.svg import timeline_svg
+
+            self.live.value = timeline_svg(timeline if has_events else None, predicted, self._colours,
+                                           labels=self._labels, idle=True)
+            self.live.layout.display, self.image.layout.display = None, "none"
+            self.draws += 1
+            self._caption(timeline if has_events else None, predicted, note)
+            return
         if has_events and predicted is not None:
             fig = viz.compare_timelines(predicted, timeline)
         else:
@@ -82,7 +94,7 @@ class TimelineView(widgets.VBox):
         """Draw a step in progress (or any timeline, quickly) as SVG."""
         from pplab.views.widgets.svg import timeline_svg
 
-        self.live.value = timeline_svg(timeline, predicted, self._colours)
+        self.live.value = timeline_svg(timeline, predicted, self._colours, labels=self._labels)
         self.live.layout.display, self.image.layout.display = None, "none"
         self.live_draws += 1
         self._caption(timeline if len(timeline) else None, predicted, note)
@@ -94,30 +106,44 @@ class TimelineView(widgets.VBox):
         self.picker.unobserve(self._picked, names="value")
         self.picker.options = [(f"{i + 1}", i) for i in range(len(self.history))]
         self.picker.value = len(self.history) - 1
-        self.picker.layout.display = None
+        self.picker.layout.display, self.picker.layout.visibility = None, "visible"
         self.picker.observe(self._picked, names="value")
         if show:
             self.show(timeline, predicted, f"step {len(self.history)}")
+
+    def _hide_picker(self) -> None:
+        # In a dashboard its place stays taken, so that the first finished step moves nothing below it.
+        if self.pictures:
+            self.picker.layout.display = "none"
+        else:
+            self.picker.layout.display, self.picker.layout.visibility = None, "hidden"
 
     def reset(self, rank_labels: list[str] | None = None) -> None:
         """Forget every step (a rebuilt pipeline starts a fresh history); nothing is drawn."""
         self.rank_labels, self.history = rank_labels, []
         self.picker.unobserve(self._picked, names="value")
-        self.picker.options, self.picker.layout.display = [], "none"
+        self.picker.options = []
+        self._hide_picker()
         self.picker.observe(self._picked, names="value")
         self.image.layout.display = self.live.layout.display = "none"
         self._caption(None, None, "")
 
     def _caption(self, timeline: Timeline | None, predicted: Timeline | None, note: str) -> None:
+        """Two lines at most, running or done, so that the panel keeps its height: the step and
+        what was measured, then what was predicted."""
         self.shown = timeline
-        parts = [note] if note else []
-        for shown in (timeline, predicted):
-            if shown is not None and len(shown):
-                # The simulator's own label means cost units; measured or seconds-costed ones are seconds.
-                unit = " cost units" if shown.label == "simulated" else " s"
-                parts.append(f"{shown.label}: step {shown.step_time():.3g}{unit}, bubble "
-                             f"{shown.bubble_fraction():.1%}")
-        self.caption.value = "<br>".join(parts)
+        lines = [" · ".join(part for part in (note, self._numbers(timeline)) if part), self._numbers(predicted)]
+        self.caption.value = "<br>".join(line for line in lines if line)
+
+    @staticmethod
+    def _numbers(shown: Timeline | None) -> str:
+        if shown is None or not len(shown):
+            return ""
+        if (shown.label or "").endswith("(running)"):  # no step time or bubble yet: half a step would mislead
+            return shown.label
+        # The simulator's own label means cost units; measured or seconds-costed ones are seconds.
+        unit = " cost units" if shown.label == "simulated" else " s"
+        return f"{shown.label}: step {shown.step_time():.3g}{unit}, bubble {shown.bubble_fraction():.1%}"
 
     def _picked(self, change) -> None:
         if change["new"] is not None:
@@ -312,6 +338,12 @@ class MemoryView(widgets.VBox):
 # ---------------------------------------------------------------- where each rank is
 
 
+_WHERE_STYLE = ("<style>.pplab-where table{table-layout:fixed;width:100%;max-width:1000px}"
+                ".pplab-where td{white-space:nowrap;overflow:hidden;text-overflow:ellipsis}"
+                ".pplab-where th:nth-child(1){width:90px}.pplab-where th:nth-child(2){width:45%}"
+                ".pplab-where th:nth-child(3){width:60px}</style>")
+
+
 class WhereView(widgets.VBox):
     """What every rank is doing now; a rank that waits shows on whom and for what, turning red when stalled."""
 
@@ -344,7 +376,10 @@ class WhereView(widgets.VBox):
             stall = self.stalls[-1]
             last = (f"<div style='{RED};font-size:12px'>last stall: rank {stall['rank']} waited "
                     f"{stall['seconds']:.1f} s in {_in_words(stall['doing'])}, for {stall['waits_for']}</div>")
-        self.html.value = table(["rank", "doing", "for", "waits for"], rows, "where each rank is") + last
+        # Fixed columns, one line each (cut with an ellipsis): the table keeps its shape as ranks move on.
+        self.html.value = (_WHERE_STYLE + "<div class='pplab-where'>"
+                           + table(["rank", "doing", "for", "waits for"], rows, "where each rank is")
+                           + "</div>" + last)
 
     def text(self) -> str:
         """The panel as lines of text, as of its last redraw (for logs and static notebooks)."""

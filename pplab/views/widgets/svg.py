@@ -15,21 +15,28 @@ from pplab.timeline import Timeline
 ROW = 18  # pixels per rank row
 LABEL_WIDTH = 56  # pixels left of the time axis for "rank r"
 IDLE = "#f1f1f1"
+IDLE_COLUMN = 36  # pixels right of the boxes for each rank's idle share (a finished step)
 
 
 def timeline_svg(measured: Timeline | None, predicted: Timeline | None = None,
-                 colours: dict[str, str] | None = None, width: int = 900) -> str:
-    """Measured (and predicted, above it) per-rank boxes on one time axis, as an SVG string."""
+                 colours: dict[str, str] | None = None, width: int = 900,
+                 labels: dict[str, str] | None = None, idle: bool = False) -> str:
+    """Measured (and predicted, above it) per-rank boxes on one time axis, as an SVG string;
+    with `labels` (kind -> words), a legend of the kinds drawn under the axis; with `idle` (a
+    finished step: a running one's share would mislead), each rank's idle share at its row's end."""
     colours = colours or {}
     parts = [(t, t.label or "") for t in (predicted, measured) if t is not None and len(t)]
     if not parts:
         return "<div style='color:#888'>no events yet</div>"
     parts = [(t.normalised(), label) for t, label in parts]
     until = max(t.end for t, _ in parts) or 1.0
-    scale = (width - LABEL_WIDTH - 8) / until
+    scale = (width - LABEL_WIDTH - 8 - (IDLE_COLUMN if idle else 0)) / until
     shapes, y = [], 0
     for timeline, label in parts:
         shapes.append(f"<text x='0' y='{y + 12}' font-size='12' font-weight='bold'>{html.escape(label)}</text>")
+        if idle:
+            shapes.append(f"<text x='{width - 4}' y='{y + 12}' font-size='10' text-anchor='end' "
+                          f"fill='#555'>idle</text>")
         y += 18
         for rank in range(timeline.n_ranks):
             shapes.append(f"<text x='0' y='{y + 13}' font-size='11'>rank {rank}</text>")
@@ -37,11 +44,36 @@ def timeline_svg(measured: Timeline | None, predicted: Timeline | None = None,
                           f"fill='{IDLE}'/>")
             for event in timeline.of_rank(rank):
                 shapes.append(_box(event, y, scale, colours))
+            if idle:
+                shapes.append(f"<text x='{width - 4}' y='{y + 11}' font-size='10' text-anchor='end' "
+                              f"fill='#555'>{timeline.bubble_fraction(rank):.0%}</text>")
             y += ROW
         y += 6
     ticks = _ticks(until, scale, y)
-    return (f"<svg xmlns='http://www.w3.org/2000/svg' width='{width}' height='{y + 20}' "
+    # The axis says its unit: the simulator's own label means cost units, anything else seconds.
+    unit = "cost units" if all(label == "simulated" for _, label in parts) else "time (s)"
+    ticks += (f"<text x='{width - 4}' y='{y + 15}' font-size='10' text-anchor='end' fill='#444'>"
+              f"{unit}</text>")
+    height = y + 20
+    if labels:
+        kinds = {event.kind for timeline, _ in parts for event in timeline.events}
+        legend, height = _legend(kinds, colours, labels, height + 4)
+        ticks += legend
+    return (f"<svg xmlns='http://www.w3.org/2000/svg' width='{width}' height='{height}' "
             f"font-family='sans-serif'>{''.join(shapes)}{ticks}</svg>")
+
+
+def _legend(kinds: set[str], colours: dict[str, str], labels: dict[str, str], y: float) -> tuple[str, float]:
+    """One row of swatches for the kinds drawn (a send or a receive once, whichever way it went)."""
+    entries = dict.fromkeys(labels.get(kind, kind) for kind in labels if kind in kinds)  # the legend's order
+    entries.update(dict.fromkeys(sorted(labels.get(kind, kind) for kind in kinds - labels.keys())))
+    colour_of = {labels.get(kind, kind): colours.get(kind, "#999999") for kind in kinds}
+    parts, x = [], LABEL_WIDTH
+    for words in entries:
+        parts.append(f"<rect x='{x}' y='{y}' width='12' height='8' fill='{colour_of[words]}'/>"
+                     f"<text x='{x + 16}' y='{y + 8}' font-size='10' fill='#444'>{html.escape(words)}</text>")
+        x += 28 + 6 * len(words)
+    return "".join(parts), y + 16
 
 
 def _box(event, y: float, scale: float, colours: dict[str, str]) -> str:
