@@ -59,6 +59,12 @@ TARGETS_ON_THE_FIRST_RANK = mistaken("07b_exercise_torch_api_by_hand", "schedule
 LOSSES_NOT_COLLECTED = mistaken("07b_exercise_torch_api_by_hand", "return losses", "return None")
 BATCH_NOT_CHECKED = mistaken("07b_exercise_torch_api_by_hand", "    if tokens.shape[0] % n_microbatches:",
                              "    if False:")
+EVEN_STAGES_FORMULA = """
+def gpipe_step_time(forward, backward, n_microbatches, latency):
+    return (n_microbatches + len(forward) - 1) * (forward[0] + backward[0])
+"""
+LATENCY_ONE_WAY = mistaken("10b_exercise_predict_gpipe", "hops = 2 * (len(forward) - 1) * latency",
+                           "hops = (len(forward) - 1) * latency")
 DEADLOCKED_BY_HAND = """
 my_schedule = ["0F0 0B0 0F1 0B1 0F2 0B2 0F3 0B3", "1F1 1B1 1F0 1B0 1F2 1B2 1F3 1B3"]
 """
@@ -93,6 +99,10 @@ WRONG_ANSWERS = [
     ("08b_exercise_global_clipping", ALWAYS_SCALED,
      r"NOT YET .* with max_norm=[\d.]+ above the global norm [\d.]+ nothing may change, but the gradients were "
      r"scaled rank 0 by 2.000, rank 1 by 2.000: scale by min\(1, max_norm / norm\)"),
+    ("10b_exercise_predict_gpipe", EVEN_STAGES_FORMULA,
+     r"NOT YET .* you said [\d.]+, the simulator [\d.]+\.\n\(m \+ p - 1\)\(F \+ B\) holds for even stages only"),
+    ("10b_exercise_predict_gpipe", LATENCY_ONE_WAY,
+     r"NOT YET .* latency=0.5: .*\nthe latency is paid going forward and coming back: 2 \(p - 1\) hops"),
     ("11b_exercise_schedule_by_hand", GPIPE_BY_HAND,
      r"NOT YET .* rank 0 holds the activations of 4 microbatches at once \(after 0F3\); the limit is 2"),
     ("11b_exercise_schedule_by_hand", DEADLOCKED_BY_HAND, r"NOT YET .*deadlock"),

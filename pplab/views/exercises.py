@@ -14,6 +14,7 @@ the lab for the next try.
                                                          -> check_torch_step (on a 2-rank lab)
     a schedule's text, one line per rank                 -> check_schedule (on a lab)
     clip_global_norm(parameters, max_norm)               -> check_clipping (on a 2-rank lab)
+    gpipe_step_time(forward, backward, n_microbatches, latency) -> check_gpipe_time
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ from dataclasses import dataclass
 import pplab.room as room
 
 __all__ = ["check_stage_forward", "check_send_recv", "check_warmup", "check_torch_step", "check_clipping",
-           "check_schedule", "Verdict"]
+           "check_gpipe_time", "check_schedule", "Verdict"]
 
 NOT_WRITTEN = "not written yet: replace `raise NotImplementedError` in the exercise cell with your code"
 
@@ -57,7 +58,7 @@ class Verdict:
 
 # The exercises in the course's order, by the names their verdicts carry (the room's columns).
 EXERCISES = ["a stage's forward", "send and receive, with gradients", "the 1F1B warm-up", "torch's API by hand",
-             "global-norm clipping", "a schedule by hand"]
+             "global-norm clipping", "a GPipe step's time", "a schedule by hand"]
 
 
 def _reported(check):
@@ -119,6 +120,58 @@ def _warmup_hint(rank: int, n_ranks: int, n_microbatches: int, given, expected: 
                "microbatch going while the first one travels to the end and back")
     return f"{case}.\n{why}."
 
+
+# --- a GPipe step's time from per-stage costs (pure) ---------------------------------------------
+
+@_reported
+def check_gpipe_time(gpipe_step_time, max_ranks: int = 5, max_microbatches: int = 8) -> Verdict:
+    """`gpipe_step_time(forward, backward, n_microbatches, latency)`: the step time of GPipe with one
+    stage per rank, `forward[s]` and `backward[s]` the seconds of stage s per microbatch, `latency`
+    the seconds of each hop. Judged against pplab's simulator on uneven stages, with and without latency."""
+    import random
+
+    from pplab.schedules import build
+    from pplab.simulator import Costs, simulate
+
+    name = "a GPipe step's time"
+    rng = random.Random(0)
+    cases = [([1.0] * p, [2.0] * p, m, 0.0) for p in (1, 2, 4) for m in (1, 4)]  # even stages first
+    cases += [([round(rng.uniform(0.5, 3), 1) for _ in range(p)], [round(rng.uniform(1, 5), 1) for _ in range(p)],
+               m, latency) for p in range(2, max_ranks + 1) for m in (1, 3, max_microbatches) for latency in (0.0, 0.5)]
+    for forward, backward, m, latency in cases:
+        expected = simulate(build("gpipe", len(forward), m),
+                            Costs(forward=forward, backward=backward, latency=latency)).step_time()
+        try:
+            given = gpipe_step_time(list(forward), list(backward), m, latency)
+        except Exception as error:  # noqa: BLE001 - whatever the learner's code raised
+            return _raised(name, error)
+        if not isinstance(given, (int, float)) or abs(given - expected) > 1e-6 * max(1.0, expected):
+            case = (f"forward={forward}, backward={backward}, n_microbatches={m}, latency={latency}: "
+                    f"you said {given!r}, the simulator {expected:.4g}")
+            return Verdict(name, False, f"{case}.\n{_gpipe_hint(forward, backward, m, latency, given)}")
+    return Verdict(name, True, f"all {len(cases)} cases, even and uneven stages, with and without latency, "
+                               f"equal the simulator's step time")
+
+
+def _gpipe_hint(forward, backward, m: int, latency: float, given) -> str:
+    """What the learner's number most likely left out (known wrong formulas, tried in turn)."""
+    p = len(forward)
+    right_without_latency = sum(forward) + sum(backward) + (m - 1) * (max(forward) + max(backward))
+    tries = [  # the most specific first: with one microbatch some of these coincide
+        (right_without_latency, "the latency: the forwards cross p - 1 hops, and the backwards again"),
+        (right_without_latency + (p - 1) * latency, "the latency is paid going forward and coming back: "
+                                                   "2 (p - 1) hops"),
+        ((m + p - 1) * (forward[0] + backward[0]), "(m + p - 1)(F + B) holds for even stages only: with uneven "
+                                                   "ones the slowest stage paces the middle of the step"),
+        ((m + p - 1) * (max(forward) + max(backward)), "not every stage is the slowest: the fill and the drain "
+                                                      "pass each stage once, at its own speed"),
+        (m * (sum(forward) + sum(backward)), "that is one device's time: in a pipeline the stages work at once"),
+    ]
+    for wrong, hint in tries:
+        if isinstance(given, (int, float)) and abs(given - wrong) <= 1e-6 * max(1.0, wrong):
+            return hint
+    return ("think of the forwards as a flow shop: the last microbatch leaves the last stage after every stage's "
+            "F once plus (m - 1) times the slowest F; the backwards flow back the same way")
 
 # --- 2 · a stage's forward: first, middle, last (pure) ---------------------------------------------
 
