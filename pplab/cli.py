@@ -391,14 +391,21 @@ def room_command(args: argparse.Namespace) -> int:
     import pplab.room as room
     from pplab.views.exercises import EXERCISES
 
-    room.read_room(args.folder)  # a wrong folder is said now, before anything listens
+    try:
+        room.make_room(args.folder)  # writable by every attendee, sticky (pplab.room.make_room)
+    except OSError as error:
+        raise ValueError(f"{args.folder}: cannot make the room there ({error.strerror}); give a folder "
+                         f"you may create") from None
 
     class RoomPage(http.server.BaseHTTPRequestHandler):
         def do_GET(self):  # noqa: N802 - http.server's name
-            seats = room.read_room(args.folder)
+            try:
+                seats = room.read_room(args.folder)
+            except ValueError as error:  # the folder went away: say so on the page
+                self.send_error(500, str(error))
+                return
             if self.path == "/room.json":
-                body, kind = json_module.dumps([vars(seat) | {"state": seat.state} for seat in seats]), \
-                    "application/json"
+                body, kind = json_module.dumps([vars(seat) for seat in seats]), "application/json"
             elif self.path == "/":
                 body, kind = _room_page(seats, EXERCISES, args.folder, args.refresh), "text/html; charset=utf-8"
             else:
@@ -414,7 +421,13 @@ def room_command(args: argparse.Namespace) -> int:
         def log_message(self, *_):  # one line per reload would drown the terminal
             pass
 
-    server = http.server.ThreadingHTTPServer(("127.0.0.1", args.port), RoomPage)
+    if not 0 <= args.port <= 65535:
+        raise ValueError(f"--port {args.port}: give a port between 1024 and 65535 (0: any free one)")
+    try:
+        server = http.server.ThreadingHTTPServer(("127.0.0.1", args.port), RoomPage)
+    except OSError as error:
+        raise ValueError(f"--port {args.port}: cannot listen there ({error.strerror}); give another "
+                         f"port, or 0 for any free one") from None
     print(f"pplab room: {args.folder} at http://127.0.0.1:{server.server_address[1]}/ (loopback only; "
           f"from a laptop: ssh -L {server.server_address[1]}:127.0.0.1:{server.server_address[1]} this server). "
           f"Ctrl-C stops it.", flush=True)
@@ -644,7 +657,7 @@ def build_parser() -> argparse.ArgumentParser:
         description="Serve, on loopback, a page listing every attendee's lab (seat, device, GPUs, ranks, "
                     "running or dead, last activity) and exercise verdicts, from what the labs and checkers "
                     "write to the folder the attendees have as PPLAB_ROOM (docs/instructor.md).")
-    run_room.add_argument("folder", help="the room's folder (the attendees' PPLAB_ROOM)")
+    run_room.add_argument("folder", help="the room's folder (the attendees' PPLAB_ROOM; made if missing)")
     run_room.add_argument("--port", type=int, default=8765, help="loopback port (default 8765; 0: any free one)")
     run_room.add_argument("--refresh", type=functools.partial(_number, positive=True), default=3.0,
                           help="seconds between the page's reloads (default 3)")

@@ -226,12 +226,13 @@ def _read_rank_trace(path: str) -> RankTrace:
         correlation = (raw.get("args") or {}).get("correlation")
         if category in _LAUNCHES and correlation is not None:
             launches[correlation] = start
-        elif category in _DEVICE_WORK and correlation is not None:
+        elif category in _DEVICE_WORK and correlation is not None and not name.startswith("nccl"):
+            # NCCL's kernels are messages and collectives, read as such: not an action's compute.
             device_work[correlation] = (start, start + float(raw["dur"]))
         if category == "gpu_user_annotation" and _is_action_label(name):
             continue  # replaced by the work the action launched (_device_spans)
         spans.append(Span(name, start, start + float(raw["dur"]),
-                          device=category in ("kernel", "gpu_user_annotation", "gpu_memcpy")))
+                          device=category in _DEVICE_WORK | {"gpu_user_annotation"}))
     spans += _device_spans(spans, launches, device_work)
     spans.sort(key=lambda span: (span.start, -span.end))
     return RankTrace(path, int(rank), info.get("world_size"), str(data.get("host_name", "")),

@@ -10,7 +10,7 @@ the instructor reads them (`pplab room FOLDER`, a page on loopback; or `pplab.wi
 in a notebook). Without `PPLAB_ROOM` nothing is written.
 
 A lab counts as dead when its record says it runs but one of its processes is gone (on this
-host), or, on another host, when it has not been heard of for `SILENT_SECONDS`.
+host); a lab on another host not heard of for `SILENT_SECONDS` is shown as silent.
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 ROOM_ENV, SEAT_ENV = "PPLAB_ROOM", "PPLAB_SEAT"
-SILENT_SECONDS = 600.0  # a lab on another host not heard of for this long is shown as dead
+SILENT_SECONDS = 600.0  # a lab on another host not heard of for this long is shown as silent
 ACTIVITY_EVERY = 2.0  # seconds: a lab's "last activity" is written at most this often
 
 
@@ -68,7 +68,7 @@ def record_verdict(exercise: str, right: bool, message: str) -> None:
     line = json.dumps({"attendee": attendee(), "exercise": exercise, "right": bool(right), "reason": reason,
                        "time": time.time()})
     with _never_in_the_way(folder):
-        (folder / "verdicts").mkdir(parents=True, exist_ok=True)
+        make_room(folder)
         # One short line per write with O_APPEND: lines of several kernels never interleave.
         with open(folder / "verdicts" / f"{attendee()}.jsonl", "a") as file:
             file.write(line + "\n")
@@ -89,8 +89,19 @@ def _never_in_the_way(folder: Path):
                   file=sys.stderr)
 
 
+def make_room(folder: str | Path) -> Path:
+    """The room's folder and its two subfolders, writable by every attendee (each a Unix user of
+    their own, say) and sticky, so that nobody can remove or replace another's files."""
+    folder = Path(folder)
+    for part in (folder, folder / "labs", folder / "verdicts"):
+        if not part.is_dir():
+            part.mkdir(parents=True, exist_ok=True)
+            part.chmod(0o1777)
+    return folder
+
+
 def _write_atomically(path: Path, text: str) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
+    make_room(path.parent.parent)
     partial = path.with_name(f".{path.name}.{os.getpid()}.partial")
     partial.write_text(text)
     os.replace(partial, path)  # a reader sees the old record or the new one, never half of one
@@ -121,31 +132,45 @@ def read_room(folder: str | Path, now: float | None = None) -> list[Seat]:
         raise ValueError(f"{folder}: no such room folder; give the folder set as {ROOM_ENV} for the "
                          f"attendees (make it before the workshop: the attendees' labs write into it)")
     seats: dict[str, Seat] = {}
-    for path in sorted((folder / "labs").glob("*.json")):
-        try:
-            lab = json.loads(path.read_text())
-        except (OSError, json.JSONDecodeError):
-            continue  # a file being replaced right now: the next look reads it
+    # A file being replaced, a line being written, one nobody may read: skipped, the next look reads it.
+    for lab in _records(sorted((folder / "labs").glob("*.json")), ("attendee", "last_activity", "client_pid")):
         seat = seats.setdefault(lab["attendee"], Seat(lab["attendee"]))
         if seat.lab is None or lab["last_activity"] > seat.lab["last_activity"]:
             seat.lab, seat.state = lab, _lab_state(lab, now)
-    for path in sorted((folder / "verdicts").glob("*.jsonl")):
-        for line in path.read_text().splitlines():
-            try:
-                verdict = json.loads(line)
-            except json.JSONDecodeError:
-                continue  # a line being written right now
-            seat = seats.setdefault(verdict["attendee"], Seat(verdict["attendee"]))
-            seat.verdicts[verdict["exercise"]] = verdict  # in file order: the latest stays
+    for verdict in _records(sorted((folder / "verdicts").glob("*.jsonl")), ("attendee", "exercise", "right")):
+        seat = seats.setdefault(verdict["attendee"], Seat(verdict["attendee"]))
+        seat.verdicts[verdict["exercise"]] = verdict  # in file order: the latest stays
     return [seats[name] for name in sorted(seats)]
 
 
+def _records(paths: list[Path], needed: tuple[str, ...]):
+    """The JSON objects of these files (one per file, or one per line), those with the `needed` keys."""
+    for path in paths:
+        try:
+            lines = path.read_text().splitlines()
+        except (OSError, UnicodeDecodeError):
+            continue
+        for line in lines:
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError:
+                continue
+            if isinstance(record, dict) and all(key in record for key in needed):
+                record.setdefault("time", record.get("last_activity", 0.0))
+                record.setdefault("reason", "")
+                yield record
+
+
 def _lab_state(lab: dict, now: float) -> str:
-    if lab.get("state") != "running":
-        return lab.get("state", "unknown")
+    """running, restarting, stopped; dead (a process of it gone, on this host); silent (another host's,
+    not heard of for SILENT_SECONDS: its attendee may only be reading)."""
+    state = str(lab.get("state", "unknown"))
+    if state not in ("running", "restarting"):
+        return state
     if lab.get("host") == socket.gethostname():
-        return "running" if all(_alive(pid) for pid in [lab["client_pid"], *lab.get("pids", [])]) else "dead"
-    return "running" if now - lab["last_activity"] < SILENT_SECONDS else "dead"
+        pids = [lab["client_pid"], *(lab.get("pids", []) if state == "running" else [])]
+        return state if all(_alive(pid) for pid in pids) else "dead"
+    return state if now - lab["last_activity"] < SILENT_SECONDS else "silent"
 
 
 def _alive(pid: int) -> bool:
@@ -174,7 +199,7 @@ def room_table_html(seats: list[Seat], exercises: list[str] = (), now: float | N
     """The room as one HTML table: a row per attendee, their lab, then a column per exercise."""
     now = time.time() if now is None else now
     names = list(dict.fromkeys([*exercises, *(name for seat in seats for name in seat.verdicts)]))
-    colours = {"running": "#1a7f37", "dead": "#c00000", "stopped": "#777777"}
+    colours = {"running": "#1a7f37", "dead": "#c00000", "stopped": "#777777", "restarting": "#b06000", "silent": "#b06000"}
     head = "".join(f"<th>{html.escape(text)}</th>" for text in
                    ["seat", "lab", "device", "ranks", "last activity", *names])
     rows = []

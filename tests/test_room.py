@@ -43,6 +43,9 @@ def test_what_a_lab_and_a_checker_write_is_read_back(tmp_path, monkeypatch):
     room.record_verdict("the 1F1B warm-up", False, "rank 0 of 3 with 1 microbatch: you said 2, it runs 1.\nwhy")
     room.record_verdict("a stage's forward", True, "every stage computes what it should")
     (tmp_path / "verdicts" / "seat_7.jsonl").open("a").write('{"attendee": "seat_7", "exerc')  # being written
+    for made in ("labs", "verdicts"):  # every attendee (a Unix user of their own) may write there
+        assert (tmp_path / made).stat().st_mode & 0o7777 == 0o1777
+    (tmp_path / "labs" / "broken.json").write_text('{"attendee": "x"}')  # no last_activity: skipped
     [seat] = room.read_room(tmp_path)
     assert seat.attendee == "seat_7" and seat.state == "running" and seat.lab["gpus"] == [2, 3]
     assert seat.verdicts["the 1F1B warm-up"]["reason"] == "rank 0 of 3 with 1 microbatch: you said 2, it runs 1."
@@ -59,6 +62,9 @@ def test_what_a_lab_and_a_checker_write_is_read_back(tmp_path, monkeypatch):
 
 @pytest.mark.timeout(180)
 def test_three_attendees_labs_and_verdicts_are_seen_live_in_a_browser(tmp_path, ipython_dir):
+    from test_browser import _browser_or_skip
+
+    _browser_or_skip()  # before anything starts: a skip inside would leave the checks below unmade
     folder = tmp_path / "room"
     folder.mkdir()
     attendees = {}
@@ -103,10 +109,8 @@ def test_three_attendees_labs_and_verdicts_are_seen_live_in_a_browser(tmp_path, 
 
 
 def _look_in_a_browser(url, attendees, tmp_path):
-    from test_browser import CHROMIUM, _browser_or_skip
-
-    _browser_or_skip()
     from playwright.sync_api import sync_playwright
+    from test_browser import CHROMIUM
 
     with sync_playwright() as playwright:
         browser = playwright.chromium.launch(executable_path=CHROMIUM, args=["--no-sandbox"])

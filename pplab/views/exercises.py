@@ -128,6 +128,7 @@ def check_gpipe_time(gpipe_step_time, max_ranks: int = 5, max_microbatches: int 
     """`gpipe_step_time(forward, backward, n_microbatches, latency)`: the step time of GPipe with one
     stage per rank, `forward[s]` and `backward[s]` the seconds of stage s per microbatch, `latency`
     the seconds of each hop. Judged against pplab's simulator on uneven stages, with and without latency."""
+    import numbers
     import random
 
     from pplab.schedules import build
@@ -145,7 +146,8 @@ def check_gpipe_time(gpipe_step_time, max_ranks: int = 5, max_microbatches: int 
             given = gpipe_step_time(list(forward), list(backward), m, latency)
         except Exception as error:  # noqa: BLE001 - whatever the learner's code raised
             return _raised(name, error)
-        if not isinstance(given, (int, float)) or abs(given - expected) > 1e-6 * max(1.0, expected):
+        if isinstance(given, bool) or not isinstance(given, numbers.Real) \
+                or abs(given - expected) > 1e-6 * max(1.0, expected):
             case = (f"forward={forward}, backward={backward}, n_microbatches={m}, latency={latency}: "
                     f"you said {given!r}, the simulator {expected:.4g}")
             return Verdict(name, False, f"{case}.\n{_gpipe_hint(forward, backward, m, latency, given)}")
@@ -246,6 +248,7 @@ class _MessagesWatched:
 
     def __init__(self):
         self.sent: list[str] = []
+        self.received: list[str] = []
 
     def __enter__(self):
         import torch.distributed as dist
@@ -267,14 +270,15 @@ class _MessagesWatched:
         from pplab.rank.rank_context import publish
 
         sent = ", ".join(self.sent) or "nothing"
-        doing = "returned" if finished else f"was waiting in {waiting}"
-        publish((MESSAGES, f"sent {sent}, and {doing}"))
+        received = f", received {', '.join(self.received)}" if self.received else ""
+        doing = "returned" if finished else f"was waiting in {waiting}" if waiting else "was past its last message"
+        publish((MESSAGES, f"sent {sent}{received}, and {doing}"))
 
     def waits(self, what: str, wait, sends: bool):
         self.note(what)
         result = wait()
-        if sends:
-            self.sent.append(what)
+        (self.sent if sends else self.received).append(what)
+        self.note(None)  # the wait is over: a later failure is not this wait's
         return result
 
     def _watched(self, name, original):

@@ -200,6 +200,7 @@ class Lab:
         self._verbose = verbose
         self._gpus: tuple[int, ...] | None = None  # the ranks' CUDA devices, if chosen
         self._told_the_room = 0.0  # when this lab last wrote its record in the room (monotonic seconds)
+        self._room_id = f"{os.getpid()}-{id(self):x}"  # one record per lab object, across its restarts
         self._cores: tuple[int, ...] | None = None  # the ranks' cores, if pinned
         self._view = None
         self._ranks = RankGroup([], {})
@@ -415,7 +416,7 @@ class Lab:
             return
         here = socket.gethostname()
         gpus = list(self._gpus) if self._gpus else list(range(self.world_size)) if self.device == "cuda" else []
-        room.record_lab(self.cluster_id or "lab", state=state, device=self.device, n_ranks=self.world_size,
+        room.record_lab(self._room_id, state=state, device=self.device, n_ranks=self.world_size,
                         gpus=gpus, pids=[pid for host, pid in self.rank_processes if host == here])
 
     @property
@@ -457,12 +458,15 @@ class Lab:
     def restart(self) -> None:
         """Replace every engine by a fresh one, reassign ranks and re-initialise the process group."""
         self._launcher.check_restart(stopped=self._stopped)  # refuses before anything changes
+        self._tell_the_room("restarting")  # its processes are about to go: not dead
         self._bring_up(self._launcher.restart, "restart")
 
     def stop(self) -> None:
         """Leave the process group and stop the controller and engines (nothing is left running)."""
         if self._stopped:
             return
+        from ipyparallel.error import NoEnginesRegistered
+
         try:
             if self.client is not None and self._view is not None and not self._ranks.broken:
                 self.run(engine.teardown_rank, timeout=TEARDOWN_SECONDS)
@@ -470,6 +474,8 @@ class Lab:
             if self._verbose:
                 first_line = str(error).splitlines()[0]
                 print(f"pplab: the ranks did not leave their process group ({first_line})")
+        except NoEnginesRegistered:  # every engine died and the controller noticed: nothing to leave
+            pass
         finally:  # whatever went wrong above, nothing is left running
             self._shutdown(kill=bool(self._ranks.broken))  # a rank stuck in a wait leaves by SIGKILL
 

@@ -317,10 +317,11 @@ class Dashboard(widgets.VBox):
         self.timeline.reset(self._labels())
         self.bubbles.reset()
         self._set_references()
-        costs, label = self._costs()
-        plan = simulate(new.schedule, costs)
-        self.timeline.show(None, Timeline(plan.events, plan.n_ranks, label=label or "simulated"),
-                           note="the new schedule, before its first step")
+        if new.spec.world_size == new.schedule.n_ranks:  # the simulator runs one pipeline, not a mesh's dp or tp
+            costs, label = self._costs()
+            plan = simulate(new.schedule, costs)
+            self.timeline.show(None, Timeline(plan.events, plan.n_ranks, label=label or "simulated"),
+                               note="the new schedule, before its first step")
         schedule = new.schedule
         self._say(html.escape(f"rebuilt: {schedule.name}, {schedule.n_microbatches} microbatches, "
                               f"{schedule.n_virtual} stage{'s' if schedule.n_virtual > 1 else ''} per rank, "

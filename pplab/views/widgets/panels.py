@@ -55,7 +55,7 @@ class TimelineView(widgets.VBox):
         self.picker = widgets.Dropdown(description="step", options=[], layout=widgets.Layout(display="none"))
         self.history: list[tuple[Timeline, Timeline | None]] = []
         self.shown: Timeline | None = None
-        self.draws = 0  # pictures (PNG) drawn
+        self.draws = 0  # finished steps drawn (PNG pictures, or SVG where pictures=False)
         self.live_draws = 0  # live (SVG) redraws
         from pplab.views import viz  # matplotlib's import takes a second: pay it now, not in the first live redraw
 
@@ -75,7 +75,8 @@ class TimelineView(widgets.VBox):
             from pplab.views.widgets.svg import timeline_svg
 
             self.live.value = timeline_svg(timeline if has_events else None, predicted, self._colours,
-                                           labels=self._labels, idle=True)
+                                           labels=self._labels, idle=True,
+                                           rank_labels=self.rank_labels if has_events else None)
             self.live.layout.display, self.image.layout.display = None, "none"
             self.draws += 1
             self._caption(timeline if has_events else None, predicted, note)
@@ -94,7 +95,8 @@ class TimelineView(widgets.VBox):
         """Draw a step in progress (or any timeline, quickly) as SVG."""
         from pplab.views.widgets.svg import timeline_svg
 
-        self.live.value = timeline_svg(timeline, predicted, self._colours, labels=self._labels)
+        self.live.value = timeline_svg(timeline, predicted, self._colours, labels=self._labels,
+                                       rank_labels=self.rank_labels)
         self.live.layout.display, self.image.layout.display = None, "none"
         self.live_draws += 1
         self._caption(timeline if len(timeline) else None, predicted, note)

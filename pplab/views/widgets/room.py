@@ -7,6 +7,7 @@ What it shows is what the attendees' labs and checkers wrote to the room's folde
 from __future__ import annotations
 
 import asyncio
+import html
 
 import ipywidgets as widgets
 
@@ -49,8 +50,8 @@ class RoomView(widgets.VBox):
             await asyncio.sleep(self.refresh_seconds)
             try:
                 self.refresh()
-            except (OSError, ValueError) as error:  # the folder went away: say so, keep trying
-                self.summary.value = f"<span style='color:#c00000'>{error}</span>"
+            except Exception as error:  # noqa: BLE001 - say it and keep following: the room goes on
+                self.summary.value = f"<span style='color:#c00000'>{html.escape(str(error))}</span>"
 
 
 _STYLE = ("<style>.pplab-room{border-collapse:collapse;font-size:13px}.pplab-room td,.pplab-room th"
