@@ -26,7 +26,8 @@ import torch
 from pplab.arguments import check_positive_int
 from pplab.data import HELDOUT_FRACTION, Batch, CharTokenizer
 
-__all__ = ["BPETokenizer", "PackedText", "read_documents", "load_tokenizer", "TOKENIZER_FILE"]
+__all__ = ["BPETokenizer", "PackedText", "read_documents", "load_tokenizer", "join_documents", "cut_sequences",
+           "TOKENIZER_FILE"]
 
 TOKENIZER_FILE = "tokenizer.json"  # its name beside a run's checkpoints
 
@@ -170,6 +171,24 @@ def _is_tokenizer_json(path: Path) -> bool:
 # --- packed sequences, epoch by epoch -----------------------------------------------------------
 
 
+def join_documents(token_lists: Sequence[Sequence[int]], bos: int, eos: int) -> torch.Tensor:
+    """One stream of token ids: each document as `<bos> ids <eos>`, one after another. The markers
+    tell the model where a document starts and ends, so it does not learn to continue one
+    document into the next as if they were one text."""
+    return torch.tensor([t for ids in token_lists for t in (bos, *ids, eos)], dtype=torch.int64)
+
+
+def cut_sequences(tokens: torch.Tensor, seq_len: int) -> torch.Tensor:
+    """Consecutive windows of seq_len + 1 tokens, each starting where the last one's inputs end:
+    row[:-1] is a sequence's input and row[1:] its targets, and the last target of one window is
+    the first input of the next, so every adjacent pair of the stream is learned once. The tail
+    too short for a whole window is dropped (padding it would spend compute on pad tokens)."""
+    count = max(0, (len(tokens) - 1) // seq_len)
+    if not count:
+        return torch.empty((0, seq_len + 1), dtype=torch.int64)
+    return torch.stack([tokens[i * seq_len:i * seq_len + seq_len + 1] for i in range(count)])
+
+
 class PackedText:
     """Documents as `<bos> text <eos>` back to back, cut into sequences of seq_len + 1 tokens."""
 
@@ -178,23 +197,16 @@ class PackedText:
         check_positive_int("batch_size", batch_size)
         self.seq_len, self.batch_size, self.seed = seq_len, batch_size, seed
         self.pad_id = tokenizer.pad_id
-        bos, eos = tokenizer.bos_id, tokenizer.eos_id
-        tokens = torch.tensor([t for document in documents for t in (bos, *tokenizer.encode(document), eos)],
-                              dtype=torch.int64)
+        tokens = join_documents([tokenizer.encode(document) for document in documents],
+                                tokenizer.bos_id, tokenizer.eos_id)
         cut = len(tokens) - int(len(tokens) * HELDOUT_FRACTION)
-        self.train_windows = self._windows(tokens[:cut])
-        self.heldout_windows = self._windows(tokens[cut:])
+        self.train_windows = cut_sequences(tokens[:cut], seq_len)
+        self.heldout_windows = cut_sequences(tokens[cut:], seq_len)
         if min(len(self.train_windows), len(self.heldout_windows)) < batch_size:
             raise ValueError(f"the text makes {len(tokens)} tokens: {len(self.train_windows)} training and "
                              f"{len(self.heldout_windows)} held-out sequences of seq_len + 1 = {seq_len + 1} "
                              f"tokens, but a batch takes {batch_size} of each: give more text, or a smaller "
                              f"seq_len or batch_size")
-
-    def _windows(self, tokens: torch.Tensor) -> torch.Tensor:
-        """Consecutive sequences of seq_len + 1 tokens, each starting where the last one's inputs end."""
-        count = max(0, (len(tokens) - 1) // self.seq_len)
-        return torch.stack([tokens[i * self.seq_len:i * self.seq_len + self.seq_len + 1] for i in range(count)]) \
-            if count else torch.empty((0, self.seq_len + 1), dtype=torch.int64)
 
     @property
     def batches_per_epoch(self) -> int:

@@ -65,6 +65,20 @@ def gpipe_step_time(forward, backward, n_microbatches, latency):
 """
 LATENCY_ONE_WAY = mistaken("10b_exercise_predict_gpipe", "hops = 2 * (len(forward) - 1) * latency",
                            "hops = (len(forward) - 1) * latency")
+NO_ROTARY = mistaken("14b_exercise_layout_of_your_model", '    rotary="model.rotary_emb",', "")
+LLAMA_NORM = mistaken("14b_exercise_layout_of_your_model", 'norm="model.final_layernorm",', 'norm="model.norm",')
+NO_DROPOUT = mistaken("14b_exercise_layout_of_your_model", '    dropout="model.embed_dropout",', "")
+ROTARY_AS_POSITIONS = mistaken("14b_exercise_layout_of_your_model", 'rotary="model.rotary_emb",',
+                               'positions="model.rotary_emb",')
+TARGETS_NOT_SHIFTED = mistaken("15b_exercise_pack_text", "[w[1:] for w in windows]", "[w[:-1] for w in windows]")
+NO_MARKERS = mistaken("15b_exercise_pack_text", "for token in (bos, *ids, eos)", "for token in ids")
+WINDOWS_APART = mistaken("15b_exercise_pack_text", "stream[i * seq_len:i * seq_len + seq_len + 1] for i in range(rows)",
+                         "stream[i * (seq_len + 1):(i + 1) * (seq_len + 1)] for i in range(len(stream) // (seq_len + 1))")
+WAITS_COUNTED_BUSY = mistaken("16b_exercise_idle_from_a_trace", "if e.rank == rank and e.is_compute", "if e.rank == rank")
+OWN_SPAN = mistaken("16b_exercise_idle_from_a_trace", "for event in timeline.events)  # over every rank",
+                    "for event in timeline.events if event.rank == rank and event.is_compute)").replace(
+    "max(event.end for event in timeline.events)",
+    "max(event.end for event in timeline.events if event.rank == rank and event.is_compute)")
 DEADLOCKED_BY_HAND = """
 my_schedule = ["0F0 0B0 0F1 0B1 0F2 0B2 0F3 0B3", "1F1 1B1 1F0 1B0 1F2 1B2 1F3 1B3"]
 """
@@ -103,6 +117,24 @@ WRONG_ANSWERS = [
      r"NOT YET .* you said [\d.]+, the simulator [\d.]+\.\n\(m \+ p - 1\)\(F \+ B\) holds for even stages only"),
     ("10b_exercise_predict_gpipe", LATENCY_ONE_WAY,
      r"NOT YET .* latency=0.5: .*\nthe latency is paid going forward and coming back: 2 \(p - 1\) hops"),
+    ("14b_exercise_layout_of_your_model", NO_ROTARY,
+     r"NOT YET .* model.rotary_emb \(PhiRotaryEmbedding\) is in no part of your layout, so no stage would run it.*"
+     r"rotary position embeddings: `rotary=`"),
+    ("14b_exercise_layout_of_your_model", LLAMA_NORM,
+     r"NOT YET .* pplab refused it: layout norm='model.norm': 'phi' has no module there. Its modules: .*"
+     r"model.final_layernorm \(LayerNorm\)"),
+    ("14b_exercise_layout_of_your_model", NO_DROPOUT,
+     r"NOT YET .* model.embed_dropout \(Dropout\) is in no part of your layout.*`dropout=`"),
+    ("14b_exercise_layout_of_your_model", ROTARY_AS_POSITIONS,
+     r"NOT YET .*\n`positions=` is for learned position embeddings added once, on the first stage"),
+    ("15b_exercise_pack_text", TARGETS_NOT_SHIFTED,
+     r"NOT YET .*\nthe targets are the inputs themselves: each position must predict the NEXT token"),
+    ("15b_exercise_pack_text", NO_MARKERS, r"NOT YET .*\nthe documents run into each other: join each as <bos> ids <eos>"),
+    ("15b_exercise_pack_text", WINDOWS_APART, r"NOT YET .*\nyour windows do not overlap: each window is seq_len \+ 1"),
+    ("16b_exercise_idle_from_a_trace", WAITS_COUNTED_BUSY,
+     r"NOT YET .* your timeline 1, rank \d: you said [\d.]+, it is [\d.]+\.\na rank waiting in a receive is idle"),
+    ("16b_exercise_idle_from_a_trace", OWN_SPAN,
+     r"NOT YET .* rank \d: you said [\d.]+, it is [\d.]+\.\nmeasure against the whole step"),
     ("11b_exercise_schedule_by_hand", GPIPE_BY_HAND,
      r"NOT YET .* rank 0 holds the activations of 4 microbatches at once \(after 0F3\); the limit is 2"),
     ("11b_exercise_schedule_by_hand", DEADLOCKED_BY_HAND, r"NOT YET .*deadlock"),
@@ -170,8 +202,8 @@ def exercise_kernel():
         current.pop().__exit__(None, None, None)
 
 
-def test_there_are_at_least_five_exercises_each_with_its_solution_apart():
-    assert len(EXERCISES) >= 5, EXERCISES
+def test_there_are_at_least_eight_exercises_each_with_its_solution_apart():
+    assert len(EXERCISES) >= 8, EXERCISES
     for stem in EXERCISES:
         solution = NOTEBOOKS / "solutions" / f"{stem}.py"
         assert solution.exists(), f"{stem} has no solution in notebooks/solutions/"
@@ -182,8 +214,10 @@ def test_there_are_at_least_five_exercises_each_with_its_solution_apart():
 # What each checker must say, in the order a learner meets it in one kernel: the cell as shipped
 # (for some), the wrong answers (a deadlock among them restarts the lab), then the solution.
 NOT_YET = r"NOT YET(.*\n)*.*not written yet: replace `raise NotImplementedError`"
-CASES = [(stem, f"{stem}-as-shipped", None, NOT_YET)
-         for stem in ("02b_exercise_send_recv", "04b_exercise_1f1b_warmup")]
+CASES = [(stem, f"{stem}-as-shipped", None, NOT_YET.replace("`raise NotImplementedError`", shipped))
+         for stem, shipped in (("02b_exercise_send_recv", "`raise NotImplementedError`"),
+                               ("04b_exercise_1f1b_warmup", "`raise NotImplementedError`"),
+                               ("14b_exercise_layout_of_your_model", "each `...`"))]
 CASES += [(stem, f"{stem}-wrong-{i}", answer, expected) for i, (stem, answer, expected) in enumerate(WRONG_ANSWERS)]
 CASES += [(stem, f"{stem}-solution", solution(stem), r"^RIGHT") for stem in EXERCISES]
 CASES.sort(key=lambda case: case[0])  # stable: each notebook's cases together, in the order above

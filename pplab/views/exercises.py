@@ -15,6 +15,9 @@ the lab for the next try.
     a schedule's text, one line per rank                 -> check_schedule (on a lab)
     clip_global_norm(parameters, max_norm)               -> check_clipping (on a 2-rank lab)
     gpipe_step_time(forward, backward, n_microbatches, latency) -> check_gpipe_time
+    a pplab.hf.Layout for a Hugging Face family pplab does not know -> check_layout
+    pack_documents(token_lists, seq_len, bos, eos)       -> check_packing
+    idle_share(timeline, rank)                           -> check_idle_share
 """
 
 from __future__ import annotations
@@ -28,7 +31,7 @@ from dataclasses import dataclass
 import pplab.room as room
 
 __all__ = ["check_stage_forward", "check_send_recv", "check_warmup", "check_torch_step", "check_clipping",
-           "check_gpipe_time", "check_schedule", "Verdict"]
+           "check_gpipe_time", "check_schedule", "check_layout", "check_packing", "check_idle_share", "Verdict"]
 
 NOT_WRITTEN = "not written yet: replace `raise NotImplementedError` in the exercise cell with your code"
 
@@ -58,7 +61,8 @@ class Verdict:
 
 # The exercises in the course's order, by the names their verdicts carry (the room's columns).
 EXERCISES = ["a stage's forward", "send and receive, with gradients", "the 1F1B warm-up", "torch's API by hand",
-             "global-norm clipping", "a GPipe step's time", "a schedule by hand"]
+             "global-norm clipping", "a GPipe step's time", "a schedule by hand", "a layout for your own model",
+             "text packed into sequences", "a rank's idle share from a trace"]
 
 
 def _reported(check):
@@ -685,3 +689,229 @@ def _judge_clipping(name: str, ran: list[dict], total: float, max_norm: float) -
                                             f"{param_name}). Clipping each stage by its own norm scales the "
                                             f"stages differently and changes the update's direction")
     return None
+
+
+# --- 6 · a layout for a model family pplab does not know (pure: the stages chained in-process) ---------
+
+@_reported
+def check_layout(layout, directory) -> Verdict:
+    """`layout`, a `pplab.hf.Layout`, must say where the model saved in `directory` keeps its parts,
+    so that its stages, cut two ways and chained in this process, compute exactly what the whole
+    `transformers` model computes on one device: the loss and every parameter's gradient."""
+    import torch
+
+    from pplab.hf import HFModel, Layout
+    from pplab.model import loss_fn
+
+    name = "a layout for your own model"
+    if layout is None or layout is ... or (isinstance(layout, Layout) and ... in vars(layout).values()):
+        return Verdict(name, False, NOT_WRITTEN.replace("`raise NotImplementedError`", "each `...`"))
+    if not isinstance(layout, Layout):
+        return Verdict(name, False, f"give a pplab.hf.Layout(embed=..., blocks=..., norm=..., head=..., ...), "
+                                    f"not a {type(layout).__name__}")
+    try:
+        model = HFModel.of(directory, layout=layout)
+    except ValueError as error:
+        return Verdict(name, False, f"pplab refused it: {error}")
+    for path, kind in _modules_left_out(model):
+        role = ("the rotary position embeddings: `rotary=`; pplab computes them on every stage that has blocks"
+                if "Rotary" in kind else "a dropout after the embeddings: `dropout=`; it changes every training step"
+                if "Dropout" in kind else "a part of the model's forward: give it a role in the layout")
+        return Verdict(name, False, f"{path} ({kind}) is in no part of your layout, so no stage would run it (it "
+                                    f"holds no parameters, so nothing else says so). It is {role}")
+    whole = model.build_model()
+    torch.manual_seed(0)
+    tokens = torch.randint(0, model.vocab_size, (2, 16))
+    targets = torch.randint(0, model.vocab_size, (2, 16))
+    expected = loss_fn(whole(tokens).logits, targets)
+    expected.backward()
+    n = model.num_hidden_layers
+    for cut in ([range(0, n // 2), range(n // 2, n)], [range(0, 1), range(1, n - 1), range(n - 1, n)]):
+        try:
+            loss, grads = _chained_stages(model, cut, tokens, targets)
+        except Exception as error:  # noqa: BLE001 - what the learner's layout made the stages raise
+            return _raised(name, error, _layout_hint(error))
+        where = f"cut into stages of {', '.join(f'blocks {r.start}-{r.stop - 1}' for r in cut)}"
+        if abs(loss - expected.item()) > 1e-6 * abs(expected.item()):
+            return Verdict(name, False, f"{where}: the loss is {loss:.6f}, the whole model's {expected.item():.6f}")
+        for param_name, param in whole.named_parameters():
+            if param_name not in grads or not torch.allclose(grads[param_name], param.grad, rtol=1e-5, atol=1e-7):
+                return Verdict(name, False, f"{where}: the gradient of {param_name} differs from the whole model's")
+    return Verdict(name, True, f"cut in two and in three, the stages give the whole model's loss "
+                               f"({expected.item():.6f}) and every one of its {len(dict(whole.named_parameters()))} "
+                               f"parameters' gradients: lab.pipeline(pplab.hf.HFModel.of(directory, layout=...)) "
+                               f"will pipeline it")
+
+
+def _modules_left_out(model) -> list[tuple[str, str]]:
+    """(path, class name) of the parts beside the layout's own (in the model body that holds them,
+    or the causal LM itself) that the layout names nowhere."""
+    named = set(model.layout_.parts().values())
+    bodies = {path.rsplit(".", 1)[0] for path in named if "." in path}
+    return [(path, type(module).__name__) for path, module in model.meta_model().named_modules()
+            if path and path not in named | bodies
+            and (path.rsplit(".", 1)[0] if "." in path else "") in bodies | {""}]
+
+
+def _chained_stages(model, cut, tokens, targets) -> tuple[float, dict]:
+    """The stages of `cut` (block ranges) built and run one after the other in this process, each
+    backward fed with the gradient of the next stage's input: (loss, gradients by name)."""
+    from pplab.model import loss_fn
+
+    stages = [model.build_stage(blocks, embed=i == 0, head=i == len(cut) - 1) for i, blocks in enumerate(cut)]
+    inputs, outputs, x = [], [], tokens
+    for stage in stages:
+        inputs.append(x)
+        x = stage(x)
+        outputs.append(x)
+        if not stage.is_last:
+            x = x.detach().requires_grad_()
+    loss = loss_fn(outputs[-1], targets)
+    loss.backward()
+    for i in range(len(stages) - 2, -1, -1):
+        outputs[i].backward(inputs[i + 1].grad)
+    grads = {name: param.grad for stage in stages for name, param in stage.named_parameters()
+             if param.grad is not None}
+    return loss.item(), grads
+
+
+def _layout_hint(error: BaseException) -> str:
+    text = str(error)
+    if "NoneType" in text and "unpack" in text:
+        return ("the blocks were given no rotary position embeddings: name the rotary module (`rotary=`); "
+                "pplab computes it on every stage that has blocks")
+    if "position_ids" in text:
+        return ("`positions=` is for learned position embeddings added once, on the first stage (GPT-2's wpe); "
+                "rotary ones are computed for the blocks on every stage: `rotary=`")
+    return "read the model's outline (print(model) or the refusal's list of modules) for each part's path"
+
+
+# --- 7 · text packed into training sequences (pure) ------------------------------------------------
+
+@_reported
+def check_packing(pack_documents) -> Verdict:
+    """`pack_documents(token_lists, seq_len, bos, eos)` -> (inputs, targets), each [sequences, seq_len]:
+    the documents' token ids joined as `<bos> ids <eos>` one after another and cut into training
+    sequences the way `pplab.text.PackedText` cuts them (`join_documents`, then `cut_sequences`)."""
+    import random
+
+    import torch
+
+    from pplab.text import cut_sequences, join_documents
+
+    name = "text packed into sequences"
+    rng = random.Random(0)
+    bos, eos = 1, 2
+    cases = [([[5, 6, 7], [8, 9], [10, 11, 12, 13]], 4)]
+    cases += [([[rng.randrange(3, 60) for _ in range(rng.randrange(0, 30))] for _ in range(rng.randrange(1, 6))],
+               seq_len) for seq_len in (3, 8, 16) for _ in range(4)]
+    for token_lists, seq_len in cases:
+        windows = cut_sequences(join_documents(token_lists, bos, eos), seq_len)
+        expected = (windows[:, :-1], windows[:, 1:])
+        try:
+            given = pack_documents([list(ids) for ids in token_lists], seq_len, bos, eos)
+            given = tuple(torch.as_tensor(part, dtype=torch.int64) for part in given)
+        except Exception as error:  # noqa: BLE001 - whatever the learner's code raised
+            return _raised(name, error)
+        if len(given) != 2 or not all(_same(a, b) for a, b in zip(given, expected)):
+            case = f"token_lists={token_lists}, seq_len={seq_len}, bos={bos}, eos={eos}"
+            return Verdict(name, False, f"{case}:\n{_packing_hint(given, expected, token_lists, seq_len, bos, eos)}")
+    return Verdict(name, True, f"all {len(cases)} cases packed as pplab packs them: <bos> ids <eos> per document, "
+                               f"windows of seq_len + 1 sharing one token, targets one ahead, the tail dropped")
+
+
+def _same(a, b) -> bool:
+    if a.numel() == 0 and b.numel() == 0:  # no whole sequence: [] is as good as a [0, seq_len] tensor
+        return True
+    return tuple(a.shape) == tuple(b.shape) and bool((a == b).all())
+
+
+def _packing_hint(given, expected, token_lists, seq_len: int, bos: int, eos: int) -> str:
+    """What the learner's packing most likely did (known mistakes, tried in turn)."""
+    import torch
+
+    from pplab.text import cut_sequences, join_documents
+
+    stream = join_documents(token_lists, bos, eos)
+    bare = torch.tensor([t for ids in token_lists for t in ids], dtype=torch.int64)
+    apart = len(stream) // (seq_len + 1)
+    disjoint = stream[:apart * (seq_len + 1)].view(apart, seq_len + 1)
+    tail = (len(stream) - 1) % seq_len
+    padded = cut_sequences(torch.cat([stream, torch.full((seq_len - tail,), 0)]), seq_len) if tail > 1 else None
+    inputs, targets = expected
+    tries = [
+        ((inputs, inputs), "the targets are the inputs themselves: each position must predict the NEXT token, so "
+                           "targets are the window shifted by one (window[1:]) and inputs window[:-1]"),
+        ((cut_sequences(bare, seq_len)[:, :-1], cut_sequences(bare, seq_len)[:, 1:]),
+         "the documents run into each other: join each as <bos> ids <eos>, so that the model learns where a "
+         "document starts and ends instead of continuing one into the next"),
+        ((disjoint[:, :-1], disjoint[:, 1:]),
+         "your windows do not overlap: each window is seq_len + 1 tokens, and the next starts seq_len tokens "
+         "later, at its last token. Without that the pair across each cut is never learned"),
+    ]
+    if padded is not None:
+        tries.append(((padded[:, :-1], padded[:, 1:]),
+                      "the last, partial window is dropped, not padded: pad tokens would be learned as text "
+                      "(or need a loss mask) and cost compute"))
+    for wrong, hint in tries:
+        if len(given) == 2 and all(_same(a, b) for a, b in zip(given, wrong)):
+            return hint
+    shapes = " and ".join(str(tuple(part.shape)) for part in given)
+    return (f"you gave shapes {shapes}; expected inputs and targets of {tuple(inputs.shape)} each:\n"
+            f"expected inputs  {inputs.tolist()}\nexpected targets {targets.tolist()}")
+
+
+# --- 8 · a rank's idle share, read from a trace (pure) ----------------------------------------------
+
+@_reported
+def check_idle_share(idle_share, *timelines) -> Verdict:
+    """`idle_share(timeline, rank)`: the fraction of the step (first start to last end over every rank)
+    that `rank` spent not computing, a receive's wait counting as idle. Judged against
+    `Timeline.bubble_fraction(rank)` on the timelines given (read from traces) and on simulated ones
+    (uneven stages, message latency, split backwards)."""
+    from pplab.schedules import build
+    from pplab.simulator import Costs, simulate
+
+    name = "a rank's idle share from a trace"
+    given_ones = [(timeline, f"your timeline {i + 1}") for i, timeline in enumerate(timelines)]
+    simulated = [(simulate(build(schedule, 3, 4), Costs(forward=[1.0, 2.0, 1.0], backward=[2.0, 3.0, 2.5],
+                                                         latency=latency)),
+                  f"{schedule} simulated on 3 uneven stages with latency {latency}")
+                 for schedule in ("gpipe", "1f1b", "zb-h1") for latency in (0.0, 0.4)]
+    for timeline, which in given_ones + simulated:
+        for rank in range(timeline.n_ranks):
+            expected = timeline.bubble_fraction(rank)
+            try:
+                given = idle_share(timeline, rank)
+                wrong = isinstance(given, bool) or not isinstance(given, (int, float)) \
+                    or abs(given - expected) > 1e-9
+            except Exception as error:  # noqa: BLE001 - whatever the learner's code raised
+                return _raised(name, error)
+            if wrong:
+                return Verdict(name, False, f"{which}, rank {rank}: you said {given!r}, it is {expected:.4f}.\n"
+                                            f"{_idle_hint(timeline, rank, given)}")
+    return Verdict(name, True, f"every rank of {len(timelines)} timeline(s) read from traces and {len(simulated)} "
+                               f"simulated ones: your idle shares are the timelines' own bubble fractions")
+
+
+def _idle_hint(timeline, rank: int, given) -> str:
+    """What the learner's number most likely measured instead (known mistakes, tried in turn)."""
+    from pplab.timeline import _union_length
+
+    step, busy = timeline.step_time(), timeline.busy_time(rank)
+    compute = timeline.compute_events(rank)
+    own = max(e.end for e in compute) - min(e.start for e in compute) if compute else 0.0
+    everything = _union_length((e.start, e.end) for e in timeline.of_rank(rank))
+    tries = [
+        (1 - everything / step if step else 0.0,
+         "a rank waiting in a receive is idle, not busy: count only compute (F, B, I, W, ...), not sends and receives"),
+        (1 - busy / own if own else 0.0,
+         "measure against the whole step, from the first rank's start to the last rank's end: the time a rank waits "
+         "before its first action (the fill) and after its last (the drain) is its bubble too"),
+        (busy / step if step else 0.0, "that is the share it computed: the idle share is 1 minus it"),
+        (step - busy, "that is in seconds: divide by the step time"),
+    ]
+    for wrong, hint in tries:
+        if isinstance(given, (int, float)) and abs(given - wrong) <= 1e-9 * max(1.0, abs(wrong)):
+            return hint
+    return "idle = the step time minus the time covered by the rank's compute events, over the step time"
