@@ -181,8 +181,8 @@ def join_documents(token_lists: Sequence[Sequence[int]], bos: int, eos: int) -> 
 def cut_sequences(tokens: torch.Tensor, seq_len: int) -> torch.Tensor:
     """Consecutive windows of seq_len + 1 tokens, each starting where the last one's inputs end:
     row[:-1] is a sequence's input and row[1:] its targets, and the last target of one window is
-    the first input of the next, so every adjacent pair of the stream is learned once. The tail
-    too short for a whole window is dropped (padding it would spend compute on pad tokens)."""
+    the first input of the next, so every adjacent pair of the stream (but the tail's) is learned
+    once. The tail too short for a whole window is dropped (padding it would spend compute on pad tokens)."""
     count = max(0, (len(tokens) - 1) // seq_len)
     if not count:
         return torch.empty((0, seq_len + 1), dtype=torch.int64)

@@ -249,6 +249,10 @@ class Timeline:
         """Time the rank had a send, a receive or a collective under way."""
         return _union_length((e.start, e.end) for e in self.comm_events(rank))
 
+    def active_time(self, rank: int) -> float:
+        """Time the rank had anything under way: compute, a send, a receive or a collective."""
+        return _union_length((e.start, e.end) for e in self.of_rank(rank))
+
     def idle_time(self, rank: int) -> float:
         """Step time minus the rank's busy time."""
         return self.step_time() - self.busy_time(rank)

@@ -74,6 +74,7 @@ TARGETS_NOT_SHIFTED = mistaken("15b_exercise_pack_text", "[w[1:] for w in window
 NO_MARKERS = mistaken("15b_exercise_pack_text", "for token in (bos, *ids, eos)", "for token in ids")
 WINDOWS_APART = mistaken("15b_exercise_pack_text", "stream[i * seq_len:i * seq_len + seq_len + 1] for i in range(rows)",
                          "stream[i * (seq_len + 1):(i + 1) * (seq_len + 1)] for i in range(len(stream) // (seq_len + 1))")
+KEEPS_THE_TAIL = mistaken("15b_exercise_pack_text", "rows = (len(stream) - 1) // seq_len", "rows = len(stream) // seq_len")
 WAITS_COUNTED_BUSY = mistaken("16b_exercise_idle_from_a_trace", "if e.rank == rank and e.is_compute", "if e.rank == rank")
 OWN_SPAN = mistaken("16b_exercise_idle_from_a_trace", "for event in timeline.events)  # over every rank",
                     "for event in timeline.events if event.rank == rank and event.is_compute)").replace(
@@ -131,6 +132,8 @@ WRONG_ANSWERS = [
      r"NOT YET .*\nthe targets are the inputs themselves: each position must predict the NEXT token"),
     ("15b_exercise_pack_text", NO_MARKERS, r"NOT YET .*\nthe documents run into each other: join each as <bos> ids <eos>"),
     ("15b_exercise_pack_text", WINDOWS_APART, r"NOT YET .*\nyour windows do not overlap: each window is seq_len \+ 1"),
+    ("15b_exercise_pack_text", KEEPS_THE_TAIL,
+     r"NOT YET .*\nevery row must be seq_len = \d+ tokens long; yours are \[\d+, \d+\] long \(keep whole windows only"),
     ("16b_exercise_idle_from_a_trace", WAITS_COUNTED_BUSY,
      r"NOT YET .* your timeline 1, rank \d: you said [\d.]+, it is [\d.]+\.\na rank waiting in a receive is idle"),
     ("16b_exercise_idle_from_a_trace", OWN_SPAN,

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import functools
 import html
+import math
 import traceback
 import types
 from dataclasses import dataclass
@@ -73,6 +74,22 @@ def _reported(check):
         room.record_verdict(verdict.exercise, verdict.right, verdict.message)
         return verdict
     return checked
+
+
+def _as_number(given) -> float | None:
+    """The learner's number as a float (numpy and 0-d torch scalars too); None for anything else,
+    bools included (True is not a step time)."""
+    if isinstance(given, (bool, str, bytes)):
+        return None
+    try:
+        return float(given)
+    except (TypeError, ValueError):
+        return None
+
+
+def _close(given: float | None, expected: float) -> bool:
+    """Equal to rounding (NaN is never close to anything)."""
+    return given is not None and math.isclose(given, expected, rel_tol=1e-6, abs_tol=1e-9)
 
 
 def _raised(exercise: str, error: BaseException, hint: str = "") -> Verdict:
@@ -132,7 +149,6 @@ def check_gpipe_time(gpipe_step_time, max_ranks: int = 5, max_microbatches: int 
     """`gpipe_step_time(forward, backward, n_microbatches, latency)`: the step time of GPipe with one
     stage per rank, `forward[s]` and `backward[s]` the seconds of stage s per microbatch, `latency`
     the seconds of each hop. Judged against pplab's simulator on uneven stages, with and without latency."""
-    import numbers
     import random
 
     from pplab.schedules import build
@@ -150,11 +166,10 @@ def check_gpipe_time(gpipe_step_time, max_ranks: int = 5, max_microbatches: int 
             given = gpipe_step_time(list(forward), list(backward), m, latency)
         except Exception as error:  # noqa: BLE001 - whatever the learner's code raised
             return _raised(name, error)
-        if isinstance(given, bool) or not isinstance(given, numbers.Real) \
-                or abs(given - expected) > 1e-6 * max(1.0, expected):
+        if not _close(_as_number(given), expected):
             case = (f"forward={forward}, backward={backward}, n_microbatches={m}, latency={latency}: "
-                    f"you said {given!r}, the simulator {expected:.4g}")
-            return Verdict(name, False, f"{case}.\n{_gpipe_hint(forward, backward, m, latency, given)}")
+                    f"you said {given!r}, the simulator {expected:.6g}")
+            return Verdict(name, False, f"{case}.\n{_gpipe_hint(forward, backward, m, latency, _as_number(given))}")
     return Verdict(name, True, f"all {len(cases)} cases, even and uneven stages, with and without latency, "
                                f"equal the simulator's step time")
 
@@ -174,7 +189,7 @@ def _gpipe_hint(forward, backward, m: int, latency: float, given) -> str:
         (m * (sum(forward) + sum(backward)), "that is one device's time: in a pipeline the stages work at once"),
     ]
     for wrong, hint in tries:
-        if isinstance(given, (int, float)) and abs(given - wrong) <= 1e-6 * max(1.0, wrong):
+        if _close(given, wrong):
             return hint
     return ("think of the forwards as a flow shop: the last microbatch leaves the last stage after every stage's "
             "F once plus (m - 1) times the slowest F; the backwards flow back the same way")
@@ -713,16 +728,19 @@ def check_layout(layout, directory) -> Verdict:
         model = HFModel.of(directory, layout=layout)
     except ValueError as error:
         return Verdict(name, False, f"pplab refused it: {error}")
-    for path, kind in _modules_left_out(model):
-        role = ("the rotary position embeddings: `rotary=`; pplab computes them on every stage that has blocks"
-                if "Rotary" in kind else "a dropout after the embeddings: `dropout=`; it changes every training step"
-                if "Dropout" in kind else "a part of the model's forward: give it a role in the layout")
+    wrong_place = _parts_inside_blocks(layout)
+    if wrong_place:
+        role, path = wrong_place
+        return Verdict(name, False, f"{role}={path!r} lies inside a decoder block: the blocks run whole on their "
+                                    f"stages. Name the {role} that sits beside the blocks, not one of theirs")
+    left_out = _parts_left_out(model)
+    if left_out:
+        path, kind = left_out[0]
         return Verdict(name, False, f"{path} ({kind}) is in no part of your layout, so no stage would run it (it "
-                                    f"holds no parameters, so nothing else says so). It is {role}")
+                                    f"holds no parameters, so nothing else says so). It is {_role_of(kind)}")
     whole = model.build_model()
-    torch.manual_seed(0)
-    tokens = torch.randint(0, model.vocab_size, (2, 16))
-    targets = torch.randint(0, model.vocab_size, (2, 16))
+    generator = torch.Generator().manual_seed(0)  # the learner's own random state stays as it was
+    tokens, targets = torch.randint(0, model.vocab_size, (2, 2, 16), generator=generator)
     expected = loss_fn(whole(tokens).logits, targets)
     expected.backward()
     n = model.num_hidden_layers
@@ -732,7 +750,7 @@ def check_layout(layout, directory) -> Verdict:
         except Exception as error:  # noqa: BLE001 - what the learner's layout made the stages raise
             return _raised(name, error, _layout_hint(error))
         where = f"cut into stages of {', '.join(f'blocks {r.start}-{r.stop - 1}' for r in cut)}"
-        if abs(loss - expected.item()) > 1e-6 * abs(expected.item()):
+        if not _close(loss, expected.item()):
             return Verdict(name, False, f"{where}: the loss is {loss:.6f}, the whole model's {expected.item():.6f}")
         for param_name, param in whole.named_parameters():
             if param_name not in grads or not torch.allclose(grads[param_name], param.grad, rtol=1e-5, atol=1e-7):
@@ -743,14 +761,37 @@ def check_layout(layout, directory) -> Verdict:
                                f"will pipeline it")
 
 
-def _modules_left_out(model) -> list[tuple[str, str]]:
-    """(path, class name) of the parts beside the layout's own (in the model body that holds them,
-    or the causal LM itself) that the layout names nowhere."""
-    named = set(model.layout_.parts().values())
-    bodies = {path.rsplit(".", 1)[0] for path in named if "." in path}
-    return [(path, type(module).__name__) for path, module in model.meta_model().named_modules()
-            if path and path not in named | bodies
-            and (path.rsplit(".", 1)[0] if "." in path else "") in bodies | {""}]
+def _parts_inside_blocks(layout) -> tuple[str, str] | None:
+    """(role, path) of a part the layout puts inside the blocks, where only whole blocks belong."""
+    for role, path in layout.parts().items():
+        if role != "blocks" and path.startswith(layout.blocks + "."):
+            return role, path
+    return None
+
+
+def _parts_left_out(model) -> list[tuple[str, str]]:
+    """(path, class name) of the modules beside the blocks (in the module that holds them) and at the
+    top of the causal LM that the layout names nowhere: each runs in the model's forward."""
+    layout = model.layout_
+    named = set(layout.parts().values())
+    body = layout.blocks.rsplit(".", 1)[0] if "." in layout.blocks else ""
+    beside = {body, ""}  # the module holding the blocks, and the causal LM itself
+    left_out = []
+    for path, module in model.meta_model().named_modules():
+        parent = path.rsplit(".", 1)[0] if "." in path else ""
+        if path and parent in beside and path not in named | {body}:
+            left_out.append((path, type(module).__name__))
+    return left_out
+
+
+def _role_of(kind: str) -> str:
+    """What a weightless module the layout left out is for, by its class name."""
+    if "Rotary" in kind:
+        return "the rotary position embeddings: `rotary=`; pplab computes them on every stage that has blocks"
+    if "Dropout" in kind:
+        return ("a dropout after the embeddings: `dropout=`; in training the first stage must run it where the "
+                "whole model does")
+    return "a part of the model's forward: give it its role in the layout"
 
 
 def _chained_stages(model, cut, tokens, targets) -> tuple[float, dict]:
@@ -776,11 +817,7 @@ def _chained_stages(model, cut, tokens, targets) -> tuple[float, dict]:
 
 
 def _layout_hint(error: BaseException) -> str:
-    text = str(error)
-    if "NoneType" in text and "unpack" in text:
-        return ("the blocks were given no rotary position embeddings: name the rotary module (`rotary=`); "
-                "pplab computes it on every stage that has blocks")
-    if "position_ids" in text:
+    if "position_ids" in str(error):
         return ("`positions=` is for learned position embeddings added once, on the first stage (GPT-2's wpe); "
                 "rotary ones are computed for the blocks on every stage: `rotary=`")
     return "read the model's outline (print(model) or the refusal's list of modules) for each part's path"
@@ -795,8 +832,6 @@ def check_packing(pack_documents) -> Verdict:
     sequences the way `pplab.text.PackedText` cuts them (`join_documents`, then `cut_sequences`)."""
     import random
 
-    import torch
-
     from pplab.text import cut_sequences, join_documents
 
     name = "text packed into sequences"
@@ -807,58 +842,67 @@ def check_packing(pack_documents) -> Verdict:
                seq_len) for seq_len in (3, 8, 16) for _ in range(4)]
     for token_lists, seq_len in cases:
         windows = cut_sequences(join_documents(token_lists, bos, eos), seq_len)
-        expected = (windows[:, :-1], windows[:, 1:])
+        expected = (windows[:, :-1].tolist(), windows[:, 1:].tolist())
         try:
-            given = pack_documents([list(ids) for ids in token_lists], seq_len, bos, eos)
-            given = tuple(torch.as_tensor(part, dtype=torch.int64) for part in given)
+            returned = pack_documents([list(ids) for ids in token_lists], seq_len, bos, eos)
         except Exception as error:  # noqa: BLE001 - whatever the learner's code raised
             return _raised(name, error)
-        if len(given) != 2 or not all(_same(a, b) for a, b in zip(given, expected)):
+        given = _rows_pair(returned)
+        if given != expected:
             case = f"token_lists={token_lists}, seq_len={seq_len}, bos={bos}, eos={eos}"
-            return Verdict(name, False, f"{case}:\n{_packing_hint(given, expected, token_lists, seq_len, bos, eos)}")
+            hint = _packing_hint(returned, given, expected, token_lists, seq_len, bos, eos)
+            return Verdict(name, False, f"{case}:\n{hint}")
     return Verdict(name, True, f"all {len(cases)} cases packed as pplab packs them: <bos> ids <eos> per document, "
                                f"windows of seq_len + 1 sharing one token, targets one ahead, the tail dropped")
 
 
-def _same(a, b) -> bool:
-    if a.numel() == 0 and b.numel() == 0:  # no whole sequence: [] is as good as a [0, seq_len] tensor
-        return True
-    return tuple(a.shape) == tuple(b.shape) and bool((a == b).all())
+def _rows_pair(returned) -> tuple[list, list] | None:
+    """The learner's (inputs, targets) as two lists of rows of ints (tensors and arrays too); None if
+    it is not a pair of such."""
+    def rows(part):
+        part = part.tolist() if hasattr(part, "tolist") else part
+        if not isinstance(part, (list, tuple)) or not all(isinstance(row, (list, tuple)) for row in part):
+            raise TypeError
+        return [[int(token) for token in row] for row in part]
+
+    try:
+        inputs, targets = returned
+        return rows(inputs), rows(targets)
+    except (TypeError, ValueError):
+        return None
 
 
-def _packing_hint(given, expected, token_lists, seq_len: int, bos: int, eos: int) -> str:
+def _packing_hint(returned, given, expected, token_lists, seq_len: int, bos: int, eos: int) -> str:
     """What the learner's packing most likely did (known mistakes, tried in turn)."""
     import torch
 
     from pplab.text import cut_sequences, join_documents
 
-    stream = join_documents(token_lists, bos, eos)
-    bare = torch.tensor([t for ids in token_lists for t in ids], dtype=torch.int64)
-    apart = len(stream) // (seq_len + 1)
-    disjoint = stream[:apart * (seq_len + 1)].view(apart, seq_len + 1)
-    tail = (len(stream) - 1) % seq_len
-    padded = cut_sequences(torch.cat([stream, torch.full((seq_len - tail,), 0)]), seq_len) if tail > 1 else None
+    if given is None:
+        return (f"return a pair (inputs, targets), each a list of rows (or a tensor [rows, seq_len]); "
+                f"you returned {type(returned).__name__}")
     inputs, targets = expected
-    tries = [
-        ((inputs, inputs), "the targets are the inputs themselves: each position must predict the NEXT token, so "
-                           "targets are the window shifted by one (window[1:]) and inputs window[:-1]"),
-        ((cut_sequences(bare, seq_len)[:, :-1], cut_sequences(bare, seq_len)[:, 1:]),
-         "the documents run into each other: join each as <bos> ids <eos>, so that the model learns where a "
-         "document starts and ends instead of continuing one into the next"),
-        ((disjoint[:, :-1], disjoint[:, 1:]),
-         "your windows do not overlap: each window is seq_len + 1 tokens, and the next starts seq_len tokens "
-         "later, at its last token. Without that the pair across each cut is never learned"),
-    ]
-    if padded is not None:
-        tries.append(((padded[:, :-1], padded[:, 1:]),
-                      "the last, partial window is dropped, not padded: pad tokens would be learned as text "
-                      "(or need a loss mask) and cost compute"))
-    for wrong, hint in tries:
-        if len(given) == 2 and all(_same(a, b) for a, b in zip(given, wrong)):
-            return hint
-    shapes = " and ".join(str(tuple(part.shape)) for part in given)
-    return (f"you gave shapes {shapes}; expected inputs and targets of {tuple(inputs.shape)} each:\n"
-            f"expected inputs  {inputs.tolist()}\nexpected targets {targets.tolist()}")
+    lengths = {len(row) for part in given for row in part}
+    if lengths - {seq_len}:
+        short = " (keep whole windows only: the short tail is dropped)" if max(lengths) == seq_len else ""
+        return f"every row must be seq_len = {seq_len} tokens long; yours are {sorted(lengths)} long{short}"
+    if given[0] == inputs and given[1] == inputs:
+        return ("the targets are the inputs themselves: each position must predict the NEXT token, so targets "
+                "are the window shifted by one (window[1:]) and inputs window[:-1]")
+    bare = cut_sequences(torch.tensor([t for ids in token_lists for t in ids], dtype=torch.int64), seq_len)
+    if given == (bare[:, :-1].tolist(), bare[:, 1:].tolist()):
+        return ("the documents run into each other: join each as <bos> ids <eos>, so that the model learns where a "
+                "document starts and ends instead of continuing one into the next")
+    stream = join_documents(token_lists, bos, eos).tolist()
+    apart = [stream[i:i + seq_len + 1] for i in range(0, len(stream) - seq_len, seq_len + 1)]
+    if given == ([w[:-1] for w in apart], [w[1:] for w in apart]):
+        return ("your windows do not overlap: each window is seq_len + 1 tokens, and the next starts seq_len tokens "
+                "later, at its last token. Without that the pair across each cut is never learned")
+    if len(given[0]) == len(inputs) + 1 and given[0][:-1] == inputs and given[1][:-1] == targets:
+        return ("the last, partial window is dropped, not padded: pad tokens would be learned as text (or need a "
+                "loss mask) and cost compute")
+    return (f"you made {len(given[0])} rows; expected {len(inputs)}:\n"
+            f"expected inputs  {inputs}\nexpected targets {targets}")
 
 
 # --- 8 · a rank's idle share, read from a trace (pure) ----------------------------------------------
@@ -883,27 +927,24 @@ def check_idle_share(idle_share, *timelines) -> Verdict:
             expected = timeline.bubble_fraction(rank)
             try:
                 given = idle_share(timeline, rank)
-                wrong = isinstance(given, bool) or not isinstance(given, (int, float)) \
-                    or abs(given - expected) > 1e-9
             except Exception as error:  # noqa: BLE001 - whatever the learner's code raised
                 return _raised(name, error)
-            if wrong:
-                return Verdict(name, False, f"{which}, rank {rank}: you said {given!r}, it is {expected:.4f}.\n"
-                                            f"{_idle_hint(timeline, rank, given)}")
+            if not _close(_as_number(given), expected):
+                return Verdict(name, False, f"{which}, rank {rank}: you said {given!r}, it is {expected:.6g}.\n"
+                                            f"{_idle_hint(timeline, rank, _as_number(given))}")
     return Verdict(name, True, f"every rank of {len(timelines)} timeline(s) read from traces and {len(simulated)} "
                                f"simulated ones: your idle shares are the timelines' own bubble fractions")
 
 
-def _idle_hint(timeline, rank: int, given) -> str:
+def _idle_hint(timeline, rank: int, given: float | None) -> str:
     """What the learner's number most likely measured instead (known mistakes, tried in turn)."""
-    from pplab.timeline import _union_length
-
+    if given is None:
+        return "return the share as a number between 0 and 1"
     step, busy = timeline.step_time(), timeline.busy_time(rank)
     compute = timeline.compute_events(rank)
     own = max(e.end for e in compute) - min(e.start for e in compute) if compute else 0.0
-    everything = _union_length((e.start, e.end) for e in timeline.of_rank(rank))
     tries = [
-        (1 - everything / step if step else 0.0,
+        (1 - timeline.active_time(rank) / step if step else 0.0,
          "a rank waiting in a receive is idle, not busy: count only compute (F, B, I, W, ...), not sends and receives"),
         (1 - busy / own if own else 0.0,
          "measure against the whole step, from the first rank's start to the last rank's end: the time a rank waits "
@@ -912,6 +953,6 @@ def _idle_hint(timeline, rank: int, given) -> str:
         (step - busy, "that is in seconds: divide by the step time"),
     ]
     for wrong, hint in tries:
-        if isinstance(given, (int, float)) and abs(given - wrong) <= 1e-9 * max(1.0, abs(wrong)):
+        if _close(given, wrong):
             return hint
     return "idle = the step time minus the time covered by the rank's compute events, over the step time"
