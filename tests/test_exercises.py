@@ -59,6 +59,11 @@ TARGETS_ON_THE_FIRST_RANK = mistaken("07b_exercise_torch_api_by_hand", "schedule
 LOSSES_NOT_COLLECTED = mistaken("07b_exercise_torch_api_by_hand", "return losses", "return None")
 BATCH_NOT_CHECKED = mistaken("07b_exercise_torch_api_by_hand", "    if tokens.shape[0] % n_microbatches:",
                              "    if False:")
+PP_FASTEST = mistaken("09b_exercise_mesh_groups", 'stride = {"pp": dp * tp, "dp": tp, "tp": 1}',
+                      'stride = {"pp": 1, "dp": pp, "tp": pp * dp}')
+PIPELINE_STRIDE_WITHOUT_TP = mistaken("09b_exercise_mesh_groups", '"pp": dp * tp,', '"pp": dp,')
+GROUPS_WITHOUT_ITSELF = mistaken("09b_exercise_mesh_groups", "for i in range(size[dim])]",
+                                 "for i in range(size[dim]) if first + i * stride[dim] != rank]")
 EVEN_STAGES_FORMULA = """
 def gpipe_step_time(forward, backward, n_microbatches, latency):
     return (n_microbatches + len(forward) - 1) * (forward[0] + backward[0])
@@ -114,6 +119,11 @@ WRONG_ANSWERS = [
     ("08b_exercise_global_clipping", ALWAYS_SCALED,
      r"NOT YET .* with max_norm=[\d.]+ above the global norm [\d.]+ nothing may change, but the gradients were "
      r"scaled rank 0 by 2.000, rank 1 by 2.000: scale by min\(1, max_norm / norm\)"),
+    ("09b_exercise_mesh_groups", PP_FASTEST,
+     r"NOT YET .* rank 0 of a mesh pp=2 x dp=2 x tp=2: .*\nthe layout is row-major over \(pp, dp, tp\): tp varies fastest"),
+    ("09b_exercise_mesh_groups", PIPELINE_STRIDE_WITHOUT_TP,
+     r"NOT YET .*\nyour pp group is off. Along each dimension the ranks of a group are a fixed stride apart: 4 for pp"),
+    ("09b_exercise_mesh_groups", GROUPS_WITHOUT_ITSELF, r"NOT YET .*\na group includes the rank itself"),
     ("10b_exercise_predict_gpipe", EVEN_STAGES_FORMULA,
      r"NOT YET .* you said [\d.]+, the simulator [\d.]+\.\n\(m \+ p - 1\)\(F \+ B\) holds for even stages only"),
     ("10b_exercise_predict_gpipe", LATENCY_ONE_WAY,

@@ -38,10 +38,12 @@ DURATION_SLACK = 0.5e-3  # s: an action's duration read from its label, against 
 MEDIAN_DIFFERENCE = 0.2e-3  # s: the median over a run's actions
 # torch's multi-stage labels begin before pplab's timing inside them does: a rank taken off a busy
 # CPU in between (the other test worker) makes that label longer, rarely (once in 600 actions in a
-# CI run, by 15 ms; twice in 32 in a full run here, by 3 ms: one scheduler slice). Up to one action
-# in 20, and never fewer than two, may be such an outlier; the bubble may differ by what the labels
-# add to the ranks' busy time beyond pplab's timing, and 2 points beyond that.
-OUTLIERS = 0.05
+# CI run, by 15 ms; twice in 32 in a full run here, by 3 ms: one scheduler slice; three in 37, by
+# up to 2.8 ms, in a CI run with four ranks of another file beside it). Up to one action in 10, and
+# never fewer than two, may be such an outlier (the median must still agree within 0.2 ms); the
+# bubble may differ by what the labels add to the ranks' busy time beyond pplab's timing, and 2
+# points beyond that.
+OUTLIERS = 0.1
 FEWEST_OUTLIERS_ALLOWED = 2
 BUBBLE_POINTS = 0.02
 

@@ -18,6 +18,7 @@ the lab for the next try.
     a pplab.hf.Layout for a Hugging Face family pplab does not know -> check_layout
     pack_documents(token_lists, seq_len, bos, eos)       -> check_packing
     idle_share(timeline, rank)                           -> check_idle_share
+    mesh_groups(rank, pp, dp, tp)                        -> check_mesh_groups
 """
 
 from __future__ import annotations
@@ -32,7 +33,8 @@ from dataclasses import dataclass
 import pplab.room as room
 
 __all__ = ["check_stage_forward", "check_send_recv", "check_warmup", "check_torch_step", "check_clipping",
-           "check_gpipe_time", "check_schedule", "check_layout", "check_packing", "check_idle_share", "Verdict"]
+           "check_gpipe_time", "check_schedule", "check_mesh_groups", "check_layout", "check_packing", "check_idle_share",
+           "Verdict"]
 
 NOT_WRITTEN = "not written yet: replace `raise NotImplementedError` in the exercise cell with your code"
 
@@ -62,8 +64,8 @@ class Verdict:
 
 # The exercises in the course's order, by the names their verdicts carry (the room's columns).
 EXERCISES = ["a stage's forward", "send and receive, with gradients", "the 1F1B warm-up", "torch's API by hand",
-             "global-norm clipping", "a GPipe step's time", "a schedule by hand", "a layout for your own model",
-             "text packed into sequences", "a rank's idle share from a trace"]
+             "global-norm clipping", "a mesh's groups", "a GPipe step's time", "a schedule by hand",
+             "a layout for your own model", "text packed into sequences", "a rank's idle share from a trace"]
 
 
 def _reported(check):
@@ -956,3 +958,67 @@ def _idle_hint(timeline, rank: int, given: float | None) -> str:
         if _close(given, wrong):
             return hint
     return "idle = the step time minus the time covered by the rank's compute events, over the step time"
+
+
+# --- 9 · a mesh's groups (pure) ------------------------------------------------------------------------
+
+@_reported
+def check_mesh_groups(mesh_groups) -> Verdict:
+    """`mesh_groups(rank, pp, dp, tp)` -> {"pp": [...], "dp": [...], "tp": [...]}: the global ranks (the
+    rank itself included, ascending) of `rank`'s pipeline, FSDP group and TP group, on a mesh of those
+    sizes laid out as `pplab.Mesh` lays it out. Judged on every rank of meshes up to 3 x 3 x 3."""
+    from itertools import product
+
+    from pplab.rank.mesh import Mesh
+
+    name = "a mesh's groups"
+    sizes = [(2, 2, 2)] + [size for size in product((1, 2, 3), repeat=3) if size != (2, 2, 2)]  # a typical one first
+    for pp, dp, tp in sizes:
+        mesh = Mesh(pp=pp, dp=dp, tp=tp)
+        for rank in range(mesh.world_size):
+            expected = _groups_of(mesh, rank)
+            try:
+                returned = mesh_groups(rank, pp, dp, tp)
+            except Exception as error:  # noqa: BLE001 - whatever the learner's code raised
+                return _raised(name, error)
+            given = _as_groups(returned)
+            if given != expected:
+                case = f"rank {rank} of a mesh pp={pp} x dp={dp} x tp={tp}"
+                return Verdict(name, False, f"{case}: you said {returned!r}, expected {expected}.\n"
+                                            f"{_groups_hint(given, expected, rank, mesh)}")
+    return Verdict(name, True, f"every rank of {len(sizes)} meshes up to 3 x 3 x 3: its pipeline, FSDP group and "
+                               f"TP group are the ones pplab.Mesh builds")
+
+
+def _groups_of(mesh, rank: int) -> dict[str, list[int]]:
+    """The ranks sharing all of `rank`'s coordinates but one, for each dimension: its groups."""
+    where = mesh.coordinates(rank)
+    return {dim: [mesh.rank_of(**{**where, dim: i}) for i in range(size)] for dim, size in mesh.sizes.items()}
+
+
+def _as_groups(returned) -> dict[str, list[int]] | None:
+    """The learner's answer as {dimension: ascending ranks}; None if it is not such a mapping."""
+    try:
+        return {dim: sorted(int(r) for r in returned[dim]) for dim in ("pp", "dp", "tp")}
+    except (TypeError, KeyError, ValueError):
+        return None
+
+
+def _groups_hint(given, expected, rank: int, mesh) -> str:
+    """What the learner's groups most likely got wrong (known mistakes, tried in turn)."""
+    from pplab.rank.mesh import Mesh
+
+    if given is None:
+        return 'return a dict with the keys "pp", "dp" and "tp", each a list of global ranks'
+    if any(rank not in ranks for ranks in given.values()):
+        return "a group includes the rank itself: its pipeline, for example, is every stage, its own among them"
+    reversed_layout = Mesh(pp=mesh.tp, dp=mesh.dp, tp=mesh.pp)  # pp varying fastest instead of tp
+    swapped = _groups_of(reversed_layout, rank)
+    if given == {"pp": swapped["tp"], "dp": swapped["dp"], "tp": swapped["pp"]}:
+        return ("the layout is row-major over (pp, dp, tp): tp varies fastest, so a TP group is neighbouring "
+                "ranks (one host's fastest links), and pp slowest, so a pipeline's stages are far apart")
+    wrong = [dim for dim in ("pp", "dp", "tp") if given[dim] != expected[dim]]
+    stride = {"pp": mesh.dp * mesh.tp, "dp": mesh.tp, "tp": 1}
+    return (f"your {' and '.join(wrong)} group{'s are' if len(wrong) > 1 else ' is'} off. Along each dimension "
+            f"the ranks of a group are a fixed stride apart: {stride['pp']} for pp (dp x tp), {stride['dp']} for dp "
+            f"(tp), 1 for tp")
