@@ -94,6 +94,11 @@ def _close(given: float | None, expected: float) -> bool:
     return given is not None and math.isclose(given, expected, rel_tol=1e-6, abs_tol=1e-9)
 
 
+def _needs_two_ranks(exercise: str, lab) -> Verdict:
+    return Verdict(exercise, False, f"this exercise runs on 2 ranks; the lab has {lab.world_size}: start it with "
+                                    f"pplab.Lab(n_ranks=2)")
+
+
 def _raised(exercise: str, error: BaseException, hint: str = "") -> Verdict:
     """A verdict for learner code that raised: where, what, and a hint if one fits."""
     if isinstance(error, NotImplementedError):
@@ -351,8 +356,7 @@ def check_send_recv(lab, forward_backward, seed: int = 0) -> Verdict:
 
     name = "send and receive, with gradients"
     if lab.world_size != 2:
-        return Verdict(name, False, f"this exercise runs on 2 ranks; the lab has {lab.world_size}: "
-                                    f"start it with pplab.Lab(n_ranks=2)")
+        return _needs_two_ranks(name, lab)
     config = LlamaConfig.tiny()
     batch = next(batches(2, 16, seed=seed))
     ran = _run_on_lab(lab, name, _forward_backward_on_rank, forward_backward, config, batch)
@@ -407,8 +411,7 @@ def check_torch_step(lab, train_step, seed: int = 0) -> Verdict:
 
     name = "torch's API by hand"
     if lab.world_size != 2:
-        return Verdict(name, False, f"this exercise runs on 2 ranks; the lab has {lab.world_size}: "
-                                    f"start it with pplab.Lab(n_ranks=2)")
+        return _needs_two_ranks(name, lab)
     config = LlamaConfig.tiny()
     batch = next(batches(8, 16, seed=seed))
     ran = _run_on_lab(lab, name, _torch_step_on_rank, train_step, config, batch, 4)
