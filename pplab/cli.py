@@ -422,7 +422,7 @@ def room_command(args: argparse.Namespace) -> int:
             pass
 
     if not 0 <= args.port <= 65535:
-        raise ValueError(f"--port {args.port}: give a port between 1024 and 65535 (0: any free one)")
+        raise ValueError(f"--port {args.port}: give a port between 1 and 65535 (0: any free one)")
     try:
         server = http.server.ThreadingHTTPServer(("127.0.0.1", args.port), RoomPage)
     except OSError as error:
@@ -446,9 +446,8 @@ def _room_page(seats, exercises, folder, refresh: float) -> str:
     import pplab.room as room
 
     return (f"<!doctype html><html><head><meta charset='utf-8'><meta http-equiv='refresh' content='{refresh:g}'>"
-            f"<title>pplab room</title><style>body{{font-family:sans-serif;margin:20px}}"
-            f"table{{border-collapse:collapse}}td,th{{border:1px solid #ddd;padding:4px 10px;text-align:left}}"
-            f"</style></head><body><h2>pplab room: {html_module.escape(str(folder))}</h2>"
+            f"<title>pplab room</title><style>body{{font-family:sans-serif;margin:20px}}</style>{room.TABLE_STYLE}"
+            f"</head><body><h2>pplab room: {html_module.escape(str(folder))}</h2>"
             f"<p>{html_module.escape(room.room_summary(seats))} (re-read every {refresh:g} s)</p>"
             f"{room.room_table_html(seats, exercises)}</body></html>")
 

@@ -195,6 +195,10 @@ def room_summary(seats: list[Seat]) -> str:
     return f"{len(seats)} attendees: {running} labs running, {dead} dead; {right} exercises right"
 
 
+TABLE_STYLE = ("<style>.pplab-room{border-collapse:collapse;font-size:13px}.pplab-room td,.pplab-room th"
+               "{border:1px solid #ddd;padding:3px 8px;text-align:left}</style>")  # for room_table_html's table
+
+
 def room_table_html(seats: list[Seat], exercises: list[str] = (), now: float | None = None) -> str:
     """The room as one HTML table: a row per attendee, their lab, then a column per exercise."""
     now = time.time() if now is None else now

@@ -721,7 +721,8 @@ def check_layout(layout, directory) -> Verdict:
     import torch
 
     from pplab.hf import HFModel, Layout
-    from pplab.model import loss_fn
+    from pplab.rank.checks import compare_with_reference
+    from pplab.rank.reference import reference_step
 
     name = "a layout for your own model"
     if layout is None or layout is ... or (isinstance(layout, Layout) and ... in vars(layout).values()):
@@ -743,27 +744,25 @@ def check_layout(layout, directory) -> Verdict:
         path, kind = left_out[0]
         return Verdict(name, False, f"{path} ({kind}) is in no part of your layout, so no stage would run it (it "
                                     f"holds no parameters, so nothing else says so). It is {_role_of(kind)}")
-    whole = model.build_model()
     generator = torch.Generator().manual_seed(0)  # the learner's own random state stays as it was
-    tokens, targets = torch.randint(0, model.vocab_size, (2, 2, 16), generator=generator)
-    expected = loss_fn(whole(tokens).logits, targets)
-    expected.backward()
+    batch = tuple(torch.randint(0, model.vocab_size, (2, 2, 16), generator=generator))
+    reference = reference_step(model, batch, 1)  # the whole transformers model, on one device
     n = model.num_hidden_layers
     for cut in ([range(0, n // 2), range(n // 2, n)], [range(0, 1), range(1, n - 1), range(n - 1, n)]):
         try:
-            loss, grads = _chained_stages(model, cut, tokens, targets)
+            loss, grads = _chained_stages(model, cut, *batch)
         except Exception as error:  # noqa: BLE001 - what the learner's layout made the stages raise
             return _raised(name, error, _layout_hint(error))
         where = f"cut into stages of {', '.join(f'blocks {r.start}-{r.stop - 1}' for r in cut)}"
-        if not _close(loss, expected.item()):
-            return Verdict(name, False, f"{where}: the loss is {loss:.6f}, the whole model's {expected.item():.6f}")
-        for param_name, param in whole.named_parameters():
-            if param_name not in grads or not torch.allclose(grads[param_name], param.grad, rtol=1e-5, atol=1e-7):
-                return Verdict(name, False, f"{where}: the gradient of {param_name} differs from the whole model's")
+        report = compare_with_reference(loss, grads, reference, grad_atol=1e-7)
+        if report.loss_rel_diff > report.loss_rtol:
+            return Verdict(name, False, f"{where}: the loss is {loss:.6f}, the whole model's {reference.loss:.6f}")
+        if not report.passed:
+            return Verdict(name, False, f"{where}: the gradient of {(report.missing + report.failing)[0]} differs "
+                                        f"from the whole model's")
     return Verdict(name, True, f"cut in two and in three, the stages give the whole model's loss "
-                               f"({expected.item():.6f}) and every one of its {len(dict(whole.named_parameters()))} "
-                               f"parameters' gradients: lab.pipeline(pplab.hf.HFModel.of(directory, layout=...)) "
-                               f"will pipeline it")
+                               f"({reference.loss:.6f}) and every one of its {len(reference.grads)} parameters' "
+                               f"gradients: lab.pipeline(pplab.hf.HFModel.of(directory, layout=...)) will pipeline it")
 
 
 def _parts_inside_blocks(layout) -> tuple[str, str] | None:
@@ -818,6 +817,9 @@ def _chained_stages(model, cut, tokens, targets) -> tuple[float, dict]:
         outputs[i].backward(inputs[i + 1].grad)
     grads = {name: param.grad for stage in stages for name, param in stage.named_parameters()
              if param.grad is not None}
+    for first, last in model.tied:  # one weight on one device: each stage's copy has half its gradient
+        if first in grads and last in grads:
+            grads[first] = grads[last] = grads[first] + grads[last]
     return loss.item(), grads
 
 

@@ -36,7 +36,7 @@ class RoomView(widgets.VBox):
     def refresh(self) -> None:
         """Read the room's folder again and redraw."""
         self.seats = room.read_room(self.folder)
-        self.table.value = _STYLE + room.room_table_html(self.seats, self.exercises)
+        self.table.value = room.TABLE_STYLE + room.room_table_html(self.seats, self.exercises)
         attendees, rest = room.room_summary(self.seats).split(":", 1)
         self.summary.value = f"<b>{attendees}</b>:{rest}"
 
@@ -53,6 +53,3 @@ class RoomView(widgets.VBox):
             except Exception as error:  # noqa: BLE001 - say it and keep following: the room goes on
                 self.summary.value = f"<span style='color:#c00000'>{html.escape(str(error))}</span>"
 
-
-_STYLE = ("<style>.pplab-room{border-collapse:collapse;font-size:13px}.pplab-room td,.pplab-room th"
-          "{border:1px solid #ddd;padding:3px 8px;text-align:left}</style>")
