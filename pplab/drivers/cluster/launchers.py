@@ -43,6 +43,16 @@ CONTROLLER_ARGS = ["--usethreads", "--HeartMonitor.period=100",
 # engine pids itself) and no shared IPython history database (ranks would contend for it).
 ENGINE_ARGS = ["--IPEngine.enable_nanny=False", "--HistoryManager.enabled=False",
                "--log-level=WARN"]
+
+
+def engine_args(start_timeout: float) -> list[str]:
+    """The options of every engine pplab starts, here or in a namespace host. By default ipengine
+    gives up, and exits, when the controller takes over 5 s to answer its registration, which a
+    busy machine can take (a CI run saw one of a lab's two engines never register): an engine
+    waits as long as the lab's start does."""
+    return [*ENGINE_ARGS, f"--IPEngine.wait_for_url_file={start_timeout}", f"--IPEngine.timeout={start_timeout}"]
+
+
 LOG_LINES = 15  # per log, in a start-up error message
 CONNECT_SECONDS = 10  # for a connected cluster's controller to answer
 
@@ -175,7 +185,7 @@ class LocalCluster:
         with open(self._fork_server_log(), "ab") as log:
             return subprocess.Popen(
                 [sys.executable, "-m", "pplab.drivers.cluster.forkserver", str(self.n_ranks),
-                 *self._engine_args()],
+                 *engine_args(self.start_timeout)],
                 env=environment, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
                 start_new_session=True)  # like ipyparallel's: a notebook interrupt must not reach it
 
@@ -200,15 +210,13 @@ class LocalCluster:
         with open(self._fork_server_log(), errors="replace") as log:
             return next((line for line in log if "exited with status" in line), None)
 
-    def _engine_args(self) -> list[str]:
-        return [*ENGINE_ARGS, f"--IPEngine.wait_for_url_file={self.start_timeout}"]
 
     def _engine_launcher_config(self):
         """Config for ipyparallel's one-process-per-engine launcher (used when not forking)."""
         from traitlets.config import Config
 
         config = Config()
-        config.LocalEngineSetLauncher.engine_args = self._engine_args()
+        config.LocalEngineSetLauncher.engine_args = engine_args(self.start_timeout)
         config.LocalEngineSetLauncher.environment = self._engine_environment()
         config.LocalEngineSetLauncher.delay = 0.0
         return config

@@ -36,7 +36,7 @@ import time
 import uuid
 
 from pplab.arguments import check_positive_int
-from pplab.drivers.cluster.launchers import ENGINE_ARGS  # the same engines a local lab starts
+from pplab.drivers.cluster.launchers import engine_args  # the same engines a local lab starts
 
 CONTROL, DATA = "pplab0", "pplab1"  # each host's interfaces, the same names on every host
 INTERFACE = DATA  # what gloo uses (gloo_ifname)
@@ -222,7 +222,7 @@ class NamespaceHosts:
             for engine in range(self.engines_per_host):
                 self.processes.append(self._spawn(index, [sys.executable, "-m", "ipyparallel.engine",
                                                           f"--profile-dir={self.profile_dir}",
-                                                          f"--cluster-id={self.cluster_id}", *ENGINE_ARGS],
+                                                          f"--cluster-id={self.cluster_id}", *engine_args(self.start_timeout)],
                                                   f"engine-{index}-{engine}"))
 
     def _spawn(self, index: int, command: list[str], role: str) -> subprocess.Popen:
