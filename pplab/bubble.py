@@ -10,7 +10,9 @@ measured Timeline (pplab's own, or one imported from torch.profiler traces):
   attributed to the microbatch, to the rank that sent it, and to the rank at the root of the
   chain (a rank that waited itself before sending passes the blame upstream);
 * a straggler: a rank whose compute took longer than its peers' (the median rank's). With
-  stages of unequal work this is the rank with more to do, which a rebalance would help;
+  stages of unequal work this is the rank with more to do, which a rebalance would help. Who it
+  is, is decided action by action from every step given (`pplab.straggler`), so that a busy
+  machine makes the verdict undecided rather than wrong;
 * outside the pipeline: the part of the profiled step (ProfilerStep) before its first action
   and after its last (the optimizer, data loading), where the traces say how long the step was.
 
@@ -24,14 +26,15 @@ from __future__ import annotations
 import dataclasses
 import statistics
 from dataclasses import dataclass, field
+from typing import Sequence
 
 from pplab.schedules import Kind, Schedule, build, from_torch, theory, torch_plan
 from pplab.simulator import Costs, costs_from_timeline, simulate
+from pplab.straggler import STRAGGLER_RATIO, StragglerVerdict, straggler_verdict
 from pplab.timeline import Event, Timeline
 
-__all__ = ["BubbleReport", "RankBubble", "Wait", "Suggestion", "explain", "named_schedule"]
+__all__ = ["STRAGGLER_RATIO", "BubbleReport", "RankBubble", "Wait", "Suggestion", "explain", "named_schedule"]
 
-STRAGGLER_RATIO = 1.25  # a rank computing this much longer than the median rank is named the straggler
 _FEEDS = {"F": ("F", -1), "B": ("B", +1), "I": ("I", +1)}  # an action's input: (producer kind, stage step)
 
 
@@ -81,10 +84,15 @@ class BubbleReport:
     theory_bubble: float | None
     ranks: list[RankBubble]
     waits: list[Wait]
-    straggler: int | None
+    verdict: StragglerVerdict | None  # who straggles, with the evidence's bounds (None: one rank)
     suggestions: list[Suggestion] = field(default_factory=list)
     message_latency: float = 0.0  # seconds: the median time a message that was waited for took
     notes: list[str] = field(default_factory=list)
+
+    @property
+    def straggler(self) -> int | None:
+        """The rank named the straggler (None: none, or the evidence cannot tell)."""
+        return self.verdict.rank if self.verdict else None
 
     @property
     def best(self) -> Suggestion | None:
@@ -114,10 +122,12 @@ class BubbleReport:
             outside = "   n/a" if r.outside is None else f"{r.outside * 1e3:6.2f}"
             lines.append(f"{r.rank:4d}  {r.bubble_fraction:6.1%}  {r.schedule_idle * 1e3:8.2f}  {r.waiting * 1e3:7.2f}"
                          f"  {r.straggler * 1e3:9.2f}  {outside}")
+        if self.verdict is not None:
+            lines.append(self.verdict.text())
         if self.straggler is not None:
-            lines.append(f"straggler: rank {self.straggler}, computing "
-                         f"{self.ranks[self.straggler].straggler * 1e3:.2f} ms more than the median rank; the "
-                         f"other ranks waited {self.waits_caused_by(self.straggler) * 1e3:.2f} ms for it")
+            lines.append(f"rank {self.straggler} computed {self.ranks[self.straggler].straggler * 1e3:.2f} ms more "
+                         f"than the median rank; the other ranks waited "
+                         f"{self.waits_caused_by(self.straggler) * 1e3:.2f} ms for it")
         longest = sorted(self.waits, key=lambda w: -w.seconds)[:3]
         for wait in longest:
             lines.append(f"rank {wait.rank} waited {wait.seconds * 1e3:.2f} ms before {wait.action} for "
@@ -145,6 +155,7 @@ class BubbleReport:
                 "ranks": [dataclasses.asdict(r) for r in self.ranks],
                 "waits": [dataclasses.asdict(w) for w in self.waits],
                 "straggler": self.straggler,
+                "straggler_verdict": dataclasses.asdict(self.verdict) if self.verdict else None,
                 "message_latency": self.message_latency,
                 "suggestions": [dataclasses.asdict(s) for s in self.suggestions],
                 "best": self.best.change if self.best else None, "notes": self.notes}
@@ -163,12 +174,15 @@ def named_schedule(name: str, n_ranks: int, n_microbatches: int, n_virtual: int 
         return from_torch(entry.name, n_ranks, n_microbatches, n_virtual)
 
 
-def explain(measured: Timeline, schedule: Schedule, outside: list[float | None] | None = None) -> BubbleReport:
+def explain(measured: Timeline, schedule: Schedule, outside: list[float | None] | None = None, *,
+            steps: Sequence[Timeline] = ()) -> BubbleReport:
     """Split each rank's idle time into the schedule's, waits, straggling and time outside.
 
     `measured` must hold the compute actions `schedule` has, rank by rank (raises ValueError
-    naming the first that differs); `outside`, per rank, the profiled step's time outside them."""
-    _check_actions(measured, schedule)
+    naming the first that differs); `outside`, per rank, the profiled step's time outside them;
+    `steps`, other steps of the same run, which the straggler's verdict weighs too."""
+    for timeline in (measured, *steps):
+        _check_actions(timeline, schedule)
     costs = costs_from_timeline(measured, schedule.n_stages)  # messages free: the schedule's own idle
     simulated = simulate(schedule, costs)
     latency = _message_latency(measured, schedule)
@@ -180,10 +194,8 @@ def explain(measured: Timeline, schedule: Schedule, outside: list[float | None] 
                         simulated.idle_time(rank), sum(w.seconds for w in waits if w.rank == rank),
                         max(0.0, busy[rank] - median_busy), outside[rank] if outside else None)
              for rank in range(schedule.n_ranks)]
-    slowest = max(range(schedule.n_ranks), key=lambda rank: busy[rank])
-    straggler = slowest if schedule.n_ranks > 1 and busy[slowest] > STRAGGLER_RATIO * median_busy else None
     report = BubbleReport(schedule, measured, simulated, theory(schedule, costs).bubble_fraction, ranks, waits,
-                          straggler)
+                          straggler_verdict([measured, *steps], schedule.n_ranks))
     with_latency = dataclasses.replace(costs, latency=latency)
     report.suggestions = _suggestions(schedule, with_latency, simulate(schedule, with_latency).step_time())
     report.message_latency = latency

@@ -494,7 +494,11 @@ def analyze_command(args: argparse.Namespace) -> int:
     run = read_profiler_traces(args.traces, step=args.step)
     n_ranks = run.timeline.n_ranks
     schedule = named_schedule(args.schedule, n_ranks, args.microbatches, args.virtual)
-    report = explain(run.timeline, schedule, run.outside)
+    # The trace's other steps weigh in the straggler's verdict: a busy machine slows an action
+    # once, rarely every time.
+    others = [read_profiler_traces(args.traces, step=index).timeline
+              for index in range(run.steps_in_trace) if index != run.step]
+    report = explain(run.timeline, schedule, run.outside, steps=others)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     picture, trace, numbers, text = (out / "timeline.png", out / "timeline.trace.json", out / "report.json",
