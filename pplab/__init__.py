@@ -67,12 +67,13 @@ _MODULES = {
     "run": "pplab.session.run",  # one training run from one configuration: run.train(...), RunConfig
     "profiled": "pplab.profiled",  # a run recorded with torch.profiler, read back as a Timeline
     "bubble": "pplab.bubble",  # where a measured step's bubble went, and what would shrink it
+    "machine": "pplab.machine",  # how busy this machine is: what waits and predictions scale with
 }
 
 __all__ = [*_EXPORTS, *_MODULES]
 
 if _TYPE_CHECKING:  # what static checkers and editors see
-    from pplab import bubble, comm, data, hf, model, profiled, schedules, session, simulator, text, trace, traced
+    from pplab import bubble, comm, data, hf, machine, model, profiled, schedules, session, simulator, text, trace, traced
     from pplab.drivers import cluster
     from pplab.session import run
     from pplab.rank import checkpoint, checks, faults, mesh, train

@@ -35,6 +35,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
+from pplab.machine import busy_note
 from pplab.schedules import Action, Kind, Schedule
 from pplab.timeline import Event
 
@@ -203,7 +204,8 @@ class StageLink:
                    f"{peer} (action {action})")
         if waited is None or waited >= 0.9 * self.op_timeout:
             lines = [f"rank {self.rank} waited {self.op_timeout:g} s for {subject}.",
-                     f"Rank {peer} may have failed, or its schedule lacks the matching action."]
+                     f"Rank {peer} may have failed, or its schedule lacks the matching action."
+                     + busy_note()]
         else:  # not a timeout: the connection failed (a peer died, say)
             lines = [f"rank {self.rank} lost {subject} after {waited:.1f} s.",
                      f"Cause: {error}"]

@@ -10,13 +10,21 @@ cost of a hop between ranks.
 `predict` runs the simulator on those costs (B for schedules with whole backwards, I and W
 for split ones, plus the measured cost of a hop as `latency`), and reads from the predicted
 timeline the step time, the bubble, and each rank's peak memory: its stages' static bytes
-plus the most activation bytes it holds at once. Floor 2: pure Python, no torch.
+plus the most activation bytes it holds at once.
+
+The simulator gives every rank a core of its own. A prediction also reads the machine
+(`pplab.machine`): where the ranks outnumber the cores no other process is using, they take
+turns, and the step can be no shorter than all their compute spread over those cores; where
+the load changed since the profile, every cost scaled with it. Both are said in its notes, with
+the step time they imply, rather than a quiet machine's number presented as the answer.
+Floor 2: pure Python, no torch.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
+from pplab.machine import MachineLoad, measure_load
 from pplab.formatting import ShownAsText, format_bytes, html_table, text_table
 from pplab.schedules import Schedule, add_communication
 from pplab.simulator import Costs, simulate
@@ -54,6 +62,7 @@ class Profile(ShownAsText):
     latency: float = 0.0  # seconds from posting a message to its arrival (see `with_link`)
     send_cost: float = 0.0  # seconds the sender spends posting a message
     link: str = "buffered"  # how a message moves (`pplab.simulator.Costs.link`), as measured by `with_link`
+    machine: MachineLoad | None = None  # how busy the machine was while it was measured
 
     def costs(self, split_backward: bool) -> Costs:
         """The simulator's costs: whole backwards (B) or split ones (I and W), with the link.
@@ -126,6 +135,9 @@ class Prediction(ShownAsText):
     static_bytes: tuple[int, ...]  # per rank: parameters, gradients, AdamW state of its stages
     timeline: Timeline  # the simulated timeline (F events carry their stage's saved bytes)
     how: str  # where each number comes from
+    machine: MachineLoad | None = None  # the machine it is predicted for
+    shared_step_time: float | None = None  # the step the machine allows, where it differs (see notes)
+    notes: tuple[str, ...] = ()  # what the machine changes, in sentences
 
     @property
     def peak_bytes(self) -> tuple[int, ...]:
@@ -137,15 +149,19 @@ class Prediction(ShownAsText):
         lines += [f"  rank {r}: peak {format_bytes(peak)} = static {format_bytes(static)} + activations "
                   f"{format_bytes(act)}" for r, (peak, static, act) in
                   enumerate(zip(self.peak_bytes, self.static_bytes, self.peak_activation_bytes))]
+        lines += [f"  note: {note}" for note in self.notes]
         return "\n".join(lines)
 
 
-def predict(schedule: Schedule, costs: Costs | Profile, memory: Profile | None = None) -> Prediction:
+def predict(schedule: Schedule, costs: Costs | Profile, memory: Profile | None = None, *,
+            machine: MachineLoad | None = None) -> Prediction:
     """Predict `schedule`'s step time, bubble and peak memory per rank.
 
     `costs` is a `Profile` (its costs for this schedule and its bytes) or plain `Costs`
     (then `memory`, a Profile, gives the bytes; without it the memory is not predicted: zeros).
+    `machine` is the load the ranks will run under (default: this machine's, read now).
     """
+    profiled_on = costs.machine if isinstance(costs, Profile) else None
     if isinstance(costs, Profile):
         memory = costs if memory is None else memory
         costs = costs.costs_for(schedule)
@@ -167,7 +183,33 @@ def predict(schedule: Schedule, costs: Costs | Profile, memory: Profile | None =
            f"latency {costs.latency * 1e3:.2f} ms per hop, {costs.link} link); activations: the simulated timeline, each "
            f"forward holding its stage's measured saved bytes until its backward (B, or W) ends; static: "
            f"4 x parameter bytes (parameters, gradients, AdamW's two moments)")
-    return Prediction(timeline.step_time(), timeline.bubble_fraction(), activations, static, timeline, how)
+    machine = machine if machine is not None else measure_load()
+    shared, notes = _on_this_machine(timeline, machine, profiled_on)
+    return Prediction(timeline.step_time(), timeline.bubble_fraction(), activations, static, timeline, how,
+                      machine, shared, notes)
+
+
+def _on_this_machine(timeline: Timeline, machine: MachineLoad,
+                     profiled_on: MachineLoad | None) -> tuple[float | None, tuple[str, ...]]:
+    """The step the machine allows (None: the simulated one) and the sentences that say why."""
+    notes, step = [], timeline.step_time()
+    pace = 1.0
+    if profiled_on is not None and abs(machine.slowdown / profiled_on.slowdown - 1) > 0.2:
+        pace = machine.slowdown / profiled_on.slowdown
+        notes.append(f"the machine's load changed since the profile (then {profiled_on.describe()}; now "
+                     f"{machine.describe()}): every compute takes about {pace:.2f}x as long now")
+    n_ranks = timeline.n_ranks
+    compute = sum(timeline.busy_time(rank) for rank in range(n_ranks)) * pace
+    if n_ranks > machine.free_cores:
+        cores = max(machine.free_cores, 0.5)  # a rank always gets some time
+        floor = compute / cores
+        notes.append(f"{n_ranks} ranks on {machine.free_cores:.1f} free core(s) ({machine.describe()}): they take "
+                     f"turns, so the step is at least their {compute * 1e3:.1f} ms of compute over the free "
+                     f"cores, {floor * 1e3:.1f} ms, against {step * 1e3:.1f} ms with a core each")
+        step = max(step * pace, floor)
+    elif pace != 1.0:
+        step *= pace
+    return (step if notes else None), tuple(notes)
 
 
 def _kinds(schedule: Schedule) -> set[str]:

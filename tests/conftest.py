@@ -123,9 +123,47 @@ LONGEST_FIRST = ["test_hosts.py", "test_cli.py", "12_multi_host_and_faults.ipynb
 def pytest_collection_modifyitems(config, items):
     """The longest files go first. (Under xdist, `--dist loadfile` in pyproject keeps a file's
     tests on one worker, so that its module-scoped labs and kernels start once. Not `loadgroup`
-    with a group per file: on pytest 9.2 its groups are silently dropped, pytest-xdist#1386.)"""
+    with a group per file: on pytest 9.2 its groups are silently dropped, pytest-xdist#1386.)
+
+    An exercise notebook runs once: where test_exercises.py is collected, its kernel runs every
+    cell of the notebook (as shipped, then each answer), so nbmake's run of it is left out."""
+    if any(item.path.name == "test_exercises.py" for item in items):
+        again = [item for item in items if item.path.suffix == ".ipynb" and "exercise" in item.path.name]
+        if again:
+            config.hook.pytest_deselected(items=again)
+            items[:] = [item for item in items if item not in again]
     first = {name: index for index, name in enumerate(LONGEST_FIRST)}
     items.sort(key=lambda item: first.get(item.path.name, len(first)))  # stable: the rest as collected
+
+
+# --- the budget: each file's worker-seconds, printed at the end ------------------------------------
+
+_FILE_SECONDS: dict[str, float] = {}
+
+
+def pytest_runtest_logreport(report):
+    """Add up each file's setup, call and teardown time (on the controller, from every worker)."""
+    path = report.nodeid.split("::")[0]
+    _FILE_SECONDS[path] = _FILE_SECONDS.get(path, 0.0) + report.duration
+
+
+def pytest_terminal_summary(terminalreporter):
+    """Each file's worker-seconds, the largest first, and the files over their share of the budget."""
+    if not _FILE_SECONDS or hasattr(terminalreporter.config, "workerinput"):
+        return
+    total = sum(_FILE_SECONDS.values())
+    write = terminalreporter.write_line
+    terminalreporter.section(f"worker-seconds per file: {total:.0f} in all")
+    for path, seconds in sorted(_FILE_SECONDS.items(), key=lambda item: -item[1])[:25]:
+        over = "  OVER its share" if seconds > FILE_SHARE_SECONDS else ""
+        write(f"{seconds:7.1f} s  {path}{over}")
+    over = [path for path, seconds in _FILE_SECONDS.items() if seconds > FILE_SHARE_SECONDS]
+    if over:
+        write(f"{len(over)} file(s) over {FILE_SHARE_SECONDS:.0f} worker-seconds: split them or make them "
+              f"cheaper (the suite's budget is 540 s on 2 cores)")
+
+
+FILE_SHARE_SECONDS = 120.0  # one file's share of the suite (about a tenth of its worker-seconds)
 
 
 @pytest.fixture(scope="session", autouse=True)

@@ -19,7 +19,7 @@ import time
 
 import psutil
 import pytest
-from timing import SLACK
+from timing import slack, within
 import torch
 
 import pplab
@@ -183,7 +183,7 @@ def test_bad_arguments_are_rejected_before_anything_starts(arguments, named, ipy
     started = time.monotonic()
     with pytest.raises(ValueError, match=named.replace("(", r"\(").replace(".", r"\.")):
         pplab.Lab(**arguments, verbose=False)
-    assert time.monotonic() - started < SLACK, "rejected only after starting something"
+    assert time.monotonic() - started < slack(), "rejected only after starting something"
     assert {process.pid for process in lab_processes(ipython_dir)} <= before
 
 
@@ -267,8 +267,11 @@ def test_an_engine_whose_first_describe_request_was_lost_is_asked_again(monkeypa
 
     client = {engine_id: SimpleNamespace(apply_async=lambda fn, e=engine_id: Request(e))
               for engine_id in (3, 7)}
-    asking = SimpleNamespace(client=client, start_timeout=5.0,
-                             _launcher=SimpleNamespace(check_alive=lambda: None))
+    from pplab.machine import MachineLoad
+
+    asking = pplab.Lab.__new__(pplab.Lab)  # only what _describe reads
+    asking.start_timeout, asking.machine_load = 5.0, MachineLoad(2, 0.0, 1.0)
+    asking._launcher = SimpleNamespace(client=client, check_alive=lambda: None)
     about = pplab.Lab._describe(asking, [3, 7])
     assert about == {3: {"host": "here", "engine": 3}, 7: {"host": "here", "engine": 7}}
     assert sorted(sent) == [3, 7, 7]  # asked again: only the engine that had not answered
@@ -509,7 +512,7 @@ def test_a_rank_that_raises_is_named_with_its_traceback(fragile_lab):
     started = time.monotonic()
     with pytest.raises(RankFailedError) as caught:
         fragile_lab.run(raise_on_rank, 1, False)
-    assert time.monotonic() - started < fragile_lab.grace + SLACK
+    assert time.monotonic() - started < fragile_lab.grace + slack()
     error = caught.value
     assert error.rank == 1 and error.ename == "ValueError" and error.still_running == []
     assert "rank 1 raised ValueError in raise_on_rank():\nboom from rank 1\n" in str(error)
@@ -526,7 +529,7 @@ def test_ranks_left_waiting_for_a_failed_rank_get_a_bounded_time_then_restart_wo
         fragile_lab.run(raise_on_rank, 1, True)
     waited = time.monotonic() - started
     assert caught.value.rank == 1 and caught.value.still_running == [0]
-    assert waited < fragile_lab.grace + SLACK
+    assert waited < fragile_lab.grace + slack()
     assert f"Ranks [0] had not finished {fragile_lab.grace:g} s later: waiting for rank 1" in str(caught.value)
     assert "lab.restart()" in str(caught.value)
     with pytest.raises(LabNeedsRestartError, match="lab.restart()"):
@@ -541,7 +544,7 @@ def test_a_rank_whose_process_dies_is_named_then_restart_works(fragile_lab):
     started = time.monotonic()
     with pytest.raises(RankDiedError) as caught:
         fragile_lab.run(exit_on_rank, 1, timeout=20)
-    assert time.monotonic() - started < SLACK  # noticed, not waited out (the call's timeout is 20 s)
+    assert time.monotonic() - started < slack()  # noticed, not waited out (the call's timeout is 20 s)
     assert caught.value.ranks == [1]
     assert "rank 1 (engine" in str(caught.value) and "lab.restart()" in str(caught.value)
     assert [row.state for row in fragile_lab.status()] == ["idle", "dead"]
@@ -556,7 +559,7 @@ def test_a_rank_blocked_in_recv_past_the_run_timeout_is_named_then_restart_works
     started = time.monotonic()
     with pytest.raises(RankTimeoutError) as caught:
         fragile_lab.run(recv_that_never_comes, timeout=1.5)
-    assert 1.5 <= time.monotonic() - started < 1.5 + SLACK  # never before the timeout
+    assert 1.5 <= time.monotonic() - started < 1.5 + slack()  # never before the timeout
     assert caught.value.ranks == [1]
     assert "Ranks [1] were still running (ranks [0] had finished)." in str(caught.value)
     assert "lab.restart()" in str(caught.value)
@@ -585,7 +588,7 @@ def test_the_process_group_timeout_turns_a_blocked_recv_into_an_error(fragile_la
     started = time.monotonic()
     with pytest.raises(RankFailedError) as caught:
         fragile_lab.run(recv_that_never_comes, timeout=30)
-    assert time.monotonic() - started < fragile_lab.op_timeout + SLACK
+    assert time.monotonic() - started < fragile_lab.op_timeout + slack()
     assert caught.value.rank == 1
     fragile_lab.restart()  # a timed-out gloo pair is not to be trusted
     assert_healthy(fragile_lab)
@@ -661,7 +664,7 @@ def test_a_start_that_fails_midway_leaves_nothing_running(ipython_dir, monkeypat
     started = time.monotonic()
     with pytest.raises(RuntimeError, match="injected"):
         pplab.Lab(n_ranks=2, device="cpu", verbose=False)  # the fork server was already up
-    assert time.monotonic() - started < 30
+    assert time.monotonic() - started < slack(30)
     assert {p.pid for p in lab_processes(ipython_dir)} <= before
 
 
@@ -733,10 +736,9 @@ def test_an_engine_that_dies_at_start_fails_the_start_at_once(ipython_dir, monke
 
     monkeypatch.setattr(launchers, "ENGINE_ARGS", [*launchers.ENGINE_ARGS, "--no-such-flag"])
     before = {p.pid for p in lab_processes(ipython_dir)}  # other tests' labs may be running
-    started = time.monotonic()
-    with pytest.raises(pplab.cluster.LabStartError, match=r"engine \d \(pid \d+\) exited with status 2 during start-up"):
+    with within(30), pytest.raises(pplab.cluster.LabStartError,  # not the whole start_timeout
+                                   match=r"engine \d \(pid \d+\) exited with status 2 during start-up"):
         pplab.Lab(n_ranks=2, device="cpu", verbose=False, start_timeout=60)
-    assert time.monotonic() - started < 30   # not the whole start_timeout
     assert {p.pid for p in lab_processes(ipython_dir)} <= before
 
 
@@ -749,7 +751,7 @@ def test_connect_to_a_cluster_id_with_no_files_says_which_clusters_have_them_at_
                        match=r"cluster_id='theirs': .*ipcontroller-theirs-client.json does not exist "
                              r"\(clusters with files there: ours\)"):
         pplab.Lab.connect(profile=None, profile_dir=str(tmp_path), cluster_id="theirs", verbose=False)
-    assert time.monotonic() - started < SLACK
+    assert time.monotonic() - started < slack()
 
 
 def test_connect_to_a_controller_that_does_not_answer_names_its_address(tmp_path, monkeypatch):
@@ -774,4 +776,4 @@ def test_connect_to_a_controller_that_does_not_answer_names_its_address(tmp_path
                        match=rf"the controller of cluster 'gone' does not answer at tcp://127.0.0.1:{port} .* "
                              rf"within 2 s"):
         pplab.Lab.connect(profile=None, profile_dir=str(tmp_path), cluster_id="gone", verbose=False)
-    assert time.monotonic() - started < 2 + SLACK
+    assert time.monotonic() - started < 2 + slack()

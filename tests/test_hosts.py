@@ -1,6 +1,10 @@
 """Several hosts on one machine: network namespaces on a bridge (root only), a lab connected to
 their engines with `Lab.connect`, pipelines across them, and a link slowed with netem that the
-simulator, given the link pplab measures, predicts."""
+simulator, given the link pplab measures, predicts.
+
+Notebook 12 runs on such hosts too, and asserts what it shows: a stalled rank named within the
+lab's timeout, a link cut mid-step named by rank, peer and action, and training resumed after a
+kill exactly as the uninterrupted run; those are not repeated here."""
 
 import dataclasses
 import os
@@ -12,6 +16,7 @@ import time
 import pytest
 
 import pplab
+from timing import within
 from pplab.drivers.cluster.namespaces import INTERFACE, NamespaceHosts
 
 WHY_NOT = NamespaceHosts.why_not()
@@ -47,12 +52,12 @@ def lab(hosts):
 
 
 def test_a_wrong_interface_name_is_refused_within_seconds_naming_the_ones_there(hosts):
-    started = time.monotonic()
-    with pytest.raises(pplab.cluster.RankFailedError,
-                       match=r"gloo_ifname='eth9': host pplab-\w+-h\d has no such network interface; "
-                             r"it has lo, pplab0, pplab1"):
-        pplab.Lab.connect(**{**hosts.connect_options(), "gloo_ifname": "eth9"}, n_ranks=4, op_timeout=8, verbose=False)
-    assert time.monotonic() - started < 15
+    # Checked before any rank waits: well within the 60 s a rank would wait for a peer.
+    with within(15), pytest.raises(pplab.cluster.RankFailedError,
+                                   match=r"gloo_ifname='eth9': host pplab-\w+-h\d has no such network interface; "
+                                         r"it has lo, pplab0, pplab1"):
+        pplab.Lab.connect(**{**hosts.connect_options(), "gloo_ifname": "eth9"}, n_ranks=4, op_timeout=60,
+                          verbose=False)
 
 
 def sent_bytes():
@@ -84,7 +89,9 @@ def test_ranks_are_grouped_by_host_and_talk_over_the_hosts_interfaces(lab, hosts
     pipe.close()
 
 
-def two_hosts_and_a_lab():
+@pytest.fixture(scope="module")
+def two_hosts():
+    """Two hosts of one engine each, and a 2-rank lab across them."""
     made = NamespaceHosts(n_hosts=2, engines_per_host=1).start()
     lab = None
     try:
@@ -95,10 +102,6 @@ def two_hosts_and_a_lab():
             lab.stop()
         made.stop()
         nothing_left(made)
-
-
-two_hosts = pytest.fixture(scope="module")(two_hosts_and_a_lab)
-fresh_two_hosts = pytest.fixture(two_hosts_and_a_lab)  # for a fault, which leaves the lab broken
 
 
 def measure_link(nbytes_list):
@@ -163,33 +166,16 @@ def a_slow_step_under_way(hosts, lab):
     return running
 
 
-def test_a_link_cut_mid_step_ends_in_an_error_naming_rank_peer_and_action(fresh_two_hosts):
-    """The data network goes down while a step runs: the ranks' receives time out and say who
-    waited for what from whom; the control network still carries the report."""
-    hosts, lab = fresh_two_hosts
-    running = a_slow_step_under_way(hosts, lab)
-    hosts.shape_link(loss_percent=100)
-    started = time.monotonic()
-    with pytest.raises(pplab.cluster.RankFailedError,
-                       match=r"rank [01] waited 8 s for the (activation|gradient) of microbatch \d+ from rank [01] "
-                             r"\(action \d(RECV_F|RECV_B)\d+\)"):
-        running.result()
-    assert time.monotonic() - started < 8 + lab.grace + 10
-    assert lab.state.startswith("needs restart")
-
-
-def test_a_rank_killed_mid_step_is_named_by_its_peer(fresh_two_hosts):
+def test_a_rank_killed_mid_step_is_named_by_its_peer(two_hosts):
     """SIGKILL to the rank on the other host while a step runs: its peer's next message fails at
     once and says to or from whom, and for which action."""
-    hosts, lab = fresh_two_hosts
+    hosts, lab = two_hosts  # the last test here: the lab it breaks is restarted below anyway
     running = a_slow_step_under_way(hosts, lab)
     os.kill(lab.status()[1].pid, signal.SIGKILL)
-    started = time.monotonic()
-    with pytest.raises(pplab.cluster.RankFailedError,
-                       match=r"rank 0 lost the (send of the )?(activation|gradient) of microbatch \d+ (to|from) "
-                             r"rank 1 \(action 0(SEND|RECV)_[FB]\d+\)"):
+    with within(5, plus=8 + lab.grace), pytest.raises(
+            pplab.cluster.RankFailedError, match=r"rank 0 lost the (send of the )?(activation|gradient) of microbatch "
+                                                 r"\d+ (to|from) rank 1 \(action 0(SEND|RECV)_[FB]\d+\)"):
         running.result()
-    assert time.monotonic() - started < 8 + lab.grace + 5
     assert lab.state.startswith("needs restart")
     # The controller stops hearing the dead engine's heartbeat: the lab's status says so.
     deadline = time.monotonic() + 20
@@ -201,42 +187,3 @@ def test_a_rank_killed_mid_step_is_named_by_its_peer(fresh_two_hosts):
     assert sorted({row.host for row in lab.status()}) == sorted(hosts.names)
     parity = lab.pipeline(CONFIG, schedule="zb-h1", n_microbatches=4).check_parity()
     assert parity.passed, str(parity)
-
-
-def test_a_rank_stalled_on_the_other_host_is_named_within_the_labs_timeout(fresh_two_hosts):
-    """Rank 1 sleeps inside a forward (pplab.faults): rank 0, on the other host, gives up on the
-    gradient it waits for after the lab's 8 s, naming rank 1 and the action."""
-    hosts, lab = fresh_two_hosts
-    pipe = lab.pipeline(CONFIG, schedule="1f1b", n_microbatches=4)
-    pipe.step()
-    pplab.faults.stall(pipe, "1F1", seconds=30)
-    started = time.monotonic()
-    with pytest.raises(pplab.cluster.RankFailedError,
-                       match=r"rank 0 waited 8 s for the gradient of microbatch 1 from rank 1 \(action 0RECV_B1\)"):
-        pipe.step()
-    assert time.monotonic() - started < 8 + lab.grace + 5
-    lab.restart()
-    assert lab.pipeline(CONFIG, schedule="1f1b", n_microbatches=4).check_parity().passed
-
-
-def test_training_across_hosts_resumes_after_a_kill_as_if_never_stopped(fresh_two_hosts, tmp_path):
-    from ranks import run_ranks
-    from pplab.rank.rank_pipeline import PipelineSpec
-    from pplab.rank.train import TrainOptions, train_on_rank
-
-    hosts, lab = fresh_two_hosts
-    options = dict(steps=6, batch_size=8, seq_len=32, warmup=2, eval_every=100)
-    spec = PipelineSpec.create(CONFIG, "1f1b", 2, 4)
-    uninterrupted = run_ranks(2, train_on_rank, spec, TrainOptions(**options), None, False, timeout=120)[0]
-
-    pipe = lab.pipeline(CONFIG, "1f1b", n_microbatches=4, op_timeout=8)
-    first = pipe.train(until=4, show=False, checkpoint_dir=str(tmp_path), checkpoint_every=2, **options)
-    assert first.losses == uninterrupted.losses[:4]
-    running = pipe.start_step(next(pplab.data.batches(4 * 8, 64)))
-    os.kill(lab.status()[1].pid, signal.SIGKILL)
-    with pytest.raises(pplab.cluster.RankFailedError):
-        running.result()
-    lab.restart()
-    resumed = lab.pipeline(CONFIG, "1f1b", n_microbatches=4).train(
-        show=False, resume=str(tmp_path / "step-00000004"), **options)
-    assert resumed.losses == uninterrupted.losses[4:]

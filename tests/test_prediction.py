@@ -109,3 +109,22 @@ def test_a_link_whose_late_receive_waits_a_hop_is_a_rendezvous_in_the_prediction
     assert predict(gpipe.compute_only(), rendezvous).step_time == predict(gpipe, rendezvous).step_time
     assert predict(gpipe, rendezvous).step_time > predict(gpipe, bare.with_link(hop)).step_time
     assert "rendezvous link" in predict(gpipe, rendezvous).how
+
+
+@pytest.mark.quick
+def test_a_prediction_says_what_a_busy_machine_does_to_it():
+    from dataclasses import replace
+
+    from pplab.machine import MachineLoad
+
+    schedule, profiled = build("1f1b", 4, 8), replace(uniform(4), machine=MachineLoad(8, 0.0, 1.0))
+    quiet = predict(schedule, profiled, machine=MachineLoad(8, 0.5, 1.0))
+    assert (quiet.notes, quiet.shared_step_time) == ((), None)
+    # 4 ranks, 1.5 cores free: 4 x 8 x (1 + 2) s of compute over 1.5 cores, longer than the schedule's step
+    crowded = predict(schedule, profiled, machine=MachineLoad(2, 0.5, 1.0))
+    assert crowded.shared_step_time == pytest.approx(96 / 1.5) and crowded.shared_step_time > crowded.step_time
+    assert "4 ranks on 1.5 free core(s)" in str(crowded) and "take turns" in crowded.notes[0]
+    # the same cores, but each thread now gets half of one: every cost doubles, and it is said
+    slower = predict(schedule, profiled, machine=MachineLoad(8, 3.0, 0.5))
+    assert slower.shared_step_time == pytest.approx(2 * slower.step_time)
+    assert "load changed since the profile" in slower.notes[0] and "2.00x as long" in slower.notes[0]

@@ -23,6 +23,7 @@ import torch
 
 from pplab.arguments import check_positive_int
 from pplab.rank.memory import SavedBytes
+from pplab.machine import measure_load
 from pplab.model import LlamaConfig, loss_fn
 from pplab.partition import as_model, build_stage, layer_ranges
 from pplab.prediction import Profile, StageProfile
@@ -52,6 +53,7 @@ def profile(config: LlamaConfig, microbatch_size: int, seq_len: int, n_stages: i
     from tqdm.auto import tqdm
 
     bar = tqdm(total=n_stages, desc="profiling stages", unit="stage", disable=not show)
+    machine = measure_load()  # the load the costs are measured under, for predictions made later
     try:
         stages = []
         for index in range(n_stages):
@@ -61,7 +63,7 @@ def profile(config: LlamaConfig, microbatch_size: int, seq_len: int, n_stages: i
     finally:
         bar.close()
         torch.set_num_threads(previous_threads)
-    return Profile(tuple(stages), microbatch_size, seq_len)
+    return Profile(tuple(stages), microbatch_size, seq_len, machine=machine)
 
 
 def _profile_stage(config, index, n_stages, balance, microbatch_size, seq_len, device, repeats,

@@ -35,6 +35,7 @@ from pplab.drivers.cluster.plan import (RankSpec, assign_ranks, check_gpus, chec
                                 local_ranks, loopback_interface)
 from pplab.drivers.cluster.status import RankGroup, RankInfo, RankTable
 from pplab.drivers.cores import check_cores
+from pplab.machine import busy_note, measure_load
 from pplab.rank.rank_context import RankEvent
 
 TEARDOWN_SECONDS = 5.0
@@ -158,7 +159,7 @@ class Lab:
         self._launcher = LocalCluster(
             n_ranks, os.path.abspath(profile_dir or records.default_profile_dir()),
             controller_ip=controller_ip, fork=sys.platform == "linux" if fork is None else bool(fork),
-            threads=self.threads, start_timeout=self.start_timeout, verbose=verbose)
+            threads=self.threads, start_timeout=self._start_wait(), verbose=verbose)
         self._bring_up(self._launcher.start, "start")
 
     @classmethod
@@ -195,6 +196,8 @@ class Lab:
         self.op_timeout = check_positive_seconds("op_timeout", op_timeout)
         self.grace = check_positive_seconds("grace", grace)
         self.start_timeout = check_positive_seconds("start_timeout", start_timeout)
+        # A start's waits are start_timeout at a quiet machine's pace, stretched by this one's load.
+        self.machine_load = measure_load()
         self.threads = check_threads(threads)
         self._activate = activate
         self._verbose = verbose
@@ -230,9 +233,19 @@ class Lab:
         self._tell_the_room("running")
         progress.finish(f"lab ready: {self.world_size} ranks, {self.backend} on {self.device}")
 
+    def _start_wait(self) -> float:
+        """Seconds a start's wait may take: start_timeout at this machine's measured pace."""
+        return self.machine_load.scale(self.start_timeout)
+
+    def _start_wait_said(self) -> str:
+        wait = self._start_wait()
+        return (f"start_timeout={self.start_timeout:g} s" if wait == self.start_timeout else
+                f"start_timeout={self.start_timeout:g} s, {wait:.0f} s at this machine's pace "
+                f"({self.machine_load.describe()})")
+
     def _wait_for_engines(self, count: int, progress: _Progress, exclude=()) -> list[int]:
         """Wait until `count` engines (other than `exclude`) have registered; fail fast if one died."""
-        deadline = time.monotonic() + self.start_timeout
+        deadline = time.monotonic() + self._start_wait()
         while True:
             ids = [engine_id for engine_id in self.client.ids if engine_id not in exclude]
             progress.update(f"engines up: {len(ids)}/{count}")
@@ -241,7 +254,7 @@ class Lab:
             self._launcher.check_alive()
             if time.monotonic() > deadline:
                 raise LabStartError(f"only {len(ids)} of {count} engines registered within "
-                                    f"start_timeout={self.start_timeout:g} s.\n"
+                                    f"{self._start_wait_said()}.{busy_note()}\n"
                                     f"{self._launcher.launch_logs()}")
             time.sleep(0.02)
 
@@ -281,12 +294,12 @@ class Lab:
         Asking again is safe: describe() only reads."""
         about: dict[int, dict] = {}
         asked: dict[int, list] = {engine_id: [] for engine_id in engine_ids}
-        deadline = time.monotonic() + self.start_timeout
+        deadline = time.monotonic() + self._start_wait()
         while len(about) < len(engine_ids):
             for engine_id in engine_ids:
                 if engine_id not in about:
                     asked[engine_id].append(self.client[engine_id].apply_async(engine.describe))
-            next_ask = min(deadline, time.monotonic() + DESCRIBE_ASK_AGAIN_SECONDS)
+            next_ask = min(deadline, time.monotonic() + self.machine_load.scale(DESCRIBE_ASK_AGAIN_SECONDS))
             while len(about) < len(engine_ids) and time.monotonic() < next_ask:
                 for engine_id, requests in asked.items():
                     done = next((request for request in requests if request.ready()), None)
@@ -297,7 +310,7 @@ class Lab:
             if len(about) < len(engine_ids) and time.monotonic() >= deadline:
                 silent = sorted(set(engine_ids) - set(about))
                 raise LabStartError(f"engines {silent} registered but did not answer within "
-                                    f"start_timeout={self.start_timeout:g} s.\n"
+                                    f"{self._start_wait_said()}.{busy_note()}\n"
                                     f"{self._launcher.launch_logs()}")
         return about
 
@@ -328,7 +341,7 @@ class Lab:
             os.makedirs(folder, exist_ok=True)
             return f"file://{os.path.join(folder, f'rendezvous-{uuid.uuid4().hex}')}"
         rank0 = self.client[order[0]]
-        port = rank0.apply_async(engine.free_tcp_port).get(self.start_timeout)
+        port = rank0.apply_async(engine.free_tcp_port).get(self._start_wait())
         return f"tcp://{about[order[0]]['address']}:{port}"
 
     # -- using ---------------------------------------------------------------------------
