@@ -35,6 +35,7 @@ from pplab.timeline import Event, Timeline
 
 __all__ = ["STRAGGLER_RATIO", "BubbleReport", "RankBubble", "Wait", "Suggestion", "explain", "named_schedule"]
 
+LOADED_SPREAD = 0.2  # an action typically this much over its best: the run's machine was busy
 _FEEDS = {"F": ("F", -1), "B": ("B", +1), "I": ("I", +1)}  # an action's input: (producer kind, stage step)
 
 
@@ -199,6 +200,10 @@ def explain(measured: Timeline, schedule: Schedule, outside: list[float | None] 
     with_latency = dataclasses.replace(costs, latency=latency)
     report.suggestions = _suggestions(schedule, with_latency, simulate(schedule, with_latency).step_time())
     report.message_latency = latency
+    if report.verdict is not None and report.verdict.load_spread > LOADED_SPREAD:
+        report.notes.append(f"the machine's load varied an action's time by {report.verdict.load_spread:.0%} "
+                            f"(typical over best) in this run: the predictions above carry that much "
+                            f"uncertainty; measure on a quieter machine to trust a smaller gain")
     return report
 
 

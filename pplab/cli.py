@@ -391,6 +391,10 @@ def room_command(args: argparse.Namespace) -> int:
     import pplab.room as room
     from pplab.views.exercises import EXERCISES
 
+    if args.drill is not None:
+        return _drill(args.drill)
+    if args.folder is None:
+        raise ValueError("pplab room: give the room's FOLDER to serve, or --drill N to measure the room")
     try:
         room.make_room(args.folder)  # writable by every attendee, sticky (pplab.room.make_room)
     except OSError as error:
@@ -438,6 +442,20 @@ def room_command(args: argparse.Namespace) -> int:
     finally:
         server.server_close()
     return 0
+
+
+def _drill(seats: int) -> int:
+    """One seat alone, then `seats` at once: every verdict right, and what the crowd costs a seat."""
+    from pplab.machine import measure_load
+    from pplab.views.drill import drill, drill_table
+
+    print(f"pplab room --drill {seats}: on {measure_load().describe()}")
+    results = []
+    for count in dict.fromkeys((1, seats)):
+        print(f"{count} seat(s) at once:", flush=True)
+        results.append(drill(count))
+    print(drill_table(results))
+    return 0 if all(result.all_right for result in results) else 1
 
 
 def _room_page(seats, exercises, folder, refresh: float) -> str:
@@ -660,7 +678,10 @@ def build_parser() -> argparse.ArgumentParser:
         description="Serve, on loopback, a page listing every attendee's lab (seat, device, GPUs, ranks, "
                     "running or dead, last activity) and exercise verdicts, from what the labs and checkers "
                     "write to the folder the attendees have as PPLAB_ROOM (docs/instructor.md).")
-    run_room.add_argument("folder", help="the room's folder (the attendees' PPLAB_ROOM; made if missing)")
+    run_room.add_argument("folder", nargs="?", help="the room's folder (the attendees' PPLAB_ROOM; made if missing)")
+    run_room.add_argument("--drill", type=_positive_int, metavar="N",
+                          help="instead: measure this machine's room, one seat alone then N seats at once, "
+                               "each an attendee's lessons on a 2-rank lab (pplab.views.drill)")
     run_room.add_argument("--port", type=int, default=8765, help="loopback port (default 8765; 0: any free one)")
     run_room.add_argument("--refresh", type=functools.partial(_number, positive=True), default=3.0,
                           help="seconds between the page's reloads (default 3)")

@@ -24,7 +24,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
-from pplab.machine import MachineLoad, measure_load
+from pplab.machine import MachineLoad, recent_load
 from pplab.formatting import ShownAsText, format_bytes, html_table, text_table
 from pplab.schedules import Schedule, add_communication
 from pplab.simulator import Costs, simulate
@@ -159,7 +159,7 @@ def predict(schedule: Schedule, costs: Costs | Profile, memory: Profile | None =
 
     `costs` is a `Profile` (its costs for this schedule and its bytes) or plain `Costs`
     (then `memory`, a Profile, gives the bytes; without it the memory is not predicted: zeros).
-    `machine` is the load the ranks will run under (default: this machine's, read now).
+    `machine` is the load the ranks will run under (default: this machine's, read within the last 10 s).
     """
     profiled_on = costs.machine if isinstance(costs, Profile) else None
     if isinstance(costs, Profile):
@@ -183,7 +183,7 @@ def predict(schedule: Schedule, costs: Costs | Profile, memory: Profile | None =
            f"latency {costs.latency * 1e3:.2f} ms per hop, {costs.link} link); activations: the simulated timeline, each "
            f"forward holding its stage's measured saved bytes until its backward (B, or W) ends; static: "
            f"4 x parameter bytes (parameters, gradients, AdamW's two moments)")
-    machine = machine if machine is not None else measure_load()
+    machine = machine if machine is not None else recent_load()
     shared, notes = _on_this_machine(timeline, machine, profiled_on)
     return Prediction(timeline.step_time(), timeline.bubble_fraction(), activations, static, timeline, how,
                       machine, shared, notes)

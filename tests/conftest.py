@@ -116,7 +116,7 @@ def pytest_unconfigure(config):
 
 # The files that take a minute or more on 2 cores start first, so that no worker is left running
 # a long one alone at the end.
-LONGEST_FIRST = ["test_hosts.py", "test_cli.py", "12_multi_host_and_faults.ipynb", "test_cluster.py",
+LONGEST_FIRST = ["test_crowded_room.py", "test_hosts.py", "test_cli.py", "12_multi_host_and_faults.ipynb", "test_cluster.py",
                  "test_browser.py", "test_exercises.py", "08_training_and_checkpoints.ipynb", "test_mesh.py"]
 
 

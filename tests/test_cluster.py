@@ -19,7 +19,7 @@ import time
 
 import psutil
 import pytest
-from timing import slack, within
+from timing import SLACK, slack, within
 import torch
 
 import pplab
@@ -509,10 +509,8 @@ def test_cleanup_stops_the_lab_of_a_killed_kernel(ipython_dir):
 
 @pytest.mark.timeout(60)
 def test_a_rank_that_raises_is_named_with_its_traceback(fragile_lab):
-    started = time.monotonic()
-    with pytest.raises(RankFailedError) as caught:
+    with within(SLACK + fragile_lab.grace), pytest.raises(RankFailedError) as caught:
         fragile_lab.run(raise_on_rank, 1, False)
-    assert time.monotonic() - started < fragile_lab.grace + slack()
     error = caught.value
     assert error.rank == 1 and error.ename == "ValueError" and error.still_running == []
     assert "rank 1 raised ValueError in raise_on_rank():\nboom from rank 1\n" in str(error)
@@ -523,19 +521,18 @@ def test_a_rank_that_raises_is_named_with_its_traceback(fragile_lab):
 
 
 @pytest.mark.timeout(60)
-def test_ranks_left_waiting_for_a_failed_rank_get_a_bounded_time_then_restart_works(fragile_lab):
-    started = time.monotonic()
-    with pytest.raises(RankFailedError) as caught:
-        fragile_lab.run(raise_on_rank, 1, True)
-    waited = time.monotonic() - started
+def test_ranks_left_waiting_for_a_failed_rank_get_a_bounded_time_then_restart_works(lab2):
+    # On the session's lab: its ranks' own waits (20 s) outlast its grace (1 s) at any load.
+    with within(SLACK + lab2.grace), pytest.raises(RankFailedError) as caught:  # the grace at the machine's pace
+        lab2.run(raise_on_rank, 1, True)
     assert caught.value.rank == 1 and caught.value.still_running == [0]
-    assert waited < fragile_lab.grace + slack()
-    assert f"Ranks [0] had not finished {fragile_lab.grace:g} s later: waiting for rank 1" in str(caught.value)
+    said = re.search(r"Ranks \[0\] had not finished ([\d.]+) s later: waiting for rank 1", str(caught.value))
+    assert said and float(said.group(1)) >= lab2.grace, str(caught.value)
     assert "lab.restart()" in str(caught.value)
     with pytest.raises(LabNeedsRestartError, match="lab.restart()"):
-        fragile_lab.run(whoami)
-    fragile_lab.restart()
-    assert_healthy(fragile_lab)
+        lab2.run(whoami)
+    lab2.restart()
+    assert_healthy(lab2)
 
 
 @pytest.mark.timeout(60)

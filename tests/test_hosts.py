@@ -16,6 +16,7 @@ import time
 import pytest
 
 import pplab
+from pplab.machine import LoadWatch
 from timing import within
 from pplab.drivers.cluster.namespaces import INTERFACE, NamespaceHosts
 
@@ -120,7 +121,8 @@ def test_a_slow_link_is_predicted_from_the_link_pplab_measures(two_hosts):
     prediction (the link's two directions also carry each other's ACKs, which the model leaves
     out). The other test worker can starve the ranks and gloo's transport threads for a whole
     step (seen in a full run: one step 1.0x its prediction, the next three 1.2-1.4x): load only
-    ever adds time, so the step closest to the quiet machine's is compared, within 15 %."""
+    ever adds time, so the step closest to the quiet machine's is compared, within 15 % when the
+    machine was quiet through the steps (a busy one makes gloo's threads answer the link late)."""
     from pplab.simulator import costs_from_timeline
 
     hosts, lab = two_hosts
@@ -144,11 +146,18 @@ def test_a_slow_link_is_predicted_from_the_link_pplab_measures(two_hosts):
                                     activation_bytes=activation, link_contention=True)
         return pplab.simulate(pipe.schedule, costs).step_time()
 
-    steps = [pipe.step(batch).timeline for _ in range(5)][1:]  # the first warms the slowed link up
+    with LoadWatch() as load:
+        steps = [pipe.step(batch).timeline for _ in range(5)][1:]  # the first warms the slowed link up
     measured = statistics.median(t.step_time() for t in steps)
     ratio = min(t.step_time() / predicted(t) for t in steps)
-    print(f"slow link: measured {measured:.4f} s, {ratio - 1:+.1%} against the prediction")
-    assert abs(ratio - 1) <= 0.15, [(t.step_time(), predicted(t)) for t in steps]
+    print(f"slow link: measured {measured:.4f} s, {ratio - 1:+.1%} against the prediction "
+          f"(the machine's slowdown {load.slowdown:.2f})")
+    said = [(t.step_time(), predicted(t)) for t in steps]
+    assert ratio >= 0.85, said  # the link's waits are there: the prediction is no faster than the run
+    # On busy cores gloo's threads answer the slowed link late, which the model leaves out: how close
+    # the prediction comes is bench/bench_hosts.py's claim, and asserted here on a quiet machine only.
+    if load.slowdown < 1.2:
+        assert ratio <= 1.15, said
     # The link sets the pace: the ranks wait on the wire more than they compute.
     timeline = steps[-1]
     assert sum(timeline.comm_time(r) for r in range(2)) > sum(timeline.busy_time(r) for r in range(2))
@@ -172,7 +181,7 @@ def test_a_rank_killed_mid_step_is_named_by_its_peer(two_hosts):
     hosts, lab = two_hosts  # the last test here: the lab it breaks is restarted below anyway
     running = a_slow_step_under_way(hosts, lab)
     os.kill(lab.status()[1].pid, signal.SIGKILL)
-    with within(5, plus=8 + lab.grace), pytest.raises(
+    with within(5 + lab.grace, plus=8), pytest.raises(
             pplab.cluster.RankFailedError, match=r"rank 0 lost the (send of the )?(activation|gradient) of microbatch "
                                                  r"\d+ (to|from) rank 1 \(action 0(SEND|RECV)_[FB]\d+\)"):
         running.result()

@@ -3,8 +3,8 @@
 A test that times pplab (a refusal comes within seconds, a stalled rank is named within its
 timeout) asserts a behaviour: that nothing waited for a timeout it should not have. What the
 work itself takes depends on what else runs (the suite shares 2 cores, beside other work), so
-the bound is a quiet machine's, stretched by the slowdown `pplab.machine` reads before and after
-the block (the larger). SLACK is what "at once" may take on a quiet machine: well below every
+the bound is a quiet machine's, stretched by the slowdown `pplab.machine` reads before, during and
+after the block (the largest). SLACK is what "at once" may take on a quiet machine: well below every
 length it tells apart (a lab's start, a call's own timeout, a wait that never ends).
 """
 
@@ -13,7 +13,7 @@ from __future__ import annotations
 import time
 from contextlib import contextmanager
 
-from pplab.machine import measure_load
+from pplab.machine import LoadWatch, measure_load
 
 SLACK = 5.0
 
@@ -30,10 +30,11 @@ def within(seconds: float = SLACK, *, plus: float = 0.0):
     timeout's or a grace's own seconds, which pass the same at any load."""
     before = measure_load()
     started = time.monotonic()
-    yield
+    with LoadWatch() as during:
+        yield
     elapsed = time.monotonic() - started
     after = measure_load()
-    slowdown = max(before.slowdown, after.slowdown, 1.0)
+    slowdown = max(before.slowdown, during.slowdown, after.slowdown)
     assert elapsed < plus + seconds * slowdown, (
         f"took {elapsed:.1f} s, over {plus:g} + {seconds:g} s x {slowdown:.1f} (this machine's slowdown; "
         f"now {after.describe()})")

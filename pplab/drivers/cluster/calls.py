@@ -18,6 +18,7 @@ from typing import Iterator
 
 from pplab.drivers.cluster.engine import PROCESS_GROUP_BROKEN_KEY, event_key
 from pplab.drivers.cluster.errors import RESTART_HINT, RankDiedError, RankFailedError, RankTimeoutError
+from pplab.machine import measure_load
 from pplab.drivers.cluster.ipyparallel_adapter import engine_died, results_per_engine
 from pplab.drivers.cluster.status import RankGroup
 from pplab.rank.rank_context import RankEvent, StillRunning
@@ -121,11 +122,12 @@ class RankCall:
 
     def _finished(self) -> bool:
         """True when every rank succeeded; raises the call's error if it failed."""
+        finished = self.done()  # first: a rank that finishes while the errors are looked for waits a turn
         if self._error is None:
             self._error = self._find_error()
         if self._error is not None:
             raise self._error
-        return self.done()
+        return finished
 
     def _wait_a_little(self, wait_until: float | None) -> None:
         """Block until a rank finishes or fails, or POLL_SECONDS pass; then look for dead ranks."""
@@ -148,6 +150,8 @@ class RankCall:
         if died or failed:
             if self._first_failure_at is None:
                 self._first_failure_at = time.monotonic()
+                # The others' reports come at the machine's pace: the grace is a quiet machine's.
+                self._grace = self._grace * measure_load().slowdown
             waited = time.monotonic() - self._first_failure_at
             alive = [rank for rank in running if rank not in died]
             if alive and waited < self._grace and not self._past_deadline():
@@ -173,7 +177,7 @@ class RankCall:
             lines.append(f"Ranks {others} raised too (see lab.last_errors).")
         broken = {} if running else self._process_group_notes(failed)
         if running:
-            lines += [f"Ranks {running} had not finished {self._grace:g} s later: waiting for rank "
+            lines += [f"Ranks {running} had not finished {self._grace:.3g} s later: waiting for rank "
                       f"{first}, stuck in a computation, or dead on another host (see lab.status() "
                       f"and the dashboard's 'where each rank is').", RESTART_HINT]
             self._ranks.needs_restart(f"ranks {running} were left running after rank {first} raised")

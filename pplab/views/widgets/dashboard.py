@@ -20,6 +20,7 @@ import ipywidgets as widgets
 
 from pplab.rank.rank_pipeline import IMPLEMENTATIONS
 from pplab.schedules import SCHEDULE_NAMES, TORCH_SCHEDULES, theory
+from pplab.machine import crowding_note, measure_load
 from pplab.simulator import Costs, costs_from_timeline, simulate
 from pplab.timeline import Timeline
 from pplab.views.widgets.panels import (BubblesView, GradientsView, MemoryView, ShapesView, TimelineView,
@@ -123,6 +124,7 @@ class Dashboard(widgets.VBox):
         self.running, self._stop_requested = True, False
         self._enable_controls(False)
         self.progress.max, self.progress.value = steps, 0
+        machine = measure_load()  # before the ranks work: what else keeps this machine busy
         try:
             for index in range(steps):
                 if self._stop_requested:
@@ -131,7 +133,8 @@ class Dashboard(widgets.VBox):
                 yield from self._one_step(index, steps)
                 self.progress.value = index + 1
             else:
-                self._say(f"{steps} step{'s' if steps > 1 else ''} done")
+                crowded = crowding_note(self.pipe.spec.world_size, machine)
+                self._say(f"{steps} step{'s' if steps > 1 else ''} done" + (f" · {crowded}" if crowded else ""))
         except (RankError, ValueError) as error:
             self._say_error(error)
             if raise_errors:

@@ -1,8 +1,11 @@
-"""A workshop on one server: three attendees' kernels, each with a lab of its own, at once.
+"""A crowded room: a workshop server's attendees, each with a lab of their own, on busy cores.
 
-Each "kernel" is a Python process that starts a lab, checks a pipeline against one device,
-then waits for orders in a folder. No two labs share a cluster, a port or a file; stopping
-one leaves the others working; `pplab cleanup` stops only the lab whose kernel is gone.
+Three attendees' kernels (Python processes), each with a 2-rank lab, beside two CPU burners on
+2 cores: every lab checks gpipe, 1F1B and ZB-H1 against one device with their gradient flow,
+explains three timing-mode steps whose stage 1 is four times slower (the straggler named each
+time), and trains 20 steps; then they go home one by one. No two labs share a cluster, a port
+or a file; stopping one leaves the others working; `pplab cleanup` stops only the lab whose
+kernel is gone; nothing is left running.
 """
 
 import json
@@ -31,14 +34,25 @@ def say(name, text):  # whole or not at all: the test may read at any moment
     (folder / f"{name}.tmp").replace(folder / name)
 
 
+config = pplab.LlamaConfig.tiny()
 lab = pplab.Lab(n_ranks=2, device="cpu", verbose=False)
-pipe = lab.pipeline(pplab.LlamaConfig.tiny(), schedule="1f1b", n_microbatches=4)
-assert pipe.check_parity().passed
+checked = {}
+for name in ("gpipe", "1f1b", "zb-h1"):
+    pipe = lab.pipeline(config, schedule=name, n_microbatches=4)
+    checked[name] = [pipe.check_parity().passed, pipe.check_gradient_flow().passed]
+    pipe.close()
+slow = lab.pipeline(config, "1f1b", n_microbatches=4,
+                    timing=pplab.Costs(forward=(0.004, 0.016), backward=(0.008, 0.032)))
+stragglers = [pplab.bubble.explain(slow.step().timeline, slow.schedule).straggler for _ in range(3)]
+slow.close()
+pipe = lab.pipeline(config, schedule="1f1b", n_microbatches=4)
+losses = pipe.train(steps=20, batch_size=8, seq_len=32, warmup=2, eval_every=100, show=False).losses
 files = Path(lab.profile_dir, "security").glob(f"ipcontroller-{lab.cluster_id}-*.json")
 ports = sorted({port for path in files for value in json.loads(path.read_text()).values()
                 for port in (value if isinstance(value, list) else [value])
                 if isinstance(port, int) and not isinstance(port, bool)})
-say(f"{seat}.ready", json.dumps({"cluster_id": lab.cluster_id, "ports": ports}))
+say(f"{seat}.ready", json.dumps({"cluster_id": lab.cluster_id, "ports": ports, "checked": checked,
+                                 "stragglers": stragglers, "losses": losses}))
 while True:
     order = folder / f"{seat}.order"
     if order.exists():
@@ -46,7 +60,7 @@ while True:
             lab.stop()
             break
         order.unlink()
-        passed = pipe.check_parity().passed
+        passed = lab.pipeline(config, schedule="1f1b", n_microbatches=4).check_parity().passed
         say(f"{seat}.again", str(passed))
     time.sleep(0.1)
 """
@@ -75,16 +89,24 @@ def cleanup(env) -> str:
 
 
 @pytest.mark.timeout(600)
-def test_three_attendees_labs_run_at_once_and_stop_alone(tmp_path, ipython_dir):
+def test_three_attendees_labs_work_beside_two_burners_and_stop_alone(tmp_path, ipython_dir):
     env = {**os.environ, "IPYTHONDIR": str(tmp_path / "ipython")}  # the server's one user
     script = tmp_path / "attendee.py"
     script.write_text(ATTENDEE)
+    burners = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(2)]
     attendees = {seat: subprocess.Popen([sys.executable, str(script), seat, str(tmp_path)], env=env,
                                         stderr=subprocess.PIPE, text=True)
                  for seat in ("ada", "bob", "cy")}
     try:
-        started = {seat: json.loads(wait_for(tmp_path / f"{seat}.ready", 300, attendees.values()))
+        started = {seat: json.loads(wait_for(tmp_path / f"{seat}.ready", 500, attendees.values()))
                    for seat in attendees}
+        for burner in burners:  # the lessons' work is done: the rest is about stopping
+            burner.kill()
+        for seat, lab in started.items():
+            assert lab["checked"] == {name: [True, True] for name in ("gpipe", "1f1b", "zb-h1")}, (seat, lab)
+            assert lab["stragglers"] == [1, 1, 1], (seat, lab["stragglers"])
+            losses = lab["losses"]
+            assert len(losses) == 20 and all(loss == loss for loss in losses) and losses[-1] < losses[0], losses
         # Three labs, no cluster and no port shared.
         assert len({lab["cluster_id"] for lab in started.values()}) == 3
         ports = [port for lab in started.values() for port in lab["ports"]]
@@ -106,9 +128,9 @@ def test_three_attendees_labs_run_at_once_and_stop_alone(tmp_path, ipython_dir):
         order(tmp_path, "bob", "stop")
         assert attendees["bob"].wait(60) == 0
     finally:
-        for attendee in attendees.values():
-            if attendee.poll() is None:
-                attendee.kill()
+        for process in [*burners, *attendees.values()]:
+            if process.poll() is None:
+                process.kill()
         cleanup(env)
     assert lab_processes(str(tmp_path / "ipython")) == []
     assert records.read_records(os.path.join(tmp_path, "ipython", f"profile_{records.PROFILE_NAME}")) == []
