@@ -43,7 +43,9 @@ for name in ("gpipe", "1f1b", "zb-h1"):
     pipe.close()
 slow = lab.pipeline(config, "1f1b", n_microbatches=4,
                     timing=pplab.Costs(forward=(0.004, 0.016), backward=(0.008, 0.032)))
-stragglers = [pplab.bubble.explain(slow.step().timeline, slow.schedule).straggler for _ in range(3)]
+steps = [slow.step().timeline for _ in range(3)]  # each explained with the others as evidence
+stragglers = [pplab.bubble.explain(step, slow.schedule, steps=[other for other in steps if other is not step]).straggler
+              for step in steps]
 slow.close()
 pipe = lab.pipeline(config, schedule="1f1b", n_microbatches=4)
 losses = pipe.train(steps=20, batch_size=8, seq_len=32, warmup=2, eval_every=100, show=False).losses

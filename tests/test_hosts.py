@@ -96,7 +96,8 @@ def two_hosts():
     made = NamespaceHosts(n_hosts=2, engines_per_host=1).start()
     lab = None
     try:
-        lab = pplab.Lab.connect(**made.connect_options(), n_ranks=2, op_timeout=8, verbose=False)
+        # 30 s for a wait between ranks: a slowed link on busy cores; the faults' pipelines set 8 s
+        lab = pplab.Lab.connect(**made.connect_options(), n_ranks=2, op_timeout=30, verbose=False)
         yield made, lab
     finally:
         if lab is not None:

@@ -24,6 +24,7 @@ from pplab.drivers.cluster.status import RankGroup
 from pplab.rank.rank_context import RankEvent, StillRunning
 
 POLL_SECONDS = 0.1  # how often a waiting client looks for dead ranks and new events
+GRACE_STRETCH_AT_MOST = 3.0  # how far a busy machine stretches the grace after a rank's failure
 OUTPUT_DRAIN_SECONDS = 2.0  # events may trail a rank's result by a moment: wait this long for them
 _ANSI_ESCAPES = re.compile(r"\x1b\[[0-9;]*m")
 
@@ -151,7 +152,8 @@ class RankCall:
             if self._first_failure_at is None:
                 self._first_failure_at = time.monotonic()
                 # The others' reports come at the machine's pace: the grace is a quiet machine's.
-                self._grace = self._grace * measure_load().slowdown
+                # (At most three times: a rank stuck in a computation reports nothing however long.)
+                self._grace = self._grace * min(GRACE_STRETCH_AT_MOST, measure_load().slowdown)
             waited = time.monotonic() - self._first_failure_at
             alive = [rank for rank in running if rank not in died]
             if alive and waited < self._grace and not self._past_deadline():

@@ -38,8 +38,9 @@ class Dashboard(widgets.VBox):
 
     def __init__(self, pipe, batch=None, stalled_after: float = 2.0):
         """`pipe` is a lab pipeline (`lab.pipeline(...)`); `batch` the data of every step (default: the
-        pipeline's); `stalled_after`: seconds a wait lasts before its rank shows red."""
-        self.pipe, self.batch = pipe, batch
+        pipeline's); `stalled_after`: seconds a wait lasts before its rank shows red, on a quiet
+        machine (a busy one's waits are longer: each run stretches it by the slowdown it reads)."""
+        self.pipe, self.batch, self.stalled_after = pipe, batch, stalled_after
         self.results = []  # every finished step's StepResult
         self.latencies: list[float] = []  # seconds from a rank's note to its place in the widget state
         self.running = False
@@ -125,6 +126,9 @@ class Dashboard(widgets.VBox):
         self._enable_controls(False)
         self.progress.max, self.progress.value = steps, 0
         machine = measure_load()  # before the ranks work: what else keeps this machine busy
+        # A busy machine's waits are longer, but a wait that lasts half the timeout is a stall anyway.
+        self.where.stalled_after = min(self.stalled_after * machine.slowdown,
+                                       max(self.stalled_after, self.pipe.spec.op_timeout / 2))
         try:
             for index in range(steps):
                 if self._stop_requested:
