@@ -7,8 +7,8 @@ alone, then 2, 3, 4, ... at once, and stops after the first count with a wrong v
 median seat took more than --max-slowdown times one seat alone. Per count: every verdict right,
 each phase's median seconds, and the slowdown against one seat, measured in this one run.
 
-Run: python bench/bench_room.py [--seats 1 2 3 4 6 8] [--max-slowdown 6]
-Writes bench/results/room.json.
+Run: python bench/bench_room.py [--seats 1 2 3 4 6 8] [--max-slowdown 6] [--out FILE]
+Writes bench/results/room.json (bench/results/room_16_cores.json: the GPU host's 16 cores).
 """
 
 from __future__ import annotations
@@ -29,6 +29,7 @@ def main() -> None:
     parser.add_argument("--seats", type=int, nargs="+", default=[1, 2, 3, 4, 6, 8])
     parser.add_argument("--max-slowdown", type=float, default=6.0,
                         help="stop when a seat takes this many times one seat alone (default 6)")
+    parser.add_argument("--out", default=RESULT_PATH, help=f"where the JSON goes (default {RESULT_PATH})")
     args = parser.parse_args()
     from pplab.machine import measure_load
     from pplab.views.drill import drill, drill_table
@@ -50,15 +51,15 @@ def main() -> None:
     print(drill_table(results))
     print(f"capacity: {capacity} seats with every verdict right and a seat at most "
           f"{args.max_slowdown:g}x slower than alone")
-    os.makedirs(os.path.dirname(RESULT_PATH), exist_ok=True)
-    with open(RESULT_PATH, "w") as file:
+    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+    with open(args.out, "w") as file:
         json.dump({"benchmark": "room capacity (pplab.views.drill)", "machine": platform.platform(),
                    "cores": machine.cores, "load_before": load(), "machine_load": machine.describe(),
                    "max_slowdown": args.max_slowdown, "capacity": capacity,
                    "drills": [{**r.to_json(), "slowdown": (statistics.median(r.seat_seconds) / alone
                                                           if r.seat_seconds else None)} for r in results]},
                   file, indent=2)
-    print(f"wrote {RESULT_PATH}")
+    print(f"wrote {args.out}")
 
 
 if __name__ == "__main__":

@@ -62,14 +62,19 @@ class MachineLoad:
         return seconds * max(1.0, self.slowdown)
 
     def describe(self) -> str:
-        """One line: e.g. '2 cores, 1.9 kept busy by other processes: a thread got 52 % of a core'."""
-        others = "" if self.busy_cores is None else f", {self.busy_cores:.1f} kept busy by other processes"
-        return f"{self.cores} core{'s' if self.cores != 1 else ''}{others}: a thread got {self.share:.0%} of a core"
+        """One line: e.g. '2 cores, 1.9 kept busy by other processes, 4 threads ready to run: a
+        thread gets about 50% of a core'."""
+        said = f"{self.cores} core{'s' if self.cores != 1 else ''}"
+        if self.busy_cores is not None:
+            said += f", {self.busy_cores:.1f} kept busy by other processes"
+        if self.ready is not None:
+            said += f", {self.ready:.0f} thread{'s' if round(self.ready) != 1 else ''} ready to run"
+        return f"{said}: a thread gets about {1 / self.slowdown:.0%} of a core"
 
 
 def measure_load(window: float = WINDOW_SECONDS) -> MachineLoad:
     """Read the machine's load now (takes `window` seconds of one core)."""
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    cores = _cores()
     machine_before, own_before = _machine_busy_seconds(), time.process_time()
     wall_before, thread_before = time.perf_counter(), time.thread_time()
     ready, next_look = [], wall_before
@@ -127,10 +132,15 @@ class LoadWatch:
     @property
     def slowdown(self) -> float:
         """The mean over the samples of ready threads per core, at least 1 (1.0: no samples)."""
-        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
         if not self.samples:
             return 1.0
+        cores = _cores()
         return sum(max(1.0, count / cores) for count in self.samples) / len(self.samples)
+
+
+def _cores() -> int:
+    """The cores this process may run on."""
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
 
 
 def ready_threads() -> int | None:
