@@ -42,7 +42,7 @@ for name in ("gpipe", "1f1b", "zb-h1"):
     checked[name] = [pipe.check_parity().passed, pipe.check_gradient_flow().passed]
     pipe.close()
 slow = lab.pipeline(config, "1f1b", n_microbatches=4,
-                    timing=pplab.Costs(forward=(0.004, 0.016), backward=(0.008, 0.032)))
+                    timing=pplab.Costs(forward=(0.015, 0.06), backward=(0.03, 0.12)))
 steps = [slow.step().timeline for _ in range(3)]  # each explained with the others as evidence
 stragglers = [pplab.bubble.explain(step, slow.schedule, steps=[other for other in steps if other is not step]).straggler
               for step in steps]
