@@ -59,7 +59,7 @@ class MachineLoad:
 
     def scale(self, seconds: float) -> float:
         """`seconds` of a quiet machine's waiting, stretched to this machine's pace."""
-        return seconds * max(1.0, self.slowdown)
+        return seconds * self.slowdown  # at least 1
 
     def describe(self) -> str:
         """One line: e.g. '2 cores, 1.9 kept busy by other processes, 4 threads ready to run: a

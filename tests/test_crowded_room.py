@@ -25,6 +25,7 @@ ATTENDEE = """
 import json, sys, time
 from pathlib import Path
 import pplab
+from pplab.views.drill import SLOW_STAGE
 
 seat, folder = sys.argv[1], Path(sys.argv[2])
 
@@ -42,7 +43,7 @@ for name in ("gpipe", "1f1b", "zb-h1"):
     checked[name] = [pipe.check_parity().passed, pipe.check_gradient_flow().passed]
     pipe.close()
 slow = lab.pipeline(config, "1f1b", n_microbatches=4,
-                    timing=pplab.Costs(forward=(0.015, 0.06), backward=(0.03, 0.12)))
+                    timing=pplab.Costs(**SLOW_STAGE))  # the drill's: stage 1 four times slower
 steps = [slow.step().timeline for _ in range(3)]  # each explained with the others as evidence
 stragglers = [pplab.bubble.explain(step, slow.schedule, steps=[other for other in steps if other is not step]).straggler
               for step in steps]

@@ -21,7 +21,7 @@ SLACK = 5.0
 def slack(seconds: float = SLACK) -> float:
     """`seconds` at a quiet machine's pace, stretched by the slowdown read now (after the work
     it bounds: a machine busy during it is usually busy still)."""
-    return seconds * max(1.0, measure_load().slowdown)
+    return measure_load().scale(seconds)
 
 
 @contextmanager
