@@ -464,6 +464,7 @@ def _run_on_lab(lab, name: str, on_rank, learner_code, *args):
     names it uses as in the notebook; a failure (a deadlock's timeout among them) becomes a
     verdict naming the ranks, and the lab is restarted for the next try."""
     from pplab.drivers.cluster import LabError
+    from pplab.drivers.cluster.gloo_adapter import gloo_transport_said
 
     if getattr(learner_code, "__code__", None) is None:
         return Verdict(name, False, f"give a function defined with def, not {type(learner_code).__name__}")
@@ -488,14 +489,19 @@ def _run_on_lab(lab, name: str, on_rank, learner_code, *args):
                          for line in error.summary.splitlines()[:2] if line.strip())
         every_error = {rank: str(remote) for rank, remote in lab.last_errors.items()}
         waited = sorted(rank for rank, text in every_error.items() if "timed out" in text.lower())
+        # A deadlock only if every rank that failed, failed in gloo's transport (a wait that timed out, or
+        # the pair its peer closed after timing out). A rank that raised anything else is the cause, and
+        # its peers' timeouts follow from it: on a busy machine the grace after its error outlasts the
+        # op_timeout, and those arrive too, in any order.
+        deadlocked = bool(waited) and all(gloo_transport_said(text) for text in every_error.values())
         messages = _messages_of_every_rank(call, lab.world_size)
-        if waited:  # gloo's words for a receive that gave up; the other side's error follows from it
+        if deadlocked:  # gloo's words for a receive that gave up, on every rank that failed
             said = f"a wait gave up after the lab's op_timeout of {lab.op_timeout:g} s" + \
                 (f":\n{messages}" if messages else ".")
         elif messages:
             said += f"\nThe ranks' messages by then:\n{messages}"
         hint = ""
-        if waited:
+        if deadlocked:
             hint = ("\nIf both ranks receive first, neither sends: a deadlock; let one side send first. "
                     "If only one rank waited, its peer never sent what it expected: check each send's dst "
                     "and each receive's src, and that every message has its partner.")

@@ -16,4 +16,9 @@ GLOO_TRANSPORT_SOURCE = "gloo/transport/"
 
 def gloo_transport_failed(error: BaseException) -> bool:
     """True for gloo's error of a raw send/recv that timed out or lost its peer (its pair is closed)."""
-    return isinstance(error, RuntimeError) and GLOO_TRANSPORT_SOURCE in str(error)
+    return isinstance(error, RuntimeError) and gloo_transport_said(str(error))
+
+
+def gloo_transport_said(text: str) -> bool:
+    """True for the text of such an error, as a rank reported it (e.g. a RemoteError's)."""
+    return GLOO_TRANSPORT_SOURCE in text
