@@ -190,6 +190,25 @@ def ipython_dir(tmp_path_factory):
                     pytrace=False)
 
 
+GLOBAL_TIMEOUT_SECONDS = 600  # pyproject's --timeout: what no test's own bound is stretched past
+
+
+@pytest.hookimpl(hookwrapper=True, tryfirst=True)
+def pytest_runtest_protocol(item, nextitem):
+    """A test's own `@pytest.mark.timeout(s)` (a bound against a hang, set on a quiet machine) is
+    stretched by the machine's slowdown when the test starts, as pplab stretches its own waits:
+    beside two burners a lab's restart took 36 s instead of 4 and tests hit bounds of 60 and 90 s.
+    (Before pytest-timeout's own wrapper, which reads the mark.)"""
+    marker = item.get_closest_marker("timeout")
+    if marker is not None and marker.args and marker.args[0]:
+        from pplab.machine import measure_load
+
+        seconds = marker.args[0]
+        stretched = min(measure_load().scale(seconds), max(seconds, GLOBAL_TIMEOUT_SECONDS))
+        item.add_marker(pytest.mark.timeout(stretched, *marker.args[1:], **marker.kwargs), append=False)
+    yield
+
+
 @pytest.fixture(autouse=True)
 def _quick_tests_start_no_process(request, monkeypatch):
     """A test marked `quick` fails if it starts a process (subprocess, multiprocessing, fork)."""

@@ -62,7 +62,10 @@ def test_a_waiting_rank_shows_whom_it_waits_for_while_it_waits(lab2):
         assert "rank 0: send of the activation of microbatch 0 on stage 0" in stalled[0]
         # Kept after the step, for the record: rank 1 waited for each of stage 0's slow forwards.
         assert [(s["rank"], s["doing"]) for s in dashboard.where.stalls] == [(1, "1RECV_F0"), (1, "1RECV_F1")]
-        assert all(dashboard.where.stalled_after <= s["seconds"] < slow + slack(0.5) for s in dashboard.where.stalls)
+        # A stall lasts from when the client saw the wait begin until it saw it end: the feed's latency on
+        # a busy machine adds to the forward's own seconds.
+        assert all(dashboard.where.stalled_after <= s["seconds"] < slow + slack(2.0) for s in dashboard.where.stalls), \
+            (slow, dashboard.where.stalled_after, dashboard.where.stalls)
         assert len(dashboard.results) == 1
     finally:
         pipe.close()
