@@ -190,9 +190,6 @@ def ipython_dir(tmp_path_factory):
                     pytrace=False)
 
 
-GLOBAL_TIMEOUT_SECONDS = 600  # pyproject's --timeout: what no test's own bound is stretched past
-
-
 @pytest.hookimpl(hookwrapper=True, tryfirst=True)
 def pytest_runtest_protocol(item, nextitem):
     """A test's own `@pytest.mark.timeout(s)` (a bound against a hang, set on a quiet machine) is
@@ -201,10 +198,11 @@ def pytest_runtest_protocol(item, nextitem):
     (Before pytest-timeout's own wrapper, which reads the mark.)"""
     marker = item.get_closest_marker("timeout")
     if marker is not None and marker.args and marker.args[0]:
-        from pplab.machine import measure_load
+        from timing import slack
 
         seconds = marker.args[0]
-        stretched = min(measure_load().scale(seconds), max(seconds, GLOBAL_TIMEOUT_SECONDS))
+        every_test = float(item.config.getoption("timeout") or seconds)  # pyproject's --timeout: never past it
+        stretched = min(slack(seconds), max(seconds, every_test))
         item.add_marker(pytest.mark.timeout(stretched, *marker.args[1:], **marker.kwargs), append=False)
     yield
 

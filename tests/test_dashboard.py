@@ -42,7 +42,7 @@ def test_a_waiting_rank_shows_whom_it_waits_for_while_it_waits(lab2):
     # Stage 0's forwards are slow: rank 1 sits in its first receive, visibly, long before any timeout.
     # A stall is a wait of 0.6 s on a quiet machine, and the dashboard stretches that by the load it
     # measures (a full run's other worker made it over 2 s): the forwards last 2.5 times the stretch.
-    slow = min(max(2.0, 2.5 * 0.6 * pplab.machine.measure_load().slowdown), 0.75 * lab2.op_timeout)
+    slow = min(max(2.0, 2.5 * slack(0.6)), 0.75 * lab2.op_timeout)
     slow_start = Costs(forward=[slow, 0.01], backward=0.01)
     pipe = lab2.pipeline(CONFIG, schedule="gpipe", n_microbatches=2, timing=slow_start)
     try:

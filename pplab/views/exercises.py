@@ -488,12 +488,12 @@ def _run_on_lab(lab, name: str, on_rank, learner_code, *args):
         said = "\n".join(line.replace(f"{on_rank.__name__}()", f"your {learner_code.__name__}()")
                          for line in error.summary.splitlines()[:2] if line.strip())
         every_error = {rank: str(remote) for rank, remote in lab.last_errors.items()}
-        waited = sorted(rank for rank, text in every_error.items() if "timed out" in text.lower())
         # A deadlock only if every rank that failed, failed in gloo's transport (a wait that timed out, or
         # the pair its peer closed after timing out). A rank that raised anything else is the cause, and
         # its peers' timeouts follow from it: on a busy machine the grace after its error outlasts the
         # op_timeout, and those arrive too, in any order.
-        deadlocked = bool(waited) and all(gloo_transport_said(text) for text in every_error.values())
+        deadlocked = (any("timed out" in text.lower() for text in every_error.values())
+                      and all(gloo_transport_said(text) for text in every_error.values()))
         messages = _messages_of_every_rank(call, lab.world_size)
         if deadlocked:  # gloo's words for a receive that gave up, on every rank that failed
             said = f"a wait gave up after the lab's op_timeout of {lab.op_timeout:g} s" + \
