@@ -274,6 +274,9 @@ def _pool_rank_main(rank, world_size, rendezvous, backend, op_timeout, link, cor
     # Each call starts from the random state a fresh process has, so results do not
     # depend on what ran before on the pool.
     fresh_torch, fresh_python = torch.get_rng_state(), random.getstate()
+    # torch's and pplab's modules are a quarter of a million objects that live as long as the
+    # rank: frozen, the collection after each call walks only what calls made (0.1 s less a call).
+    gc.freeze()
     send(None, "ready", os.getpid())
     while (message := link.recv_bytes()) != _STOP:
         call_id, fn, args, kwargs = pickle.loads(message)
