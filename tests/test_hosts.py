@@ -112,7 +112,7 @@ def measure_link(nbytes_list):
     from pplab.rank.rank_context import rank_context
 
     me = rank_context()
-    return [hop_costs_on_rank(me.rank, me.world_size, nbytes, repeats=20) for nbytes in nbytes_list]
+    return [hop_costs_on_rank(me.rank, me.world_size, nbytes, repeats=6) for nbytes in nbytes_list]
 
 
 def test_a_slow_link_is_predicted_from_the_link_pplab_measures(two_hosts):

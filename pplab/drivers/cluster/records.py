@@ -82,10 +82,10 @@ def stop_processes(entries: list[dict], grace: float = 2.0) -> list[int]:
     processes = with_descendants(entries)
     for process in processes:
         _send(process, signal.SIGTERM)
-    _, still_alive = psutil.wait_procs(processes, timeout=grace)
+    still_alive = wait_until_exited(processes, timeout=grace)
     for process in still_alive:
         _send(process, signal.SIGKILL)
-    psutil.wait_procs(still_alive, timeout=5)
+    wait_until_exited(still_alive, timeout=5)
     return [process.pid for process in processes]
 
 
@@ -94,8 +94,39 @@ def kill_processes(entries: list[dict]) -> list[int]:
     processes = with_descendants(entries)
     for process in processes:
         _send(process, signal.SIGKILL)
-    psutil.wait_procs(processes, timeout=5)
+    wait_until_exited(processes, timeout=5)
     return [process.pid for process in processes]
+
+
+def wait_until_exited(processes: list[psutil.Process], timeout: float) -> list[psutil.Process]:
+    """Wait up to `timeout` s for `processes` to exit; the ones still running.
+
+    A zombie has exited. Our own children are reaped at once (psutil waits on them); an
+    orphan's zombie waits for init to reap it, which on some machines (a VM's minimal init)
+    takes a second or more: nothing is left to wait for."""
+    ours = [process for process in processes if _parent_pid(process) == os.getpid()]
+    _, alive = psutil.wait_procs(ours, timeout=timeout)
+    deadline = time.monotonic() + timeout
+    others = [process for process in processes if process not in ours]
+    while True:
+        others = [process for process in others if _running(process)]
+        if not others or time.monotonic() >= deadline:
+            return alive + others
+        time.sleep(0.02)
+
+
+def _parent_pid(process: psutil.Process) -> int | None:
+    try:
+        return process.ppid()
+    except psutil.Error:
+        return None
+
+
+def _running(process: psutil.Process) -> bool:
+    try:
+        return process.status() != psutil.STATUS_ZOMBIE
+    except psutil.Error:
+        return False
 
 
 def _send(process: psutil.Process, signum: int) -> None:
