@@ -17,10 +17,10 @@ rendezvous and lifecycle only: pipelines on a lab are the session's
 (`pplab.session`, whose `pplab.Lab` adds `lab.pipeline(...)`).
 """
 
-from pplab.drivers.cluster.calls import RankCall
+import importlib
+
 from pplab.drivers.cluster.errors import (LabError, LabNeedsRestartError, LabStartError, RankDiedError,
                                   RankFailedError, RankTimeoutError)
-from pplab.drivers.cluster.lab import Lab
 from pplab.drivers.cluster.namespaces import NamespaceHosts
 from pplab.drivers.cluster.plan import gpus_for_seat
 from pplab.drivers.cluster.records import cleanup
@@ -32,3 +32,13 @@ __all__ = [
     "RankInfo", "RankTable", "LabError", "LabStartError", "LabNeedsRestartError",
     "RankFailedError", "RankDiedError", "RankTimeoutError",
 ]
+
+# The Lab and its calls import torch (2 s): `pplab cleanup`, which needs only the records, should not.
+_IMPORTED_WHEN_USED = {"Lab": "pplab.drivers.cluster.lab", "RankCall": "pplab.drivers.cluster.calls"}
+
+
+def __getattr__(name: str):
+    if name in _IMPORTED_WHEN_USED:
+        return getattr(importlib.import_module(_IMPORTED_WHEN_USED[name]), name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
