@@ -545,10 +545,13 @@ def test_a_rank_whose_process_dies_is_named_then_restart_works(fragile_lab):
     assert caught.value.ranks == [1]
     assert "rank 1 (engine" in str(caught.value) and "lab.restart()" in str(caught.value)
     assert [row.state for row in fragile_lab.status()] == ["idle", "dead"]
+    fork_server = psutil.Process(old_pids[0]).ppid()  # the engines' supervisor, torch imported there
     fragile_lab.restart()
     assert_healthy(fragile_lab)
     assert not set(old_pids) & {row.pid for row in fragile_lab.status()}
     assert all_gone(old_pids)
+    # The new ranks are forked by the same server: a restart does not import torch again.
+    assert {psutil.Process(row.pid).ppid() for row in fragile_lab.status()} == {fork_server}
 
 
 @pytest.mark.timeout(60)

@@ -4,13 +4,15 @@ Run as ``python -m pplab.drivers.cluster.forkserver COUNT [ipengine options...]`
 engine's start-up is importing torch and ipyparallel; doing it once and forking
 shares that work between all ranks (Linux only: fork after import is unsafe on
 macOS). This process then stays as the engines' supervisor: SIGTERM stops all of
-them, and it stops them by itself if the kernel that started it goes away.
+them, and it stops them by itself if the kernel that started it goes away. A lab's
+restart asks it for new engines instead of starting another one.
 """
 
 from __future__ import annotations
 
 import importlib
 import os
+import select
 import signal
 import sys
 import time
@@ -47,6 +49,7 @@ def start_engine(index: int, engine_argv: list[str]) -> int:
     code = 1
     try:
         signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        os.dup2(os.open(os.devnull, os.O_RDONLY), 0)  # the lab's requests are the supervisor's to read
         from ipyparallel.engine.app import IPEngine
 
         IPEngine.launch_instance(argv=[*engine_argv, f"--IPEngine.id={index}"])
@@ -92,8 +95,35 @@ def _signal(pid: int, signum: int) -> None:
         pass
 
 
+ENGINES_FOR = "pplab forkserver: engines for cluster"  # the log line that starts each set of engines
+
+
+def fork_engines(count: int, engine_argv: list[str]) -> dict[int, int]:
+    """Fork `count` engines of the cluster named in $IPP_CLUSTER_ID; {pid: engine index}."""
+    print(f"{ENGINES_FOR} {os.environ.get('IPP_CLUSTER_ID', '')}", flush=True)
+    return {start_engine(index, engine_argv): index for index in range(count)}
+
+
+def kill_engines(children: dict[int, int]) -> None:
+    """SIGKILL every engine at once (a restart: ranks may be stuck in a wait) and reap them."""
+    for pid in children:
+        _signal(pid, signal.SIGKILL)
+    while children:
+        pid, _ = os.waitpid(-1, 0)
+        children.pop(pid, None)
+
+
+def read_command() -> str | None:
+    """The next line on stdin if one is there within 0.2 s; "" at its end; None if none yet."""
+    ready, _, _ = select.select([sys.stdin], [], [], 0.2)
+    return sys.stdin.readline() if ready else None
+
+
 def main(argv: list[str]) -> int:
-    """Fork COUNT engines and supervise them until stopped, or until the owner goes away."""
+    """Fork COUNT engines and supervise them until stopped, or until the owner goes away.
+
+    A lab's restart sends `again CLUSTER_ID` on stdin: the engines are replaced by COUNT new
+    ones of that cluster, forked from this process, whose imports are done (2 s of CPU saved)."""
     count, engine_argv = int(argv[0]), argv[1:]
     owner = os.getppid()
     stop_requested = []
@@ -101,13 +131,18 @@ def main(argv: list[str]) -> int:
     preload()
     if stop_requested:
         return 0  # stopped while importing: no engine to start
-    children = {start_engine(index, engine_argv): index for index in range(count)}
-    while children:
+    children = fork_engines(count, engine_argv)
+    listening = True
+    while not stop_requested and os.getppid() == owner:
         reap(children)
-        if stop_requested or os.getppid() != owner:
-            stop_engines(children)
-            break
-        time.sleep(0.2)
+        command = read_command() if listening else time.sleep(0.2)
+        if command == "":
+            listening = False  # nobody will ask again (stdin closed, or never open)
+        elif command and command.startswith("again "):
+            kill_engines(children)
+            os.environ["IPP_CLUSTER_ID"] = command.split()[1]
+            children = fork_engines(count, engine_argv)
+    stop_engines(children)
     return 0
 
 

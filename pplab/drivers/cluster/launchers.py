@@ -18,7 +18,7 @@ on the lab never asks which it has. Both offer the same small interface:
 How a local lab starts fast: the controller and a fork server start together;
 the fork server imports torch once and forks one engine per rank while the
 controller comes up; the engines register quickly because the controller's
-heartbeat is short.
+heartbeat is short. A restart keeps the fork server and asks it for new engines.
 """
 
 from __future__ import annotations
@@ -33,6 +33,7 @@ import uuid
 
 from pplab.drivers.cluster import records
 from pplab.drivers.cluster.errors import LabError, LabStartError
+from pplab.drivers.cluster.forkserver import ENGINES_FOR
 
 # The controller accepts an engine only after its heart beats: a 100 ms beat instead of
 # 3 s saves seconds at start; 100 missed beats (10 s) before it declares an engine dead
@@ -80,6 +81,7 @@ class LocalCluster:
         self.cluster_id = ""
         self._cluster = None  # ipyparallel's Cluster: the controller and, without fork, the engines
         self._fork_server: subprocess.Popen | None = None
+        self._kept_log = ""  # the fork server's log, between a restart's stop and its start
         self._launched: list[dict] = []  # controller, fork server, engine launchers, helpers
         self._rank_processes: list[dict] = []
 
@@ -91,8 +93,10 @@ class LocalCluster:
         self.cluster_id = new_cluster_id()
         progress.update(f"starting a controller and {self.n_ranks} engines")
         if self.fork:
-            # First of all, so that the engines import torch while everything else starts.
-            self._fork_server = self._start_fork_server()
+            if self._fork_server_running():  # a restart: the server, its imports done, forks new engines
+                self._ask_for_new_engines()
+            else:  # first of all, so that the engines import torch while everything else starts
+                self._fork_server = self._start_fork_server()
             # Recorded at once: if the rest of the start fails, stop() and cleanup() find it.
             self._launched = [records.process_entry(self._fork_server.pid, "engine fork server")]
             records.write_record(self.profile_dir, self.cluster_id, self._launched)
@@ -117,9 +121,10 @@ class LocalCluster:
         """A local lab can always start again, stopped or not."""
 
     def restart(self, progress) -> set[int]:
-        """Stop everything (SIGKILL: a rank stuck in a gloo wait leaves no other way), start afresh."""
+        """Stop everything (SIGKILL: a rank stuck in a gloo wait leaves no other way) but the fork
+        server, whose imports are done; start afresh, with new engines forked from it."""
         progress.update("stopping the old engines")
-        self.stop(kill=True)
+        self.stop(kill=True, keep_fork_server=self._fork_server_running())
         return self.start(progress)
 
     def check_alive(self) -> None:
@@ -157,12 +162,15 @@ class LocalCluster:
         self._launched += [records.process_entry(child.pid, "controller child") for child in helpers]
         records.write_record(self.profile_dir, self.cluster_id, self._launched + processes)
 
-    def stop(self, kill: bool) -> None:
-        """Close the client and end every process this lab started (SIGKILL if `kill`)."""
+    def stop(self, kill: bool, keep_fork_server: bool = False) -> None:
+        """Close the client and end every process this lab started (SIGKILL if `kill`), the fork
+        server too unless `keep_fork_server` (a restart), which keeps its log aside for the next start."""
         if self.client is not None:
             self.client.close()
             self.client = None
         ours = self._launched + self._rank_processes
+        if keep_fork_server:
+            ours = [entry for entry in ours if entry["pid"] != self._fork_server.pid]
         if kill:
             records.kill_processes(ours)
         try:
@@ -171,7 +179,13 @@ class LocalCluster:
         finally:  # should ipyparallel's stop fail, still end every process and say why after
             self._cluster = None
             records.stop_processes(ours)  # whatever ipyparallel's stop left, children included
-            self._reap_fork_server()
+            if keep_fork_server:
+                # out of the way of the old cluster's files, which go below
+                self._kept_log = os.path.join(self.profile_dir, "log",
+                                              f"pplab-engines-of-{self._fork_server.pid}.log")
+                os.replace(self._fork_server_log(), self._kept_log)
+            else:
+                self._reap_fork_server()
             if self.cluster_id:
                 records.remove_lab_files(self.profile_dir, self.cluster_id)
             self._launched, self._rank_processes = [], []
@@ -186,13 +200,23 @@ class LocalCluster:
             return subprocess.Popen(
                 [sys.executable, "-m", "pplab.drivers.cluster.forkserver", str(self.n_ranks),
                  *engine_args(self.start_timeout)],
-                env=environment, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
+                env=environment, stdin=subprocess.PIPE, stdout=log, stderr=subprocess.STDOUT,
                 start_new_session=True)  # like ipyparallel's: a notebook interrupt must not reach it
+
+    def _ask_for_new_engines(self) -> None:
+        """Have the running fork server fork this cluster's engines (see forkserver.main)."""
+        os.replace(self._kept_log, self._fork_server_log())  # the log goes on under this cluster's name
+        self._fork_server.stdin.write(f"again {self.cluster_id}\n".encode())
+        self._fork_server.stdin.flush()
+
+    def _fork_server_running(self) -> bool:
+        return self._fork_server is not None and self._fork_server.poll() is None
 
     def _reap_fork_server(self) -> None:
         """Wait for the stopped fork server (SIGKILL after 10 s), so that no zombie is left."""
         if self._fork_server is None:
             return
+        self._fork_server.stdin.close()
         try:
             self._fork_server.wait(timeout=10)
         except subprocess.TimeoutExpired:
@@ -204,11 +228,14 @@ class LocalCluster:
         return os.path.join(self.profile_dir, "log", f"pplab-engines-{self.cluster_id}.log")
 
     def _forked_engine_exit(self) -> str | None:
-        """The fork server's log line about an engine that exited, if one did."""
+        """The fork server's log line about an engine of this cluster that exited, if one did."""
         if self._fork_server is None or not os.path.exists(self._fork_server_log()):
             return None
         with open(self._fork_server_log(), errors="replace") as log:
-            return next((line for line in log if "exited with status" in line), None)
+            lines = log.readlines()
+        ours = f"{ENGINES_FOR} {self.cluster_id}"  # the engines of earlier starts exited at their restart
+        since = max((index for index, line in enumerate(lines) if line.strip() == ours), default=0)
+        return next((line for line in lines[since:] if "exited with status" in line), None)
 
 
     def _engine_launcher_config(self):
