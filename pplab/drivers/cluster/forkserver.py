@@ -62,11 +62,11 @@ def start_engine(index: int, engine_argv: list[str]) -> int:
         os._exit(code)  # never fall back into the supervisor's code
 
 
-def stop_engines(children: dict[int, int]) -> None:
-    """SIGTERM every engine, give them GRACE_SECONDS, then SIGKILL the rest and reap them all."""
+def stop_engines(children: dict[int, int], grace: float = GRACE_SECONDS) -> None:
+    """SIGTERM every engine, give them `grace` s, then SIGKILL the rest and reap them all."""
     for pid in children:
         _signal(pid, signal.SIGTERM)
-    deadline = time.monotonic() + GRACE_SECONDS
+    deadline = time.monotonic() + grace
     while children and time.monotonic() < deadline:
         reap(children)
         time.sleep(0.05)
@@ -104,15 +104,6 @@ def fork_engines(count: int, engine_argv: list[str]) -> dict[int, int]:
     return {start_engine(index, engine_argv): index for index in range(count)}
 
 
-def kill_engines(children: dict[int, int]) -> None:
-    """SIGKILL every engine at once (a restart: ranks may be stuck in a wait) and reap them."""
-    for pid in children:
-        _signal(pid, signal.SIGKILL)
-    while children:
-        pid, _ = os.waitpid(-1, 0)
-        children.pop(pid, None)
-
-
 def read_command() -> str | None:
     """The next line on stdin if one is there within 0.2 s; "" at its end; None if none yet."""
     ready, _, _ = select.select([sys.stdin], [], [], 0.2)
@@ -135,11 +126,14 @@ def main(argv: list[str]) -> int:
     listening = True
     while not stop_requested and os.getppid() == owner:
         reap(children)
-        command = read_command() if listening else time.sleep(0.2)
+        if not listening:
+            time.sleep(0.2)
+            continue
+        command = read_command()
         if command == "":
             listening = False  # nobody will ask again (stdin closed, or never open)
         elif command and command.startswith("again "):
-            kill_engines(children)
+            stop_engines(children, grace=0)  # a restart: ranks may be stuck in a wait
             os.environ["IPP_CLUSTER_ID"] = command.split()[1]
             children = fork_engines(count, engine_argv)
     stop_engines(children)

@@ -81,7 +81,6 @@ class LocalCluster:
         self.cluster_id = ""
         self._cluster = None  # ipyparallel's Cluster: the controller and, without fork, the engines
         self._fork_server: subprocess.Popen | None = None
-        self._kept_log = ""  # the fork server's log, between a restart's stop and its start
         self._launched: list[dict] = []  # controller, fork server, engine launchers, helpers
         self._rank_processes: list[dict] = []
 
@@ -179,11 +178,8 @@ class LocalCluster:
         finally:  # should ipyparallel's stop fail, still end every process and say why after
             self._cluster = None
             records.stop_processes(ours)  # whatever ipyparallel's stop left, children included
-            if keep_fork_server:
-                # out of the way of the old cluster's files, which go below
-                self._kept_log = os.path.join(self.profile_dir, "log",
-                                              f"pplab-engines-of-{self._fork_server.pid}.log")
-                os.replace(self._fork_server_log(), self._kept_log)
+            if keep_fork_server:  # its log out of the way of the old cluster's files, which go below
+                os.replace(self._fork_server_log(), self._kept_fork_server_log())
             else:
                 self._reap_fork_server()
             if self.cluster_id:
@@ -205,7 +201,7 @@ class LocalCluster:
 
     def _ask_for_new_engines(self) -> None:
         """Have the running fork server fork this cluster's engines (see forkserver.main)."""
-        os.replace(self._kept_log, self._fork_server_log())  # the log goes on under this cluster's name
+        os.replace(self._kept_fork_server_log(), self._fork_server_log())  # on, under this cluster's name
         self._fork_server.stdin.write(f"again {self.cluster_id}\n".encode())
         self._fork_server.stdin.flush()
 
@@ -226,6 +222,10 @@ class LocalCluster:
 
     def _fork_server_log(self) -> str:
         return os.path.join(self.profile_dir, "log", f"pplab-engines-{self.cluster_id}.log")
+
+    def _kept_fork_server_log(self) -> str:
+        """Where the fork server's log waits between a restart's stop and its start."""
+        return os.path.join(self.profile_dir, "log", f"pplab-engines-of-{self._fork_server.pid}.log")
 
     def _forked_engine_exit(self) -> str | None:
         """The fork server's log line about an engine of this cluster that exited, if one did."""
