@@ -177,14 +177,18 @@ def a_slow_step_under_way(hosts, lab):
 
 
 def test_a_rank_killed_mid_step_is_named_by_its_peer(two_hosts):
-    """SIGKILL to the rank on the other host while a step runs: its peer's next message fails at
-    once and says to or from whom, and for which action."""
+    """SIGKILL to the rank on the other host while a step runs: its peer's next message fails and
+    says to or from whom, and for which action."""
     hosts, lab = two_hosts  # the last test here: the lab it breaks is restarted below anyway
     running = a_slow_step_under_way(hosts, lab)
     os.kill(lab.status()[1].pid, signal.SIGKILL)
     # Rank 0's error, or the lab seeing rank 1's process gone first (a busy machine): either way the
-    # message says what rank 0 lost, to or from whom.
-    lost = r"rank 0 lost the (send of the )?(activation|gradient) of microbatch \d+ (to|from) rank 1 " \
+    # message says what rank 0 lost, to or from whom. Most runs, the dead process's closed connection
+    # fails rank 0's message at once ("lost"); about one full run in five, gloo did not wake a receive
+    # already posted and rank 0 waited out its op_timeout of 8 s (fresh-clone run at dd0f20f), which
+    # the message then says instead: both are bounded and name the action.
+    lost = r"rank 0 (lost the (send of the )?(activation|gradient) of microbatch \d+ (to|from) rank 1|" \
+           r"waited \d+ s for the (activation|gradient) of microbatch \d+ from rank 1) " \
            r"\(action 0(SEND|RECV)_[FB]\d+\)"
     with within(5 + lab.grace, plus=8), pytest.raises(
             (pplab.cluster.RankFailedError, pplab.cluster.RankDiedError), match=lost):

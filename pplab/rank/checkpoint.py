@@ -42,11 +42,7 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-import torch.distributed.checkpoint as dcp
 from torch import nn
-from torch.distributed.checkpoint.api import CheckpointException
-from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict,
-                                                     get_state_dict, set_state_dict)
 from torch.export.unflatten import InterpreterModule
 
 from pplab.checkpoint_files import (FORMAT, MANIFEST, PREFIX, CheckpointError, check_config,
@@ -59,7 +55,23 @@ __all__ = ["FORMAT", "MANIFEST", "PREFIX", "CheckpointError", "Checkpointer", "c
            "complete_checkpoints", "export_model", "export_pretrained", "latest", "load_model", "rank_module",
            "read_manifest", "resolve", "step_directory"]
 
-OPTIONS = StateDictOptions(flatten_optimizer_state_dict=True)
+# torch.distributed.checkpoint is imported where it is used: it brings DTensor and sympy with it
+# (1.2 s of CPU), which every process that imports the training loop would pay, checkpointing or
+# not: each lab's kernel and engine fork server among them.
+
+
+def _flattened():
+    """The state-dict options of every save and load (see the module's docstring)."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions
+
+    return StateDictOptions(flatten_optimizer_state_dict=True)
+
+
+def _dcp_errors() -> tuple[type[BaseException], ...]:
+    """What a DCP call can raise: any Exception, and torch's CheckpointException, a BaseException."""
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    return Exception, CheckpointException
 
 
 def check_loadable(path: str | Path, config: LlamaConfig) -> dict:
@@ -85,6 +97,8 @@ def _check_files(path: Path, manifest: dict, rank: int, world_size: int) -> None
     if not (path / ".metadata").is_file():
         raise CheckpointError(f"checkpoint {str(path)!r} has no .metadata: it is not a complete "
                               f"torch.distributed.checkpoint directory")
+    import torch.distributed.checkpoint as dcp
+
     try:
         metadata = dcp.FileSystemReader(str(path)).read_metadata()
         ends: dict[str, int] = {}
@@ -165,7 +179,10 @@ class Checkpointer:
             self.root.mkdir(parents=True, exist_ok=True)
             shutil.rmtree(partial, ignore_errors=True)  # left by a save that crashed
         self._barrier()
-        model_state, optimizer_state = get_state_dict(module, optimizer, options=OPTIONS)
+        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint.state_dict import get_state_dict
+
+        model_state, optimizer_state = get_state_dict(module, optimizer, options=_flattened())
         state = {"model": model_state, "optimizer": optimizer_state,
                  "scheduler": scheduler.state_dict(), "train": dict(train_state),
                  f"rng_rank{self.rank}": torch.get_rng_state()}
@@ -238,8 +255,10 @@ class Checkpointer:
         state = self._agree(path, read)
         # Every rank has it all: take it (nothing below reads a file or waits for a peer).
         module.zero_grad(set_to_none=True)
+        from torch.distributed.checkpoint.state_dict import set_state_dict
+
         set_state_dict(module, optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"],
-                       options=OPTIONS)
+                       options=_flattened())
         scheduler.load_state_dict(state["scheduler"])
         if same_layout:
             torch.set_rng_state(state[f"rng_rank{self.rank}"])
@@ -251,7 +270,7 @@ class Checkpointer:
             result, error = work(), None
         except CheckpointError as failure:
             result, error = None, str(failure)
-        except (Exception, CheckpointException) as failure:  # torch's is a BaseException
+        except _dcp_errors() as failure:
             result, error = None, (f"checkpoint {str(path)!r} could not be loaded ({_cause(failure)}); "
                                    f"load another checkpoint")
         errors = self._gather(error)
@@ -294,8 +313,10 @@ def _staged_state(module: nn.Module, optimizer) -> dict:
     held = {p: p.grad for p in module.parameters()}
     for p in held:
         p.grad = None  # with gradients present, torch would leave the scratch optimizer's state empty
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
     try:
-        model_state, optimizer_state = get_state_dict(module, scratch, options=OPTIONS)
+        model_state, optimizer_state = get_state_dict(module, scratch, options=_flattened())
     finally:
         for p, grad in held.items():
             p.grad = grad
@@ -306,17 +327,21 @@ def _staged_state(module: nn.Module, optimizer) -> dict:
 
 def _read(state: dict, path: Path, group=None) -> None:
     """dcp.load into `state`, with torch's errors (a BaseException among them) as a CheckpointError."""
+    import torch.distributed.checkpoint as dcp
+
     try:
         with warnings.catch_warnings():  # one process reading every shard is the intent without a group
             warnings.filterwarnings("ignore", message="torch.distributed is disabled")
             dcp.load(state, checkpoint_id=str(path), process_group=group, no_dist=not dist.is_initialized())
-    except (Exception, CheckpointException) as error:
+    except _dcp_errors() as error:
         raise CheckpointError(f"checkpoint {str(path)!r} could not be read ({_cause(error)}); it may "
                               f"be damaged: load another checkpoint") from None
 
 
 def _cause(error: BaseException) -> str:
     """The first line of what went wrong, with torch's CheckpointException opened to the rank's own error."""
+    from torch.distributed.checkpoint.api import CheckpointException
+
     if isinstance(error, CheckpointException) and error.failures:
         error = next(iter(error.failures.values()))[0]
     lines = str(error).strip().splitlines()
@@ -348,6 +373,8 @@ def load_model(path: str | Path, config: LlamaConfig | None = None, device="cpu"
                                   f"builds ({_cause(error)}); give config= or load another checkpoint") from None
     check_loadable(path, config)
     model = config.build_model(device=device)
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict
+
     state = {"model": get_model_state_dict(model)}
     _read(state, path)
     model.load_state_dict(state["model"])
