@@ -5,6 +5,7 @@ every gradient of one device on the whole batch; the collectives of dp and tp mu
 timeline; FSDP must hold about half a stage per rank and gather as often as theory says.
 """
 
+import os
 from collections import Counter
 
 import pytest
@@ -25,14 +26,24 @@ MICROBATCHES = 4
 LOSS_RTOL, GRAD_ATOL = 1e-6, 1e-6
 
 
+def gloo_threads() -> int:
+    """The threads of this process's gloo process groups (one each, woken every few ms while it lives)."""
+    return sum(open(f"/proc/self/task/{task}/comm").read().strip() == "gloo_tcp_loop"
+               for task in os.listdir("/proc/self/task"))
+
+
 def step_twice_and_measure(rank, world_size, spec, data):
-    """Two steps (the first includes torch's shape inference); the second's report and memory."""
+    """Two steps (the first includes torch's shape inference); the second's report and memory, and
+    the gloo threads once the pipeline was built and once a second one was, on the same mesh."""
     pipeline = RankPipeline(spec, rank)
     pipeline.step(data[rank])
     second = pipeline.step(data[rank], return_grads=True)
     stages = pipeline.stages.values()
     memory = {**memory_held(stages), "optimizer": optimizer_state_bytes(stages)}
-    return second, memory
+    threads = [gloo_threads()]
+    RankPipeline(spec, rank)
+    threads.append(gloo_threads())
+    return second, {**memory, "gloo_threads": threads}
 
 
 def run_mesh(mesh: Mesh, schedule="1f1b", microbatch_size=2):
@@ -41,6 +52,9 @@ def run_mesh(mesh: Mesh, schedule="1f1b", microbatch_size=2):
     results = run_ranks(mesh.world_size, step_twice_and_measure, spec, split_for_ranks(spec, batch),
                         timeout=240)
     steps, memory = [step for step, _ in results], [m for _, m in results]
+    for rank, held in enumerate(memory):  # pipelines on one mesh share its process groups
+        first, second = held["gloo_threads"]
+        assert second == first, (rank, held["gloo_threads"])
     reference = reference_step(CONFIG, batch, MICROBATCHES * mesh.dp)
     return spec, merge_steps(steps), memory, reference
 

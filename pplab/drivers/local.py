@@ -69,16 +69,20 @@ class LocalRankError(RankError):
 # What every rank imports: a rank forked from a server that imported these once starts in a
 # tenth of a second, where a spawned one spends about 2 s of CPU importing torch.
 RANK_IMPORTS = ["torch", "torch.distributed", "pplab.rank.rank_pipeline", "pplab.rank.train"]
+# The fork server of local processes serves every pool of its client for the client's lifetime,
+# so it also imports what meshes and checkpoints need (DTensor, 0.7 s of CPU), which a lab's
+# engines, most of which never use it, import only when they do.
+POOL_IMPORTS = [*RANK_IMPORTS, "torch.distributed.checkpoint"]
 
 
 def process_context():
     """Where rank processes come from: on Linux, forked from multiprocessing's fork server
-    (started once per client, RANK_IMPORTS imported there before any thread exists); elsewhere
+    (started once per client, POOL_IMPORTS imported there before any thread exists); elsewhere
     spawned. Either way a rank starts from a clean interpreter state, not a copy of the client."""
     if sys.platform != "linux":
         return mp.get_context("spawn")
     context = mp.get_context("forkserver")
-    context.set_forkserver_preload(RANK_IMPORTS)
+    context.set_forkserver_preload(POOL_IMPORTS)
     return context
 
 

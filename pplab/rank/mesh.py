@@ -155,21 +155,40 @@ def _divisors_of_all(config: LlamaConfig) -> list[int]:
                     or config.intermediate_size % d)]
 
 
+# torch's DeviceMesh of each shape this rank process has used, with the default group it was made
+# in: (device type, sizes) -> (default group, mesh). Made once and shared by every pipeline of that
+# shape. A mesh made per pipeline leaked its process groups: DTensor's caches keep every mesh alive,
+# and each gloo group keeps a thread that wakes every few milliseconds (30 idle groups on two
+# ranks took 6 % of a core; the suite's long-lived ranks held up to 27 each).
+_DEVICE_MESHES: dict[tuple, tuple] = {}
+
+
+def _device_mesh(device_type: str, sizes: tuple[int, ...]):
+    """The DeviceMesh of `sizes` over the current process group, made on first use (every rank
+    of the group together, as each builds its pipeline) and then kept."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    world = dist.distributed_c10d._get_default_group()
+    if any(made_in is not world for made_in, _ in _DEVICE_MESHES.values()):
+        _DEVICE_MESHES.clear()  # the process group was made again: the old meshes' groups are gone
+    key = (device_type, sizes)
+    if key not in _DEVICE_MESHES:
+        _DEVICE_MESHES[key] = world, init_device_mesh(device_type, sizes, mesh_dim_names=MESH_DIMS)
+    return _DEVICE_MESHES[key][1]
+
+
 class MeshPlace:
     """One rank's place in a mesh: its coordinate, torch's DeviceMesh and its pipeline's group."""
 
     def __init__(self, mesh: Mesh, rank: int, device: torch.device):
-        """Build torch's DeviceMesh (dimensions named pp, dp, tp): every rank must call this together."""
-        from torch.distributed.device_mesh import init_device_mesh
-
+        """Take torch's DeviceMesh (dimensions named pp, dp, tp): every rank must call this together."""
         if dist.get_world_size() != mesh.world_size:
             raise ValueError(f"the mesh spans {mesh.world_size} ranks but the process group has "
                              f"{dist.get_world_size()}: start {mesh.world_size} ranks, or give a mesh "
                              f"whose sizes multiply to {dist.get_world_size()}")
         self.mesh, self.rank = mesh, rank
         self.coordinates = mesh.coordinates(rank)
-        self.device_mesh = init_device_mesh(torch.device(device).type, tuple(mesh.sizes.values()),
-                                            mesh_dim_names=MESH_DIMS)
+        self.device_mesh = _device_mesh(torch.device(device).type, tuple(mesh.sizes.values()))
 
     @property
     def pp_rank(self) -> int:

@@ -193,10 +193,11 @@ class RankTrainer:
         self.step = 0            # steps done
         self.data_position = 0   # batches consumed
         self.checkpointer = None
+        self._own_group = None  # a process group made here, destroyed by close()
         if options.checkpoint_dir is not None:
             if options.async_save and checkpoint_group is None and dist.is_initialized():
                 # An async save writes from a thread: its collectives need a process group of their own.
-                checkpoint_group = dist.new_group(backend="gloo")
+                checkpoint_group = self._own_group = dist.new_group(backend="gloo")
             self.checkpointer = Checkpointer(options.checkpoint_dir, self.rank, options.keep,
                                              options.async_save, checkpoint_group)
         self.resumed_from = None
@@ -341,6 +342,14 @@ class RankTrainer:
         if self.checkpointer:
             self.checkpointer.finish()
         return history
+
+    def close(self) -> None:
+        """Destroy the process group this run made for its async saves, if it did (every rank
+        closes its run at the same time, as it made it). A gloo group keeps a thread that wakes
+        every few milliseconds until it is destroyed."""
+        if self._own_group is not None:
+            dist.destroy_process_group(self._own_group)
+            self._own_group = None
 
     # --- checkpoints ----------------------------------------------------------------------
 
@@ -560,5 +569,6 @@ def train_on_rank(rank: int, world_size: int, spec: PipelineSpec, options: Train
     try:
         return trainer.train(until, on_step=bar.add if bar else None)
     finally:
+        trainer.close()
         if bar is not None:
             bar.close()

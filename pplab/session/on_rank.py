@@ -86,6 +86,8 @@ def train_on_rank(pipeline_id: str, options: TrainOptions, until: int | None,
     goes_on = (trainer is not None and options.resume is None
                and dataclasses.replace(trainer.options, resume=None) == options)
     if not goes_on:
+        if trainer is not None:
+            trainer.close()
         trainer = _trainers[pipeline_id] = RankTrainer(pipeline, options)
     with Feed(live_interval) as feed, faults.in_pipeline(pipeline_id):  # each step's events, then its record
         return trainer.train(until, on_step=feed.put, watch=feed.put)
@@ -122,7 +124,10 @@ def memory_on_rank(pipeline_id: str) -> dict:
 
 
 def drop_on_rank(pipeline_id: str) -> None:
-    """Forget the pipeline `pipeline_id` (frees its stages, its trainer and its faults not fired)."""
+    """Forget the pipeline `pipeline_id` (frees its stages, its trainer, its process groups and its
+    faults not fired)."""
+    trainer = _trainers.pop(pipeline_id, None)
+    if trainer is not None:
+        trainer.close()
     _pipelines.pop(pipeline_id, None)
-    _trainers.pop(pipeline_id, None)
     faults.disarm_on_rank(pipeline_id)
