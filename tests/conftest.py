@@ -116,10 +116,11 @@ def pytest_unconfigure(config):
 
 # The files that take a minute or more on 2 cores start first, so that no worker is left running
 # a long one alone at the end.
-LONGEST_FIRST = ["test_crowded_room.py", "test_exercises.py", "test_cluster.py", "12_multi_host_and_faults.ipynb",
+LONGEST_FIRST = ["test_crowded_room.py", "test_exercises_01_to_09.py", "test_cluster.py", "12_multi_host_and_faults.ipynb",
                  "test_cli.py", "test_hosts.py", "test_browser.py", "08_training_and_checkpoints.ipynb", "test_mesh.py",
                  "15_train_on_a_mesh_with_real_text.ipynb", "17_pp_vs_data_parallel.ipynb", "14_your_own_model.ipynb",
-                 "16_explain_a_real_run.ipynb", "test_mesh_training.py", "10_predict_before_you_run.ipynb"]
+                 "16_explain_a_real_run.ipynb", "test_mesh_training.py", "10_predict_before_you_run.ipynb",
+                 "test_exercises_10_on.py"]
 
 
 def pytest_collection_modifyitems(config, items):
@@ -127,13 +128,15 @@ def pytest_collection_modifyitems(config, items):
     tests on one worker, so that its module-scoped labs and kernels start once. Not `loadgroup`
     with a group per file: on pytest 9.2 its groups are silently dropped, pytest-xdist#1386.)
 
-    An exercise notebook runs once: where test_exercises.py is collected, its kernel runs every
-    cell of the notebook (as shipped, then each answer), so nbmake's run of it is left out."""
-    if any(item.path.name == "test_exercises.py" for item in items):
-        again = [item for item in items if item.path.suffix == ".ipynb" and "exercise" in item.path.name]
-        if again:
-            config.hook.pytest_deselected(items=again)
-            items[:] = [item for item in items if item not in again]
+    An exercise notebook runs once: where the test_exercises files' cases of it are collected, its
+    kernel runs every cell of the notebook (as shipped, then each answer), so nbmake's run of it
+    is left out."""
+    worked = {item.callspec.params["stem"] for item in items
+              if item.path.name.startswith("test_exercises") and hasattr(item, "callspec")}
+    again = [item for item in items if item.path.suffix == ".ipynb" and item.path.stem in worked]
+    if again:
+        config.hook.pytest_deselected(items=again)
+        items[:] = [item for item in items if item not in again]
     first = {name: index for index, name in enumerate(LONGEST_FIRST)}
     items.sort(key=lambda item: first.get(item.path.name, len(first)))  # stable: the rest as collected
 

@@ -1,7 +1,9 @@
-"""The course's exercises: each notebook, run with its solution filled in, is judged right; run
-with a known-wrong answer, its checker says precisely what is wrong.
+"""The course's exercises as the tests work them: the known-wrong answers and what each checker
+must say, the solutions, and a kernel per notebook (`exercise_kernel`).
 
 The notebooks run in a real kernel (nbclient), their labs on real ranks, as a learner runs them.
+Two test files share the exercises (test_exercises_01_to_09.py, test_exercises_10_on.py), so
+that each stays within its share of the suite and the two can run on two workers at once.
 """
 
 from __future__ import annotations
@@ -215,15 +217,6 @@ def exercise_kernel():
         current.pop().__exit__(None, None, None)
 
 
-def test_there_are_at_least_eight_exercises_each_with_its_solution_apart():
-    assert len(EXERCISES) >= 8, EXERCISES
-    for stem in EXERCISES:
-        solution = NOTEBOOKS / "solutions" / f"{stem}.py"
-        assert solution.exists(), f"{stem} has no solution in notebooks/solutions/"
-        shipped = nbformat.read(NOTEBOOKS / f"{stem}.ipynb", as_version=4)
-        assert solution.read_text().strip() not in "\n".join(cell.source for cell in shipped.cells)
-
-
 # What each checker must say, in the order a learner meets it in one kernel: the cell as shipped
 # (for some), the wrong answers (a deadlock among them restarts the lab), then the solution.
 NOT_YET = r"NOT YET(.*\n)*.*not written yet: replace `raise NotImplementedError`"
@@ -236,9 +229,15 @@ CASES += [(stem, f"{stem}-solution", solution(stem), r"^RIGHT") for stem in EXER
 CASES.sort(key=lambda case: case[0])  # stable: each notebook's cases together, in the order above
 
 
-@pytest.mark.parametrize("stem, answer, expected", [case[:1] + case[2:] for case in CASES],
-                         ids=[case[1] for case in CASES])
-def test_the_checker_says_what_is_right_and_what_is_wrong(exercise_kernel, stem, answer, expected):
+def cases(first_lesson: int, last_lesson: int) -> dict:
+    """`pytest.mark.parametrize`'s arguments for the cases of the lessons' exercises in [first, last]."""
+    chosen = [case for case in CASES if first_lesson <= int(case[0][:2]) <= last_lesson]
+    return {"argnames": "stem, answer, expected", "argvalues": [case[:1] + case[2:] for case in chosen],
+            "ids": [case[1] for case in chosen]}
+
+
+def check_the_checker(exercise_kernel, stem, answer, expected) -> None:
+    """The checker of `stem`'s exercise, given `answer` (None: the cell as shipped), says `expected`."""
     exercise = exercise_kernel(stem)
     said = exercise.shipped if answer is None else exercise.answer(answer)
     assert re.search(expected, said), said
