@@ -83,6 +83,21 @@ def test_where_view_shows_whom_a_rank_waits_for_and_marks_a_stall():
     assert [(s["rank"], s["doing"], s["seconds"]) for s in panel.stalls] == [(1, "1RECV_F1", 2.0)]
 
 
+def test_a_stall_is_judged_on_the_ranks_clock_once_the_wait_ends():
+    """A busy client hears late: what it saw as long waits were short on the rank, and the
+    reverse. The rank's next `Now` settles each."""
+    panel = WhereView(n_ranks=1, stalled_after=1.0)
+    panel.update(Now(0, "0RECV_B0", 0.10, waits_for=((1, "1SEND_B0"),)), seen_at=100.0)
+    panel.render(at=101.5)  # the client got round to drawing 1.5 s later: red
+    assert panel.states[0] == "stalled" and len(panel.stalls) == 1
+    panel.update(Now(0, "0B0", 0.15), seen_at=101.6)  # on the rank, the wait lasted 50 ms
+    assert panel.stalls == []
+    panel.update(Now(0, "0RECV_B1", 0.20, waits_for=((1, "1SEND_B1"),)), seen_at=101.7)
+    panel.update(Now(0, "0B1", 2.70), seen_at=101.8)  # 2.5 s on the rank, never drawn as a stall
+    assert [(s["doing"], s["seconds"]) for s in panel.stalls] == [("0RECV_B1", pytest.approx(2.5))]
+    assert "rank 1: send of the gradient of microbatch 1" in panel.stalls[0]["waits_for"]
+
+
 def test_memory_view_draws_every_rank_and_the_loss_curve():
     panel = MemoryView(simulate(build("gpipe", 2, 3)))
     panel.add_loss(4.0)

@@ -367,8 +367,25 @@ class WhereView(widgets.VBox):
 
     def update(self, now, seen_at: float | None = None) -> None:
         """Take a rank's latest `pplab.timeline.Now` (what it started, whom it waits on)."""
+        before = self.latest.get(now.rank)
+        if before is not None and before.waits_for and now.since >= before.since:  # (same step)
+            self._settle(before, now.since - before.since)
         self.latest[now.rank] = now
         self.seen_at[now.rank] = time.monotonic() if seen_at is None else seen_at
+
+    def _settle(self, wait, seconds: float) -> None:
+        """A wait that ended: its length on the rank's own clock decides whether it was a stall.
+        While it lasted, the client could only count from when it heard of it, and a busy client
+        hears late: beside two burners a wait of milliseconds showed as a stall."""
+        logged = next((stall for stall in self.stalls if stall["note"] is wait), None)
+        if seconds < self.stalled_after:
+            if logged is not None:
+                self.stalls.remove(logged)
+        elif logged is not None:
+            logged["seconds"] = seconds
+        else:  # a stall the client never drew (it was busy the whole time)
+            waits = "; ".join(f"rank {peer}: {_describe(text)}" for peer, text in wait.waits_for)
+            self.stalls.append(dict(rank=wait.rank, doing=wait.doing, waits_for=waits, seconds=seconds, note=wait))
 
     def render(self, at: float | None = None) -> None:
         """Redraw, with how long each rank has been at its action as of `at` (monotonic seconds)."""
@@ -392,8 +409,6 @@ class WhereView(widgets.VBox):
 
     def _rows(self, at: float | None) -> list:
         """One (cells, style) row per rank; sets `states` (and `_cells`, for `text`)."""
-        from pplab.schedules import Action
-
         at = time.monotonic() if at is None else at
         rows = []
         for rank in range(self.n_ranks):
@@ -404,7 +419,7 @@ class WhereView(widgets.VBox):
                 rows.append(([name, "idle", "", ""], "color:#888"))
                 continue
             held = at - self.seen_at[rank]
-            waits = "; ".join(f"rank {peer}: {Action.parse(text).describe()}" for peer, text in now.waits_for)
+            waits = "; ".join(f"rank {peer}: {_describe(text)}" for peer, text in now.waits_for)
             if now.doing == "done":
                 state, style = "done", "color:#888"
             elif now.waits_for:
@@ -425,6 +440,12 @@ class WhereView(widgets.VBox):
             same["seconds"] = held  # the same wait, longer
         else:
             self.stalls.append(dict(rank=now.rank, doing=now.doing, waits_for=waits, seconds=held, note=now))
+
+
+def _describe(action: str) -> str:
+    from pplab.schedules import Action
+
+    return Action.parse(action).describe()
 
 
 def _in_words(doing: str) -> str:
