@@ -384,8 +384,7 @@ class WhereView(widgets.VBox):
         elif logged is not None:
             logged["seconds"] = seconds
         else:  # a stall the client never drew (it was busy the whole time)
-            waits = "; ".join(f"rank {peer}: {_describe(text)}" for peer, text in wait.waits_for)
-            self.stalls.append(dict(rank=wait.rank, doing=wait.doing, waits_for=waits, seconds=seconds, note=wait))
+            self._log_stall(wait, _waits_in_words(wait), seconds)
 
     def render(self, at: float | None = None) -> None:
         """Redraw, with how long each rank has been at its action as of `at` (monotonic seconds)."""
@@ -419,7 +418,7 @@ class WhereView(widgets.VBox):
                 rows.append(([name, "idle", "", ""], "color:#888"))
                 continue
             held = at - self.seen_at[rank]
-            waits = "; ".join(f"rank {peer}: {_describe(text)}" for peer, text in now.waits_for)
+            waits = _waits_in_words(now)
             if now.doing == "done":
                 state, style = "done", "color:#888"
             elif now.waits_for:
@@ -442,10 +441,11 @@ class WhereView(widgets.VBox):
             self.stalls.append(dict(rank=now.rank, doing=now.doing, waits_for=waits, seconds=held, note=now))
 
 
-def _describe(action: str) -> str:
+def _waits_in_words(now) -> str:
+    """Whom a `Now` waits on: 'rank 0: send of the activation of microbatch 1 on stage 0'; several joined."""
     from pplab.schedules import Action
 
-    return Action.parse(action).describe()
+    return "; ".join(f"rank {peer}: {Action.parse(text).describe()}" for peer, text in now.waits_for)
 
 
 def _in_words(doing: str) -> str:
