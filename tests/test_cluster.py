@@ -742,6 +742,29 @@ def test_an_engine_that_dies_at_start_fails_the_start_at_once(ipython_dir, monke
     assert {p.pid for p in lab_processes(ipython_dir)} <= before
 
 
+@pytest.mark.timeout(120)
+def test_a_controller_that_does_not_answer_fails_the_start_after_start_timeout(ipython_dir, monkeypatch):
+    import ipyparallel as ipp
+    from conftest import lab_processes
+
+    start_controller = ipp.Cluster.start_controller
+
+    async def start_and_freeze(cluster, **kwargs):  # a controller too busy to answer anyone
+        await start_controller(cluster, **kwargs)
+        await cluster.controller.get_connection_info()  # its files written, then no answer
+        os.kill(cluster.controller.process.pid, signal.SIGSTOP)
+
+    monkeypatch.setattr(ipp.Cluster, "start_controller", start_and_freeze)
+    before = {p.pid for p in lab_processes(ipython_dir)}  # other tests' labs may be running
+    began = time.monotonic()
+    with pytest.raises(pplab.cluster.LabStartError) as failed:
+        pplab.Lab(n_ranks=2, device="cpu", verbose=False, start_timeout=2)
+    waited = float(re.search(r"the controller did not answer the client within (\d+) s", str(failed.value))[1])
+    # It waited start_timeout at this machine's pace, not ipyparallel's own 10 s.
+    assert waited - 1 <= time.monotonic() - began < waited + 20, (waited, str(failed.value))
+    assert {p.pid for p in lab_processes(ipython_dir)} <= before  # the frozen controller too
+
+
 def test_connect_to_a_cluster_id_with_no_files_says_which_clusters_have_them_at_once(tmp_path):
     security = tmp_path / "security"
     security.mkdir()

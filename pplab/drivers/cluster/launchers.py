@@ -33,7 +33,7 @@ import uuid
 
 from pplab.drivers.cluster import records
 from pplab.drivers.cluster.errors import LabError, LabStartError
-from pplab.drivers.cluster.forkserver import ENGINES_FOR
+from pplab.machine import busy_note
 
 # The controller accepts an engine only after its heart beats: a 100 ms beat instead of
 # 3 s saves seconds at start; 100 missed beats (10 s) before it declares an engine dead
@@ -103,7 +103,7 @@ class LocalCluster:
 
         self._cluster = ipp.Cluster(
             cluster_id=self.cluster_id, profile_dir=self.profile_dir, n=self.n_ranks,
-            config=self._engine_launcher_config(), load_profile=False,
+            config=self._launcher_config(), load_profile=False,
             controller_ip=self.controller_ip, controller_args=CONTROLLER_ARGS,
             # Engines read the controller's connection file themselves, so they need
             # not wait for the controller before they start.
@@ -113,7 +113,14 @@ class LocalCluster:
             self._cluster.start_engines_sync(self.n_ranks)
         self._launched = self._launched_processes()
         records.write_record(self.profile_dir, self.cluster_id, self._launched)
-        self.client = self._cluster.connect_client_sync()
+        # ipyparallel gives the hub 10 s to answer; a controller just started on a busy
+        # machine may need longer, so the client waits as long as the rest of the start does.
+        try:
+            self.client = self._cluster.connect_client_sync(timeout=self.start_timeout)
+        except TimeoutError as error:
+            raise LabStartError(f"the controller did not answer the client within "
+                                f"{self.start_timeout:.0f} s (start_timeout at this machine's "
+                                f"pace).{busy_note()}\n{self.launch_logs()}") from error
         return set()
 
     def check_restart(self, stopped: bool) -> None:
@@ -229,6 +236,10 @@ class LocalCluster:
 
     def _forked_engine_exit(self) -> str | None:
         """The fork server's log line about an engine of this cluster that exited, if one did."""
+        # Imported here: `python -m` runs forkserver.py after this package is imported, and
+        # warns (in every start-up error's log tail) if that already imported it as a module.
+        from pplab.drivers.cluster.forkserver import ENGINES_FOR
+
         if self._fork_server is None or not os.path.exists(self._fork_server_log()):
             return None
         with open(self._fork_server_log(), errors="replace") as log:
@@ -238,11 +249,14 @@ class LocalCluster:
         return next((line for line in lines[since:] if "exited with status" in line), None)
 
 
-    def _engine_launcher_config(self):
-        """Config for ipyparallel's one-process-per-engine launcher (used when not forking)."""
+    def _launcher_config(self):
+        """Config for ipyparallel's controller launcher and its one-process-per-engine launcher
+        (used when not forking)."""
         from traitlets.config import Config
 
         config = Config()
+        # ipyparallel waits 60 s for a new controller's files: a start waits start_timeout.
+        config.LocalControllerLauncher.connection_info_timeout = self.start_timeout
         config.LocalEngineSetLauncher.engine_args = engine_args(self.start_timeout)
         config.LocalEngineSetLauncher.environment = self._engine_environment()
         config.LocalEngineSetLauncher.delay = 0.0
