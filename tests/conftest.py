@@ -30,6 +30,8 @@ import psutil
 import pytest
 from jupyter_client.manager import AsyncKernelManager
 
+from budget import SuiteBudget
+
 # This process, and the notebook kernels nbmake starts, share the cores with the ranks: one
 # torch thread each, as every rank has (DESIGN.md). Two OpenMP threads spinning against busy
 # ranks made a one-device reference step 6-17 times slower. (Read by torch when it loads.)
@@ -87,7 +89,8 @@ class UnixSocketKernelManager(AsyncKernelManager):
 
 
 def pytest_configure(config):
-    """nbmake's notebook runs start their kernels through `UnixSocketKernelManager` too."""
+    """nbmake's notebook runs start their kernels through `UnixSocketKernelManager` too; the
+    suite's budget (budget.py) counts every file's seconds, the notebooks' too."""
     import tempfile
 
     import nbmake.nb_run
@@ -105,6 +108,8 @@ def pytest_configure(config):
 
     nbmake.nb_run.NotebookClient = UnixSocketNotebookClient
     _KERNEL_SOCKETS.append(tempfile.mkdtemp(prefix="pplab-kernel-sockets-"))
+    # A plugin, not hooks of this conftest: those would see the tests under tests/ only.
+    config.pluginmanager.register(SuiteBudget(), "pplab-suite-budget")
 
 
 def pytest_unconfigure(config):
@@ -139,36 +144,6 @@ def pytest_collection_modifyitems(config, items):
         items[:] = [item for item in items if item not in again]
     first = {name: index for index, name in enumerate(LONGEST_FIRST)}
     items.sort(key=lambda item: first.get(item.path.name, len(first)))  # stable: the rest as collected
-
-
-# --- the budget: each file's worker-seconds, printed at the end ------------------------------------
-
-_FILE_SECONDS: dict[str, float] = {}
-
-
-def pytest_runtest_logreport(report):
-    """Add up each file's setup, call and teardown time (on the controller, from every worker)."""
-    path = report.nodeid.split("::")[0]
-    _FILE_SECONDS[path] = _FILE_SECONDS.get(path, 0.0) + report.duration
-
-
-def pytest_terminal_summary(terminalreporter):
-    """Each file's worker-seconds, the largest first, and the files over their share of the budget."""
-    if not _FILE_SECONDS or hasattr(terminalreporter.config, "workerinput"):
-        return
-    total = sum(_FILE_SECONDS.values())
-    write = terminalreporter.write_line
-    terminalreporter.section(f"worker-seconds per file: {total:.0f} in all")
-    for path, seconds in sorted(_FILE_SECONDS.items(), key=lambda item: -item[1])[:25]:
-        over = "  OVER its share" if seconds > FILE_SHARE_SECONDS else ""
-        write(f"{seconds:7.1f} s  {path}{over}")
-    over = [path for path, seconds in _FILE_SECONDS.items() if seconds > FILE_SHARE_SECONDS]
-    if over:
-        write(f"{len(over)} file(s) over {FILE_SHARE_SECONDS:.0f} worker-seconds: split them or make them "
-              f"cheaper (the suite's budget is 540 s on 2 cores)")
-
-
-FILE_SHARE_SECONDS = 120.0  # one file's share of the suite (about a tenth of its worker-seconds)
 
 
 @pytest.fixture(scope="session", autouse=True)

@@ -1,0 +1,67 @@
+"""The suite's budget: each file's worker-seconds and CPU-seconds, printed at the end of a run.
+
+On 2 cores the suite is bound by CPU more than by its waits: a file's CPU-seconds (its worker's,
+and those of every process the worker started: ranks, controllers, kernels, burners) say what
+it costs the files that run beside it, its worker-seconds how long it holds a worker.
+
+conftest.py registers `SuiteBudget` as a plugin, so that it sees every file (a conftest's own
+hooks see only the tests under its folder, not the notebooks).
+"""
+
+from __future__ import annotations
+
+import psutil
+import pytest
+
+FILE_SHARE_SECONDS = 120.0  # one file's share of the suite (about a tenth of its worker-seconds)
+SUITE_SECONDS = 540  # the suite's budget on 2 cores
+
+
+def tree_cpu_seconds() -> float:
+    """CPU-seconds of this process and of every live descendant, each with the children it reaped
+    (a process that ended within a test is counted once its parent has reaped it)."""
+    me = psutil.Process()
+    total = 0.0
+    for process in [me, *me.children(recursive=True)]:
+        try:
+            times = process.cpu_times()
+        except psutil.Error:
+            continue
+        total += times.user + times.system + times.children_user + times.children_system
+    return total
+
+
+class SuiteBudget:
+    def __init__(self):
+        self.per_file: dict[str, list[float]] = {}  # path: [worker-seconds, CPU-seconds]
+        self._counted: float | None = None  # this worker's CPU-seconds at its last report
+
+    @pytest.hookimpl(hookwrapper=True)
+    def pytest_runtest_makereport(self, item, call):
+        """On a worker: each phase's report carries the CPU-seconds spent since the previous one."""
+        outcome = yield
+        now = tree_cpu_seconds()
+        spent = now - self._counted if self._counted is not None else 0.0
+        self._counted = now
+        outcome.get_result().user_properties.append(("cpu_seconds", spent))
+
+    def pytest_runtest_logreport(self, report):
+        """On the controller, from every worker: add up each file's time and CPU, all phases."""
+        seconds = self.per_file.setdefault(report.nodeid.split("::")[0], [0.0, 0.0])
+        seconds[0] += report.duration
+        seconds[1] += dict(report.user_properties).get("cpu_seconds", 0.0)
+
+    def pytest_terminal_summary(self, terminalreporter):
+        """Each file's worker-seconds and CPU-seconds, the longest first; the files over their share."""
+        if not self.per_file or hasattr(terminalreporter.config, "workerinput"):
+            return
+        total, cpu = (sum(seconds[i] for seconds in self.per_file.values()) for i in (0, 1))
+        write = terminalreporter.write_line
+        terminalreporter.section(f"worker-seconds per file: {total:.0f} in all, {cpu:.0f} CPU-seconds")
+        for path, (seconds, cpu) in sorted(self.per_file.items(), key=lambda item: -item[1][0])[:25]:
+            over = "  OVER its share" if seconds > FILE_SHARE_SECONDS else ""
+            write(f"{seconds:7.1f} s {cpu:7.1f} CPU-s  {path}{over}")
+        over = [path for path, (seconds, _) in self.per_file.items() if seconds > FILE_SHARE_SECONDS]
+        if over:
+            write(f"{len(over)} file(s) over {FILE_SHARE_SECONDS:.0f} worker-seconds: split them or make "
+                  f"them cheaper (the suite's budget is {SUITE_SECONDS} s on 2 cores)")
