@@ -18,7 +18,7 @@ from ranks import pool
 
 CONFIG = LlamaConfig.tiny()
 # clip=0.5 is below every step's global norm (2 to 18): clipping acts on every step.
-OPTIONS = dict(steps=6, batch_size=16, seq_len=32, warmup=2, eval_every=3, clip=0.5, lr=3e-3)
+OPTIONS = dict(steps=4, batch_size=16, seq_len=32, warmup=2, eval_every=2, clip=0.5, lr=3e-3)
 # mesh, microbatches per pipeline (8 in all). On 8 ranks FSDP shards TP's shards again (a strided
 # shard, not a torch Shard): a norm that took it for a copy counted half of those weights.
 MESHES = {"pp2 x dp2": ({"pp": 2, "dp": 2}, 4), "pp2 x tp2": ({"pp": 2, "tp": 2}, 8),
@@ -59,23 +59,23 @@ def test_training_on_a_mesh_clips_by_the_one_device_norm(one_device, name):
 
 
 def test_a_mesh_checkpoint_resumes_bitwise_and_reshards_to_any_layout(tmp_path, one_device):
-    options = {**OPTIONS, "checkpoint_dir": str(tmp_path), "checkpoint_every": 3}
-    at_3 = str(step_directory(tmp_path, 3))
+    options = {**OPTIONS, "checkpoint_dir": str(tmp_path), "checkpoint_every": 2}
+    at_2 = str(step_directory(tmp_path, 2))
     with pool(4).pipeline(CONFIG, "1f1b", 4, impl="torch", mesh={"pp": 2, "dp": 2}) as pipe:
         whole = pipe.train(show=False, **options)
-        resumed = pipe.train(show=False, **{**options, "resume": at_3})
-    assert resumed.losses == whole.losses[3:]  # the same mesh repeats the same reductions
-    step_4 = {**options, "checkpoint_dir": None, "checkpoint_every": 0, "resume": at_3}
+        resumed = pipe.train(show=False, **{**options, "resume": at_2})
+    assert resumed.losses == whole.losses[2:]  # the same mesh repeats the same reductions
+    step_3 = {**options, "checkpoint_dir": None, "checkpoint_every": 0, "resume": at_2}
     with pool(4).pipeline(CONFIG, "1f1b", 8) as pipe:  # pp4 on pplab's runtime
-        pp4 = pipe.train(until=4, show=False, **step_4)
+        pp4 = pipe.train(until=3, show=False, **step_3)
     with pool(4).pipeline(CONFIG, "1f1b", 8, impl="torch", mesh={"pp": 2, "tp": 2}) as pipe:
-        pp2_tp2 = pipe.train(until=4, show=False, **step_4)
-    model = load_model(at_3)  # one device
-    batch = next(batches(16, 32, 0, split="train", start=3))
+        pp2_tp2 = pipe.train(until=3, show=False, **step_3)
+    model = load_model(at_2)  # one device
+    batch = next(batches(16, 32, 0, split="train", start=2))
     with torch.no_grad():
         one = sum(loss_fn(model(ids), targets).item() for ids, targets in split_microbatches(batch, 8)) / 8
     for loss in (pp4.losses[0], pp2_tp2.losses[0], one):
-        assert loss == pytest.approx(whole.losses[3], rel=1e-6)
+        assert loss == pytest.approx(whole.losses[2], rel=1e-6)
 
 
 @pytest.mark.quick
