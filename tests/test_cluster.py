@@ -797,6 +797,6 @@ def test_connect_to_a_controller_that_does_not_answer_names_its_address(tmp_path
     started = time.monotonic()
     with pytest.raises(pplab.cluster.LabStartError,
                        match=rf"the controller of cluster 'gone' does not answer at tcp://127.0.0.1:{port} .* "
-                             rf"within 2 s"):
+                             rf"within \d+ s"):  # 2 s at this machine's pace
         pplab.Lab.connect(profile=None, profile_dir=str(tmp_path), cluster_id="gone", verbose=False)
     assert time.monotonic() - started < 2 + slack()

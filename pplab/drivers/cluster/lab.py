@@ -185,7 +185,8 @@ class Lab:
 
             profile_dir = os.path.join(get_ipython_dir(), f"profile_{profile or 'default'}")
         lab._launcher = ConnectedCluster(profile, os.path.abspath(profile_dir), cluster_id,
-                                         gloo_ifname, restart_engines)
+                                         gloo_ifname, restart_engines,
+                                         machine_load=lab.machine_load)
         lab._bring_up(lab._launcher.start, "start")
         return lab
 

@@ -55,7 +55,7 @@ def engine_args(start_timeout: float) -> list[str]:
 
 
 LOG_LINES = 15  # per log, in a start-up error message
-CONNECT_SECONDS = 10  # for a connected cluster's controller to answer
+CONNECT_SECONDS = 10  # for a connected cluster's controller to answer, on a quiet machine
 
 # ipyparallel reports a process it sees die (as our restart's SIGKILL) by dumping its log
 # into the notebook; pplab reports what matters itself, so only its errors get through.
@@ -287,8 +287,9 @@ class ConnectedCluster:
     """Engines of a cluster started elsewhere (ipcluster, any launcher, many hosts): used, never stopped."""
 
     def __init__(self, profile: str | None, profile_dir: str, cluster_id: str,
-                 gloo_ifname: str | None, restart_engines=None):
+                 gloo_ifname: str | None, restart_engines=None, machine_load=None):
         self.profile = profile
+        self.machine_load = machine_load  # the lab's reading: the wait to connect is stretched by it
         self.profile_dir = profile_dir
         self.cluster_id = cluster_id
         self.gloo_ifname = gloo_ifname
@@ -303,15 +304,16 @@ class ConnectedCluster:
 
         progress.update(f"connecting to cluster {self.cluster_id!r}")
         client_file = self._client_file()
+        wait = self.machine_load.scale(CONNECT_SECONDS) if self.machine_load else CONNECT_SECONDS
         try:
-            self.client = ipp.Client(client_file, timeout=CONNECT_SECONDS)
+            self.client = ipp.Client(client_file, timeout=wait)
         except (OSError, ValueError) as error:
             with open(client_file) as f:
                 about = json.load(f)
             address = f"{about.get('interface', '?')}:{about.get('registration', '?')}"
             raise LabStartError(
                 f"the controller of cluster {self.cluster_id!r} does not answer at {address} "
-                f"(as {client_file} says) within {CONNECT_SECONDS} s: it has stopped, or this "
+                f"(as {client_file} says) within {wait:.0f} s: it has stopped, or this "
                 f"machine cannot reach that address ({error}).\nStart the cluster again, or check "
                 f"the network between here and its controller") from error
         self._cluster, self._why_no_restart = self._load_cluster_file()
