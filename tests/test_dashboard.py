@@ -38,11 +38,18 @@ def test_a_multi_step_run_updates_the_panels_while_it_runs(lab2):
         pipe.close()
 
 
-def test_a_waiting_rank_shows_whom_it_waits_for_while_it_waits(lab2):
+def test_a_waiting_rank_shows_whom_it_waits_for_while_it_waits(lab2, monkeypatch):
     # Stage 0's forwards are slow: rank 1 sits in its first receive, visibly, long before any timeout.
     # A stall is a wait of 0.6 s on a quiet machine, and the dashboard stretches that by the load it
     # measures (a full run's other worker made it over 2 s): the forwards last 2.5 times the stretch.
-    slow = min(max(2.0, 2.5 * slack(0.6)), 0.75 * lab2.op_timeout)
+    # The dashboard reads the same reading as this test: two readings of a loaded machine differed by
+    # more than 2.5 times in a full run, and the threshold outgrew the forwards.
+    from pplab.machine import measure_load
+    import pplab.views.widgets.dashboard as dashboard_module
+
+    reading = measure_load()
+    monkeypatch.setattr(dashboard_module, "measure_load", lambda: reading)
+    slow = min(max(2.0, 2.5 * reading.scale(0.6)), 0.75 * lab2.op_timeout)
     slow_start = Costs(forward=[slow, 0.01], backward=0.01)
     pipe = lab2.pipeline(CONFIG, schedule="gpipe", n_microbatches=2, timing=slow_start)
     try:
