@@ -14,14 +14,16 @@ Every name below loads its module on first use: `import pplab` is instant, and
 `import pplab.schedules` (or `trace`, `simulator`) loads neither torch nor the
 cluster layer (ipyparallel) nor matplotlib. Schedules are used from their own
 module, as the notebooks do: `from pplab.schedules import build, theory`; the public
-modules of the upper floors by their short names: `from pplab import viz, checkpoint`
-(a name, not a file: `from pplab.viz import ...` does not work; `pplab.viz.save` does).
+modules of the upper floors by their short names: `from pplab import viz, checkpoint`,
+`import pplab.checkpoint` or `from pplab.viz import save` (each is the module itself, not a copy).
 
 The public API is `__all__` here and the `__all__` of each public module (`_MODULES`);
 the notebooks, their solutions and the README use nothing else (tests/test_course.py).
 """
 
 import importlib as _importlib
+import sys as _sys
+from importlib.util import spec_from_loader as _spec_from_loader
 from typing import TYPE_CHECKING as _TYPE_CHECKING
 
 __version__ = "0.1.0"  # the one place it is written: pyproject.toml reads it from here
@@ -94,7 +96,40 @@ if _TYPE_CHECKING:  # what static checkers and editors see
     from pplab.rank.train import TrainOptions
 
 
+class _PublicModules:
+    """`import pplab.viz`, `from pplab.checkpoint import load_model`: a public module by its short
+    name is the module itself (one object, in sys.modules under both names), and so is a module
+    inside a public package (`pplab.cluster.records` is `pplab.drivers.cluster.records`)."""
+
+    @staticmethod
+    def find_spec(fullname: str, path=None, target=None):
+        package, _, rest = fullname.partition(".")
+        short, _, inner = rest.partition(".")
+        if package != "pplab" or short not in _MODULES or _MODULES[short] == f"pplab.{short}":
+            return None
+        return _spec_from_loader(fullname, _PublicModules)
+
+    @staticmethod
+    def create_module(spec):
+        short, _, inner = spec.name.removeprefix("pplab.").partition(".")
+        return _importlib.import_module(_MODULES[short] + (f".{inner}" if inner else ""))
+
+    @staticmethod
+    def exec_module(module):
+        pass  # it ran when it was imported under its own name
+
+
+_sys.meta_path.insert(0, _PublicModules)
+
+_RENAMED = {"PipelineRun": "Pipeline"}  # the last release's names, kept for one release
+
+
 def __getattr__(name: str):
+    if name in _RENAMED:
+        from pplab.arguments import warn_renamed
+
+        warn_renamed("pplab", name, _RENAMED[name])
+        return __getattr__(_RENAMED[name])
     if name in _MODULES:
         return _importlib.import_module(_MODULES[name])
     if name not in _EXPORTS:

@@ -1,4 +1,5 @@
-"""Checks of the numbers a user passes in, each raising a ValueError that names the value and the fix.
+"""Checks of the numbers a user passes in, each raising a ValueError that names the value and the fix;
+and the keywords the last release named differently, still accepted for one release.
 
 Pure Python (no torch), so that every floor can use the same checks. `bool` is an
 `int` in Python, but `n_ranks=True` is surely a mistake, so no check accepts it.
@@ -6,7 +7,9 @@ Pure Python (no torch), so that every floor can use the same checks. `bool` is a
 
 from __future__ import annotations
 
+import functools
 import math
+import warnings
 
 
 def check_positive_int(name: str, value: object, example: int = 4) -> int:
@@ -24,3 +27,29 @@ def check_positive_seconds(name: str, value: object) -> float:
             or not math.isfinite(value) or value <= 0:
         raise ValueError(f"{name}={value!r} must be a positive number of seconds, e.g. {name}=30")
     return float(value)
+
+
+def renamed_keywords(**new_names: str):
+    """Decorate a function whose keywords were renamed (`@renamed_keywords(ranks="n_ranks")`): the
+    last release's name still works, for one release, with a DeprecationWarning naming the new one."""
+    def decorate(function):
+        @functools.wraps(function)
+        def accepting_old_names(*args, **kwargs):
+            for old, new in new_names.items():
+                if old not in kwargs:
+                    continue
+                if new in kwargs:
+                    raise TypeError(f"{function.__qualname__}() got {old}= and {new}=: {old} is the last "
+                                    f"release's name of {new}; pass {new}= alone")
+                warnings.warn(f"{function.__qualname__}({old}=...) is now {new}=...; {old}= works until "
+                              f"the next release", DeprecationWarning, stacklevel=2)
+                kwargs[new] = kwargs.pop(old)
+            return function(*args, **kwargs)
+        return accepting_old_names
+    return decorate
+
+
+def warn_renamed(module: str, old: str, new: str) -> None:
+    """Say that `module.old` is the last release's name of `module.new` (from a module's __getattr__)."""
+    warnings.warn(f"{module}.{old} is now {module}.{new}; {old} works until the next release",
+                  DeprecationWarning, stacklevel=3)

@@ -9,6 +9,7 @@ import json
 import os
 import sys
 import time
+import warnings
 from pathlib import Path
 
 import pplab
@@ -511,7 +512,7 @@ def analyze_command(args: argparse.Namespace) -> int:
 
     run = read_profiler_traces(args.traces, step=args.step)
     n_ranks = run.timeline.n_ranks
-    schedule = named_schedule(args.schedule, n_ranks, args.microbatches, args.virtual)
+    schedule = named_schedule(args.schedule, n_ranks, args.n_microbatches, args.n_virtual)
     # The trace's other steps weigh in the straggler's verdict: a busy machine slows an action
     # once, rarely every time.
     others = [read_profiler_traces(args.traces, step=index).timeline
@@ -666,9 +667,9 @@ def build_parser() -> argparse.ArgumentParser:
     run_analyze.add_argument("traces", metavar="TRACES", nargs="+", help="the ranks' trace files, or their folder")
     run_analyze.add_argument("--schedule", required=True, metavar="NAME",
                              help="the schedule the run used (pplab's or torch's name, any spelling)")
-    run_analyze.add_argument("--microbatches", type=_positive_int, required=True, metavar="M",
+    run_analyze.add_argument("--n-microbatches", type=_positive_int, required=True, metavar="N",
                              help="microbatches per step")
-    run_analyze.add_argument("--virtual", type=_positive_int, default=1, metavar="V", help="stages per rank")
+    run_analyze.add_argument("--n-virtual", type=_positive_int, default=1, metavar="N", help="stages per rank")
     run_analyze.add_argument("--step", type=int, default=-1,
                              help="which of the traces' steps (0 = the first; default -1, the last)")
     run_analyze.add_argument("--out", default="pplab-analysis", help="folder for the picture, trace and report")
@@ -692,9 +693,29 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+# The last release's flags: they still work, for one release, with a DeprecationWarning.
+RENAMED_FLAGS = {"--ranks": "--n-ranks", "--microbatches": "--n-microbatches", "--virtual": "--n-virtual"}
+
+
+def with_renamed_flags(argv: list[str]) -> list[str]:
+    """`argv` with the last release's flags (`--ranks 2`, `--microbatches=4`) under their new names,
+    each one said on stderr as a DeprecationWarning naming the new flag."""
+    renamed = []
+    for argument in argv:
+        flag, equals, value = argument.partition("=")
+        if flag in RENAMED_FLAGS:
+            message = f"{flag} is now {RENAMED_FLAGS[flag]}; {flag} works until the next release"
+            warnings.warn(message, DeprecationWarning, stacklevel=2)
+            print(f"pplab: DeprecationWarning: {message}", file=sys.stderr)
+            argument = RENAMED_FLAGS[flag] + equals + value
+        renamed.append(argument)
+    return renamed
+
+
 def main(argv: list[str] | None = None) -> int:
     """Entry point of the `pplab` command: 0 when all went well, 1 when a check failed, 2 for bad input."""
     parser = build_parser()
+    argv = with_renamed_flags(sys.argv[1:] if argv is None else list(argv))
     args = parser.parse_args(argv)  # argparse itself exits 2 on malformed options
     from pplab.drivers.local import LocalRankError
 

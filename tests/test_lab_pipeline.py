@@ -38,8 +38,8 @@ def test_lab_pipeline_writes_out_every_keyword_of_a_pipeline_spec_with_its_defau
 
 @pytest.mark.quick
 def test_a_misspelt_keyword_of_lab_pipeline_is_pythons_own_type_error():
-    with pytest.raises(TypeError, match="unexpected keyword argument 'microbatches'"):
-        pplab.RankPool.pipeline(None, CONFIG, "1f1b", microbatches=4)  # Python refuses it before the body runs
+    with pytest.raises(TypeError, match="unexpected keyword argument 'n_microbatch'"):
+        pplab.RankPool.pipeline(None, CONFIG, "1f1b", n_microbatch=4)  # Python refuses it before the body runs
     with pytest.raises(TypeError, match="unexpected keyword argument 'timout'"):
         pplab.Lab.pipeline(None, CONFIG, "1f1b", 4, timout=3)
 

@@ -200,7 +200,7 @@ def test_a_slow_rank_is_named_the_straggler_and_the_waits_are_its(tmp_path):
     from pplab.cli import main
 
     out = tmp_path / "analysis"
-    assert main(["analyze", str(folder), "--schedule", "1f1b", "--microbatches", str(M), "--out", str(out)]) == 0
+    assert main(["analyze", str(folder), "--schedule", "1f1b", "--n-microbatches", str(M), "--out", str(out)]) == 0
     numbers = json.loads((out / "report.json").read_text())
     assert numbers["straggler"] == 1 and numbers["steps_in_trace"] == 2
     assert {p.name for p in out.iterdir()} >= {"timeline.png", "timeline.trace.json", "report.json", "report.txt"}

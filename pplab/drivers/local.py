@@ -40,7 +40,7 @@ from datetime import timedelta
 from collections.abc import Sequence
 from multiprocessing import connection
 
-from pplab.arguments import check_positive_int, check_positive_seconds
+from pplab.arguments import check_positive_int, check_positive_seconds, renamed_keywords
 from pplab.drivers.cores import check_cores, pin_this_process
 from pplab.rank.rank_context import RankContext, RankError, RankEvent, StillRunning, rank_context, set_rank_context
 
@@ -309,6 +309,7 @@ class RankPool:
     process; the next call starts fresh ones. `stop()` (or leaving the `with`) ends them.
     """
 
+    @renamed_keywords(world_size="n_ranks", init_timeout="op_timeout")
     def __init__(self, n_ranks: int, *, backend: str = "gloo", timeout: float = 120.0,
                  op_timeout: float = 30.0, grace: float = 3.0, cores: Sequence[int] | None = None):
         """`timeout`: how long a call may take (the default of `run(..., timeout=)`); `op_timeout`:

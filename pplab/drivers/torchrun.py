@@ -14,6 +14,7 @@ import os
 import socket
 from datetime import timedelta
 
+from pplab.arguments import renamed_keywords
 from pplab.drivers.local import LocalRankError, error_report, one_line
 from pplab.rank.rank_context import RankContext, RankEvent, set_rank_context
 
@@ -33,6 +34,7 @@ class TorchrunRanks:
 
     state = "running"
 
+    @renamed_keywords(timeout="op_timeout")
     def __init__(self, op_timeout: float = 60.0):
         """Join torchrun's process group (NCCL and one GPU per process where there are GPUs, else gloo);
         `op_timeout`: seconds one wait between ranks (the rendezvous, a collective, a P2P op) may take."""
@@ -114,6 +116,7 @@ class _FinishedCall:
         return self._results
 
 
+@renamed_keywords(timeout="op_timeout")
 def run_as_torchrun_rank(fn, *args, op_timeout: float = 60.0):
     """Join torchrun's process group, call `fn(rank, world_size, *args, device=...)`, and give rank 0
     the results by rank (None on the other ranks); `op_timeout` as for `TorchrunRanks`."""

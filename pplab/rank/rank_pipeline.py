@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from pplab.arguments import check_positive_int
+from pplab.arguments import check_positive_int, renamed_keywords
 from pplab.data import Batch
 from pplab.rank.mesh import CollectiveLog, Mesh, MeshPlace, parallelize_stage
 from pplab.model import IGNORE_INDEX, LlamaConfig
@@ -55,6 +55,7 @@ class PipelineSpec:
     param_dtype: str = "float32"  # the stages' parameters (and so their activations): "bfloat16" too
 
     @classmethod
+    @renamed_keywords(microbatches="n_microbatches", timeout="op_timeout")
     def create(cls, config: LlamaConfig, schedule: str | Schedule, n_ranks: int,
                n_microbatches: int | None = None, n_virtual: int = 1, *, impl: str = "pplab",
                seed: int = 0, balance: Sequence[int] | None = None, allow_empty: bool = False,

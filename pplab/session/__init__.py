@@ -25,7 +25,15 @@ _EXPORTS = {"Lab": "pplab.session.drivers", "RankPool": "pplab.session.drivers",
 __all__ = list(_EXPORTS)
 
 
+_RENAMED = {"PipelineRun": "Pipeline"}  # the last release's names, kept for one release
+
+
 def __getattr__(name: str):
+    if name in _RENAMED:
+        from pplab.arguments import warn_renamed
+
+        warn_renamed("pplab.session", name, _RENAMED[name])
+        return __getattr__(_RENAMED[name])
     if name not in _EXPORTS:
         raise AttributeError(f"module 'pplab.session' has no attribute {name!r}")
     return getattr(_importlib.import_module(_EXPORTS[name]), name)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+from pplab.arguments import renamed_keywords
 from pplab.drivers.cluster.lab import Lab as _ClusterLab
 from pplab.drivers.local import RankPool as _LocalPool
 from pplab.drivers.torchrun import TorchrunRanks as _TorchrunRanks
@@ -27,6 +28,7 @@ class _BuildsPipelines:
 
     pipeline_class = Pipeline  # what `pipeline` builds (a notebook's lab builds a richer one)
 
+    @renamed_keywords(microbatches="n_microbatches", timeout="op_timeout")
     def pipeline(self, config: LlamaConfig, schedule: str | Schedule = "1f1b", n_microbatches: int | None = None,
                  n_virtual: int = 1, *, impl: str = "pplab", seed: int = 0, balance: Sequence[int] | None = None,
                  allow_empty: bool = False, op_timeout: float | None = None, timing: Costs | None = None,

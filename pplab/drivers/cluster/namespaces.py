@@ -35,7 +35,7 @@ import tempfile
 import time
 import uuid
 
-from pplab.arguments import check_positive_int
+from pplab.arguments import check_positive_int, renamed_keywords
 from pplab.drivers.cluster.launchers import engine_args  # the same engines a local lab starts
 
 CONTROL, DATA = "pplab0", "pplab1"  # each host's interfaces, the same names on every host
@@ -50,6 +50,7 @@ CONTROLLER_ARGS = ["--usethreads", "--HeartMonitor.period=250", "--HeartMonitor.
 class NamespaceHosts:
     """`n_hosts` network namespaces joined by a bridge, a controller on the first, engines on each."""
 
+    @renamed_keywords(hosts="n_hosts")
     def __init__(self, n_hosts: int = 2, engines_per_host: int = 2, subnets: tuple[str, str] | None = None,
                  start_timeout: float = 120.0):
         check_positive_int("n_hosts", n_hosts, example=2)

@@ -1,0 +1,85 @@
+"""What users type is a promise: the last release's keywords, flags and names still work, for one
+release, with a DeprecationWarning naming the new one; and every public module imports by its
+short name. Each check passes a value the new name refuses, so that the refusal (which names the
+new keyword) proves where the old one arrived, before any process starts."""
+
+import importlib
+import sys
+from types import SimpleNamespace
+
+import pytest
+
+import pplab
+from pplab.rank.rank_pipeline import PipelineSpec
+from pplab.session.drivers import Lab as SessionLab
+
+CONFIG = pplab.LlamaConfig.tiny()
+RANKS = SimpleNamespace(world_size=2, op_timeout=5.0, _check_usable=lambda: None)  # what pipeline() reads first
+
+pytestmark = pytest.mark.quick
+
+
+@pytest.mark.parametrize("call, old, refusal", [
+    (lambda: pplab.Lab(ranks=0), "ranks", r"n_ranks=0 must be at least 1"),
+    (lambda: pplab.Lab(timeout=-1), "timeout", r"op_timeout=-1 must be a positive number of seconds"),
+    (lambda: pplab.Lab.connect(ranks=0), "ranks", r"n_ranks=0 must be at least 1"),
+    (lambda: pplab.RankPool(world_size=0), "world_size", r"n_ranks=0 must be at least 1"),
+    (lambda: pplab.RankPool(2, init_timeout=0), "init_timeout", r"op_timeout=0 must be a positive number"),
+    (lambda: pplab.cluster.NamespaceHosts(hosts=0), "hosts", r"n_hosts=0 must be at least 1"),
+    (lambda: PipelineSpec.create(CONFIG, "1f1b", 2, microbatches=0), "microbatches",
+     r"n_microbatches=0 must be at least 1"),
+    (lambda: SessionLab.pipeline(RANKS, CONFIG, "1f1b", microbatches=0), "microbatches",
+     r"n_microbatches=0 must be at least 1"),
+])
+def test_the_last_releases_keywords_still_work_and_name_the_new_one(call, old, refusal):
+    with pytest.warns(DeprecationWarning, match=rf"\({old}=\.\.\.\) is now \w+=\.\.\.; {old}= works until the "
+                                                rf"next release") as warned, \
+            pytest.raises(ValueError, match=refusal):
+        call()
+    assert warned[0].filename == __file__  # the warning points at the user's line
+
+
+def test_an_old_keyword_that_arrives_as_it_should():
+    with pytest.warns(DeprecationWarning) as warned:
+        spec = PipelineSpec.create(CONFIG, "1f1b", 2, microbatches=4, timeout=5)
+    assert spec.schedule.n_microbatches == 4 and spec.op_timeout == 5
+    assert [str(w.message).split(";")[0] for w in warned] == [
+        "PipelineSpec.create(microbatches=...) is now n_microbatches=...",
+        "PipelineSpec.create(timeout=...) is now op_timeout=..."]
+
+
+def test_an_old_and_a_new_keyword_together_are_refused():
+    with pytest.raises(TypeError, match=r"got ranks= and n_ranks=: ranks is the last release's name of n_ranks"):
+        pplab.Lab(ranks=2, n_ranks=2)
+
+
+def test_the_last_releases_names_are_the_new_ones():
+    with pytest.warns(DeprecationWarning, match=r"pplab.PipelineRun is now pplab.Pipeline"):
+        assert pplab.PipelineRun is pplab.Pipeline
+    with pytest.warns(DeprecationWarning, match=r"pplab.session.PipelineRun is now pplab.session.Pipeline"):
+        assert pplab.session.PipelineRun is pplab.Pipeline
+
+
+def test_the_last_releases_flags_still_work_and_name_the_new_one(capsys):
+    from pplab.cli import main
+
+    new = ["simulate", "1f1b", "--n-ranks", "2", "--n-microbatches", "4"]
+    assert main(new) == 0
+    said = capsys.readouterr().out
+    with pytest.warns(DeprecationWarning) as warned:
+        assert main(["simulate", "1f1b", "--ranks", "2", "--microbatches=4"]) == 0
+    assert [str(w.message).split(";")[0] for w in warned] == ["--ranks is now --n-ranks",
+                                                              "--microbatches is now --n-microbatches"]
+    out, err = capsys.readouterr()
+    assert out == said
+    assert "pplab: DeprecationWarning: --microbatches is now --n-microbatches; --microbatches works until " \
+           "the next release" in err
+
+
+@pytest.mark.parametrize("short", sorted(pplab._MODULES))
+def test_every_public_module_imports_by_its_short_name(short):
+    module = importlib.import_module(f"pplab.{short}")
+    assert module is getattr(pplab, short) and sys.modules[f"pplab.{short}"] is module
+    name = module.__all__[0] if getattr(module, "__all__", None) else None
+    if name is not None:  # `from pplab.<short> import <name>` too
+        assert getattr(importlib.import_module(f"pplab.{short}"), name) is getattr(module, name)
