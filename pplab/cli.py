@@ -308,8 +308,7 @@ def run_config(args: argparse.Namespace):
                          f"count that is a multiple of {args.dp * args.tp}")
     same = {name: getattr(args, name) for name in RunConfig.names() if hasattr(args, name)}
     return RunConfig(**{**same, "pp": n_ranks // (args.dp * args.tp), "microbatches": args.n_microbatches,
-                        "virtual_stages": args.n_virtual, "clip": args.clip or None,
-                        "min_lr": args.min_lr if args.min_lr is not None else args.lr / 10})
+                        "virtual_stages": args.n_virtual, "clip": args.clip or None})
 
 
 def _betas(text: str) -> tuple[float, float]:
@@ -614,11 +613,12 @@ def build_parser() -> argparse.ArgumentParser:
                            help="stages per rank (default 1; interleaved and torch's multi-stage schedules: 2+)")
     run_train.add_argument("--steps", type=_positive_int, default=200,
                            help="training steps: the LR schedule's horizon (default 200)")
-    run_train.add_argument("--batch-size", type=_positive_int, default=16)
+    run_train.add_argument("--batch-size", type=_positive_int, default=8,
+                           help="sequences per step, cut into the microbatches (default 8)")
     run_train.add_argument("--seq-len", type=_positive_int, default=64)
     run_train.add_argument("--lr", type=functools.partial(_number, positive=True), default=3e-3)
-    run_train.add_argument("--min-lr", type=_number, default=None,
-                           help="the LR at the end of the cosine (default lr / 10; 0 decays to zero)")
+    run_train.add_argument("--min-lr", type=_number, default=3e-4,
+                           help="the LR at the end of the cosine (default 3e-4; 0 decays to zero)")
     run_train.add_argument("--warmup", type=int, default=20, help="steps of linear warm-up")
     run_train.add_argument("--weight-decay", type=_number, default=0.1, help="AdamW's, on matrices only")
     run_train.add_argument("--betas", type=_betas, default=(0.9, 0.95), help="AdamW's, e.g. 0.9,0.95")

@@ -3,6 +3,7 @@ release, with a DeprecationWarning naming the new one; and every public module i
 short name. Each check passes a value the new name refuses, so that the refusal (which names the
 new keyword) proves where the old one arrived, before any process starts."""
 
+import dataclasses
 import importlib
 import sys
 from types import SimpleNamespace
@@ -83,3 +84,20 @@ def test_every_public_module_imports_by_its_short_name(short):
     name = module.__all__[0] if getattr(module, "__all__", None) else None
     if name is not None:  # `from pplab.<short> import <name>` too
         assert getattr(importlib.import_module(f"pplab.{short}"), name) is getattr(module, name)
+
+
+def test_pplab_train_and_run_train_start_from_the_same_defaults():
+    """Each `pplab train` flag's default is its RunConfig field's (the flags are written apart from
+    the fields, so that `pplab --help` loads no torch: this keeps the two from drifting again)."""
+    from pplab.cli import FLAG_OF, build_parser
+    from pplab.session.run import RunConfig
+
+    flags = {action.dest: action for action in build_parser().train_parser._actions}
+    walked = []
+    for field in dataclasses.fields(RunConfig):
+        flag = flags.get(FLAG_OF.get(field.name, field.name))
+        if flag is None:  # pp: from --n-ranks, --dp and --tp; eval_batches: TOML and Python only
+            continue
+        assert flag.default == field.default, (field.name, flag.default, field.default)
+        walked.append(field.name)
+    assert len(walked) >= 31, walked  # all but pp and eval_batches
