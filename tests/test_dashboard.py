@@ -98,11 +98,14 @@ def test_stop_ends_a_background_run_after_the_current_step(lab2):
 
 
 def test_changing_a_control_rebuilds_on_the_ranks_and_bad_sizes_are_said(lab2):
-    dashboard = lab2.pipeline(CONFIG, schedule="1f1b", n_microbatches=4).dashboard()
+    built = dict(seed=3, balance=(5, 3), op_timeout=17.0, record=True, allow_empty=False, param_dtype="float32")
+    dashboard = lab2.pipeline(CONFIG, schedule="1f1b", n_microbatches=4, **built).dashboard()
     try:
         dashboard.run_steps(2)  # 1f1b's steps: the rebuild must forget them
         dashboard.schedule_name.value = "gpipe"
         assert dashboard.pipe.schedule.name == "gpipe" and dashboard.pipe.schedule.n_microbatches == 4
+        # What no control sets is kept: the pipeline is the one it was, with the control's change only.
+        assert {name: getattr(dashboard.pipe.spec, name) for name in built} == built
         assert "rebuilt: gpipe, 4 microbatches, 1 stage per rank, impl=pplab" in dashboard.status.value
         assert dashboard.timeline.history == [] and dashboard.bubbles.rows == []
         assert "the new schedule, before its first step" in dashboard.timeline.caption.value

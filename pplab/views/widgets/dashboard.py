@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import html
 import time
 
@@ -309,11 +310,15 @@ class Dashboard(widgets.VBox):
         """Build the pipeline the controls describe on the ranks (the old one is freed)."""
         if self.running:
             return
-        lab, config = self.pipe.lab, self.pipe.config
+        lab, config, spec = self.pipe.lab, self.pipe.config, self.pipe.spec
+        # Every keyword the pipeline was built with, but those the controls set (a spec's fields are
+        # lab.pipeline's keywords): a rebuild that dropped one would change more than the control did.
+        kept = {field.name: getattr(spec, field.name) for field in dataclasses.fields(spec)
+                if field.name not in ("config", "schedule", "timing", "impl")}
         try:
             new = lab.pipeline(config, schedule=self.schedule_name.value, n_microbatches=self.n_microbatches.value,
                                n_virtual=self.n_virtual.value, timing=TIMING_COSTS if self.timing.value else None,
-                               impl=self.impl.value, mesh=self.pipe.spec.mesh)
+                               impl=self.impl.value, **kept)
         except ValueError as error:  # sizes the schedule cannot take: say so, keep the old pipeline
             self._say_error(error)
             return
