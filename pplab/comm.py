@@ -35,6 +35,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
+from pplab.arguments import OP_TIMEOUT
 from pplab.machine import busy_note
 from pplab.schedules import Action, Kind, Schedule
 from pplab.timeline import Event
@@ -84,7 +85,7 @@ class StageLink:
     """One rank's P2P endpoint in a pipeline: posts batches of sends and receives, bounded waits."""
 
     def __init__(self, schedule: Schedule, rank: int, device: torch.device,
-                 op_timeout: float = 30.0, handshake: bool = True, group=None, record: bool = True):
+                 op_timeout: float = OP_TIMEOUT, handshake: bool = True, group=None, record: bool = True):
         """`op_timeout`: seconds one wait (a receive, a send's completion) may take before it gives up."""
         self.schedule, self.rank, self.device = schedule, rank, torch.device(device)
         self.op_timeout, self.handshake, self.group, self.record = op_timeout, handshake, group, record

@@ -101,3 +101,19 @@ def test_pplab_train_and_run_train_start_from_the_same_defaults():
         assert flag.default == field.default, (field.name, flag.default, field.default)
         walked.append(field.name)
     assert len(walked) >= 31, walked  # all but pp and eval_batches
+
+
+def test_one_default_bound_for_a_wait_between_ranks_everywhere():
+    import inspect
+
+    from pplab.arguments import OP_TIMEOUT
+    from pplab.comm import StageLink
+    from pplab.drivers.local import run_ranks
+    from pplab.drivers.torchrun import TorchrunRanks, run_as_torchrun_rank
+    from pplab.rank.runtime import RankRuntime
+
+    takers = [pplab.Lab.__init__, pplab.Lab.connect, pplab.RankPool.__init__, run_ranks, TorchrunRanks.__init__,
+              run_as_torchrun_rank, PipelineSpec.create, RankRuntime.__init__, StageLink.__init__]
+    defaults = {taker.__qualname__: inspect.signature(taker).parameters["op_timeout"].default for taker in takers}
+    assert defaults == dict.fromkeys(defaults, OP_TIMEOUT)
+    assert {field.name: field.default for field in dataclasses.fields(PipelineSpec)}["op_timeout"] == OP_TIMEOUT

@@ -40,7 +40,7 @@ from datetime import timedelta
 from collections.abc import Sequence
 from multiprocessing import connection
 
-from pplab.arguments import check_positive_int, check_positive_seconds, renamed_keywords
+from pplab.arguments import OP_TIMEOUT, check_positive_int, check_positive_seconds, renamed_keywords
 from pplab.drivers.cores import check_cores, pin_this_process
 from pplab.rank.rank_context import RankContext, RankError, RankEvent, StillRunning, rank_context, set_rank_context
 
@@ -157,7 +157,7 @@ def _rank_main(rank, world_size, rendezvous, backend, op_timeout, fn, args, resu
 
 
 def run_ranks(n_ranks: int, fn, *args, backend: str = "gloo", timeout: float = 120.0,
-              op_timeout: float = 30.0, grace: float = 3.0, pool: RankPool | None = None) -> list:
+              op_timeout: float = OP_TIMEOUT, grace: float = 3.0, pool: RankPool | None = None) -> list:
     """Run `fn(rank, world_size, *args)` on `pool`, or in `n_ranks` fresh processes; results by rank.
 
     `timeout`: how long this call may take; `op_timeout` (fresh processes): how long one wait
@@ -311,7 +311,7 @@ class RankPool:
 
     @renamed_keywords(world_size="n_ranks", init_timeout="op_timeout")
     def __init__(self, n_ranks: int, *, backend: str = "gloo", timeout: float = 120.0,
-                 op_timeout: float = 30.0, grace: float = 3.0, cores: Sequence[int] | None = None):
+                 op_timeout: float = OP_TIMEOUT, grace: float = 3.0, cores: Sequence[int] | None = None):
         """`timeout`: how long a call may take (the default of `run(..., timeout=)`); `op_timeout`:
         how long ONE wait between ranks may take (joining the group, a collective, a P2P op).
         `cores`: one core per rank to keep its threads on (e.g. [0, 1]; default: none, the kernel

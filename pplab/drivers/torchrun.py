@@ -14,7 +14,7 @@ import os
 import socket
 from datetime import timedelta
 
-from pplab.arguments import renamed_keywords
+from pplab.arguments import OP_TIMEOUT, renamed_keywords
 from pplab.drivers.local import LocalRankError, error_report, one_line
 from pplab.rank.rank_context import RankContext, RankEvent, set_rank_context
 
@@ -35,7 +35,7 @@ class TorchrunRanks:
     state = "running"
 
     @renamed_keywords(timeout="op_timeout")
-    def __init__(self, op_timeout: float = 60.0):
+    def __init__(self, op_timeout: float = OP_TIMEOUT):
         """Join torchrun's process group (NCCL and one GPU per process where there are GPUs, else gloo);
         `op_timeout`: seconds one wait between ranks (the rendezvous, a collective, a P2P op) may take."""
         import torch
@@ -117,7 +117,7 @@ class _FinishedCall:
 
 
 @renamed_keywords(timeout="op_timeout")
-def run_as_torchrun_rank(fn, *args, op_timeout: float = 60.0):
+def run_as_torchrun_rank(fn, *args, op_timeout: float = OP_TIMEOUT):
     """Join torchrun's process group, call `fn(rank, world_size, *args, device=...)`, and give rank 0
     the results by rank (None on the other ranks); `op_timeout` as for `TorchrunRanks`."""
     with TorchrunRanks(op_timeout) as ranks:

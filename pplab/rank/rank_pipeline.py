@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from pplab.arguments import check_positive_int, renamed_keywords
+from pplab.arguments import OP_TIMEOUT, check_positive_int, renamed_keywords
 from pplab.data import Batch
 from pplab.rank.mesh import CollectiveLog, Mesh, MeshPlace, parallelize_stage
 from pplab.model import IGNORE_INDEX, LlamaConfig
@@ -47,7 +47,7 @@ class PipelineSpec:
     seed: int = 0
     balance: Sequence[int] | None = None
     allow_empty: bool = False
-    op_timeout: float = 30.0
+    op_timeout: float = OP_TIMEOUT
     timing: Costs | None = None
     record: bool = True
     impl: str = "pplab"  # the hand-written runtime, or "torch": torch.distributed.pipelining
@@ -59,7 +59,7 @@ class PipelineSpec:
     def create(cls, config: LlamaConfig, schedule: str | Schedule, n_ranks: int,
                n_microbatches: int | None = None, n_virtual: int = 1, *, impl: str = "pplab",
                seed: int = 0, balance: Sequence[int] | None = None, allow_empty: bool = False,
-               op_timeout: float = 30.0, timing: Costs | None = None, record: bool = True,
+               op_timeout: float = OP_TIMEOUT, timing: Costs | None = None, record: bool = True,
                mesh: Mesh | dict | None = None, param_dtype: str = "float32") -> "PipelineSpec":
         """Build (or take) the schedule, validate it and check it fits the model, before any rank runs.
 

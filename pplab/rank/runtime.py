@@ -27,6 +27,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.profiler import record_function
 
+from pplab.arguments import OP_TIMEOUT
 from pplab.comm import PipelineTimeoutError, StageLink, dtype_name, in_order_mismatch, monotonic_clock
 from pplab.rank.faults import strike
 from pplab.rank.gradients import gradient_report
@@ -106,7 +107,7 @@ class RankRuntime:
     """Runs one rank's action list of a schedule with that rank's stage modules."""
 
     def __init__(self, schedule: Schedule, rank: int, stages: dict[int, nn.Module],
-                 device="cpu", op_timeout: float = 30.0, record: bool = True,
+                 device="cpu", op_timeout: float = OP_TIMEOUT, record: bool = True,
                  timing: Costs | None = None, group=None, tied=None):
         """`tied`: a `pplab.rank.tied.TiedGradients` when this rank holds one end of a tied weight."""
         missing = set(schedule.stages_of(rank)) - set(stages)

@@ -26,7 +26,7 @@ from collections.abc import Sequence
 from typing import Callable, Iterator
 
 import pplab.room as room
-from pplab.arguments import check_positive_int, check_positive_seconds, renamed_keywords
+from pplab.arguments import OP_TIMEOUT, check_positive_int, check_positive_seconds, renamed_keywords
 from pplab.drivers.cluster import engine, records
 from pplab.drivers.cluster.calls import RankCall
 from pplab.drivers.cluster.errors import RESTART_HINT, LabError, LabNeedsRestartError, LabStartError
@@ -125,7 +125,7 @@ class Lab:
 
     @renamed_keywords(ranks="n_ranks", timeout="op_timeout")
     def __init__(self, n_ranks: int = 2, *, backend: str = "auto", device: str = "auto",
-                 op_timeout: float = 60.0, threads: int | None = 1, grace: float = 3.0,
+                 op_timeout: float = OP_TIMEOUT, threads: int | None = 1, grace: float = 3.0,
                  start_timeout: float = 120.0, controller_ip: str = "127.0.0.1",
                  fork: bool | None = None, profile_dir: str | None = None,
                  gpus: Sequence[int] | None = None, cores: Sequence[int] | None = None,
@@ -167,7 +167,7 @@ class Lab:
     @renamed_keywords(ranks="n_ranks", timeout="op_timeout")
     def connect(cls, profile: str | None = "default", cluster_id: str = "", *,
                 profile_dir: str | None = None, n_ranks: int | None = None,
-                backend: str = "auto", device: str = "auto", op_timeout: float = 60.0,
+                backend: str = "auto", device: str = "auto", op_timeout: float = OP_TIMEOUT,
                 threads: int | None = 1, grace: float = 3.0, start_timeout: float = 120.0,
                 gloo_ifname: str | None = None, activate: bool = True,
                 verbose: bool = True, restart_engines: Callable[[], None] | None = None) -> "Lab":
