@@ -300,14 +300,12 @@ def train_command(args: argparse.Namespace) -> int:
 def run_config(args: argparse.Namespace):
     """The run's `RunConfig` from the command line's flags (and --config's file, read into them)."""
     from pplab.drivers.torchrun import under_torchrun
-    from pplab.session.run import RunConfig
+    from pplab.session.run import RunConfig, stages_of
 
     n_ranks = int(os.environ["WORLD_SIZE"]) if under_torchrun() else args.n_ranks
-    if n_ranks % (args.dp * args.tp):
-        raise ValueError(f"--dp {args.dp} x --tp {args.tp} does not divide {n_ranks} ranks: give a rank "
-                         f"count that is a multiple of {args.dp * args.tp}")
+    pp = stages_of(n_ranks, args.dp, args.tp, said="--dp {dp} x --tp {tp}")
     same = {name: getattr(args, name) for name in RunConfig.names() if hasattr(args, name)}
-    return RunConfig(**{**same, "pp": n_ranks // (args.dp * args.tp), "microbatches": args.n_microbatches,
+    return RunConfig(**{**same, "pp": pp, "microbatches": args.n_microbatches,
                         "virtual_stages": args.n_virtual, "clip": args.clip or None})
 
 

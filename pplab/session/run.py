@@ -119,16 +119,21 @@ class RunConfig(TrainOptions):
         from pplab.rank.rank_pipeline import PipelineSpec
 
         n_ranks = self.n_ranks if world_size is None else world_size
-        if n_ranks % (self.dp * self.tp):
-            raise ValueError(f"dp={self.dp} x tp={self.tp} does not divide {n_ranks} ranks: give a rank count "
-                             f"that is a multiple of {self.dp * self.tp}")
-        mesh = None
-        if self.dp > 1 or self.tp > 1:
-            mesh = {"pp": n_ranks // (self.dp * self.tp), "dp": self.dp, "tp": self.tp}
+        pp = stages_of(n_ranks, self.dp, self.tp)
+        mesh = {"pp": pp, "dp": self.dp, "tp": self.tp} if self.dp > 1 or self.tp > 1 else None
         vocabulary = _vocabulary(self.tokenizer, self.vocab_size)
         return PipelineSpec.create(model_of(self.model, vocabulary), self.schedule, n_ranks, self.microbatches,
                                    self.virtual_stages, impl=self.impl, seed=self.seed, mesh=mesh,
                                    balance=self.balance, param_dtype=self.param_dtype)
+
+
+def stages_of(n_ranks: int, dp: int, tp: int, said: str = "dp={dp} x tp={tp}") -> int:
+    """The pipeline's stages (pp) when `n_ranks` ranks form dp replicas of tp ranks each; a ValueError
+    naming the sizes (as `said` spells them: the command line says --dp 2 x --tp 2) if they do not fit."""
+    if n_ranks % (dp * tp):
+        raise ValueError(f"{said.format(dp=dp, tp=tp)} does not divide {n_ranks} ranks: give a rank count "
+                         f"that is a multiple of {dp * tp}")
+    return n_ranks // (dp * tp)
 
 
 def flattened(document: dict) -> dict:
