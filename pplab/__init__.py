@@ -26,7 +26,7 @@ import sys as _sys
 from importlib.util import spec_from_loader as _spec_from_loader
 from typing import TYPE_CHECKING as _TYPE_CHECKING
 
-__version__ = "0.1.0"  # the one place it is written: pyproject.toml reads it from here
+from pplab._version import __version__  # noqa: F401  (written in _version.py alone)
 
 # public name -> the module that defines it
 _EXPORTS = {

@@ -36,7 +36,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-import pplab
+from pplab._version import __version__
 from pplab.arguments import check_positive_int
 from pplab.rank.checkpoint import Checkpointer, rank_module
 from pplab.checkpoint_files import check_config, read_manifest, resume_path
@@ -358,7 +358,7 @@ class RankTrainer:
         if self.checkpointer is None:
             raise ValueError("this run has no checkpoint_dir: give TrainOptions(checkpoint_dir=...)")
         spec = self.pipeline.spec
-        manifest = {"pplab": pplab.__version__, "torch": torch.__version__,
+        manifest = {"pplab": __version__, "torch": torch.__version__,
                     "config": spec.config.record(), "n_stages": spec.schedule.n_stages,
                     "schedule": spec.schedule.name, "impl": spec.impl,
                     "world_size": spec.world_size, "mesh": spec.mesh.sizes if spec.mesh else None,
