@@ -9,6 +9,7 @@ from timing import slack
 pytest.importorskip("ipywidgets")
 
 import pplab  # noqa: E402
+from pplab.machine import LoadWatch, measure_load  # noqa: E402
 from pplab.simulator import Costs  # noqa: E402
 
 CONFIG = pplab.LlamaConfig.tiny()
@@ -19,7 +20,9 @@ def test_a_multi_step_run_updates_the_panels_while_it_runs(lab2):
     pipe = lab2.pipeline(CONFIG, schedule="1f1b", n_microbatches=4, timing=TIMING)
     try:
         dashboard = pipe.dashboard()
-        results = dashboard.run_steps(3)
+        with LoadWatch() as during:
+            results = dashboard.run_steps(3)
+        pace = max(during.slowdown, measure_load().slowdown)  # beside two burners a late event took 1.06 s
         assert len(results) == 3 and dashboard.results == results
         # The live timeline was redrawn while steps ran, more than once per step.
         assert dashboard.timeline.live_draws > 3
@@ -32,7 +35,8 @@ def test_a_multi_step_run_updates_the_panels_while_it_runs(lab2):
         assert dashboard.memory.image.layout.display is None and bytes(dashboard.memory.image.value[:4]) == b"\x89PNG"
         assert dashboard.where.states == {0: "done", 1: "done"}
         assert dashboard.gradients.red == {} and dashboard.shapes.flagged == []
-        assert statistics.median(dashboard.latencies) < 0.5 and max(dashboard.latencies) < 1.0
+        # The feed is live: an event reaches the panels within a second at a quiet machine's pace.
+        assert statistics.median(dashboard.latencies) < 0.5 * pace and max(dashboard.latencies) < 1.0 * pace
         assert dashboard.progress.value == 3 and "3 steps done" in dashboard.status.value
     finally:
         pipe.close()
