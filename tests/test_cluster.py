@@ -765,6 +765,37 @@ def test_a_controller_that_does_not_answer_fails_the_start_after_start_timeout(i
     assert {p.pid for p in lab_processes(ipython_dir)} <= before  # the frozen controller too
 
 
+@pytest.mark.timeout(120)
+def test_a_controller_that_lost_a_port_is_replaced_before_engines_are_asked_anything(ipython_dir, monkeypatch):
+    """ipyparallel picks free ports, then binds them: on a busy machine another process took one in
+    between, a scheduler thread died, and every request to the engines was lost. The start looks at
+    the ports the controller listens on, and starts a new controller when one is missing."""
+    from pplab.drivers.cluster import launchers
+
+    really_missing = launchers.LocalCluster._ports_not_taken
+    controllers = []
+
+    def first_one_lost_a_port(cluster):
+        controllers.append(psutil.Process(cluster._cluster.controller.process.pid))
+        missing = really_missing(cluster)
+        return missing if len(controllers) > 1 else [*missing, 1]  # port 1: surely not the controller's
+
+    monkeypatch.setattr(launchers.LocalCluster, "_ports_not_taken", first_one_lost_a_port)
+    with pplab.Lab(n_ranks=2, device="cpu", verbose=False) as lab:
+        assert lab.run(lambda: 1 + 1) == [2, 2]  # the second controller's engines answer
+        assert len(controllers) == 2 and gone(controllers[0])
+    assert gone(controllers[1])
+
+
+def gone(process: psutil.Process) -> bool:
+    """The process ended (within 5 s): stopped, and reaped by whoever started it."""
+    try:
+        process.wait(5)
+        return True
+    except psutil.TimeoutExpired:
+        return False
+
+
 def test_connect_to_a_cluster_id_with_no_files_says_which_clusters_have_them_at_once(tmp_path):
     security = tmp_path / "security"
     security.mkdir()

@@ -23,6 +23,7 @@ heartbeat is short. A restart keeps the fork server and asks it for new engines.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -33,7 +34,7 @@ import uuid
 
 from pplab.drivers.cluster import records
 from pplab.drivers.cluster.errors import LabError, LabStartError
-from pplab.machine import busy_note
+from pplab.machine import busy_note, recent_load
 
 # The controller accepts an engine only after its heart beats: a 100 ms beat instead of
 # 3 s saves seconds at start; 100 missed beats (10 s) before it declares an engine dead
@@ -55,6 +56,8 @@ def engine_args(start_timeout: float) -> list[str]:
 
 
 LOG_LINES = 15  # per log, in a start-up error message
+CONTROLLER_BIND_SECONDS = 5  # after its files appear, for every scheduler thread to bind its port
+CONTROLLER_TRIES = 3  # controllers started again when one lost a port to another process
 CONNECT_SECONDS = 10  # for a connected cluster's controller to answer, on a quiet machine
 
 # ipyparallel reports a process it sees die (as our restart's SIGKILL) by dumping its log
@@ -83,6 +86,7 @@ class LocalCluster:
         self._fork_server: subprocess.Popen | None = None
         self._launched: list[dict] = []  # controller, fork server, engine launchers, helpers
         self._rank_processes: list[dict] = []
+        self._lost_ports = 0  # controllers of this start that lost a port (see _ports_not_taken)
 
     def start(self, progress) -> set[int]:
         """Start a controller and the engines, all listening on loopback, and connect a client."""
@@ -113,6 +117,9 @@ class LocalCluster:
             self._cluster.start_engines_sync(self.n_ranks)
         self._launched = self._launched_processes()
         records.write_record(self.profile_dir, self.cluster_id, self._launched)
+        missing = self._ports_not_taken()
+        if missing:  # engines would register, yet never get a request: start afresh, new ports
+            return self._start_again(progress, missing)
         # ipyparallel gives the hub 10 s to answer; a controller just started on a busy
         # machine may need longer, so the client waits as long as the rest of the start does.
         try:
@@ -122,6 +129,58 @@ class LocalCluster:
                                 f"{self.start_timeout:.0f} s (start_timeout at this machine's "
                                 f"pace).{busy_note()}\n{self.launch_logs()}") from error
         return set()
+
+    def _ports_not_taken(self) -> list[int]:
+        """The ports of the controller's connection files that it does not listen on.
+
+        ipyparallel picks free ports first and binds them later; on a busy machine another process
+        can take one in between (three labs starting at once did). A scheduler thread that fails to
+        bind dies alone: the controller lives, engines register, and every request to them is lost
+        (a start then waited out its whole start_timeout in _describe)."""
+        import psutil
+
+        wanted = self._ports_in_connection_files()
+        deadline = time.monotonic() + recent_load().scale(CONTROLLER_BIND_SECONDS)
+        while True:
+            controller = psutil.Process(self._cluster.controller.process.pid)
+            listening = set()
+            for process in [controller, *controller.children(recursive=True)]:
+                with contextlib.suppress(psutil.Error):
+                    listening |= {c.laddr.port for c in process.net_connections("tcp") if c.status == "LISTEN"}
+            missing = sorted(wanted - listening)
+            if not missing or time.monotonic() > deadline:
+                return missing
+            time.sleep(0.05)
+
+    def _ports_in_connection_files(self) -> set[int]:
+        """Every port the controller's connection files name, once it has written them."""
+        deadline = time.monotonic() + self.start_timeout
+        paths = list(self._cluster.controller.connection_files.values())
+        while True:
+            self.check_alive()  # a controller that exited writes nothing
+            try:
+                about = [json.loads(open(path).read()) for path in paths]
+                break
+            except (OSError, ValueError):  # not there yet, or half written
+                if time.monotonic() > deadline:
+                    raise LabStartError(f"the controller wrote no connection files within {self.start_timeout:.0f} "
+                                        f"s (start_timeout at this machine's pace).{busy_note()}\n"
+                                        f"{self.launch_logs()}") from None
+                time.sleep(0.05)
+        return {port for found in about for value in found.values()
+                for port in (value if isinstance(value, list) else [value])
+                if isinstance(port, int) and not isinstance(port, bool)}
+
+    def _start_again(self, progress, missing: list[int]) -> set[int]:
+        """Stop the controller that lost a port (and its engines), then start afresh, a few times."""
+        self._lost_ports += 1
+        if self._lost_ports > CONTROLLER_TRIES:
+            raise LabStartError(f"{CONTROLLER_TRIES + 1} controllers in a row could not take their ports "
+                                f"(the last: {missing}): other processes on this machine take free ports "
+                                f"as fast as they appear.\n{self.launch_logs()}")
+        progress.update(f"port(s) {missing} were taken before the controller bound them: starting another")
+        self.stop(kill=True, keep_fork_server=self._fork_server_running())
+        return self.start(progress)
 
     def check_restart(self, stopped: bool) -> None:
         """A local lab can always start again, stopped or not."""
