@@ -304,7 +304,9 @@ class LocalCluster:
         with open(self._fork_server_log(), errors="replace") as log:
             lines = log.readlines()
         ours = f"{ENGINES_FOR} {self.cluster_id}"  # the engines of earlier starts exited at their restart
-        since = max((index for index, line in enumerate(lines) if line.strip() == ours), default=0)
+        since = max((index for index, line in enumerate(lines) if line.strip() == ours), default=None)
+        if since is None:  # the fork server has not forked this start's engines yet
+            return None
         return next((line for line in lines[since:] if "exited with status" in line), None)
 
 
