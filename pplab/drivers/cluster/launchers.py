@@ -86,7 +86,7 @@ class LocalCluster:
         self._fork_server: subprocess.Popen | None = None
         self._launched: list[dict] = []  # controller, fork server, engine launchers, helpers
         self._rank_processes: list[dict] = []
-        self._lost_ports = 0  # controllers of this start that lost a port (see _ports_not_taken)
+        self._lost_ports = 0  # controllers of the start under way that lost a port (_ports_not_taken)
 
     def start(self, progress) -> set[int]:
         """Start a controller and the engines, all listening on loopback, and connect a client."""
@@ -107,7 +107,7 @@ class LocalCluster:
 
         self._cluster = ipp.Cluster(
             cluster_id=self.cluster_id, profile_dir=self.profile_dir, n=self.n_ranks,
-            config=self._launcher_config(), load_profile=False,
+            config=self._engine_launcher_config(), load_profile=False,
             controller_ip=self.controller_ip, controller_args=CONTROLLER_ARGS,
             # Engines read the controller's connection file themselves, so they need
             # not wait for the controller before they start.
@@ -128,6 +128,7 @@ class LocalCluster:
             raise LabStartError(f"the controller did not answer the client within "
                                 f"{self.start_timeout:.0f} s (start_timeout at this machine's "
                                 f"pace).{busy_note()}\n{self.launch_logs()}") from error
+        self._lost_ports = 0  # the next start (a restart) has its own tries
         return set()
 
     def _ports_not_taken(self) -> list[int]:
@@ -310,14 +311,12 @@ class LocalCluster:
         return next((line for line in lines[since:] if "exited with status" in line), None)
 
 
-    def _launcher_config(self):
-        """Config for ipyparallel's controller launcher and its one-process-per-engine launcher
-        (used when not forking)."""
+    def _engine_launcher_config(self):
+        """Config for ipyparallel's one-process-per-engine launcher (used when not forking). (The
+        controller's files are waited for by _ports_in_connection_files, for start_timeout.)"""
         from traitlets.config import Config
 
         config = Config()
-        # ipyparallel waits 60 s for a new controller's files: a start waits start_timeout.
-        config.LocalControllerLauncher.connection_info_timeout = self.start_timeout
         config.LocalEngineSetLauncher.engine_args = engine_args(self.start_timeout)
         config.LocalEngineSetLauncher.environment = self._engine_environment()
         config.LocalEngineSetLauncher.delay = 0.0
