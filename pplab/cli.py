@@ -715,7 +715,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     argv = with_renamed_flags(sys.argv[1:] if argv is None else list(argv))
     args = parser.parse_args(argv)  # argparse itself exits 2 on malformed options
-    from pplab.drivers.local import LocalRankError
+    from pplab.rank.rank_context import RankError
 
     try:
         try:
@@ -726,13 +726,13 @@ def main(argv: list[str] | None = None) -> int:
                 return 0
             return args.handler(args)
         except ValueError as error:
-            if isinstance(error.__cause__, LocalRankError):  # the ranks refused it (a checkpoint): say each
+            if isinstance(error.__cause__, RankError):  # the ranks refused it (a checkpoint): say each
                 raise error.__cause__ from None
             raise
     except ValueError as error:  # what pplab raises for values it cannot use: one line, as argparse would
         print(f"pplab {args.command}: error: {error}", file=sys.stderr)
         return 2
-    except LocalRankError as error:  # a rank failed: its cause, one line per rank (--verbose: the tracebacks)
+    except RankError as error:  # a rank failed: its cause, one line per rank (--verbose: the tracebacks)
         verbose = getattr(args, "verbose", False)
         print(f"pplab {args.command}: error: {error if verbose else error.summary}", file=sys.stderr)
         return 1

@@ -10,7 +10,7 @@ import torch
 from pplab import checkpoint
 from pplab.rank.checkpoint import CheckpointError, Checkpointer, rank_module
 from pplab.data import batches
-from pplab.drivers.local import LocalRankError
+from pplab.session import RankError
 from ranks import run_ranks
 from pplab.model import LlamaConfig, build_model
 from pplab.partition import build_stage
@@ -61,7 +61,7 @@ def train_with_a_crash_before_commit(rank, world_size, spec, options, device="cp
 
 def test_a_rank_killed_during_a_save_leaves_the_previous_checkpoint_loadable(tmp_path, uninterrupted):
     options = TrainOptions(**BASE, checkpoint_dir=str(tmp_path), checkpoint_every=2)
-    with pytest.raises(LocalRankError, match="rank 1"):
+    with pytest.raises(RankError, match="rank 1"):
         run_ranks(2, train_with_a_crash_before_commit, spec_for(2), options, timeout=120)
     assert (tmp_path / ".step-00000004.partial").is_dir()  # written, never made visible
     assert checkpoint.latest(tmp_path) == checkpoint.step_directory(tmp_path, 2)

@@ -11,7 +11,7 @@ import pplab
 from pplab.rank.checks import check_gradient_flow, compare_with_reference
 from pplab.comm import PipelineTimeoutError
 from pplab.data import batches
-from pplab.drivers.local import LocalRankError
+from pplab.session import RankFailedError
 from ranks import run_ranks
 from pplab.rank.rank_pipeline import PipelineSpec, merge_steps, run_jobs_on_rank, split_for_ranks
 from pplab.schedules import Action, Schedule, build, from_text
@@ -108,7 +108,7 @@ def broken_job(text):
 
 
 def test_a_missing_send_ends_in_timeouts_naming_rank_peer_and_action():
-    with pytest.raises(LocalRankError) as failure:
+    with pytest.raises(RankFailedError) as failure:
         run_ranks(2, run_jobs_on_rank, [broken_job("0SEND_F0")], timeout=60)
     message = str(failure.value)
     assert PipelineTimeoutError.__name__ in message
@@ -118,7 +118,7 @@ def test_a_missing_send_ends_in_timeouts_naming_rank_peer_and_action():
 
 
 def test_a_missing_receive_is_named_not_a_hang():
-    with pytest.raises(LocalRankError, match=r"rank 1 needs the activation of microbatch 0 for stage 1 "
+    with pytest.raises(RankFailedError, match=r"rank 1 needs the activation of microbatch 0 for stage 1 "
                                          r"but nothing received it: the schedule lacks 1RECV_F0"):
         run_ranks(2, run_jobs_on_rank, [broken_job("1RECV_F0")], timeout=60)
 
@@ -239,7 +239,7 @@ def test_a_schedule_that_never_runs_backward_trips_the_leak_check():
     forward_only = from_text(["0F0 0SEND_F0", "1RECV_F0 1F0"], name="forward-only")
     spec = PipelineSpec(CONFIG, forward_only, op_timeout=5.0)  # bypasses validate(), on purpose
     data = split_for_ranks(spec, next(batches(2, SEQ_LEN)))
-    with pytest.raises(LocalRankError, match=r"still holds tensors after the step: \{'inputs': \['\(0, 0\)'\], "
+    with pytest.raises(RankFailedError, match=r"still holds tensors after the step: \{'inputs': \['\(0, 0\)'\], "
                                                r"'outputs': \['\(0, 0\)'\]\}"):
         run_ranks(2, run_jobs_on_rank, [(spec, data)], timeout=60)
 

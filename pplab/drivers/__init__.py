@@ -1,4 +1,4 @@
 """Floor 4, where ranks live: `local` (a pool of local processes kept between calls, one-shot
 processes, torchrun's processes) and `cluster` (ipyparallel engines as ranks, from Jupyter,
-on one host or many). Each offers what a session needs of its ranks (see pplab.session).
+on one host or many). Each keeps `contract.Ranks`, what a session needs of its ranks.
 """

@@ -42,28 +42,8 @@ from multiprocessing import connection
 
 from pplab.arguments import OP_TIMEOUT, check_positive_int, check_positive_seconds, renamed_keywords
 from pplab.drivers.cores import check_cores, pin_this_process
-from pplab.rank.rank_context import RankContext, RankError, RankEvent, StillRunning, rank_context, set_rank_context
-
-
-class LocalRankError(RankError):
-    """A rank raised, died, or did not finish in time; the message holds each failing rank's traceback."""
-
-    def __init__(self, message: str, causes: dict[int, str] | None = None,
-                 raised: dict[int, tuple[str, str]] | None = None):
-        super().__init__(message)
-        self.causes = causes or {}  # rank -> what went wrong there, in one line
-        self.raised = raised or {}  # rank -> (exception type, message) of the ranks that raised
-
-    def first_raised(self) -> tuple[str, str] | None:
-        """(exception type, message) of the lowest rank that raised, or None when none raised."""
-        return self.raised[min(self.raised)] if self.raised else None
-
-    @property
-    def summary(self) -> str:
-        """One line per failing rank with its cause (no tracebacks)."""
-        if not self.causes:
-            return str(self).splitlines()[0]
-        return "\n".join(f"rank {rank} {cause}" for rank, cause in sorted(self.causes.items()))
+from pplab.rank.rank_context import (RankContext, RankDiedError, RankError, RankEvent, RankFailedError,
+                                     RankTimeoutError, StillRunning, rank_context, set_rank_context)
 
 
 # What every rank imports: a rank forked from a server that imported these once starts in a
@@ -226,7 +206,7 @@ def _collect(processes, results, timeout: float, grace: float) -> list:
                         fail(rank, f"died (exit code {process.exitcode}) without reporting")
             if time.monotonic() > deadline and not failures:
                 missing = [r for r in range(len(processes)) if r not in collected]
-                raise LocalRankError(f"ranks {missing} did not finish within {timeout:g} s") from None
+                raise RankTimeoutError(f"ranks {missing} did not finish within {timeout:g} s", ranks=missing) from None
             continue
         if status == "error":
             ename, evalue, trace = value
@@ -235,8 +215,9 @@ def _collect(processes, results, timeout: float, grace: float) -> list:
         else:
             collected[rank] = pickle.loads(value)
     if failures:
-        raise LocalRankError("\n".join(f"rank {rank} {what}" for rank, what in failures.items()), causes,
-                             raised)
+        kind = RankFailedError if raised else RankDiedError
+        raise kind("\n".join(f"rank {rank} {what}" for rank, what in failures.items()), causes,
+                   **({"raised": raised} if raised else {}))
     return [collected[rank] for rank in range(len(processes))]
 
 
@@ -359,7 +340,7 @@ class RankPool:
         for running in list(self._calls.values()):  # the ranks run one call at a time, in order
             try:
                 running.result()
-            except LocalRankError:  # that call's own failure (its result() says so); its ranks were replaced
+            except RankError:  # that call's own failure (its result() says so); its ranks were replaced
                 pass
         if not self._processes:
             self._start()
@@ -370,7 +351,7 @@ class RankPool:
                 link.send_bytes(message)
             except OSError:  # its process is gone: this call fails, the next one starts afresh
                 self._end_processes(patience=0.0)
-                raise LocalRankError(f"rank {rank}'s process has ended; call again for fresh ranks") from None
+                raise RankDiedError(f"rank {rank}'s process has ended; call again for fresh ranks", ranks=[rank]) from None
         name = f"{getattr(fn, '__name__', type(fn).__name__)}()"
         call = PoolCall(self, call_id, name, self.timeout if timeout is None else timeout)
         self._calls[call_id] = call
@@ -426,14 +407,16 @@ class RankPool:
             for _, rank, kind, value in self._receive(0.2):
                 if kind == "error":
                     self._end_processes(patience=0.0)
-                    raise LocalRankError(f"rank {rank} could not join the process group: {one_line(*value[:2])}",
+                    raise RankFailedError(f"rank {rank} could not join the process group: {one_line(*value[:2])}",
                                          {rank: f"failed: {one_line(*value[:2])}"}, {rank: value[:2]})
                 ready.add(rank)
             dead = [r for r, p in enumerate(self._processes) if p.exitcode is not None and r not in ready]
             if dead or (len(ready) < self.world_size and time.monotonic() > deadline):
                 self._end_processes(patience=0.0)
                 why = f"ranks {dead} died" if dead else f"not every rank was up after {self.op_timeout + 60:g} s"
-                raise LocalRankError(f"the pool's ranks did not start: {why}")
+                missing = dead or [r for r in range(self.world_size) if r not in ready]
+                raise (RankDiedError if dead else RankTimeoutError)(f"the pool's ranks did not start: {why}",
+                                                                   ranks=missing)
 
     def _end_processes(self, patience: float) -> None:
         """End the ranks: asked to leave (one waiting for its next call leaves at once), and
@@ -490,7 +473,7 @@ class PoolCall:
         self._raised: dict[int, tuple[str, str, str]] = {}
         self._events: list[RankEvent] = []
         self._first_failure_at: float | None = None
-        self._error: LocalRankError | None = None
+        self._error: RankError | None = None
         self._over = False
 
     def __repr__(self) -> str:
@@ -509,7 +492,8 @@ class PoolCall:
     def _abandon(self) -> None:
         """The pool ended its processes while this call had not finished."""
         if not self._over:
-            self._error = self._error or LocalRankError(f"{self.name} was abandoned: the pool's ranks were ended")
+            self._error = self._error or RankDiedError(f"{self.name} was abandoned: the pool's ranks were ended",
+                                                       ranks=self.running_ranks())
             self._over = True
 
     def running_ranks(self) -> list[int]:
@@ -531,7 +515,7 @@ class PoolCall:
         """Nothing to wait for: a rank's events reach the pool before its result."""
 
     def result(self, timeout: float | None = None) -> list:
-        """Wait for every rank; their results ordered by rank, or a LocalRankError naming the rank."""
+        """Wait for every rank; their results ordered by rank, or a RankError naming the rank."""
         wait_until = None if timeout is None else time.monotonic() + timeout
         while not self._over:
             self._look()
@@ -570,10 +554,14 @@ class PoolCall:
         for rank in died:
             failures[rank] = causes[rank] = f"died (exit code {self.pool._processes[rank].exitcode}) without reporting"
         if timed_out and not failures:
-            self._error = LocalRankError(f"ranks {running} did not finish {self.name} within {self.timeout:g} s")
+            self._error = RankTimeoutError(f"ranks {running} did not finish {self.name} within {self.timeout:g} s",
+                                           ranks=running)
         elif failures:
-            self._error = LocalRankError("\n".join(f"rank {r} {what}" for r, what in sorted(failures.items())),
-                                         causes, {r: (e, v) for r, (e, v, _) in self._raised.items()})
+            message = "\n".join(f"rank {r} {what}" for r, what in sorted(failures.items()))
+            if self._raised:
+                self._error = RankFailedError(message, causes, {r: (e, v) for r, (e, v, _) in self._raised.items()})
+            else:
+                self._error = RankDiedError(message, causes)
         self.pool._finished(self, failed=self._error is not None)
 
 
@@ -584,3 +572,18 @@ _running_pools: "weakref.WeakSet[RankPool]" = weakref.WeakSet()
 def _stop_running_pools() -> None:
     for pool in list(_running_pools):
         pool._end_processes(patience=1.0)
+
+
+_RENAMED = {"LocalRankError": "RankError"}  # the last release's name, kept for one release
+
+
+def __getattr__(name: str):
+    """`LocalRankError`, the last release's name: every driver now raises the same errors
+    (RankFailedError, RankDiedError, RankTimeoutError, each a RankError)."""
+    if name in _RENAMED:
+        import warnings
+
+        warnings.warn(f"pplab.drivers.local.{name} is now pplab.session.{_RENAMED[name]} (every driver raises "
+                      f"it); {name} works until the next release", DeprecationWarning, stacklevel=2)
+        return RankError
+    raise AttributeError(f"module 'pplab.drivers.local' has no attribute {name!r}")

@@ -15,8 +15,8 @@ import socket
 from datetime import timedelta
 
 from pplab.arguments import OP_TIMEOUT, renamed_keywords
-from pplab.drivers.local import LocalRankError, error_report, one_line
-from pplab.rank.rank_context import RankContext, RankEvent, set_rank_context
+from pplab.drivers.local import error_report, one_line
+from pplab.rank.rank_context import RankContext, RankEvent, RankFailedError, set_rank_context
 
 
 def under_torchrun() -> bool:
@@ -56,10 +56,14 @@ class TorchrunRanks:
         set_rank_context(RankContext(self.rank, self.world_size, local_rank,
                                      int(os.environ.get("LOCAL_WORLD_SIZE", self.world_size)), self.backend,
                                      self.device))
-        self.rank_processes = ((socket.gethostname(), os.getpid()),)  # never replaced
 
     def _check_usable(self) -> None:
         pass
+
+    @property
+    def rank_processes(self) -> tuple[tuple[str, int], ...]:
+        """This process, the one rank a client here sees (never replaced)."""
+        return ((socket.gethostname(), os.getpid()),)
 
     def run(self, fn, *args, timeout: float | None = None, **kwargs) -> list:
         """fn(*args, **kwargs) on this rank; every rank's result, by rank, on every process."""
@@ -73,7 +77,7 @@ class TorchrunRanks:
         dist.all_gather_object(gathered, outcome)
         raised = {rank: value for rank, (status, value) in enumerate(gathered) if status == "error"}
         if raised:
-            raise LocalRankError("\n".join(f"rank {r} failed:\n{e}: {v}\n{t}" for r, (e, v, t) in raised.items()),
+            raise RankFailedError("\n".join(f"rank {r} failed:\n{e}: {v}\n{t}" for r, (e, v, t) in raised.items()),
                                  {r: f"failed: {one_line(e, v)}" for r, (e, v, _) in raised.items()},
                                  {r: (e, v) for r, (e, v, _) in raised.items()})
         return [value for _, value in gathered]
@@ -105,6 +109,12 @@ class _FinishedCall:
 
     def __init__(self, results: list):
         self._results = results
+
+    def done(self) -> bool:
+        return True
+
+    def running_ranks(self) -> list[int]:
+        return []
 
     def poll_events(self) -> list[RankEvent]:
         return []

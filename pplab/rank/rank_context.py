@@ -28,7 +28,16 @@ class RankContext:
 
 
 class RankError(RuntimeError):
-    """A call on the ranks failed (a driver's own errors derive from this)."""
+    """A call on the ranks failed. Every driver raises the same three kinds (below), so that code
+    written against one driver catches the others' failures too; a driver may add detail in a
+    subclass (the lab's errors also say when only a restart helps).
+
+    `causes` holds one line per failing rank, without tracebacks, where the driver knows them."""
+
+    def __init__(self, message: str = "", causes: dict[int, str] | None = None, ranks: list[int] | None = None):
+        super().__init__(message)
+        self.causes = dict(causes or {})  # rank -> what went wrong there, in one line
+        self.ranks = sorted(self.causes if ranks is None else ranks)  # the ranks that failed, died or ran on
 
     def first_raised(self) -> tuple[str, str] | None:
         """(exception type, message) of the first rank that raised, or None when none raised."""
@@ -37,7 +46,29 @@ class RankError(RuntimeError):
     @property
     def summary(self) -> str:
         """What happened and the fix, without the ranks' tracebacks (for a status line)."""
-        return str(self)
+        if not self.causes:
+            return str(self).splitlines()[0] if str(self) else type(self).__name__
+        return "\n".join(f"rank {rank} {cause}" for rank, cause in sorted(self.causes.items()))
+
+
+class RankFailedError(RankError):
+    """A rank raised an exception (others may have died or failed too: see `causes`)."""
+
+    def __init__(self, message: str = "", causes: dict[int, str] | None = None,
+                 raised: dict[int, tuple[str, str]] | None = None, ranks: list[int] | None = None):
+        super().__init__(message, causes, ranks)
+        self.raised = dict(raised or {})  # rank -> (exception type, message), for the ranks that raised
+
+    def first_raised(self) -> tuple[str, str] | None:
+        return self.raised[min(self.raised)] if self.raised else None
+
+
+class RankDiedError(RankError):
+    """A rank's process ended (killed, crashed, out of memory) before it answered."""
+
+
+class RankTimeoutError(RankError, TimeoutError):
+    """A call, or the start of the ranks, ran past its bound; `ranks` were still running."""
 
 
 class StillRunning(TimeoutError):

@@ -12,6 +12,11 @@ driver offers:
 Drivers: `pplab.Lab` (ipyparallel engines, for notebooks) and `pplab.RankPool` (local
 processes kept between calls, for the command line, tests, benchmarks and scripts), both
 with `.pipeline(...)` (`pplab.session.drivers`). The rank side is `pplab.session.on_rank`.
+The contract, written down: `pplab.drivers.contract.Ranks`.
+
+A call that fails raises the same errors from every driver: `RankFailedError` (a rank raised),
+`RankDiedError` (a rank's process ended), `RankTimeoutError` (past its bound), each a `RankError`
+with `.ranks`, `.causes` (one line per rank) and `.summary`.
 """
 
 import importlib as _importlib
@@ -20,7 +25,10 @@ import importlib as _importlib
 # loads neither the drivers nor ipyparallel.
 _EXPORTS = {"Lab": "pplab.session.drivers", "RankPool": "pplab.session.drivers",
             "TorchrunRanks": "pplab.session.drivers",
-            "Pipeline": "pplab.session.pipeline", "LiveStep": "pplab.session.pipeline"}
+            "Pipeline": "pplab.session.pipeline", "LiveStep": "pplab.session.pipeline",
+            # what every driver raises when a call fails (the lab's errors are these too)
+            **{name: "pplab.rank.rank_context"
+               for name in ("RankError", "RankFailedError", "RankDiedError", "RankTimeoutError")}}
 
 __all__ = list(_EXPORTS)
 

@@ -6,6 +6,7 @@ happened, who waited on whom, and the fix on lines of their own.
 
 from __future__ import annotations
 
+from pplab.rank import rank_context as common
 from pplab.rank.rank_context import RankError
 
 # The last line of every error after which only fresh engines help.
@@ -13,7 +14,10 @@ RESTART_HINT = "Call lab.restart() to get fresh ranks."
 
 
 class LabError(RankError):
-    """Something went wrong with the lab's engines or with a call running on them."""
+    """Something went wrong with the lab's engines or with a call running on them.
+
+    The failures of a call are also the kinds every driver raises (`pplab.session.RankFailedError`,
+    `RankDiedError`, `RankTimeoutError`): an `except` written for a RankPool catches them here too."""
 
     def __init__(self, message: str, *, summary: str | None = None):
         super().__init__(message)
@@ -31,13 +35,14 @@ class LabStartError(LabError):
     """The controller or the engines did not come up."""
 
 
-class RankFailedError(LabError):
+class RankFailedError(LabError, common.RankFailedError):
     """A rank raised an exception; carries its rank, exception type and remote traceback."""
 
     def __init__(self, message: str, *, summary: str, rank: int, ename: str, evalue: str,
                  traceback: str, still_running: list[int]):
         super().__init__(message, summary=summary)
-        self.rank = rank
+        self.rank, self.ranks = rank, [rank]
+        self.raised = {rank: (ename, evalue)}
         self.ename = ename
         self.evalue = evalue
         self.traceback = traceback
@@ -48,7 +53,7 @@ class RankFailedError(LabError):
         return self.ename, self.evalue
 
 
-class RankDiedError(LabError):
+class RankDiedError(LabError, common.RankDiedError):
     """A rank's process ended while a call was running on it."""
 
     def __init__(self, message: str, *, ranks: list[int]):
@@ -56,7 +61,7 @@ class RankDiedError(LabError):
         self.ranks = ranks
 
 
-class RankTimeoutError(LabError, TimeoutError):
+class RankTimeoutError(LabError, common.RankTimeoutError):
     """A call ran past its timeout; carries the ranks that were still running."""
 
     def __init__(self, message: str, *, ranks: list[int]):

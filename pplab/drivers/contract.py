@@ -1,0 +1,66 @@
+"""The contract of a driver of ranks: what a session (a pipeline, the dashboard, the faults) may
+ask of the ranks, whichever driver started them.
+
+Three drivers keep it: the lab (`pplab.cluster.Lab`, ipyparallel engines), the pool of local
+processes (`pplab.drivers.local.RankPool`) and torchrun's processes (`TorchrunRanks`); a new
+driver (a batch scheduler's job, a remote pool) is usable by every session once it keeps it.
+`tests/test_contract.py` checks the three against it.
+
+A call that fails raises the same errors from every driver, from `pplab.rank.rank_context`
+(re-exported by `pplab.session`): `RankFailedError` (a rank raised), `RankDiedError` (a rank's
+process ended), `RankTimeoutError` (past its bound), each a `RankError` with `.ranks`, `.causes`
+(one line per failing rank) and `.summary`. A driver may raise subclasses that say more.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Protocol, runtime_checkable
+
+from pplab.rank.rank_context import RankEvent
+
+
+@runtime_checkable
+class RankCall(Protocol):
+    """A call running on every rank, as `run_async` returns it."""
+
+    def done(self) -> bool:
+        """True once every rank has finished, successfully or not."""
+
+    def running_ranks(self) -> list[int]:
+        """The ranks that have not finished yet."""
+
+    def poll_events(self) -> list[RankEvent]:
+        """What the ranks published since the last look, without waiting."""
+
+    def wait_for_events(self, seconds: float = 0.0) -> None:
+        """Give events already on their way up to `seconds` to arrive (after the call ended)."""
+
+    def result(self, timeout: float | None = None) -> list:
+        """Every rank's result, by rank; a RankError naming the ranks when the call failed;
+        `StillRunning` when `timeout` passed first (the call goes on)."""
+
+
+@runtime_checkable
+class Ranks(Protocol):
+    """A driver of ranks: a fixed number of processes in one process group, running one call at a time."""
+
+    world_size: int  # the number of ranks
+    op_timeout: float  # the seconds one wait between ranks may take: a pipeline's default
+
+    @property
+    def state(self) -> str:
+        """"running", "needs restart" (a driver that can restart) or "stopped"."""
+
+    @property
+    def rank_processes(self) -> tuple[tuple[str, int], ...]:
+        """(host, pid) of each rank's process: a pipeline built on other processes is gone."""
+
+    def run(self, fn: Callable, *args, timeout: float | None = None, **kwargs) -> list:
+        """fn(*args, **kwargs) on every rank; the results by rank, or a RankError."""
+
+    def run_async(self, fn: Callable, *args, timeout: float | None = None, **kwargs) -> RankCall:
+        """Start fn(*args, **kwargs) on every rank and return at once."""
+
+    def stop(self) -> None:
+        """End the ranks; nothing is left running."""
