@@ -140,4 +140,5 @@ def __getattr__(name: str):
 
 
 def __dir__() -> list[str]:
-    return sorted({*globals(), *__all__})
+    """The public names (the floors' own modules, bound here once imported, are not among them)."""
+    return sorted({*__all__, *(name for name in globals() if name.startswith("__"))})

@@ -11,6 +11,7 @@ import json
 import subprocess
 import sys
 import textwrap
+import types
 
 import pytest
 
@@ -115,3 +116,26 @@ def test_every_advertised_name_resolves_and_dir_lists_it():
     assert pplab.cluster.LabError.__name__ == "LabError"
     with pytest.raises(AttributeError, match="no attribute 'not_a_name'"):
         pplab.not_a_name  # noqa: B018
+
+
+def readme_public_names() -> list[str]:
+    """The names of the README's table of the public API, in order."""
+    from pathlib import Path
+
+    text = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    table = text.split("## The public API", 1)[1].split("\n## ", 1)[0]
+    rows = [line.split("|")[1] for line in table.splitlines() if line.startswith("| `")]
+    return [name.strip(" `") for row in rows for name in row.split(",")]
+
+
+def test_the_readme_table_lists_the_whole_top_level_and_nothing_else_is_on_it():
+    listed = readme_public_names()
+    assert sorted(listed) == sorted(set(listed)), "a name is listed twice"
+    assert set(listed) == set(pplab.__all__), (set(listed) ^ set(pplab.__all__))
+    for name in pplab.__all__:  # every name resolved: what lands in the module is public or private
+        getattr(pplab, name)
+    # Python binds each imported submodule on its package: the floors' own modules are there, unlisted.
+    loose = [name for name, value in vars(pplab).items() if not name.startswith("_") and name not in pplab.__all__
+             and not (isinstance(value, types.ModuleType) and value.__name__ == f"pplab.{name}")]
+    assert loose == [], f"on pplab's surface but not public: {loose} (give them a leading underscore)"
+    assert [name for name in dir(pplab) if not name.startswith("__")] == sorted(pplab.__all__)
