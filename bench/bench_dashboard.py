@@ -78,7 +78,7 @@ def instrument(dashboard) -> dict[str, Stopwatch]:
 
 def count_live_events(dashboard) -> list[int]:
     """Count the step events (not 'where I am' notes) that reach the dashboard while steps run."""
-    from pplab.trace import Event
+    from pplab import Event
 
     seen = [0]
     take = dashboard._take
@@ -196,7 +196,7 @@ def measure_render(repeats: int) -> dict:
     from pplab import viz
     from pplab.schedules import build
     from pplab.simulator import Costs, simulate
-    from pplab.trace import Timeline
+    from pplab import Timeline
     from pplab.views.widgets.render import png
     from pplab.views.widgets.svg import timeline_svg
 

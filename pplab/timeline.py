@@ -30,14 +30,15 @@ from dataclasses import dataclass, replace
 from os import PathLike
 from typing import Callable, Iterable, Sequence
 
-from pplab.schedules.actions import releases_activations
+from pplab.schedules.actions import COMM_KINDS as ACTION_COMM_KINDS, releases_activations
 
-__all__ = ["Event", "Now", "Timeline", "COMM_KINDS", "COLLECTIVE_KINDS"]
+__all__ = ["Event", "Now", "Timeline", "COMM_EVENT_KINDS", "COLLECTIVE_KINDS"]
 
 COLLECTIVE_KINDS = frozenset({"ALL_GATHER", "REDUCE_SCATTER", "ALL_REDUCE"})
 """Collectives of the other mesh dimensions: FSDP's all-gathers and reduce-scatters, TP's all-reduces."""
-COMM_KINDS = frozenset({"SEND_F", "RECV_F", "SEND_B", "RECV_B"}) | COLLECTIVE_KINDS
-"""Communication kinds; every other kind (F, B, I, W, OPT, ...) is compute."""
+COMM_EVENT_KINDS = frozenset(kind.value for kind in ACTION_COMM_KINDS) | COLLECTIVE_KINDS
+"""The kinds of an event that communicates: a schedule's messages (`pplab.schedules.COMM_KINDS`) and the
+mesh's collectives; every other kind (F, B, I, W, OPT, ...) is compute."""
 
 # Chrome trace tracks (thread ids) inside each rank's process. Sends, receives
 # and collectives get their own tracks because they may overlap each other in time;
@@ -87,7 +88,7 @@ class Event:
     @property
     def is_comm(self) -> bool:
         """True for sends, receives and collectives (FSDP's, TP's)."""
-        return self.kind in COMM_KINDS
+        return self.kind in COMM_EVENT_KINDS
 
     @property
     def is_compute(self) -> bool:

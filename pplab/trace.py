@@ -1,12 +1,31 @@
-"""Timelines: the event model (`pplab.timeline`), and one step of a run recorded with torch.profiler.
+"""Timelines of real runs: one step recorded with torch.profiler, read into the event model.
 
-    from pplab.trace import Event, Timeline, from_profiler
+    from pplab.trace import from_profiler
 
-`Event` and `Timeline` are the common language of the simulator, the runtimes, the views and the
-pictures (`pplab.timeline`); `from_profiler` reads a profiled run into one (`pplab.profiled`).
+`pplab.Event` and `pplab.Timeline` (the event model, defined in `pplab.timeline`) are the common
+language of the simulator, the runtimes, the views and the pictures; `from_profiler` reads a
+profiled run into a `Timeline` (`pplab.profiled`). `COMM_EVENT_KINDS` are the kinds of an event
+that communicates (a schedule's messages and the mesh's collectives), `COLLECTIVE_KINDS` the
+collectives alone; `Now` marks what a rank is doing at the moment of a live view.
 """
 
 from pplab.profiled import from_profiler
-from pplab.timeline import COLLECTIVE_KINDS, COMM_KINDS, Event, Now, Timeline
+from pplab.timeline import COLLECTIVE_KINDS, COMM_EVENT_KINDS, Now
 
-__all__ = ["Event", "Now", "Timeline", "COMM_KINDS", "COLLECTIVE_KINDS", "from_profiler"]
+__all__ = ["Now", "COMM_EVENT_KINDS", "COLLECTIVE_KINDS", "from_profiler"]
+
+# The last release's names, kept for one release: Event and Timeline have one path, the top level;
+# COMM_KINDS here differed from pplab.schedules.COMM_KINDS (it holds the collectives too).
+_RENAMED = {"Event": "pplab.Event", "Timeline": "pplab.Timeline", "COMM_KINDS": "pplab.trace.COMM_EVENT_KINDS"}
+
+
+def __getattr__(name: str):
+    if name not in _RENAMED:
+        raise AttributeError(f"module 'pplab.trace' has no attribute {name!r}")
+    import warnings
+
+    import pplab.timeline
+
+    warnings.warn(f"pplab.trace.{name} is now {_RENAMED[name]}; pplab.trace.{name} works until the next release",
+                  DeprecationWarning, stacklevel=2)
+    return getattr(pplab.timeline, _RENAMED[name].rsplit(".", 1)[1])

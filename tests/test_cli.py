@@ -15,7 +15,7 @@ import pplab
 from pplab.drivers.cluster import records
 from pplab.schedules import build
 from pplab.simulator import Costs, simulate
-from pplab.trace import Timeline
+from pplab import Timeline
 
 
 @pytest.fixture(scope="module")

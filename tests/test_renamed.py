@@ -117,3 +117,23 @@ def test_one_default_bound_for_a_wait_between_ranks_everywhere():
     defaults = {taker.__qualname__: inspect.signature(taker).parameters["op_timeout"].default for taker in takers}
     assert defaults == dict.fromkeys(defaults, OP_TIMEOUT)
     assert {field.name: field.default for field in dataclasses.fields(PipelineSpec)}["op_timeout"] == OP_TIMEOUT
+
+
+@pytest.mark.quick
+@pytest.mark.parametrize("old, new", [("Event", "pplab.Event"), ("Timeline", "pplab.Timeline"),
+                                      ("COMM_KINDS", "pplab.trace.COMM_EVENT_KINDS")])
+def test_the_traces_last_release_names_still_work_and_say_where_they_are_now(old, new):
+    import pplab.trace
+    from pplab.timeline import COMM_EVENT_KINDS, Event, Timeline
+
+    with pytest.warns(DeprecationWarning, match=rf"pplab.trace.{old} is now {new}"):
+        value = getattr(pplab.trace, old)
+    assert value is {"Event": Event, "Timeline": Timeline, "COMM_KINDS": COMM_EVENT_KINDS}[old]
+
+
+@pytest.mark.quick
+def test_an_events_communication_kinds_are_the_schedules_messages_and_the_collectives():
+    from pplab.schedules import COMM_KINDS
+    from pplab.trace import COLLECTIVE_KINDS, COMM_EVENT_KINDS
+
+    assert COMM_EVENT_KINDS == {kind.value for kind in COMM_KINDS} | COLLECTIVE_KINDS

@@ -256,7 +256,7 @@ def _watched_step(rank, world_size, spec, data):
 
 def test_a_watcher_is_told_each_start_and_each_event_as_the_step_goes():
     from pplab.trace import Now
-    from pplab.trace import Event
+    from pplab import Event
 
     spec = PipelineSpec.create(CONFIG, "1f1b", 2, 3)
     data = split_for_ranks(spec, next(batches(MICROBATCH_SIZE * 3, SEQ_LEN)))

@@ -7,7 +7,7 @@ import pytest
 
 from pplab.schedules import Schedule, ScheduleError, build, from_text, theory
 from pplab.simulator import Costs, DeadlockError, simulate
-from pplab.trace import Event, Timeline
+from pplab import Event, Timeline
 
 pytestmark = pytest.mark.quick  # starts no process (conftest makes sure)
 

@@ -5,7 +5,7 @@ import pickle
 
 import pytest
 
-from pplab.trace import Event, Timeline
+from pplab import Event, Timeline
 
 pytestmark = pytest.mark.quick  # starts no process (conftest makes sure)
 

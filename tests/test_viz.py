@@ -14,7 +14,7 @@ import pplab  # noqa: E402
 from pplab import viz  # noqa: E402
 from pplab.schedules import build, theory  # noqa: E402
 from pplab.simulator import Costs, simulate  # noqa: E402
-from pplab.trace import Event, Timeline  # noqa: E402
+from pplab import Event, Timeline  # noqa: E402
 
 pytestmark = pytest.mark.quick  # starts no process (conftest makes sure)
 
@@ -156,7 +156,7 @@ def test_plot_bubbles_measured_against_theory(tmp_path):
 def test_public_names():
     assert pplab.simulate is simulate and pplab.Costs is Costs
     assert pplab.Event is Event and pplab.Timeline is Timeline
-    assert pplab.trace.Timeline is Timeline and pplab.viz is viz
+    assert pplab.viz is viz and not {"Event", "Timeline"} & set(pplab.trace.__all__)  # one path: the top
 
 
 # ---------------------------------------------------------------- layering
