@@ -137,3 +137,15 @@ def test_an_events_communication_kinds_are_the_schedules_messages_and_the_collec
     from pplab.trace import COLLECTIVE_KINDS, COMM_EVENT_KINDS
 
     assert COMM_EVENT_KINDS == {kind.value for kind in COMM_KINDS} | COLLECTIVE_KINDS
+
+
+@pytest.mark.quick
+@pytest.mark.parametrize("module", ["pplab.cluster", "pplab.session"])
+def test_one_lab_a_user_sees_the_others_say_where_it_is(module):
+    from pplab.drivers.cluster.lab import Lab as ClusterLab
+
+    public = importlib.import_module(module)
+    assert "Lab" not in public.__all__ and "Lab" in pplab.__all__
+    with pytest.warns(DeprecationWarning, match=rf"{module}.Lab is now pplab.Lab"):
+        old = public.Lab
+    assert issubclass(pplab.Lab, old) and issubclass(old, ClusterLab)

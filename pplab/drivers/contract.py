@@ -1,7 +1,7 @@
 """The contract of a driver of ranks: what a session (a pipeline, the dashboard, the faults) may
 ask of the ranks, whichever driver started them.
 
-Three drivers keep it: the lab (`pplab.cluster.Lab`, ipyparallel engines), the pool of local
+Three drivers keep it: the lab (`pplab.drivers.cluster.lab.Lab`, ipyparallel engines; `pplab.Lab` adds pipelines), the pool of local
 processes (`pplab.drivers.local.RankPool`) and torchrun's processes (`TorchrunRanks`); a new
 driver (a batch scheduler's job, a remote pool) is usable by every session once it keeps it.
 `tests/test_contract.py` checks the three against it.

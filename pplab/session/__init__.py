@@ -30,10 +30,11 @@ _EXPORTS = {"Lab": "pplab.session.drivers", "RankPool": "pplab.session.drivers",
             **{name: "pplab.rank.rank_context"
                for name in ("RankError", "RankFailedError", "RankDiedError", "RankTimeoutError")}}
 
-__all__ = list(_EXPORTS)
+__all__ = [name for name in _EXPORTS if name != "Lab"]  # one Lab a user sees: pplab.Lab
 
 
 _RENAMED = {"PipelineRun": "Pipeline"}  # the last release's names, kept for one release
+_MOVED = {"Lab": "pplab.Lab"}  # ... and names that moved, the same
 
 
 def __getattr__(name: str):
@@ -42,6 +43,11 @@ def __getattr__(name: str):
 
         warn_renamed("pplab.session", name, _RENAMED[name])
         return __getattr__(_RENAMED[name])
+    if name in _MOVED:
+        import warnings
+
+        warnings.warn(f"pplab.session.{name} is now {_MOVED[name]} (with live views); pplab.session.{name} works "
+                      "until the next release", DeprecationWarning, stacklevel=2)
     if name not in _EXPORTS:
         raise AttributeError(f"module 'pplab.session' has no attribute {name!r}")
     return getattr(_importlib.import_module(_EXPORTS[name]), name)

@@ -1,6 +1,6 @@
 """The drivers as a session uses them: a lab and a pool of ranks that build pipelines.
 
-`Lab` is the ipyparallel lab (`pplab.cluster.Lab`), `RankPool` the pool of local
+`Lab` is the ipyparallel lab (`pplab.drivers.cluster.lab.Lab`), `RankPool` the pool of local
 processes (`pplab.drivers.local.RankPool`) and `TorchrunRanks` the processes torchrun started
 (`pplab.drivers.torchrun`: in a script, this process is one rank), each with `pipeline(...)`,
 which builds a `Pipeline` on its ranks. The drivers themselves know nothing of pipelines. (`pplab.Lab`

@@ -28,7 +28,7 @@ from pplab.drivers.cluster.status import RankInfo, RankTable
 from pplab.rank.rank_context import RankContext, RankEvent, publish, rank_context
 
 __all__ = [
-    "Lab", "cleanup", "gpus_for_seat", "NamespaceHosts", "publish", "rank_context", "RankContext", "RankCall", "RankEvent",
+    "cleanup", "gpus_for_seat", "NamespaceHosts", "publish", "rank_context", "RankContext", "RankCall", "RankEvent",
     "RankInfo", "RankTable", "LabError", "LabStartError", "LabNeedsRestartError",
     "RankFailedError", "RankDiedError", "RankTimeoutError",
 ]
@@ -38,6 +38,11 @@ _IMPORTED_WHEN_USED = {"Lab": "pplab.drivers.cluster.lab", "RankCall": "pplab.dr
 
 
 def __getattr__(name: str):
+    if name == "Lab":  # one Lab a user sees: pplab.Lab (this one, without pipelines, is the driver beneath it)
+        import warnings
+
+        warnings.warn("pplab.cluster.Lab is now pplab.Lab (the same lab, with pipelines and live views); "
+                      "pplab.cluster.Lab works until the next release", DeprecationWarning, stacklevel=2)
     if name in _IMPORTED_WHEN_USED:
         return getattr(importlib.import_module(_IMPORTED_WHEN_USED[name]), name)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
