@@ -29,7 +29,6 @@ def demo(args: argparse.Namespace) -> int:
     import torch
 
     from pplab.views import viz
-    from pplab.rank.checks import check_gradient_flow, compare_with_reference
     from pplab.data import batches
     from pplab.drivers.torchrun import TorchrunRanks, under_torchrun
     from pplab.model import LlamaConfig, build_model
@@ -62,23 +61,26 @@ def demo(args: argparse.Namespace) -> int:
         print(f"starting {args.n_ranks} ranks and running {len(specs)} schedules on them ...", flush=True)
     # No optimizer: every step must give the first step's loss and the reference's gradients;
     # a step that differs shows state left over from the one before (gradients not zeroed, ...).
+    # Each step is the session's parity and gradient-flow check, against one reference step.
+    reference = reference_step(config, batch, args.n_microbatches, seed=args.seed)
     with (TorchrunRanks() if under_torchrun() else RankPool(args.n_ranks)) as ranks:
         pipes = []
         for spec in specs:
-            pipe = Pipeline(ranks, spec)
-            pipes.append((pipe, [pipe.step(batch, return_grads=True) for _ in range(args.steps)]))
+            pipe, steps = Pipeline(ranks, spec), []
+            for _ in range(args.steps):
+                parity = pipe.check_parity(batch, reference=reference)
+                steps.append((pipe.last, parity, pipe.check_gradient_flow()))
+            pipes.append((pipe, steps))
             pipe.close()
     if not speaker:
         return 0
     print(f"done in {time.perf_counter() - started:.1f} s")
-    reference = reference_step(config, batch, args.n_microbatches, seed=args.seed)
     failures, schedules = 0, []
-    for pipe, results in pipes:
+    for pipe, steps in pipes:
         spec = pipe.spec
         name = f"torch-{spec.schedule.name}" if spec.impl == "torch" else spec.schedule.name
         costs = spec.timing
-        parities = [compare_with_reference(r.loss, r.grads, reference) for r in results]
-        flows = [check_gradient_flow(r.grad_stats, reference.grads) for r in results]
+        results, parities, flows = (list(column) for column in zip(*steps))
         losses = [r.loss for r in results]
         repeatable = all(loss == losses[0] for loss in losses)
         parity_ok, flow_ok = all(p.passed for p in parities), all(f.passed for f in flows)

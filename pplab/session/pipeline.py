@@ -24,7 +24,7 @@ from pplab.rank.mesh import Mesh, MemoryTable
 from pplab.model import LlamaConfig
 from pplab.rank.rank_context import RankError, StillRunning
 from pplab.rank.rank_pipeline import PipelineSpec, StepResult, merge_steps, split_for_ranks
-from pplab.rank.reference import reference_step
+from pplab.rank.reference import ReferenceResult, reference_step
 from pplab.schedules import Schedule
 from pplab.session.on_rank import (RANK_ITEMS, build_on_rank, drop_on_rank, memory_on_rank, step_on_rank,
                                    train_on_rank)
@@ -195,13 +195,17 @@ class Pipeline:
         return ProgressBar(total_steps, first_step) if show else _NoDisplay()
 
     def check_parity(self, batch: Batch | Sequence[Batch] | None = None, loss_rtol: float = 1e-6,
-                     grad_atol: float = 1e-5) -> ParityReport:
-        """Run a step and compare its loss and every gradient with the single-device reference."""
+                     grad_atol: float = 1e-5, *, reference: ReferenceResult | None = None) -> ParityReport:
+        """Run a step and compare its loss and every gradient with the single-device reference.
+
+        `reference`: that step computed once already (`pplab.reference_step` on the same batch and
+        seed), for several pipelines checked against one device; the step itself is in `self.last`."""
         batch = self.default_batch() if batch is None else batch
         result = self.step(batch, return_grads=True)
-        reference = reference_step(self.config, batch, None if isinstance(batch, list)
-                                   else self.schedule.n_microbatches * self.spec.replicas,
-                                   seed=self.spec.seed)
+        if reference is None:
+            reference = reference_step(self.config, batch, None if isinstance(batch, list)
+                                       else self.schedule.n_microbatches * self.spec.replicas,
+                                       seed=self.spec.seed)
         return compare_with_reference(result.loss, result.grads, reference, loss_rtol, grad_atol)
 
     def check_gradient_flow(self, batch: Batch | Sequence[Batch] | None = None) -> GradientFlowReport:
