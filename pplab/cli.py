@@ -272,7 +272,7 @@ def train_command(args: argparse.Namespace) -> int:
     if os.environ.get("RANK", "0") == "0":
         where = "ranks started by torchrun" if under_torchrun() else "local ranks (gloo)"
         print(f"pplab train: {spec.schedule.name} ({config.impl}) on {spec.world_size} {where}, "
-              f"{config.microbatches} microbatches, "
+              f"{config.n_microbatches} microbatches, "
               + (f"{config.epochs} epochs" if config.epochs else f"{config.steps} steps")
               + (f", resuming from {config.resume}" if config.resume else ""), flush=True)
     started = time.perf_counter()
@@ -307,8 +307,7 @@ def run_config(args: argparse.Namespace):
     n_ranks = int(os.environ["WORLD_SIZE"]) if under_torchrun() else args.n_ranks
     pp = stages_of(n_ranks, args.dp, args.tp, said="--dp {dp} x --tp {tp}")
     same = {name: getattr(args, name) for name in RunConfig.names() if hasattr(args, name)}
-    return RunConfig(**{**same, "pp": pp, "microbatches": args.n_microbatches,
-                        "virtual_stages": args.n_virtual, "clip": args.clip or None})
+    return RunConfig(**{**same, "pp": pp, "clip": args.clip or None})
 
 
 def _betas(text: str) -> tuple[float, float]:
@@ -319,10 +318,6 @@ def _betas(text: str) -> tuple[float, float]:
 
 
 # --- pplab train --config: a TOML file of the same options ---------------------------------------
-
-# RunConfig's names that the command line spells otherwise (pp: the flag gives pp x dp x tp ranks).
-FLAG_OF = {"microbatches": "n_microbatches", "virtual_stages": "n_virtual"}
-
 
 def _with_config(parser: argparse.ArgumentParser, argv: list[str] | None, path: str) -> argparse.Namespace:
     """The arguments with a TOML file's values (a `RunConfig`'s fields) as defaults: a flag given on
@@ -336,9 +331,8 @@ def _with_config(parser: argparse.ArgumentParser, argv: list[str] | None, path: 
     actions = {a.dest: a for a in train._actions}
     values = {}
     for key, value in flattened(tomllib.loads(Path(path).read_text(encoding="utf-8"))).items():
-        name = ALIASES.get(key, key).replace("-", "_")
-        dest = FLAG_OF.get(name, name)
-        flag = actions.get("n_ranks" if dest == "pp" else dest)
+        dest = ALIASES.get(key, key).replace("-", "_")
+        flag = actions.get("n_ranks" if dest == "pp" else dest)  # pp: the flag gives pp x dp x tp ranks
         values[dest] = _converted(flag, key, value, path) if flag else value  # a few have no flag (eval_batches)
     pp = values.pop("pp", None)
     train.set_defaults(**values)
@@ -654,7 +648,7 @@ def build_parser() -> argparse.ArgumentParser:
                            help="layers per stage, e.g. 3,5 (default: as even as possible)")
     run_train.add_argument("--config", default=None,
                            help="a TOML file of these options (names with _ instead of -; seed 003's pp, dp, "
-                                "tp, schedule, virtual_stages, microbatches, balance too); flags win")
+                                "tp, schedule, virtual_stages, microbatches, balance read too); flags win")
     run_train.add_argument("--print-config", action="store_true",
                            help="print the resolved options as TOML and start nothing")
     run_train.set_defaults(handler=train_command)

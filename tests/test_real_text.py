@@ -110,7 +110,7 @@ def test_a_config_file_reads_seed_003s_names_and_refuses_unknown_keys(capsys, tm
 
     assert main(["train", "--config", str(config), "--print-config"]) == 0
     printed = capsys.readouterr().out
-    for line in ('pp = 2', 'schedule = "interleaved_1f1b"', 'virtual_stages = 2', 'microbatches = 4',
+    for line in ('pp = 2', 'schedule = "interleaved_1f1b"', 'n_virtual = 2', 'n_microbatches = 4',  # canonical names
                  'lr = 0.001', 'min_lr = 0.0', 'betas = [0.9, 0.99]'):
         assert line in printed.splitlines(), line
     # What it prints is a config file that reads back the same; a flag wins over the file.
@@ -124,7 +124,7 @@ def test_a_config_file_reads_seed_003s_names_and_refuses_unknown_keys(capsys, tm
     assert code == 2 and "unknown key 'stepz'; the keys are " in err and "batch_size" in err
     # The configuration is one dataclass, RunConfig: what --print-config writes, it reads back.
     read = pplab.run.RunConfig.from_toml(tmp_path / "printed.toml")
-    assert (read.pp, read.virtual_stages, read.microbatches, read.betas) == (2, 2, 4, (0.9, 0.99))
+    assert (read.pp, read.n_virtual, read.n_microbatches, read.betas) == (2, 2, 4, (0.9, 0.99))
     assert printed.endswith(read.to_toml())
 
 

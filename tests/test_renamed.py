@@ -89,13 +89,13 @@ def test_every_public_module_imports_by_its_short_name(short):
 def test_pplab_train_and_run_train_start_from_the_same_defaults():
     """Each `pplab train` flag's default is its RunConfig field's (the flags are written apart from
     the fields, so that `pplab --help` loads no torch: this keeps the two from drifting again)."""
-    from pplab.cli import FLAG_OF, build_parser
+    from pplab.cli import build_parser
     from pplab.session.run import RunConfig
 
     flags = {action.dest: action for action in build_parser().train_parser._actions}
     walked = []
     for field in dataclasses.fields(RunConfig):
-        flag = flags.get(FLAG_OF.get(field.name, field.name))
+        flag = flags.get(field.name)  # one name: the field's is the flag's
         if flag is None:  # pp: from --n-ranks, --dp and --tp; eval_batches: TOML and Python only
             continue
         assert flag.default == field.default, (field.name, flag.default, field.default)
@@ -149,3 +149,19 @@ def test_one_lab_a_user_sees_the_others_say_where_it_is(module):
     with pytest.warns(DeprecationWarning, match=rf"{module}.Lab is now pplab.Lab"):
         old = public.Lab
     assert issubclass(pplab.Lab, old) and issubclass(old, ClusterLab)
+
+
+@pytest.mark.quick
+def test_run_configs_last_release_names_still_work_and_files_keep_seed_003s():
+    from pplab.session.run import RunConfig
+
+    with pytest.warns(DeprecationWarning) as seen:
+        config = RunConfig(microbatches=8, virtual_stages=2, schedule="interleaved-1f1b")
+    assert sorted(str(w.message).split(";")[0] for w in seen) == [
+        "RunConfig.__init__(microbatches=...) is now n_microbatches=...",
+        "RunConfig.__init__(virtual_stages=...) is now n_virtual=..."]
+    assert (config.n_microbatches, config.n_virtual) == (8, 2)
+    with pytest.warns(DeprecationWarning, match="RunConfig.virtual_stages is now RunConfig.n_virtual"):
+        assert config.virtual_stages == 2
+    read = RunConfig.of({"parallel": {"microbatches": 8, "virtual_stages": 2}})  # seed 003's, quietly
+    assert (read.n_microbatches, read.n_virtual) == (8, 2) and "n_microbatches = 8" in read.to_toml()

@@ -1,7 +1,8 @@
 """One training run from one configuration: what `pplab train` does, as a function.
 
-`RunConfig` holds every option of a run: the model, the parallel layout in seed 003's names
-(`pp`, `dp`, `tp`, `schedule`, `virtual_stages`, `microbatches`, `balance`), the stages' dtype,
+`RunConfig` holds every option of a run: the model, the parallel layout (`pp`, `dp`, `tp`, the
+mesh's names; `schedule`, `n_microbatches`, `n_virtual`, `balance`, the names `lab.pipeline` and
+the flags use; seed 003's `microbatches` and `virtual_stages` are read too), the stages' dtype,
 and every field of `TrainOptions` (the optimizer, the schedule of the learning rate, the
 data, the checkpoints). `train(config, **keywords)` starts the ranks (local processes, or
 the processes torchrun started) and trains; `pplab train` builds the same configuration
@@ -17,14 +18,14 @@ from collections.abc import Sequence
 from dataclasses import dataclass, fields
 from pathlib import Path
 
-from pplab.arguments import check_positive_int
+from pplab.arguments import check_positive_int, renamed_keywords, warn_renamed
 from pplab.rank.train import TrainHistory, TrainOptions
 
 __all__ = ["RunConfig", "train"]
 
-# The command line's names for two of them (a schedule's name may be spelled as seed 003 does,
-# "interleaved_1f1b": pplab.schedules.schedule_name reads every spelling).
-ALIASES = {"n_microbatches": "microbatches", "n_virtual": "virtual_stages"}
+# Seed 003's names for two of them, read in files and dicts and shown as the canonical name (a
+# schedule's name may be spelled as seed 003 does, "interleaved_1f1b": schedule_name reads every spelling).
+ALIASES = {"microbatches": "n_microbatches", "virtual_stages": "n_virtual"}
 
 
 @dataclass(frozen=True)
@@ -37,8 +38,8 @@ class RunConfig(TrainOptions):
     tp: int = 1                      # tensor-parallel ranks (a mesh; impl="torch")
     schedule: str = "1f1b"
     impl: str = "pplab"
-    microbatches: int = 4            # per pipeline per step
-    virtual_stages: int = 1          # stages per rank
+    n_microbatches: int = 4          # per pipeline per step
+    n_virtual: int = 1               # stages per rank
     balance: Sequence[int] | None = None
     param_dtype: str = "float32"
     seed: int = 0                    # the model's initialisation
@@ -49,7 +50,7 @@ class RunConfig(TrainOptions):
             object.__setattr__(self, "clip", None)
         if self.balance is not None:
             object.__setattr__(self, "balance", tuple(self.balance))
-        for name in ("pp", "dp", "tp", "microbatches", "virtual_stages"):
+        for name in ("pp", "dp", "tp", "n_microbatches", "n_virtual"):
             check_positive_int(f"RunConfig.{name}", getattr(self, name), example=2)
 
     @classmethod
@@ -106,6 +107,18 @@ class RunConfig(TrainOptions):
         return "\n".join(lines) + "\n"
 
     @property
+    def microbatches(self) -> int:
+        """The last release's name of `n_microbatches` (one more release, with a DeprecationWarning)."""
+        warn_renamed("RunConfig", "microbatches", "n_microbatches")
+        return self.n_microbatches
+
+    @property
+    def virtual_stages(self) -> int:
+        """The last release's name of `n_virtual` (one more release, with a DeprecationWarning)."""
+        warn_renamed("RunConfig", "virtual_stages", "n_virtual")
+        return self.n_virtual
+
+    @property
     def n_ranks(self) -> int:
         """The ranks the run takes: pp x dp x tp."""
         return self.pp * self.dp * self.tp
@@ -122,9 +135,13 @@ class RunConfig(TrainOptions):
         pp = stages_of(n_ranks, self.dp, self.tp)
         mesh = {"pp": pp, "dp": self.dp, "tp": self.tp} if self.dp > 1 or self.tp > 1 else None
         vocabulary = _vocabulary(self.tokenizer, self.vocab_size)
-        return PipelineSpec.create(model_of(self.model, vocabulary), self.schedule, n_ranks, self.microbatches,
-                                   self.virtual_stages, impl=self.impl, seed=self.seed, mesh=mesh,
+        return PipelineSpec.create(model_of(self.model, vocabulary), self.schedule, n_ranks, self.n_microbatches,
+                                   self.n_virtual, impl=self.impl, seed=self.seed, mesh=mesh,
                                    balance=self.balance, param_dtype=self.param_dtype)
+
+
+# RunConfig(microbatches=4), the last release's keywords: one more release, with a DeprecationWarning.
+RunConfig.__init__ = renamed_keywords(**ALIASES)(RunConfig.__init__)
 
 
 def stages_of(n_ranks: int, dp: int, tp: int, said: str = "dp={dp} x tp={tp}") -> int:
