@@ -1,6 +1,6 @@
 """Room capacity: how many attendees' 2-rank labs this machine runs at once with every verdict right.
 
-Each seat is `pplab.views.drill`'s: a process with a 2-rank CPU lab that checks gpipe, 1F1B and
+Each seat is `pplab.course.drill`'s: a process with a 2-rank CPU lab that checks gpipe, 1F1B and
 ZB-H1 against one device with their gradient flow, explains three timing-mode steps whose stage 1
 is four times slower (the straggler must be rank 1), and trains 10 steps. The bench runs 1 seat
 alone, then 2, 3, 4, ... at once, and stops after the first count with a wrong verdict or whose
@@ -32,7 +32,7 @@ def main() -> None:
     parser.add_argument("--out", default=RESULT_PATH, help=f"where the JSON goes (default {RESULT_PATH})")
     args = parser.parse_args()
     from pplab.machine import measure_load
-    from pplab.views.drill import drill, drill_table
+    from pplab.course.drill import drill, drill_table
 
     machine = measure_load()
     print(f"the machine: {machine.describe()}")
@@ -53,7 +53,7 @@ def main() -> None:
           f"{args.max_slowdown:g}x slower than alone")
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
     with open(args.out, "w") as file:
-        json.dump({"benchmark": "room capacity (pplab.views.drill)", "machine": platform.platform(),
+        json.dump({"benchmark": "room capacity (pplab.course.drill)", "machine": platform.platform(),
                    "cores": machine.cores, "load_before": load(), "machine_load": machine.describe(),
                    "max_slowdown": args.max_slowdown, "capacity": capacity,
                    "drills": [{**r.to_json(), "slowdown": (statistics.median(r.seat_seconds) / alone

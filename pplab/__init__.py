@@ -7,7 +7,8 @@ The folders are the floors; lower floors never import higher ones:
                              checks, checkpoints, training
     pplab/drivers/           where ranks live: local processes, torchrun, a cluster of engines
     pplab/session/           the client side of a pipeline, over any driver
-    pplab/views/             pictures, live widgets, the course's exercises
+    pplab/course/            the workshop: the exercises' checkers, the room, its drill
+    pplab/views/             pictures, live widgets, the notebook's Lab
     pplab/cli.py             the `pplab` command
 
 Every name below loads its module on first use: `import pplab` is instant, and
@@ -60,7 +61,7 @@ _EXPORTS = {
 _MODULES = {
     "model": "pplab.model", "data": "pplab.data", "schedules": "pplab.schedules", "trace": "pplab.trace",
     "simulator": "pplab.simulator", "comm": "pplab.comm", "viz": "pplab.views.viz", "widgets": "pplab.views.widgets",
-    "exercises": "pplab.views.exercises", "checks": "pplab.rank.checks", "checkpoint": "pplab.rank.checkpoint",
+    "exercises": "pplab.course.exercises", "checks": "pplab.rank.checks", "checkpoint": "pplab.rank.checkpoint",
     "train": "pplab.rank.train", "mesh": "pplab.rank.mesh", "faults": "pplab.rank.faults",
     "cluster": "pplab.drivers.cluster", "session": "pplab.session",
     "hf": "pplab.hf",  # Hugging Face models as stages (pip install 'pplab[hf]')
@@ -79,7 +80,8 @@ if _TYPE_CHECKING:  # what static checkers and editors see
     from pplab.drivers import cluster
     from pplab.session import run
     from pplab.rank import checkpoint, checks, faults, mesh, train
-    from pplab.views import exercises, viz, widgets
+    from pplab.course import exercises
+    from pplab.views import viz, widgets
     from pplab.rank.checkpoint import load_model
     from pplab.drivers.cluster import cleanup
     from pplab.rank.mesh import Mesh

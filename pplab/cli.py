@@ -378,19 +378,19 @@ def cleanup(args: argparse.Namespace) -> int:
 
 
 def room_command(args: argparse.Namespace) -> int:
-    """Serve the room (every attendee's lab and exercise verdicts, pplab.room) as a page on loopback."""
+    """Serve the room (every attendee's lab and exercise verdicts, pplab.course.room) as a page on loopback."""
     import http.server
     import json as json_module
 
-    import pplab.room as room
-    from pplab.views.exercises import EXERCISES
+    from pplab.course import room
+    from pplab.course.exercises import EXERCISES
 
     if args.drill is not None:
         return _drill(args.drill)
     if args.folder is None:
         raise ValueError("pplab room: give the room's FOLDER to serve, or --drill N to measure the room")
     try:
-        room.make_room(args.folder)  # writable by every attendee, sticky (pplab.room.make_room)
+        room.make_room(args.folder)  # writable by every attendee, sticky (pplab.course.room.make_room)
     except OSError as error:
         raise ValueError(f"{args.folder}: cannot make the room there ({error.strerror}); give a folder "
                          f"you may create") from None
@@ -441,7 +441,7 @@ def room_command(args: argparse.Namespace) -> int:
 def _drill(seats: int) -> int:
     """One seat alone, then `seats` at once: every verdict right, and what the crowd costs a seat."""
     from pplab.machine import measure_load
-    from pplab.views.drill import drill, drill_table
+    from pplab.course.drill import drill, drill_table
 
     print(f"pplab room --drill {seats}: on {measure_load().describe()}")
     results = []
@@ -455,7 +455,7 @@ def _drill(seats: int) -> int:
 def _room_page(seats, exercises, folder, refresh: float) -> str:
     import html as html_module
 
-    import pplab.room as room
+    from pplab.course import room
 
     return (f"<!doctype html><html><head><meta charset='utf-8'><meta http-equiv='refresh' content='{refresh:g}'>"
             f"<title>pplab room</title><style>body{{font-family:sans-serif;margin:20px}}</style>{room.TABLE_STYLE}"
@@ -676,7 +676,7 @@ def build_parser() -> argparse.ArgumentParser:
     run_room.add_argument("folder", nargs="?", help="the room's folder (the attendees' PPLAB_ROOM; made if missing)")
     run_room.add_argument("--drill", type=_positive_int, metavar="N",
                           help="instead: measure this machine's room, one seat alone then N seats at once, "
-                               "each an attendee's lessons on a 2-rank lab (pplab.views.drill)")
+                               "each an attendee's lessons on a 2-rank lab (pplab.course.drill)")
     run_room.add_argument("--port", type=int, default=8765, help="loopback port (default 8765; 0: any free one)")
     run_room.add_argument("--refresh", type=functools.partial(_number, positive=True), default=3.0,
                           help="seconds between the page's reloads (default 3)")

@@ -25,7 +25,7 @@ ATTENDEE = """
 import json, sys, time
 from pathlib import Path
 import pplab
-from pplab.views.drill import SLOW_STAGE
+from pplab.course.drill import SLOW_STAGE
 
 seat, folder = sys.argv[1], Path(sys.argv[2])
 

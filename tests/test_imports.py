@@ -25,7 +25,7 @@ CORE = ["pplab.arguments", "pplab.model", "pplab.data", "pplab.schedules", "ppla
         "pplab.rank.checkpoint", "pplab.checkpoint_files", "pplab.rank.train", "pplab.rank.mesh", "pplab.rank.profiler",
         "pplab.rank.faults", "pplab.rank.rank_context", "pplab.rank.tied", "pplab.hf", "pplab.traced", "pplab.text",
         "pplab.session.on_rank"]  # train and the session's rank side run under torchrun: no Jupyter either
-UPPER_FLOORS = ["ipyparallel", "IPython", "ipywidgets", "matplotlib", "pplab.drivers.cluster",
+UPPER_FLOORS = ["ipyparallel", "IPython", "ipywidgets", "matplotlib", "pplab.drivers.cluster", "pplab.course",
                 "pplab.views",
                 "transformers", "safetensors", "tokenizers", "datasets"]  # the hf extra: loaded on its path only, even by pplab.hf
 PURE_PYTHON = ["pplab", "pplab.schedules", "pplab.timeline", "pplab.trace", "pplab.profiled", "pplab.formatting",

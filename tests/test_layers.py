@@ -13,12 +13,12 @@ pytestmark = pytest.mark.quick  # starts no process (conftest makes sure)
 
 PACKAGE = Path(pplab.__file__).parent
 # The core's own two floors (DESIGN.md): data types and schedules, then what computes on them.
-CORE_FLOORS = {"_version": 1, "arguments": 1, "room": 1, "model": 1, "data": 1, "timeline": 1, "formatting": 1, "checkpoint_files": 1,
+CORE_FLOORS = {"_version": 1, "arguments": 1, "model": 1, "data": 1, "timeline": 1, "formatting": 1, "checkpoint_files": 1,
                "schedules": 1, "hf": 1, "traced": 1, "text": 1, "partition": 2, "simulator": 2, "prediction": 2,
                "schedule_search": 2, "list_scheduling": 2, "zero_bubble_heuristic": 2, "comm": 2, "profiled": 2, "trace": 2, "bubble": 2,
                "straggler": 2, "machine": 1}
-FOLDER_FLOORS = {"rank": 3, "drivers": 4, "session": 5, "views": 6}
-COMMAND = 7  # cli.py and __main__.py: the `pplab` command
+FOLDER_FLOORS = {"rank": 3, "drivers": 4, "session": 5, "course": 6, "views": 7}
+COMMAND = 8  # cli.py and __main__.py: the `pplab` command
 
 
 def module_name(path: Path) -> str:

@@ -17,7 +17,7 @@ import time
 
 import pytest
 
-from pplab import room
+from pplab.course import room
 
 ATTENDEE = textwrap.dedent("""
     import sys

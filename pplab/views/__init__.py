@@ -1,4 +1,5 @@
-"""Floor 6, what people look at: `viz` (matplotlib pictures of timelines, memory, bubbles,
-training), `widgets` (the live dashboard, the what-if panel, the training view) and
-`exercises` (the course's checkers).
+"""Floor 7, what people look at: `viz` (matplotlib pictures of timelines, memory, bubbles,
+training), `widgets` (the live dashboard, the what-if panel, the training view, the room's table)
+and `lab` (`pplab.Lab`: a lab whose pipelines show their training live, and whose record goes
+to the instructor's room).
 """

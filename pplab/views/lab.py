@@ -6,8 +6,12 @@
 
 from __future__ import annotations
 
+import os
+import socket
+import time
 from collections.abc import Sequence
 
+from pplab.course import room
 from pplab.data import Batch
 from pplab.session.drivers import Lab as _SessionLab
 from pplab.session.pipeline import Pipeline
@@ -42,6 +46,21 @@ class NotebookPipeline(Pipeline):
 class Lab(_SessionLab):
     __doc__ = _SessionLab.__doc__
     pipeline_class = NotebookPipeline
+    _told_the_room = 0.0  # when this lab last wrote its record in the room (monotonic seconds)
+
+    def _changed(self, state: str) -> None:
+        """Where an instructor set PPLAB_ROOM: this lab's record in the room (pplab.course.room),
+        written as it starts, restarts and stops, and while the attendee works (a call at most
+        every ACTIVITY_EVERY seconds). One record per lab object, across its restarts."""
+        if state == "called" and time.monotonic() - self._told_the_room <= room.ACTIVITY_EVERY:
+            return
+        self._told_the_room = time.monotonic()
+        if room.room_folder() is None:
+            return
+        here = socket.gethostname()
+        room.record_lab(f"{os.getpid()}-{id(self):x}", state="running" if state == "called" else state,
+                        device=self.device, n_ranks=self.world_size, gpus=self.gpus,
+                        pids=[pid for host, pid in self.rank_processes if host == here])
 
 
 def _in_notebook() -> bool:

@@ -25,7 +25,6 @@ from dataclasses import replace
 from collections.abc import Sequence
 from typing import Callable, Iterator
 
-import pplab.room as room
 from pplab.arguments import OP_TIMEOUT, check_positive_int, check_positive_seconds, renamed_keywords
 from pplab.drivers.cluster import engine, records
 from pplab.drivers.cluster.calls import RankCall
@@ -205,8 +204,6 @@ class Lab:
         self._activate = activate
         self._verbose = verbose
         self._gpus: tuple[int, ...] | None = None  # the ranks' CUDA devices, if chosen
-        self._told_the_room = 0.0  # when this lab last wrote its record in the room (monotonic seconds)
-        self._room_id = f"{os.getpid()}-{id(self):x}"  # one record per lab object, across its restarts
         self._cores: tuple[int, ...] | None = None  # the ranks' cores, if pinned
         self._view = None
         self._ranks = RankGroup([], {})
@@ -233,7 +230,7 @@ class Lab:
             raise
         if self._activate:
             self.activate()
-        self._tell_the_room("running")
+        self._changed("running")
         progress.finish(f"lab ready: {self.world_size} ranks, {self.backend} on {self.device}")
 
     def _start_wait(self) -> float:
@@ -421,19 +418,18 @@ class Lab:
         # Through engine.call_on_rank: it tells the client when fn's error broke the process group.
         running = self._view.apply_async(engine.call_on_rank, fn, *args, **kwargs)
         self._last_call = RankCall(self._ranks, running, name, timeout, self.grace)
-        if time.monotonic() - self._told_the_room > room.ACTIVITY_EVERY:
-            self._tell_the_room("running")  # the attendee is at work
+        self._changed("called")
         return self._last_call
 
-    def _tell_the_room(self, state: str) -> None:
-        """Where an instructor set PPLAB_ROOM: this lab's record in the room (pplab.room)."""
-        self._told_the_room = time.monotonic()
-        if room.room_folder() is None:
-            return
-        here = socket.gethostname()
-        gpus = list(self._gpus) if self._gpus else list(range(self.world_size)) if self.device == "cuda" else []
-        room.record_lab(self._room_id, state=state, device=self.device, n_ranks=self.world_size,
-                        gpus=gpus, pids=[pid for host, pid in self.rank_processes if host == here])
+    def _changed(self, state: str) -> None:
+        """The lab's life, for the floors above to follow: "running" (started or restarted), "called"
+        (a call started), "restarting", "stopped". The driver itself does nothing with it (the
+        notebook's Lab, pplab.Lab, writes its record in the instructor's room)."""
+
+    @property
+    def gpus(self) -> list[int]:
+        """The CUDA devices of the ranks ([] on CPU)."""
+        return list(self._gpus) if self._gpus else list(range(self.world_size)) if self.device == "cuda" else []
 
     @property
     def rank_processes(self) -> tuple[tuple[str, int], ...]:
@@ -474,7 +470,7 @@ class Lab:
     def restart(self) -> None:
         """Replace every engine by a fresh one, reassign ranks and re-initialise the process group."""
         self._launcher.check_restart(stopped=self._stopped)  # refuses before anything changes
-        self._tell_the_room("restarting")  # its processes are about to go: not dead
+        self._changed("restarting")  # its processes are about to go: not dead
         self._bring_up(self._launcher.restart, "restart")
 
     def stop(self) -> None:
@@ -501,7 +497,7 @@ class Lab:
         _running_labs.discard(self)
         self._launcher.stop(kill)
         if was_running:
-            self._tell_the_room("stopped")
+            self._changed("stopped")
 
     def __del__(self) -> None:
         # A running lab nobody refers to any more (e.g. a start cell run twice) must not

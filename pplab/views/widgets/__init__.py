@@ -5,7 +5,7 @@ work. Each panel also works alone, on static or simulated timelines:
 `TimelineView`, `BubblesView`, `ShapesView`, `GradientsView`, `MemoryView`,
 `WhereView`, `WhatIf`, the simulator under sliders, and `TrainingView`, a training run's
 progress, loss curves and latest step. `RoomView(folder)` is an instructor's: every attendee's
-lab and exercise verdicts (pplab.room).
+lab and exercise verdicts (pplab.course.room).
 """
 
 from pplab.views.widgets.panels import (BubblesView, GradientsView, MemoryView, ShapesView, TimelineView,

@@ -1,6 +1,6 @@
 """The instructor's view of the room in a notebook: every attendee's lab and exercise verdicts, kept fresh.
 
-What it shows is what the attendees' labs and checkers wrote to the room's folder (`pplab.room`);
+What it shows is what the attendees' labs and checkers wrote to the room's folder (`pplab.course.room`);
 `pplab room FOLDER` serves the same table as a page on loopback.
 """
 
@@ -11,7 +11,7 @@ import html
 
 import ipywidgets as widgets
 
-import pplab.room as room
+from pplab.course import room
 
 
 class RoomView(widgets.VBox):
@@ -19,7 +19,7 @@ class RoomView(widgets.VBox):
 
     def __init__(self, folder, refresh: float = 2.0, exercises: list[str] | None = None):
         from pplab.arguments import check_positive_seconds
-        from pplab.views.exercises import EXERCISES
+        from pplab.course.exercises import EXERCISES
 
         self.folder, self.refresh_seconds = folder, check_positive_seconds("refresh", refresh)
         self.exercises = EXERCISES if exercises is None else exercises

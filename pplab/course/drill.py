@@ -94,7 +94,7 @@ def drill(seats: int, *, show: bool = True) -> DrillResult:
         raise ValueError(f"seats={seats!r}: give a whole number of seats, 1 or more (e.g. 4)")
     folder = Path(tempfile.mkdtemp(prefix="pplab-drill-"))
     outs = [folder / f"seat{index}.json" for index in range(seats)]
-    processes = [subprocess.Popen([sys.executable, "-m", "pplab.views.drill", str(out)],
+    processes = [subprocess.Popen([sys.executable, "-m", "pplab.course.drill", str(out)],
                                   stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True) for out in outs]
     wrong, said = [], []
     deadline = time.monotonic() + SEAT_TIMEOUT_SECONDS

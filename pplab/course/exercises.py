@@ -30,7 +30,7 @@ import traceback
 import types
 from dataclasses import dataclass
 
-import pplab.room as room
+from pplab.course import room
 
 __all__ = ["check_stage_forward", "check_send_recv", "check_warmup", "check_torch_step", "check_clipping",
            "check_gpipe_time", "check_schedule", "check_mesh_groups", "check_layout", "check_packing", "check_idle_share",
@@ -69,7 +69,7 @@ EXERCISES = ["a stage's forward", "send and receive, with gradients", "the 1F1B 
 
 
 def _reported(check):
-    """A checker whose verdict also goes to the instructor's room (`pplab.room`), where there is one."""
+    """A checker whose verdict also goes to the instructor's room (`pplab.course.room`), where there is one."""
     @functools.wraps(check)
     def checked(*args, **kwargs) -> Verdict:
         verdict = check(*args, **kwargs)
