@@ -331,7 +331,8 @@ def _with_config(parser: argparse.ArgumentParser, argv: list[str] | None, path: 
     actions = {a.dest: a for a in train._actions}
     values = {}
     for key, value in flattened(tomllib.loads(Path(path).read_text(encoding="utf-8"))).items():
-        dest = ALIASES.get(key, key).replace("-", "_")
+        dest = key.replace("-", "_")
+        dest = ALIASES.get(dest, dest)
         flag = actions.get("n_ranks" if dest == "pp" else dest)  # pp: the flag gives pp x dp x tp ranks
         values[dest] = _converted(flag, key, value, path) if flag else value  # a few have no flag (eval_batches)
     pp = values.pop("pp", None)

@@ -19,7 +19,8 @@ Perfetto (ui.perfetto.dev) and chrome://tracing open.
 
 It is the common language of the simulator, the runtime, the widgets and the
 pictures, and imports from pplab only the schedules' rule of when activations are
-released (`releases_activations`), so that it counts memory as they do.
+released (`releases_activations`), so that it counts memory as they do, and their kinds of
+message (`COMM_KINDS`), from which an event's communicating kinds are derived.
 """
 
 from __future__ import annotations

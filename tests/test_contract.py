@@ -56,6 +56,8 @@ def test_the_last_releases_local_rank_error_still_catches_a_pools_failures_and_s
     with pytest.warns(DeprecationWarning, match=r"LocalRankError is now pplab.session.RankError"):
         renamed = local.LocalRankError
     assert renamed is RankError
+    old_style = renamed("rank 1 failed", {1: "failed: ValueError: no"}, {1: ("ValueError", "no")})  # its order
+    assert old_style.first_raised() == ("ValueError", "no") and old_style.ranks == [1]
 
 
 def fail_on_rank_one():
@@ -81,6 +83,7 @@ def test_a_rank_that_raises_is_the_same_error_on_a_pool_and_on_a_lab(lab2):
             ranks.run(fail_on_rank_one, timeout=60)
         assert failure.value.ranks == [1], (type(ranks), failure.value.ranks)
         assert failure.value.first_raised() == ("ValueError", "rank one refuses")
+        assert failure.value.causes[1].startswith("failed: ValueError"), failure.value.causes
         assert "rank one refuses" in failure.value.summary
 
 

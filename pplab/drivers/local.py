@@ -216,8 +216,7 @@ def _collect(processes, results, timeout: float, grace: float) -> list:
             collected[rank] = pickle.loads(value)
     if failures:
         kind = RankFailedError if raised else RankDiedError
-        raise kind("\n".join(f"rank {rank} {what}" for rank, what in failures.items()), causes,
-                   **({"raised": raised} if raised else {}))
+        raise kind("\n".join(f"rank {rank} {what}" for rank, what in failures.items()), causes, raised)
     return [collected[rank] for rank in range(len(processes))]
 
 

@@ -32,16 +32,19 @@ class RankError(RuntimeError):
     written against one driver catches the others' failures too; a driver may add detail in a
     subclass (the lab's errors also say when only a restart helps).
 
-    `causes` holds one line per failing rank, without tracebacks, where the driver knows them."""
+    `causes` holds one line per failing rank, without tracebacks; `raised` the exception type and
+    message of each rank that raised (empty when none did)."""
 
-    def __init__(self, message: str = "", causes: dict[int, str] | None = None, ranks: list[int] | None = None):
+    def __init__(self, message: str = "", causes: dict[int, str] | None = None,
+                 raised: dict[int, tuple[str, str]] | None = None, ranks: list[int] | None = None):
         super().__init__(message)
         self.causes = dict(causes or {})  # rank -> what went wrong there, in one line
+        self.raised = dict(raised or {})  # rank -> (exception type, message), for the ranks that raised
         self.ranks = sorted(self.causes if ranks is None else ranks)  # the ranks that failed, died or ran on
 
     def first_raised(self) -> tuple[str, str] | None:
-        """(exception type, message) of the first rank that raised, or None when none raised."""
-        return None
+        """(exception type, message) of the lowest rank that raised, or None when none raised."""
+        return self.raised[min(self.raised)] if self.raised else None
 
     @property
     def summary(self) -> str:
@@ -53,14 +56,6 @@ class RankError(RuntimeError):
 
 class RankFailedError(RankError):
     """A rank raised an exception (others may have died or failed too: see `causes`)."""
-
-    def __init__(self, message: str = "", causes: dict[int, str] | None = None,
-                 raised: dict[int, tuple[str, str]] | None = None, ranks: list[int] | None = None):
-        super().__init__(message, causes, ranks)
-        self.raised = dict(raised or {})  # rank -> (exception type, message), for the ranks that raised
-
-    def first_raised(self) -> tuple[str, str] | None:
-        return self.raised[min(self.raised)] if self.raised else None
 
 
 class RankDiedError(RankError):

@@ -64,7 +64,8 @@ class RunConfig(TrainOptions):
         an unknown key is a ValueError that lists the known ones."""
         options = {}
         for key, value in flattened(values).items():
-            name = ALIASES.get(key, key).replace("-", "_")
+            name = key.replace("-", "_")
+            name = ALIASES.get(name, name)
             if name not in cls.names():
                 raise ValueError(f"{where}: unknown key {key!r}; the keys are {', '.join(sorted(cls.names()))}")
             options[name] = value

@@ -190,9 +190,10 @@ class RankCall:
             self._ranks.needs_restart(f"rank {rank}'s process group failed ({note})")
         summary = "\n".join(lines)
         self._ranks.record_errors({rank: self._per_rank[rank].exception() for rank in failed})
+        raised = {rank: _remote_parts(self._per_rank[rank].exception())[:2] for rank in failed}
         return RankFailedError(f"{summary}\n\nRemote traceback (rank {first}):\n{traceback}",
                                summary=summary, rank=first, ename=ename, evalue=evalue,
-                               traceback=traceback, still_running=running)
+                               traceback=traceback, still_running=running, raised=raised)
 
     def _process_group_notes(self, failed: list[int]) -> dict[int, str]:
         """rank -> why, for the failed ranks that said their error broke the process group."""

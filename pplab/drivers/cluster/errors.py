@@ -39,10 +39,13 @@ class RankFailedError(LabError, common.RankFailedError):
     """A rank raised an exception; carries its rank, exception type and remote traceback."""
 
     def __init__(self, message: str, *, summary: str, rank: int, ename: str, evalue: str,
-                 traceback: str, still_running: list[int]):
+                 traceback: str, still_running: list[int], raised: dict[int, tuple[str, str]] | None = None):
         super().__init__(message, summary=summary)
-        self.rank, self.ranks = rank, [rank]
-        self.raised = {rank: (ename, evalue)}
+        self.rank = rank  # the first to raise, whose traceback the message holds
+        self.raised = raised or {rank: (ename, evalue)}  # every rank that raised
+        self.causes = {r: f"failed: {e}: {(v.splitlines() or [''])[0]}" for r, (e, v) in self.raised.items()}
+        self.causes.update({r: "still running" for r in still_running})
+        self.ranks = sorted(self.raised)
         self.ename = ename
         self.evalue = evalue
         self.traceback = traceback
@@ -59,6 +62,7 @@ class RankDiedError(LabError, common.RankDiedError):
     def __init__(self, message: str, *, ranks: list[int]):
         super().__init__(message)
         self.ranks = ranks
+        self.causes = {rank: "died (its process ended)" for rank in ranks}
 
 
 class RankTimeoutError(LabError, common.RankTimeoutError):
@@ -67,6 +71,7 @@ class RankTimeoutError(LabError, common.RankTimeoutError):
     def __init__(self, message: str, *, ranks: list[int]):
         super().__init__(message)
         self.ranks = ranks
+        self.causes = {rank: "still running past the call's timeout" for rank in ranks}
 
 
 class LabNeedsRestartError(LabError):
