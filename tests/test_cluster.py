@@ -7,6 +7,7 @@ module, as they would import a notebook's own module).
 from __future__ import annotations
 
 import _thread
+import asyncio
 import contextlib
 import json
 import re
@@ -752,8 +753,18 @@ def test_a_controller_that_does_not_answer_fails_the_start_after_start_timeout(i
 
     async def start_and_freeze(cluster, **kwargs):  # a controller too busy to answer anyone
         await start_controller(cluster, **kwargs)
-        await cluster.controller.get_connection_info()  # its files written, then no answer
-        os.kill(cluster.controller.process.pid, signal.SIGSTOP)
+        info = await cluster.controller.get_connection_info()  # its files written,
+        ports = {port for part in info.values() for value in part.values()
+                 for port in (value if isinstance(value, list) else [value])
+                 if isinstance(port, int) and not isinstance(port, bool)}
+        controller = psutil.Process(cluster.controller.process.pid)
+        for _ in range(600):  # every port bound (frozen earlier, it would be a controller that lost one),
+            listening = {c.laddr.port for process in [controller, *controller.children(recursive=True)]
+                         for c in process.net_connections("tcp") if c.status == "LISTEN"}
+            if ports <= listening:
+                break
+            await asyncio.sleep(0.05)
+        os.kill(controller.pid, signal.SIGSTOP)  # then no answer
 
     monkeypatch.setattr(ipp.Cluster, "start_controller", start_and_freeze)
     before = {p.pid for p in lab_processes(ipython_dir)}  # other tests' labs may be running

@@ -159,9 +159,11 @@ def test_a_slow_link_is_predicted_from_the_link_pplab_measures(two_hosts):
     # the prediction comes is bench/bench_hosts.py's claim, and asserted here on a quiet machine only.
     if load.slowdown < 1.2:
         assert ratio <= 1.15, said
-    # The link sets the pace: the ranks wait on the wire more than they compute.
+    # The link sets the pace: the ranks wait on the wire more than they compute (at a quiet machine's
+    # pace: beside a whole other suite, the load stretched the compute 25-fold, not the wire).
     timeline = steps[-1]
-    assert sum(timeline.comm_time(r) for r in range(2)) > sum(timeline.busy_time(r) for r in range(2))
+    busy = sum(timeline.busy_time(r) for r in range(2)) / load.slowdown
+    assert sum(timeline.comm_time(r) for r in range(2)) > busy, (busy, load.slowdown)
     pipe.close()
     hosts.shape_link()  # a clean link again
 
