@@ -58,3 +58,10 @@ def warn_renamed(module: str, old: str, new: str) -> None:
     """Say that `module.old` is the last release's name of `module.new` (from a module's __getattr__)."""
     warnings.warn(f"{module}.{old} is now {module}.{new}; {old} works until the next release",
                   DeprecationWarning, stacklevel=3)
+
+
+def warn_moved(old: str, new: str, why: str = "") -> None:
+    """Say that the public name `old` (a full path) is the last release's, and `new` the one to use
+    now, elsewhere (from a module's __getattr__); `why` in a few words, if the move needs one."""
+    warnings.warn(f"{old} is now {new}{f' ({why})' if why else ''}; {old} works until the next release",
+                  DeprecationWarning, stacklevel=3)

@@ -22,10 +22,8 @@ _RENAMED = {"Event": "pplab.Event", "Timeline": "pplab.Timeline", "COMM_KINDS": 
 def __getattr__(name: str):
     if name not in _RENAMED:
         raise AttributeError(f"module 'pplab.trace' has no attribute {name!r}")
-    import warnings
-
     import pplab.timeline
+    from pplab.arguments import warn_moved
 
-    warnings.warn(f"pplab.trace.{name} is now {_RENAMED[name]}; pplab.trace.{name} works until the next release",
-                  DeprecationWarning, stacklevel=2)
+    warn_moved(f"pplab.trace.{name}", _RENAMED[name])
     return getattr(pplab.timeline, _RENAMED[name].rsplit(".", 1)[1])

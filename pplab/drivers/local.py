@@ -580,9 +580,8 @@ def __getattr__(name: str):
     """`LocalRankError`, the last release's name: every driver now raises the same errors
     (RankFailedError, RankDiedError, RankTimeoutError, each a RankError)."""
     if name in _RENAMED:
-        import warnings
+        from pplab.arguments import warn_moved
 
-        warnings.warn(f"pplab.drivers.local.{name} is now pplab.session.{_RENAMED[name]} (every driver raises "
-                      f"it); {name} works until the next release", DeprecationWarning, stacklevel=2)
+        warn_moved(f"pplab.drivers.local.{name}", f"pplab.session.{_RENAMED[name]}", "every driver raises it")
         return RankError
     raise AttributeError(f"module 'pplab.drivers.local' has no attribute {name!r}")

@@ -44,10 +44,9 @@ def __getattr__(name: str):
         warn_renamed("pplab.session", name, _RENAMED[name])
         return __getattr__(_RENAMED[name])
     if name in _MOVED:
-        import warnings
+        from pplab.arguments import warn_moved
 
-        warnings.warn(f"pplab.session.{name} is now {_MOVED[name]} (with live views); pplab.session.{name} works "
-                      "until the next release", DeprecationWarning, stacklevel=2)
+        warn_moved(f"pplab.session.{name}", _MOVED[name], "with live views")
     if name not in _EXPORTS:
         raise AttributeError(f"module 'pplab.session' has no attribute {name!r}")
     return getattr(_importlib.import_module(_EXPORTS[name]), name)

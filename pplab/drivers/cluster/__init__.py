@@ -39,10 +39,9 @@ _IMPORTED_WHEN_USED = {"Lab": "pplab.drivers.cluster.lab", "RankCall": "pplab.dr
 
 def __getattr__(name: str):
     if name == "Lab":  # one Lab a user sees: pplab.Lab (this one, without pipelines, is the driver beneath it)
-        import warnings
+        from pplab.arguments import warn_moved
 
-        warnings.warn("pplab.cluster.Lab is now pplab.Lab (the same lab, with pipelines and live views); "
-                      "pplab.cluster.Lab works until the next release", DeprecationWarning, stacklevel=2)
+        warn_moved("pplab.cluster.Lab", "pplab.Lab", "the same lab, with pipelines and live views")
     if name in _IMPORTED_WHEN_USED:
         return getattr(importlib.import_module(_IMPORTED_WHEN_USED[name]), name)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
