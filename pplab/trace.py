@@ -22,8 +22,11 @@ _RENAMED = {"Event": "pplab.Event", "Timeline": "pplab.Timeline", "COMM_KINDS": 
 def __getattr__(name: str):
     if name not in _RENAMED:
         raise AttributeError(f"module 'pplab.trace' has no attribute {name!r}")
-    import pplab.timeline
-    from pplab.arguments import warn_moved
+    import warnings
 
-    warn_moved(f"pplab.trace.{name}", _RENAMED[name])
+    import pplab.timeline
+
+    # (pplab.arguments.warn_moved's words: this module imports only the timeline and its reader)
+    warnings.warn(f"pplab.trace.{name} is now {_RENAMED[name]}; pplab.trace.{name} works until the next release",
+                  DeprecationWarning, stacklevel=2)
     return getattr(pplab.timeline, _RENAMED[name].rsplit(".", 1)[1])
