@@ -246,6 +246,19 @@ def test_a_function_that_publishes_runs_outside_a_lab_engine_too():
 
 
 @pytest.mark.quick
+def test_a_lab_process_stays_itself_when_the_wall_clock_moves(monkeypatch):
+    # Linux recomputes the boot time from the wall clock at each read; an NTP step moved it by a
+    # second on a CI machine, and a restart called its own live controller "exited during start-up".
+    entry = records.process_entry(os.getpid(), "owner")
+    wall_boot = psutil.boot_time()
+    monkeypatch.setattr(psutil, "boot_time", lambda: wall_boot + 1.0)
+    monkeypatch.setattr(psutil._pslinux, "boot_time", lambda: wall_boot + 1.0)
+    assert records.find_process(entry) is not None
+    earlier = dict(entry, started=entry["started"] - 0.01)  # its pid, in another process's record
+    assert records.find_process(earlier) is None  # a reused pid is still told apart
+
+
+@pytest.mark.quick
 def test_an_engine_whose_first_describe_request_was_lost_is_asked_again(monkeypatch):
     # ZMQ drops a request routed to an engine whose shell connection the scheduler has not seen
     # yet; the engine had registered all the same. Here engine 7 loses the first request.

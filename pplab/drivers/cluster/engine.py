@@ -45,13 +45,13 @@ def event_key(sequence: int) -> str:
 
 def describe() -> dict:
     """Report host, process and GPUs of this engine: what the client needs to assign ranks."""
-    import psutil
+    from pplab.drivers.cluster import records
 
     return {
         "host": socket.gethostname(),
         "address": _host_address(),
         "pid": os.getpid(),
-        "create_time": psutil.Process().create_time(),
+        "started": records.started(os.getpid()),
         "gpus": torch.cuda.device_count(),
     }
 

@@ -278,7 +278,7 @@ class Lab:
         # The engines' processes on this host: to notice deaths, and for cleanup().
         here = socket.gethostname()
         processes = {rank: {"pid": about[engine_id]["pid"], "role": f"rank {rank}",
-                            "create_time": about[engine_id]["create_time"]}
+                            "started": about[engine_id]["started"]}
                      for rank, engine_id in enumerate(order) if about[engine_id]["host"] == here}
         self._ranks = RankGroup(infos, processes, registered=lambda: self.client.ids)
         self._launcher.record_ranks(list(processes.values()))

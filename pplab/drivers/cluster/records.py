@@ -35,14 +35,31 @@ def records_dir(profile_dir: str) -> str:
 
 def process_entry(pid: int, role: str) -> dict:
     """Identify a process by pid *and* start time, so that a reused pid is not mistaken for it."""
-    return {"pid": pid, "create_time": psutil.Process(pid).create_time(), "role": role}
+    return {"pid": pid, "started": started(pid), "role": role}
+
+
+def started(pid: int) -> float:
+    """When process `pid` started, as a number that never changes while it runs.
+
+    On Linux, seconds since boot from /proc/PID/stat. Not psutil's create_time(): that adds the
+    boot time, which Linux recomputes from the wall clock at each read, so an NTP adjustment moves
+    it by a second and a live process looks like a new one (a CI machine's lab restart failed so,
+    "exited during start-up", its processes alive)."""
+    try:
+        with open(f"/proc/{pid}/stat") as stat:
+            fields = stat.read().rpartition(")")[2].split()  # after the name, which may hold spaces
+        return int(fields[19]) / os.sysconf("SC_CLK_TCK")  # field 22 of stat(5): starttime
+    except FileNotFoundError:
+        if os.path.isdir("/proc/self"):
+            raise psutil.NoSuchProcess(pid) from None
+        return psutil.Process(pid).create_time()  # no procfs: the platform's own start time
 
 
 def find_process(entry: dict) -> psutil.Process | None:
     """The live process an entry names, or None if it has exited (or its pid was reused)."""
     try:
         process = psutil.Process(entry["pid"])
-        if abs(process.create_time() - entry["create_time"]) > 0.01:
+        if entry.get("started") != started(entry["pid"]):  # none: a record of an older pplab
             return None
         if process.status() == psutil.STATUS_ZOMBIE:
             return None
