@@ -77,14 +77,14 @@ def test_embedded_corpus_is_learnable():
     model = pplab.build_model(pplab.LlamaConfig.tiny())
     optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)
     losses = []
-    for x, y in batches(8, 64, steps=150):
+    for x, y in batches(8, 64, steps=60):
         loss = loss_fn(model(x), y)
         optimizer.zero_grad()
         loss.backward()
         optimizer.step()
         losses.append(loss.item())
     assert losses[0] > 4.5                       # ~ln(128): chance level
-    assert sum(losses[-10:]) / 10 < 2.0          # falls visibly within 150 steps
+    assert sum(losses[-10:]) / 10 < 2.5          # falls to half of it within 60 steps (1.96 here)
 
 
 # -- documents packed into windows; the optional Hugging Face path ---------------------------

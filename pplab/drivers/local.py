@@ -47,22 +47,22 @@ from pplab.rank.rank_context import (RankContext, RankDiedError, RankError, Rank
 
 
 # What every rank imports: a rank forked from a server that imported these once starts in a
-# tenth of a second, where a spawned one spends about 2 s of CPU importing torch.
-RANK_IMPORTS = ["torch", "torch.distributed", "pplab.rank.rank_pipeline", "pplab.rank.train"]
-# The fork server of local processes serves every pool of its client for the client's lifetime,
-# so it also imports what meshes and checkpoints need (DTensor, 0.7 s of CPU), which a lab's
-# engines, most of which never use it, import only when they do.
-POOL_IMPORTS = [*RANK_IMPORTS, "torch.distributed.checkpoint"]
+# tenth of a second, where a spawned one spends about 2 s of CPU importing torch. torch._dynamo
+# (1.1 s of CPU) is among them because almost every rank imports it anyway: building a stage on
+# the meta device, an optimizer's first parameter group and torch's pipelining each do. Once it is
+# in, checkpoints, DTensor and pipelining add 0.06 s: every rank gets them too.
+RANK_IMPORTS = ["torch", "torch.distributed", "torch._dynamo", "torch.distributed.checkpoint",
+                "torch.distributed.pipelining", "pplab.rank.rank_pipeline", "pplab.rank.train"]
 
 
 def process_context():
     """Where rank processes come from: on Linux, forked from multiprocessing's fork server
-    (started once per client, POOL_IMPORTS imported there before any thread exists); elsewhere
+    (started once per client, RANK_IMPORTS imported there before any thread exists); elsewhere
     spawned. Either way a rank starts from a clean interpreter state, not a copy of the client."""
     if sys.platform != "linux":
         return mp.get_context("spawn")
     context = mp.get_context("forkserver")
-    context.set_forkserver_preload(POOL_IMPORTS)
+    context.set_forkserver_preload(RANK_IMPORTS)
     return context
 
 

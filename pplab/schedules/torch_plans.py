@@ -6,6 +6,7 @@ torch is imported inside `from_torch` only, so that `pplab.schedules` stays pure
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 from pplab.arguments import check_positive_int
@@ -87,18 +88,26 @@ def from_torch(name: str, n_ranks: int, n_microbatches: int, n_virtual: int = 1)
     check_positive_int("n_virtual", n_virtual, example=2)
     entry = torch_plan(name)
     entry.check_n_virtual(n_virtual)
-    from torch.distributed.pipelining._schedule_visualizer import get_schedule_ops
-
     try:
-        ops = get_schedule_ops(entry.torch_name, n_ranks, n_microbatches, n_virtual, with_comms=entry.multi_stage)
+        actions = _planned_actions(entry.torch_name, n_ranks, n_microbatches, n_virtual, entry.multi_stage)
     except Exception as error:  # torch reports bad sizes with several exception types
         raise ValueError(
             f"torch cannot plan {entry.name} for n_ranks={n_ranks}, n_microbatches={n_microbatches}, "
             f"n_virtual={n_virtual}: {error}"
         ) from error
-    actions = [[a for step in rank_ops for a in _from_torch_action(step)] for rank_ops in ops]
     schedule = from_lists(actions, n_microbatches, None, entry.name)
     return schedule if entry.multi_stage else add_communication(schedule)
+
+
+@functools.lru_cache(maxsize=256)
+def _planned_actions(torch_name: str, n_ranks: int, n_microbatches: int, n_virtual: int,
+                     with_comms: bool) -> tuple[tuple[Action, ...], ...]:
+    """Each rank's actions in torch's plan. Kept: torch plans on mock stages (about 50 ms a plan), and a
+    search asks for the same few plans again and again."""
+    from torch.distributed.pipelining._schedule_visualizer import get_schedule_ops
+
+    ops = get_schedule_ops(torch_name, n_ranks, n_microbatches, n_virtual, with_comms=with_comms)
+    return tuple(tuple(a for step in rank_ops for a in _from_torch_action(step)) for rank_ops in ops)
 
 
 def _from_torch_action(torch_action) -> list[Action]:

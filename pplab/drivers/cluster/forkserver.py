@@ -37,7 +37,7 @@ def preload() -> None:
     import pplab.drivers.cluster.engine  # noqa: F401
     from pplab.drivers.local import RANK_IMPORTS
 
-    for name in RANK_IMPORTS:  # what pipelines run on a rank: 0.7 s each engine would import again
+    for name in RANK_IMPORTS:  # what pipelines run on a rank: 2 s each engine would import again
         importlib.import_module(name)
 
 
