@@ -19,7 +19,7 @@ import torch
 
 from pplab.drivers.cluster import LabError, RankFailedError
 from pplab.drivers.cluster.gloo_adapter import gloo_transport_failed
-from pplab.drivers.cluster.ipyparallel_adapter import engine_died, results_per_engine
+from pplab.drivers.cluster.ipyparallel_adapter import catch_up_on_engines, engine_died, results_per_engine
 
 # -- functions that run on the ranks ------------------------------------------------------
 
@@ -80,6 +80,27 @@ def test_results_per_engine_are_what_split_gives_for_each_engine(lab2):
     assert alone.get(20) == call.get()[1]
     assert lone.split()[0].get() == [alone.get()], \
         "AsyncResult.split() now splits a lone result: results_per_engine could use it instead"
+
+
+@pytest.mark.timeout(60)
+def test_catch_up_on_engines_adds_the_registered_engines_a_client_missed(lab2):
+    # A client that missed an engine's announcement (ZMQ's slow joiner) knows one engine fewer
+    # than the hub; here a second client of lab2's controller is made to forget engine 1.
+    import ipyparallel as ipp
+
+    security = os.path.join(lab2.profile_dir, "security")
+    client = ipp.Client(os.path.join(security, f"ipcontroller-{lab2.cluster_id}-client.json"))
+    try:
+        everyone = sorted(client.ids)
+        forgotten = everyone[-1]
+        client._ids.remove(forgotten)
+        client._engines.pop(forgotten)
+        assert catch_up_on_engines(client, timeout=20) == [forgotten]
+        assert sorted(client.ids) == everyone
+        assert client[forgotten].apply_sync(engine_pid) in {info.pid for info in lab2.status()}
+        assert catch_up_on_engines(client, timeout=20) == []  # nothing missed any more
+    finally:
+        client.close()
 
 
 @pytest.mark.timeout(90)

@@ -33,3 +33,23 @@ def engine_died(error: BaseException) -> bool:
     if isinstance(error, RemoteError):
         return error.ename == EngineError.__name__
     return isinstance(error, EngineError)
+
+
+def catch_up_on_engines(client, timeout: float) -> list[int]:
+    """Ask the hub which engines it has registered and add those `client` missed; their ids
+    ([] too if the hub does not answer within `timeout` seconds: ask again later).
+
+    A client learns of new engines from the hub's notifications, on a ZMQ subscription it opens
+    just after the hub answered its connection request; an engine whose registration completes
+    in between is announced before the subscription is in place, and the client never hears of
+    it (ZMQ's "slow joiner"). A restart's engines, forked from a warm fork server, register that
+    fast: a busy machine waited out a whole start_timeout with 0 of 2 engines, both registered.
+    The hub's answer to a second connection request lists them, as the first did; Client has
+    no public way to ask it (ipyparallel 9: _send on _query_stream, _update_engines)."""
+    asked = client._send(client._query_stream, "connection_request")
+    if not asked.wait(timeout):
+        return []
+    registered = {int(engine_id): uuid for engine_id, uuid in asked.result()["content"]["engines"].items()}
+    missed = sorted(set(registered) - set(client.ids))
+    client._update_engines({engine_id: registered[engine_id] for engine_id in missed})
+    return missed

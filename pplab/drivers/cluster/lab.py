@@ -29,6 +29,7 @@ from pplab.arguments import OP_TIMEOUT, check_positive_int, check_positive_secon
 from pplab.drivers.cluster import engine, records
 from pplab.drivers.cluster.calls import RankCall
 from pplab.drivers.cluster.errors import RESTART_HINT, LabError, LabNeedsRestartError, LabStartError
+from pplab.drivers.cluster.ipyparallel_adapter import catch_up_on_engines
 from pplab.drivers.cluster.launchers import ConnectedCluster, LocalCluster
 from pplab.drivers.cluster.plan import (RankSpec, assign_ranks, check_gpus, check_threads, choose_backend_device,
                                 local_ranks, loopback_interface)
@@ -39,6 +40,7 @@ from pplab.rank.rank_context import RankEvent
 
 TEARDOWN_SECONDS = 5.0
 DESCRIBE_ASK_AGAIN_SECONDS = 10.0  # see Lab._describe
+ASK_HUB_SECONDS = 1.0  # while engines register, how often the hub is asked which it has (see _wait_for_engines)
 
 _running_labs: weakref.WeakSet = weakref.WeakSet()
 
@@ -246,12 +248,16 @@ class Lab:
     def _wait_for_engines(self, count: int, progress: _Progress, exclude=()) -> list[int]:
         """Wait until `count` engines (other than `exclude`) have registered; fail fast if one died."""
         deadline = time.monotonic() + self._start_wait()
+        ask_hub_at = time.monotonic() + ASK_HUB_SECONDS
         while True:
             ids = [engine_id for engine_id in self.client.ids if engine_id not in exclude]
             progress.update(f"engines up: {len(ids)}/{count}")
             if len(ids) >= count:
                 return sorted(ids)[:count]
             self._launcher.check_alive()
+            if time.monotonic() > ask_hub_at:  # an engine's announcement may have been missed
+                catch_up_on_engines(self.client, timeout=self.machine_load.scale(ASK_HUB_SECONDS))
+                ask_hub_at = time.monotonic() + ASK_HUB_SECONDS
             if time.monotonic() > deadline:
                 raise LabStartError(f"only {len(ids)} of {count} engines registered within "
                                     f"{self._start_wait_said()}.{busy_note()}\n"
