@@ -122,7 +122,11 @@ def test_the_dashboard_renders_and_changes_while_steps_run(jupyter_lab, tmp_path
                 if f"{STEPS} steps done" in state["html"]:
                     break
                 time.sleep(0.25)
-            page.wait_for_timeout(1500)  # the final pictures
+            # The final pictures are drawn after the last step: on a busy machine that took more than
+            # the 1.5 s once waited here, so wait for them (or a minute) instead.
+            page.wait_for_function("""() => [...document.querySelectorAll('.jp-OutputArea .widget-image')]
+                                          .some(img => img.naturalWidth > 0 && img.offsetParent !== null)""",
+                                   timeout=60_000)
             final = _timeline_state(page)
             page.screenshot(path=str(shots / "dashboard-final.png"), full_page=True)
         finally:

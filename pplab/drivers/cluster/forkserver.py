@@ -3,9 +3,10 @@
 Run as ``python -m pplab.drivers.cluster.forkserver COUNT [ipengine options...]``. Most of an
 engine's start-up is importing torch and ipyparallel; doing it once and forking
 shares that work between all ranks (Linux only: fork after import is unsafe on
-macOS). This process then stays as the engines' supervisor: SIGTERM stops all of
-them, and it stops them by itself if the kernel that started it goes away. A lab's
-restart asks it for new engines instead of starting another one.
+macOS). It forks them when the lab asks (its controller's files are written by then), then
+stays as the engines' supervisor: SIGTERM stops all of them, and it stops them by itself if
+the kernel that started it goes away. A lab's restart asks it for new engines instead of
+starting another one.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import select
 import signal
 import sys
 import time
+import traceback
 
 GRACE_SECONDS = 2.0  # engines get this long to exit after SIGTERM, then SIGKILL
 
@@ -56,6 +58,8 @@ def start_engine(index: int, engine_argv: list[str]) -> int:
         code = 0
     except SystemExit as exit_request:
         code = exit_request.code if isinstance(exit_request.code, int) else 0
+    except BaseException:  # into the log, which a failed start shows: os._exit below would lose it
+        traceback.print_exc()
     finally:
         sys.stdout.flush()
         sys.stderr.flush()
@@ -96,6 +100,7 @@ def _signal(pid: int, signum: int) -> None:
 
 
 ENGINES_FOR = "pplab forkserver: engines for cluster"  # the log line that starts each set of engines
+ENGINES_COMMAND = "engines"  # on stdin: "engines CLUSTER_ID" forks a set for that cluster (see main)
 
 
 def fork_engines(count: int, engine_argv: list[str]) -> dict[int, int]:
@@ -111,18 +116,18 @@ def read_command() -> str | None:
 
 
 def main(argv: list[str]) -> int:
-    """Fork COUNT engines and supervise them until stopped, or until the owner goes away.
+    """Import, then fork COUNT engines at each `engines CLUSTER_ID` read on stdin and supervise them
+    until stopped, or until the owner goes away.
 
-    A lab's restart sends `again CLUSTER_ID` on stdin: the engines are replaced by COUNT new
+    The lab sends the command once its controller's connection files are whole (an engine that
+    read one half written exited). A restart sends it again: the engines are replaced by COUNT new
     ones of that cluster, forked from this process, whose imports are done (2 s of CPU saved)."""
     count, engine_argv = int(argv[0]), argv[1:]
     owner = os.getppid()
     stop_requested = []
     signal.signal(signal.SIGTERM, lambda *_: stop_requested.append(True))
     preload()
-    if stop_requested:
-        return 0  # stopped while importing: no engine to start
-    children = fork_engines(count, engine_argv)
+    children: dict[int, int] = {}
     listening = True
     while not stop_requested and os.getppid() == owner:
         reap(children)
@@ -132,7 +137,7 @@ def main(argv: list[str]) -> int:
         command = read_command()
         if command == "":
             listening = False  # nobody will ask again (stdin closed, or never open)
-        elif command and command.startswith("again "):
+        elif command and command.startswith(f"{ENGINES_COMMAND} "):
             stop_engines(children, grace=0)  # a restart: ranks may be stuck in a wait
             os.environ["IPP_CLUSTER_ID"] = command.split()[1]
             children = fork_engines(count, engine_argv)

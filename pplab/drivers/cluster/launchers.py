@@ -96,9 +96,9 @@ class LocalCluster:
         self.cluster_id = new_cluster_id()
         progress.update(f"starting a controller and {self.n_ranks} engines")
         if self.fork:
-            if self._fork_server_running():  # a restart: the server, its imports done, forks new engines
-                self._ask_for_new_engines()
-            else:  # first of all, so that the engines import torch while everything else starts
+            if self._fork_server_running():  # a restart: the server's imports are done; its log goes on
+                os.replace(self._kept_fork_server_log(), self._fork_server_log())  # under this cluster's name
+            else:  # first of all, so that it imports torch while the controller starts
                 self._fork_server = self._start_fork_server()
             # Recorded at once: if the rest of the start fails, stop() and cleanup() find it.
             self._launched = [records.process_entry(self._fork_server.pid, "engine fork server")]
@@ -120,6 +120,8 @@ class LocalCluster:
         missing = self._ports_not_taken()
         if missing:  # engines would register, yet never get a request: start afresh, new ports
             return self._start_again(progress, missing)
+        if self.fork:  # now, not sooner: an engine that found a connection file half written exited
+            self._ask_for_new_engines()
         # ipyparallel gives the hub 10 s to answer; a controller just started on a busy
         # machine may need longer, so the client waits as long as the rest of the start does.
         try:
@@ -267,9 +269,10 @@ class LocalCluster:
                 start_new_session=True)  # like ipyparallel's: a notebook interrupt must not reach it
 
     def _ask_for_new_engines(self) -> None:
-        """Have the running fork server fork this cluster's engines (see forkserver.main)."""
-        os.replace(self._kept_fork_server_log(), self._fork_server_log())  # on, under this cluster's name
-        self._fork_server.stdin.write(f"again {self.cluster_id}\n".encode())
+        """Have the fork server fork this cluster's engines (see forkserver.main)."""
+        from pplab.drivers.cluster.forkserver import ENGINES_COMMAND
+
+        self._fork_server.stdin.write(f"{ENGINES_COMMAND} {self.cluster_id}\n".encode())
         self._fork_server.stdin.flush()
 
     def _fork_server_running(self) -> bool:
