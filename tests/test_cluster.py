@@ -247,8 +247,8 @@ def test_a_function_that_publishes_runs_outside_a_lab_engine_too():
 
 @pytest.mark.quick
 def test_a_lab_process_stays_itself_when_the_wall_clock_moves(monkeypatch):
-    # Linux recomputes the boot time from the wall clock at each read; an NTP step moved it by a
-    # second on a CI machine, and a restart called its own live controller "exited during start-up".
+    # Linux recomputes the boot time from the wall clock at each read; an NTP step that moves it by a
+    # second must not make a lab call its own live controller "exited during start-up".
     entry = records.process_entry(os.getpid(), "owner")
     wall_boot = psutil.boot_time()
     monkeypatch.setattr(psutil, "boot_time", lambda: wall_boot + 1.0)

@@ -43,8 +43,7 @@ def started(pid: int) -> float:
 
     On Linux, seconds since boot from /proc/PID/stat. Not psutil's create_time(): that adds the
     boot time, which Linux recomputes from the wall clock at each read, so an NTP adjustment moves
-    it by a second and a live process looks like a new one (a CI machine's lab restart failed so,
-    "exited during start-up", its processes alive)."""
+    it by a second and a live process would look like a new one: a live controller "exited"."""
     try:
         with open(f"/proc/{pid}/stat") as stat:
             fields = stat.read().rpartition(")")[2].split()  # after the name, which may hold spaces
