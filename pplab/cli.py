@@ -458,11 +458,35 @@ def _room_page(seats, exercises, folder, refresh: float) -> str:
 
     from pplab.course import room
 
-    return (f"<!doctype html><html><head><meta charset='utf-8'><meta http-equiv='refresh' content='{refresh:g}'>"
+    return (f"<!doctype html><html><head><meta charset='utf-8'>"
+            f"<noscript><meta http-equiv='refresh' content='{refresh:g}'></noscript>"
             f"<title>pplab room</title><style>body{{font-family:sans-serif;margin:20px}}</style>{room.TABLE_STYLE}"
             f"</head><body><h2>pplab room: {html_module.escape(str(folder))}</h2>"
-            f"<p>{html_module.escape(room.room_summary(seats))} (re-read every {refresh:g} s)</p>"
-            f"{room.room_table_html(seats, exercises)}</body></html>")
+            f"<main id='room'><p>{html_module.escape(room.room_summary(seats))} (re-read every {refresh:g} s)</p>"
+            f"{room.room_table_html(seats, exercises)}</main><p id='trouble' style='color:#b00'></p>"
+            f"<script>{_ROOM_RELOADER.replace('INTERVAL_MS', str(round(refresh * 1000)))}</script></body></html>")
+
+
+# The page re-reads itself in place rather than by a meta refresh: a reload that fails (the server
+# restarting, the network changing under the browser) would leave an error page that never reloads,
+# where this keeps the last table, says what went wrong, and tries again.
+_ROOM_RELOADER = """
+async function reread() {
+  const trouble = document.getElementById('trouble');
+  try {
+    const answer = await fetch(location.pathname, {cache: 'no-store'});
+    if (!answer.ok) throw new Error('the server answered ' + answer.status);
+    const page = new DOMParser().parseFromString(await answer.text(), 'text/html');
+    document.getElementById('room').innerHTML = page.getElementById('room').innerHTML;
+    trouble.textContent = '';
+  } catch (error) {
+    trouble.textContent = 'could not re-read the room at ' + new Date().toLocaleTimeString()
+      + ' (' + error.message + '); the table above is the last one read; trying again';
+  }
+  setTimeout(reread, INTERVAL_MS);
+}
+setTimeout(reread, INTERVAL_MS);
+"""
 
 
 def _positive_int(text: str) -> int:

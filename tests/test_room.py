@@ -95,7 +95,7 @@ def test_three_attendees_labs_and_verdicts_are_seen_live_in_a_browser(tmp_path, 
         server = subprocess.Popen([sys.executable, "-m", "pplab", "room", str(folder), "--port", "0",
                                    "--refresh", "1"], stdout=subprocess.PIPE, text=True)
         url = re.search(r"http://127\.0\.0\.1:\d+/", server.stdout.readline()).group(0)
-        _look_in_a_browser(url, attendees, tmp_path)
+        _look_in_a_browser(url, attendees, server, tmp_path)
     finally:
         for process in attendees.values():
             if process.poll() is None:
@@ -108,15 +108,15 @@ def test_three_attendees_labs_and_verdicts_are_seen_live_in_a_browser(tmp_path, 
         "ada": "stopped", "bo": "stopped", "cy": "stopped"}
 
 
-def _look_in_a_browser(url, attendees, tmp_path):
+def _look_in_a_browser(url, attendees, server, tmp_path):
     from playwright.sync_api import sync_playwright
-    from test_browser import CHROMIUM
+    from test_browser import CHROMIUM, open_page
 
     with sync_playwright() as playwright:
         browser = playwright.chromium.launch(executable_path=CHROMIUM, args=["--no-sandbox"])
         try:
             page = browser.new_page(viewport={"width": 1440, "height": 900})
-            page.goto(url)
+            open_page(page, url)
             text = page.inner_text("table")
             assert re.search(r"ada\s+running", text) and re.search(r"cy\s+dead", text), text
             assert "✘ rank 0 of 3 with 1 microbatch" in text and "✔ right" in text
@@ -126,5 +126,10 @@ def _look_in_a_browser(url, attendees, tmp_path):
             page.screenshot(path=str(tmp_path / "room-after.png"))
             if os.environ.get("PPLAB_SCREENSHOTS"):
                 page.screenshot(path=os.path.join(os.environ["PPLAB_SCREENSHOTS"], "room.png"))
+            server.terminate()  # the server goes away: the page keeps its last table and says so
+            page.wait_for_function("document.getElementById('trouble').innerText.includes('could not re-read')",
+                                   timeout=15000)
+            assert re.search(r"ada\s+stopped", page.inner_text("table"))
+            page.screenshot(path=str(tmp_path / "room-server-gone.png"))
         finally:
             browser.close()

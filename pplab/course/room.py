@@ -192,7 +192,8 @@ def room_summary(seats: list[Seat]) -> str:
     running = sum(seat.state == "running" for seat in seats)
     dead = sum(seat.state == "dead" for seat in seats)
     right = sum(verdict["right"] for seat in seats for verdict in seat.verdicts.values())
-    return f"{len(seats)} attendees: {running} labs running, {dead} dead; {right} exercises right"
+    return (f"{len(seats)} attendee{'s' * (len(seats) != 1)}: {running} lab{'s' * (running != 1)} running, "
+            f"{dead} dead; {right} exercise{'s' * (right != 1)} right")
 
 
 TABLE_STYLE = ("<style>.pplab-room{border-collapse:collapse;font-size:13px}.pplab-room td,.pplab-room th"
