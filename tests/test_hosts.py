@@ -17,7 +17,7 @@ import pytest
 
 import pplab
 from pplab.machine import LoadWatch
-from timing import within
+from timing import slack, within
 from pplab.drivers.cluster.namespaces import INTERFACE, NamespaceHosts
 
 WHY_NOT = NamespaceHosts.why_not()
@@ -169,12 +169,18 @@ def test_a_slow_link_is_predicted_from_the_link_pplab_measures(two_hosts):
 
 
 def a_slow_step_under_way(hosts, lab):
-    """A pipeline (every wait between ranks bounded by 8 s) whose step takes about a second, started."""
+    """A pipeline (every wait between ranks bounded by 8 s) whose step takes about a second, started
+    and under way: each rank has finished an action of it. (A fixed 0.3 s was not enough beside two
+    burners: the kill landed while rank 0 still waited at the step's opening barrier.)"""
     pipe = lab.pipeline(CONFIG, schedule="1f1b", n_microbatches=8, op_timeout=8)
     assert pipe.step().loss > 0
     hosts.shape_link(rate_mbit=5)
-    running = pipe.start_step(next(pplab.data.batches(4 * 8, 64)))  # 64 KiB activations
-    time.sleep(0.3)
+    running = pipe.start_step(next(pplab.data.batches(4 * 8, 64)), live_interval=0.05)  # 64 KiB activations
+    acted, deadline = set(), time.monotonic() + slack(30)
+    while acted != {0, 1} and time.monotonic() < deadline:
+        acted |= {item.rank for _, item in running.poll() if isinstance(item, pplab.Event)}
+        time.sleep(0.02)
+    assert acted == {0, 1}, f"the step did not get under way on every rank (actions seen from {acted})"
     return running
 
 

@@ -48,7 +48,7 @@ def started(pid: int) -> float:
         with open(f"/proc/{pid}/stat") as stat:
             fields = stat.read().rpartition(")")[2].split()  # after the name, which may hold spaces
         return int(fields[19]) / os.sysconf("SC_CLK_TCK")  # field 22 of stat(5): starttime
-    except FileNotFoundError:
+    except (FileNotFoundError, ProcessLookupError):  # gone before the open, or during the read
         if os.path.isdir("/proc/self"):
             raise psutil.NoSuchProcess(pid) from None
         return psutil.Process(pid).create_time()  # no procfs: the platform's own start time
