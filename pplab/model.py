@@ -239,7 +239,12 @@ class LlamaModel(nn.Module):
         self.layer_ids = range(config.num_hidden_layers) if layers is None else layers
         if self.layer_ids and not (0 <= self.layer_ids[0] and self.layer_ids[-1] < config.num_hidden_layers):
             raise ValueError(f"layers {self.layer_ids} outside 0..{config.num_hidden_layers - 1}")
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size) if embed else None
+        # An explicit weight skips nn.Embedding's own normal_ draw (init_weights draws every
+        # parameter from its name anyway): on the meta device that draw is a Python reference
+        # that imports torch._dynamo, 1.3 s of CPU in every process that builds a model.
+        self.embed_tokens = (nn.Embedding(config.vocab_size, config.hidden_size,
+                                          _weight=torch.empty(config.vocab_size, config.hidden_size))
+                             if embed else None)
         self.rotary_emb = RotaryEmbedding(config) if self.layer_ids else None
         self.layers = nn.ModuleDict({str(i): DecoderLayer(config) for i in self.layer_ids})
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps) if head else None
