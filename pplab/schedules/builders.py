@@ -114,6 +114,12 @@ _BUILDERS = {  # by canonical name: SCHEDULE_NAMES
 
 def build(name: str, n_ranks: int, n_microbatches: int, n_virtual: int = 1) -> Schedule:
     """The named schedule for these sizes, with its communication (any spelling of the name, see `schedule_name`)."""
+    return add_communication(build_compute_order(name, n_ranks, n_microbatches, n_virtual))
+
+
+def build_compute_order(name: str, n_ranks: int, n_microbatches: int, n_virtual: int = 1) -> Schedule:
+    """The named schedule's compute actions alone (what `build` gives before the communication
+    pass, the costly part: enough to recognise a schedule by its order)."""
     check_positive_int("n_ranks", n_ranks)
     check_positive_int("n_microbatches", n_microbatches)
     check_positive_int("n_virtual", n_virtual, example=2)
@@ -132,5 +138,4 @@ def build(name: str, n_ranks: int, n_microbatches: int, n_virtual: int = 1) -> S
             f"use n_virtual=1, or 'interleaved-1f1b' for several stages per rank"
         )
     compute = _BUILDERS[key](n_ranks, n_microbatches, n_virtual)
-    schedule = Schedule(compute, n_ranks, n_microbatches, n_ranks * n_virtual, n_virtual, key)
-    return add_communication(schedule)
+    return Schedule(compute, n_ranks, n_microbatches, n_ranks * n_virtual, n_virtual, key)

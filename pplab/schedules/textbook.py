@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from pplab.schedules.actions import Action, Kind, releases_activations
-from pplab.schedules.builders import build
+from pplab.schedules.builders import build_compute_order
 from pplab.schedules.communication import add_communication
 from pplab.schedules.names import SCHEDULE_NAMES
 from pplab.schedules.schedule import Schedule
@@ -86,10 +86,10 @@ def _recognise(schedule: Schedule) -> str | None:
     mine = schedule.compute_only().actions
     for name in SCHEDULE_NAMES:
         try:
-            candidate = build(name, schedule.n_ranks, schedule.n_microbatches, schedule.n_virtual)
+            candidate = build_compute_order(name, schedule.n_ranks, schedule.n_microbatches, schedule.n_virtual)
         except ValueError:
             continue
-        if candidate.compute_only().actions == mine:
+        if candidate.actions == mine:
             return name
     return None
 
