@@ -9,7 +9,7 @@ The folders are the floors; lower floors never import higher ones:
     pplab/session/           the client side of a pipeline, over any driver
     pplab/course/            the workshop: the exercises' checkers, the room, its drill
     pplab/views/             pictures, live widgets, the notebook's Lab
-    pplab/cli.py             the `pplab` command
+    pplab/cli/               the `pplab` command, one module per subcommand
 
 Every name below loads its module on first use: `import pplab` is instant, and
 `import pplab.schedules` (or `trace`, `simulator`) loads neither torch nor the

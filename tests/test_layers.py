@@ -18,7 +18,7 @@ CORE_FLOORS = {"_version": 1, "arguments": 1, "model": 1, "data": 1, "timeline":
                "schedule_search": 2, "list_scheduling": 2, "zero_bubble_heuristic": 2, "comm": 2, "profiled": 2, "trace": 2, "bubble": 2,
                "straggler": 2, "machine": 1}
 FOLDER_FLOORS = {"rank": 3, "drivers": 4, "session": 5, "course": 6, "views": 7}
-COMMAND = 8  # cli.py and __main__.py: the `pplab` command
+COMMAND = 8  # cli/ and __main__.py: the `pplab` command
 
 
 def module_name(path: Path) -> str:

@@ -1,0 +1,64 @@
+"""`pplab analyze`: read a profiled run's traces and explain its bubble."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+from pplab._version import __version__
+from pplab.cli.options import arguments_as_json, positive_int
+
+
+def run(args: argparse.Namespace) -> int:
+    """Read a profiled run's traces and explain its bubble: picture, Chrome trace, JSON and a report."""
+    from pplab.bubble import explain, named_schedule
+    from pplab.profiled import read_profiler_traces
+    from pplab.views import viz  # matplotlib only when drawing
+
+    run = read_profiler_traces(args.traces, step=args.step)
+    n_ranks = run.timeline.n_ranks
+    schedule = named_schedule(args.schedule, n_ranks, args.n_microbatches, args.n_virtual)
+    # The trace's other steps weigh in the straggler's verdict: a busy machine slows an action
+    # once, rarely every time.
+    others = [read_profiler_traces(args.traces, step=index).timeline
+              for index in range(run.steps_in_trace) if index != run.step]
+    report = explain(run.timeline, schedule, run.outside, steps=others)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    picture, trace, numbers, text = (out / "timeline.png", out / "timeline.trace.json", out / "report.json",
+                                     out / "report.txt")
+    viz.save(viz.compare_timelines(run.timeline, report.simulated,
+                                   titles=(f"measured: {schedule.name}, from {n_ranks} profiler traces",
+                                           "simulated on the measured costs")), picture)
+    run.timeline.to_chrome_trace(trace)
+    said = run.summary().splitlines()[0] + "\n" + report.text()
+    text.write_text(said + "\n")
+    numbers.write_text(json.dumps(dict(
+        command="pplab analyze", pplab_version=__version__, arguments=arguments_as_json(args), files=run.files,
+        step=run.step, steps_in_trace=run.steps_in_trace, labels=run.labels, one_host=run.one_host,
+        alignment_error=run.alignment_error, **report.to_json(),
+        outputs=dict(timeline=picture.name, trace=trace.name, report=text.name)), indent=2) + "\n")
+    print(said)
+    print(f"wrote {picture}, {trace}, {numbers} and {text}")
+    return 0
+
+
+def add_to(commands, ranks_run: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """This command's flags, on the `pplab` parser's subcommands."""
+    run_analyze = commands.add_parser(
+        "analyze", help="explain a torch.profiler run's bubble: which rank, which microbatch, waiting on whom",
+        description="Read one step of a pipeline run recorded with torch.profiler (one Kineto JSON per rank, "
+                    "or their folder), and explain each rank's bubble: the schedule's own, waits for messages, "
+                    "a straggler, time outside the pipeline; then predict what one change would gain.")
+    run_analyze.add_argument("traces", metavar="TRACES", nargs="+", help="the ranks' trace files, or their folder")
+    run_analyze.add_argument("--schedule", required=True, metavar="NAME",
+                             help="the schedule the run used (pplab's or torch's name, any spelling)")
+    run_analyze.add_argument("--n-microbatches", type=positive_int, required=True, metavar="N",
+                             help="microbatches per step")
+    run_analyze.add_argument("--n-virtual", type=positive_int, default=1, metavar="N", help="stages per rank")
+    run_analyze.add_argument("--step", type=int, default=-1,
+                             help="which of the traces' steps (0 = the first; default -1, the last)")
+    run_analyze.add_argument("--out", default="pplab-analysis", help="folder for the picture, trace and report")
+    run_analyze.set_defaults(handler=run)
+    return run_analyze

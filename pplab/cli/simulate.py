@@ -1,0 +1,165 @@
+"""`pplab simulate`: a schedule's predicted timeline on a cost model, with no processes."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import functools
+import json
+from pathlib import Path
+
+from pplab._version import __version__
+from pplab.schedules import SCHEDULE_NAMES, Kind, build, schedule_name, theory, validate
+from pplab.simulator import Costs, simulate
+from pplab.cli.options import arguments_as_json, bubble_figure, number, per_stage, positive_int
+
+
+def run(args: argparse.Namespace) -> int:
+    """Predict a schedule's timeline on a cost model: picture, Chrome trace and numbers; no processes."""
+    from pplab.views import viz  # matplotlib only when drawing
+
+    name = schedule_name(args.schedule)
+    interleaved = name == "interleaved-1f1b"
+    n_virtual = args.n_virtual if args.n_virtual is not None else (2 if interleaved else 1)
+    if interleaved and n_virtual < 2:
+        raise ValueError(f"--n-virtual {n_virtual}: interleaved-1f1b runs 2 or more stages per rank; "
+                         f"give --n-virtual 2 or more, or simulate 1f1b for one stage per rank")
+    if name in SCHEDULE_NAMES and not interleaved and n_virtual != 1:
+        raise ValueError(f"--n-virtual {n_virtual}: {name} runs one stage per rank; leave "
+                         f"--n-virtual out, or simulate interleaved-1f1b for several stages per rank")
+    schedule = build(name, args.n_ranks, args.n_microbatches, n_virtual)
+    validate(schedule)
+    costs = _costs(args, schedule)
+    timeline = simulate(schedule, costs)
+    textbook = theory(schedule, costs)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    picture, trace, numbers = out / f"{name}.png", out / f"{name}.trace.json", out / f"{name}.json"
+    sizes = f"p={schedule.n_ranks}, m={schedule.n_microbatches}" + (
+        f", v={schedule.n_virtual}" if schedule.n_virtual > 1 else "")
+    viz.save(viz.plot_timeline(timeline, title=f"{name} predicted ({sizes}; {_describe(costs, schedule)})"),
+             picture)
+    timeline.to_chrome_trace(trace)
+    report = dict(
+        command="pplab simulate", pplab_version=__version__, arguments=arguments_as_json(args),
+        schedule=schedule.name, n_ranks=schedule.n_ranks, n_microbatches=schedule.n_microbatches,
+        n_virtual=schedule.n_virtual, costs=dataclasses.asdict(costs),
+        cost_per_stage={kind.value: [costs.compute_time(kind, s) for s in range(schedule.n_stages)]
+                        for kind in _compute_kinds(schedule)},
+        step_time=timeline.step_time(), bubble_fraction=timeline.bubble_fraction(),
+        bubble_fraction_per_rank=[timeline.bubble_fraction(r) for r in range(schedule.n_ranks)],
+        peak_inflight=timeline.peak_inflight_per_rank(),
+        theory=dict(bubble_fraction=textbook.bubble_fraction, formula=textbook.bubble_formula,
+                    conditions=textbook.conditions, peak_inflight=list(textbook.peak_inflight),
+                    peak_inflight_formula=textbook.peak_inflight_formula),
+        files=dict(timeline=picture.name, trace=trace.name),
+    )
+    numbers.write_text(json.dumps(report, indent=2) + "\n")
+    print(f"pplab simulate: {name} on a cost model ({sizes}; {_describe(costs, schedule)})")
+    print(f"  step time {timeline.step_time():.4g} (cost units)  bubble {timeline.bubble_fraction():.3f} "
+          f"(theory {bubble_figure(textbook.bubble_fraction)})  peak in-flight per rank "
+          f"{timeline.peak_inflight_per_rank()}")
+    if textbook.bubble_fraction is None:
+        print(f"  theory n/a: {textbook.conditions}")
+    print(f"  wrote {picture}, {trace} (open in ui.perfetto.dev) and {numbers}")
+    return 0
+
+
+def _costs(args: argparse.Namespace, schedule) -> Costs:
+    """The cost model the options describe; --weight only where the schedule runs W on its own."""
+    if args.weight is not None and Kind.W not in _compute_kinds(schedule):
+        raise ValueError(f"--weight given, but {schedule.name} runs the whole backward "
+                         f"(B) in one pass, so there is no weight-gradient pass to time; leave --weight "
+                         f"out, or simulate a zero-bubble schedule (zb-h1)")
+    if args.bandwidth is not None and args.activation_bytes is None:
+        raise ValueError(f"--bandwidth {args.bandwidth:g} needs the size of a message: give "
+                         f"--activation-bytes (bytes per activation crossing a stage boundary)")
+    for option in ("forward", "backward", "weight"):
+        value = getattr(args, option)
+        if isinstance(value, tuple) and len(value) != schedule.n_stages:
+            raise ValueError(f"--{option} has {len(value)} values but {schedule.name} on "
+                             f"{schedule.n_ranks} ranks has {schedule.n_stages} stages; give one value "
+                             f"per stage or a single number")
+    backward = args.backward if args.backward is not None else _times(2, args.forward)
+    if args.weight is not None:
+        for stage in range(schedule.n_stages):
+            weight, whole = _stage_value(args.weight, stage), _stage_value(backward, stage)
+            if weight > whole:
+                raise ValueError(f"--weight {weight:g} exceeds the whole backward {whole:g} on stage "
+                                 f"{stage} (--backward, default twice --forward): W is part of the "
+                                 f"backward, the input-gradient pass I the rest; give a smaller --weight "
+                                 f"or a larger --backward")
+    return Costs(forward=args.forward, backward=backward, weight_grad=args.weight, latency=args.latency,
+                 bandwidth=args.bandwidth, activation_bytes=args.activation_bytes)
+
+
+def _times(factor: float, value):
+    """factor * value, for one number or one per stage."""
+    return tuple(factor * v for v in value) if isinstance(value, tuple) else factor * value
+
+
+def _compute_kinds(schedule) -> list[Kind]:
+    """The compute kinds (F, B or F, I, W) the schedule runs, in that order."""
+    used = {a.kind for actions in schedule.actions for a in actions}
+    return [kind for kind in (Kind.F, Kind.B, Kind.I, Kind.W) if kind in used]
+
+
+def _stage_value(value, stage: int) -> float:
+    """A duration option's value on one stage."""
+    return value[stage] if isinstance(value, tuple) else value
+
+
+def _describe(costs: Costs, schedule) -> str:
+    """The costs in one short phrase, as the schedule uses them."""
+    def show(value):
+        return "/".join(f"{v:g}" for v in value) if isinstance(value, tuple) else f"{value:g}"
+
+    if Kind.W in _compute_kinds(schedule):
+        halves = [costs.compute_time(kind, s) for s in range(schedule.n_stages) for kind in (Kind.I, Kind.W)]
+        input_grad, weight_grad = halves[0::2], halves[1::2]
+        backward = f"I={show(_one_or_all(input_grad))} W={show(_one_or_all(weight_grad))}"
+    else:
+        backward = f"B={show(costs.backward)}"
+    link = f", latency {costs.latency:g}" if costs.latency else ""
+    if costs.bandwidth is not None:
+        link += f", bandwidth {costs.bandwidth:g} B/unit"
+    return f"F={show(costs.forward)} {backward}{link}"
+
+
+def _one_or_all(values: list[float]):
+    """One number when every stage has the same, else a tuple."""
+    return values[0] if len(set(values)) == 1 else tuple(values)
+
+
+def add_to(commands, ranks_run: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """This command's flags, on the `pplab` parser's subcommands."""
+    run_simulate = commands.add_parser(
+        "simulate", help="predict a schedule's timeline on a cost model (no processes)",
+        description="Build a schedule, run it on a cost model and write the predicted timeline "
+                    "(PNG), a Chrome trace and the numbers (JSON). Durations are in cost units: "
+                    "give seconds to compare with a measured run. Each duration is one number, "
+                    "or one per stage separated by commas.")
+    run_simulate.add_argument("schedule", metavar="SCHEDULE", help=f"one of {', '.join(SCHEDULE_NAMES)} "
+                                                                   f"(any case; '-', '_' or nothing between words)")
+    run_simulate.add_argument("--n-ranks", type=positive_int, required=True, metavar="N", help="ranks")
+    run_simulate.add_argument("--n-microbatches", type=positive_int, required=True, metavar="N",
+                              help="microbatches per step")
+    run_simulate.add_argument("--n-virtual", type=positive_int, default=None, metavar="N",
+                              help="stages per rank (interleaved-1f1b: default 2; others: 1)")
+    run_simulate.add_argument("--forward", type=per_stage, default=1.0,
+                              help="forward F of one stage (an interleaved chunk is a stage; default 1)")
+    run_simulate.add_argument("--backward", type=per_stage, default=None,
+                              help="whole backward B (default twice the forward)")
+    run_simulate.add_argument("--weight", type=per_stage, default=None,
+                              help="zero-bubble schedules: the weight-gradient pass W, part of the "
+                                   "backward (the input-gradient pass I is the rest; default half)")
+    run_simulate.add_argument("--latency", type=number, default=0.0,
+                              help="time a message between ranks takes (default 0)")
+    run_simulate.add_argument("--bandwidth", type=functools.partial(number, positive=True), default=None,
+                              help="bytes per cost unit of a link (needs --activation-bytes)")
+    run_simulate.add_argument("--activation-bytes", type=positive_int, default=None,
+                              help="bytes of an activation (or its gradient) crossing a stage boundary")
+    run_simulate.add_argument("--out", default="pplab-simulate",
+                              help="folder for the picture, the trace and the JSON (default pplab-simulate)")
+    run_simulate.set_defaults(handler=run)
+    return run_simulate
