@@ -44,6 +44,7 @@ from typing import Sequence, Union
 
 from pplab.schedules import (COMPUTE_KINDS, SEND_KINDS, Action, DeadlockError, Dependencies, Kind, Schedule,
                              ScheduleError)
+from pplab.schedules.communication import comm_batches
 from pplab.schedules.compiled import KINDS, SEND_B, SEND_F, Compiled, boundaries, compile_schedule, no_cyclic_gc
 from pplab.timeline import Event, Timeline
 
@@ -382,6 +383,8 @@ class _Simulation:
         # With a rendezvous link: when each rank posts the receives of its next communication
         # (the end of its last one), and each send's start and event, to end it when it leaves.
         self.receives_posted_at = [0.0] * schedule.n_ranks
+        self.batch_ends = [{step[-1] for step in comm_batches(actions) if step[0].is_comm}  # the runtime's rule
+                           for actions in schedule.actions]
         self.sent: dict[Action, tuple[float, int]] = {}
 
     def run(self) -> Timeline:
@@ -408,8 +411,7 @@ class _Simulation:
             self._execute(rank, action, inputs_at)
             woken += self.waiting.pop(action, [])
             self.next_index[rank] += 1
-            following = self.next_index[rank]
-            if action.is_comm and (following == len(actions) or not actions[following].is_comm):
+            if action in self.batch_ends[rank]:
                 self.receives_posted_at[rank] = self.free_at[rank]  # the runtime posts the next ones now
         return woken
 

@@ -333,10 +333,12 @@ def test_zero_bubble_w_computes_only_weight_gradients():
 def test_receives_are_posted_one_compute_ahead():
     """Before each compute, the runtime posts the receives of the next comm batch (gloo moves
     a message only once its receive is posted): rank 1 of 1F1B posts microbatch 1's
-    activation while it still runs microbatch 0."""
-    from pplab.rank.runtime import _upcoming_receives
-    actions = build("1f1b", 2, 3).actions[1]
-    upcoming = {str(a): [str(r) for r in receives]
-                for a, receives in zip(actions, _upcoming_receives(actions)) if a.is_compute}
+    activation while it still runs microbatch 0. (The rule lives in pplab.schedules.communication,
+    where the simulator's rendezvous link reads it too.)"""
+    from pplab.schedules.communication import comm_batches, receives_to_prepost
+    steps = comm_batches(build("1f1b", 2, 3).actions[1])
+    assert [len(step) for step in steps if step[0].is_comm] == [1, 2, 2, 1]  # adjacent messages: one batch
+    upcoming = {str(step[0]): [str(r) for r in receives]
+                for step, receives in zip(steps, receives_to_prepost(steps)) if step[0].is_compute}
     assert upcoming == {"1F0": ["1RECV_F1"], "1B0": ["1RECV_F1"], "1F1": ["1RECV_F2"],
                         "1B1": ["1RECV_F2"], "1F2": [], "1B2": []}

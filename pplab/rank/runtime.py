@@ -34,6 +34,7 @@ from pplab.rank.gradients import gradient_report
 from pplab.rank.memory import ForwardBytes
 from pplab.model import loss_fn
 from pplab.schedules import Action, Dependencies, Kind, Schedule, check_runnable
+from pplab.schedules.communication import comm_batches, receives_to_prepost
 from pplab.simulator import Costs
 from pplab.rank.split_backward import input_gradient, torch_split_backward, weight_gradients
 from pplab.rank.step_clock import StepClock, pad_to_cost
@@ -121,7 +122,8 @@ class RankRuntime:
         self.group, self.tied = group, tied
         self.last_stage = schedule.n_stages - 1
         self._forward_bytes = ForwardBytes()  # keyed by (stage, input shape, dtype)
-        self._upcoming_receives = _upcoming_receives(schedule.actions[rank])
+        self._steps = comm_batches(schedule.actions[rank])  # the rule in pplab.schedules.communication
+        self._receives_to_prepost = receives_to_prepost(self._steps)
         self._clock = StepClock(self.group, self.device)
         if any(a.kind == Kind.I for acts in schedule.actions for a in acts):
             torch_split_backward()  # import it now: a step should not pay for it (0.7 s on a busy CPU)
@@ -153,21 +155,15 @@ class RankRuntime:
                 f"ranks is cut. This process group cannot be used again: start the ranks afresh.") from error
         clock = lambda: monotonic_clock() - origin  # noqa: E731 - one clock for the whole step
         tell = _Teller(self.rank, watch, link.events, clock)
-        actions = self.schedule.actions[self.rank]
-        upcoming = self._upcoming_receives
-        position = 0
-        while position < len(actions):
-            action = actions[position]
-            if action.is_comm:  # adjacent sends/receives travel as one batch
-                batch = [action]
-                while position + len(batch) < len(actions) and actions[position + len(batch)].is_comm:
-                    batch.append(actions[position + len(batch)])
+        for step, early_receives in zip(self._steps, self._receives_to_prepost):
+            if step[0].is_comm:  # adjacent sends/receives travel as one batch
+                batch = list(step)
                 tell.starting(batch, self._waits_for(batch) if watch is not None else ())
                 self._exchange(link, batch, state, activation_shapes, clock)
                 tell.messages()
-                position += len(batch)
                 continue
-            self._prepost(link, upcoming[position], state, activation_shapes)
+            (action,) = step
+            self._prepost(link, list(early_receives), state, activation_shapes)
             tell.starting([action])
             with record_function(action.profiler_label):  # what a torch.profiler trace will show
                 started = clock()
@@ -178,7 +174,6 @@ class RankRuntime:
                 events.append(Event(self.rank, action.kind.value, action.stage, action.microbatch,
                                     started, clock(), **event_extra))
                 tell.event(events[-1])
-            position += 1
         link.finish()
         tell.messages()
         tell.starting([])
@@ -352,19 +347,3 @@ class RankRuntime:
 
     def _activation_dtype(self) -> torch.dtype:
         return next(iter(p.dtype for m in self.stages.values() for p in m.parameters()), torch.float32)
-
-
-def _upcoming_receives(actions: list[Action]) -> list[list[Action]]:
-    """For each compute position, the receives of the first batch of comm actions after it."""
-    upcoming: list[list[Action]] = [[] for _ in actions]
-    batch: list[Action] = []  # the comm batch starting at or after `position`
-    for position in range(len(actions) - 1, -1, -1):
-        action = actions[position]
-        if action.is_comm:
-            continues = position + 1 < len(actions) and actions[position + 1].is_comm
-            batch = [action] + (batch if continues else [])
-        else:
-            upcoming[position] = [a for a in batch if not a.is_send]
-    return upcoming
-
-

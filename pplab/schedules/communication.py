@@ -68,3 +68,32 @@ def _sends_after(action: Action, rule: Dependencies) -> list[Action]:
     return [send for send in candidates
             if not schedule.same_rank(stage, send.peer_stage)
             and rule.needs(send)[0].action == action]
+
+
+# --- how a rank performs its list: the rule the runtime follows and the simulator models --------
+
+def comm_batches(actions: Sequence[Action]) -> list[tuple[Action, ...]]:
+    """One rank's actions as the runtime performs them: each compute action alone, and each run of
+    adjacent sends and receives as one batch, posted together (so no rank waits on a send that its
+    peer has queued behind a receive of its own)."""
+    steps: list[tuple[Action, ...]] = []
+    for action in actions:
+        if action.is_comm and steps and steps[-1][0].is_comm:
+            steps[-1] += (action,)
+        else:
+            steps.append((action,))
+    return steps
+
+
+def receives_to_prepost(steps: Sequence[tuple[Action, ...]]) -> list[tuple[Action, ...]]:
+    """For each of `comm_batches`' steps, the receives of the first batch after it: posted ahead,
+    before each compute step that precedes that batch, once the batch before has ended (where the
+    message's shape is known), so that a sender need not wait for its receiver to reach its turn."""
+    upcoming: list[tuple[Action, ...]] = []
+    receives: tuple[Action, ...] = ()
+    for step in reversed(steps):
+        upcoming.append(receives)
+        if step[0].is_comm:
+            receives = tuple(action for action in step if not action.is_send)
+    return upcoming[::-1]
+
