@@ -16,7 +16,7 @@ from pplab.model import LlamaConfig, build_model
 from pplab.partition import build_stage
 from pplab.rank.rank_pipeline import PipelineSpec, RankPipeline
 from pplab.rank.reference import reference_step
-from pplab.rank.train import RankTrainer, TrainOptions, make_optimizer, train_on_rank
+from pplab.rank.train import RankTrainer, TrainOptions, build_and_train_on_rank, make_optimizer
 
 CONFIG = LlamaConfig.tiny()
 BASE = dict(steps=6, batch_size=8, seq_len=32, warmup=2, eval_every=0)
@@ -27,7 +27,7 @@ def spec_for(ranks, schedule="1f1b", n_virtual=1, impl="pplab"):
 
 
 def train(ranks, options, until=None, spec=None):
-    return run_ranks(ranks, train_on_rank, spec or spec_for(ranks), options, until, False, timeout=180)[0]
+    return run_ranks(ranks, build_and_train_on_rank, spec or spec_for(ranks), options, until, False, timeout=180)[0]
 
 
 @pytest.fixture(scope="module")

@@ -25,7 +25,7 @@ from ranks import run_ranks
 from pplab.model import LlamaConfig
 from pplab.partition import build_stage
 from pplab.rank.rank_pipeline import PipelineSpec, RankPipeline
-from pplab.rank.train import RankTrainer, TrainOptions, make_optimizer, train_on_rank
+from pplab.rank.train import RankTrainer, TrainOptions, build_and_train_on_rank, make_optimizer
 
 
 CONFIG = LlamaConfig.tiny()
@@ -193,7 +193,8 @@ def small_checkpoint(tmp_path_factory):
     """A committed 2-rank checkpoint of a small model at step 2."""
     root = tmp_path_factory.mktemp("small")
     spec = PipelineSpec.create(SMALL, "1f1b", 2, 2)
-    run_ranks(2, train_on_rank, spec, replace(BASE, batch_size=4, checkpoint_dir=str(root)), 2, False, timeout=180)
+    run_ranks(2, build_and_train_on_rank, spec, replace(BASE, batch_size=4, checkpoint_dir=str(root)), 2, False,
+              timeout=180)
     return checkpoint.latest(root)
 
 

@@ -127,11 +127,11 @@ def test_a_pipeline_stepped_after_a_restart_says_to_build_it_again(lab2):
 def test_training_on_a_lab_is_the_training_of_plain_processes_and_reshards(lab2, tmp_path):
     from ranks import run_ranks
     from pplab.rank.rank_pipeline import PipelineSpec
-    from pplab.rank.train import TrainOptions, train_on_rank
+    from pplab.rank.train import TrainOptions, build_and_train_on_rank
 
     options = dict(steps=6, batch_size=8, seq_len=32, warmup=2, eval_every=3)
     spec = PipelineSpec.create(CONFIG, "interleaved-1f1b", 2, 4, 2)
-    plain = run_ranks(2, train_on_rank, spec, TrainOptions(**options), None, False, timeout=120)[0]
+    plain = run_ranks(2, build_and_train_on_rank, spec, TrainOptions(**options), None, False, timeout=120)[0]
 
     pipe = lab2.pipeline(CONFIG, "interleaved-1f1b", n_microbatches=4, n_virtual=2)
     first = pipe.train(until=4, show=False, checkpoint_dir=str(tmp_path), checkpoint_every=2, **options)

@@ -61,6 +61,19 @@ def test_the_last_releases_names_are_the_new_ones():
         assert pplab.session.PipelineRun is pplab.Pipeline
 
 
+def test_the_plain_ranks_training_entry_point_has_a_name_of_its_own():
+    """pplab.rank.train.train_on_rank shared its name with the session's train_on_rank (which
+    trains stages already built): it is build_and_train_on_rank now, the old name one more release."""
+    import pplab.rank.train
+    from pplab.session import on_rank
+
+    with pytest.warns(DeprecationWarning, match=r"pplab.rank.train.train_on_rank is now "
+                                                r"pplab.rank.train.build_and_train_on_rank"):
+        assert pplab.rank.train.train_on_rank is pplab.rank.train.build_and_train_on_rank
+    assert on_rank.train_on_rank is not pplab.rank.train.build_and_train_on_rank
+    assert "train_on_rank" not in pplab.rank.train.__all__
+
+
 def test_the_last_releases_flags_still_work_and_name_the_new_one(capsys):
     from pplab.cli import main
 

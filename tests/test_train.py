@@ -7,7 +7,7 @@ from one_device import single_device_training
 from ranks import pool, run_ranks
 from pplab.model import LlamaConfig, generate
 from pplab.rank.rank_pipeline import PipelineSpec
-from pplab.rank.train import TrainOptions, lr_factor, train_on_rank
+from pplab.rank.train import TrainOptions, build_and_train_on_rank, lr_factor
 
 
 CONFIG = LlamaConfig.tiny()
@@ -24,7 +24,7 @@ def reference_losses():
                                                        ("1f1b", "torch", 1)])
 def test_pipeline_training_equals_one_device_to_the_last_bit(reference_losses, schedule, impl, n_virtual):
     spec = PipelineSpec.create(CONFIG, schedule, 2, 4, n_virtual, impl=impl)
-    histories = run_ranks(2, train_on_rank, spec, OPTIONS, None, False, timeout=180)
+    histories = run_ranks(2, build_and_train_on_rank, spec, OPTIONS, None, False, timeout=180)
     assert histories[0].losses == reference_losses
     assert histories[1].losses == histories[0].losses  # the loss is known on every rank
     assert any(r.grad_norm > OPTIONS.clip for r in histories[0].records)  # clipping did act
@@ -68,7 +68,7 @@ def test_the_embedded_corpus_trains_visibly_and_generates_corpus_like_text(tmp_p
     options = TrainOptions(steps=100, batch_size=8, seq_len=64, eval_every=50,
                            checkpoint_dir=str(tmp_path))
     spec = PipelineSpec.create(CONFIG, "1f1b", 2, 4)
-    history = run_ranks(2, train_on_rank, spec, options, None, False, timeout=400)[0]
+    history = run_ranks(2, build_and_train_on_rank, spec, options, None, False, timeout=400)[0]
     (_, first), *_, (_, last) = history.eval_losses
     assert last < 0.5 * history.records[0].loss and last < first
     from pplab.rank.checkpoint import load_model

@@ -47,7 +47,7 @@ from pplab.rank.rank_pipeline import PipelineSpec, RankPipeline
 from pplab.rank.reference import as_microbatches
 from pplab.timeline import Event, Now
 
-__all__ = ["TrainOptions", "TrainRecord", "TrainHistory", "RankTrainer", "train_on_rank", "lr_factor",
+__all__ = ["TrainOptions", "TrainRecord", "TrainHistory", "RankTrainer", "build_and_train_on_rank", "lr_factor",
            "make_optimizer", "prepare_data", "train_batch", "heldout_batches"]
 
 
@@ -556,9 +556,10 @@ class ProgressBar:
             self.bar.close()
 
 
-def train_on_rank(rank: int, world_size: int, spec: PipelineSpec, options: TrainOptions,
-                  until: int | None = None, progress: bool = True, device="cpu") -> TrainHistory:
-    """Build this rank's stages and train them: the entry point for torchrun and local processes.
+def build_and_train_on_rank(rank: int, world_size: int, spec: PipelineSpec, options: TrainOptions,
+                            until: int | None = None, progress: bool = True, device="cpu") -> TrainHistory:
+    """Build this rank's stages and train them: the entry point for torchrun and plain processes
+    (a session's ranks keep their stages built and train them with `pplab.session.on_rank.train_on_rank`).
 
     Rank 0 shows a progress bar (tqdm) when `progress` is true.
     """
@@ -572,3 +573,14 @@ def train_on_rank(rank: int, world_size: int, spec: PipelineSpec, options: Train
         trainer.close()
         if bar is not None:
             bar.close()
+
+
+def __getattr__(name: str):
+    """`train_on_rank`, the last release's name of `build_and_train_on_rank` (it shared its name with
+    the session's `train_on_rank`, which trains stages already built)."""
+    if name == "train_on_rank":
+        from pplab.arguments import warn_renamed
+
+        warn_renamed("pplab.rank.train", name, "build_and_train_on_rank")
+        return build_and_train_on_rank
+    raise AttributeError(f"module 'pplab.rank.train' has no attribute {name!r}")

@@ -204,7 +204,7 @@ def train(config: RunConfig | None = None, *, timeout: float = 3600.0, show: boo
     """Train as `config` (and/or keywords: RunConfig's fields) says, on local ranks, or on the processes
     torchrun started (each process calls it: rank 0 gets the history, the others None)."""
     from pplab.drivers.torchrun import run_as_torchrun_rank, under_torchrun
-    from pplab.rank.train import prepare_data, train_on_rank
+    from pplab.rank.train import build_and_train_on_rank, prepare_data
     from pplab.session import Pipeline, RankPool
 
     config = (config or RunConfig()).with_changes(**keywords)
@@ -216,7 +216,7 @@ def train(config: RunConfig | None = None, *, timeout: float = 3600.0, show: boo
     # every torchrun process. Pipeline.train looks at the prepared options again: it only re-reads the text.
     options = prepare_data(options, spec.config)
     if under_torchrun():
-        histories = run_as_torchrun_rank(train_on_rank, spec, options, None, show)
+        histories = run_as_torchrun_rank(build_and_train_on_rank, spec, options, None, show)
         return histories[0] if histories else None
     with RankPool(spec.world_size, timeout=timeout) as pool:
         return Pipeline(pool, spec).train(show=show, **dataclasses.asdict(options))
