@@ -152,8 +152,10 @@ def pytest_collection_modifyitems(config, items):
     if again:
         config.hook.pytest_deselected(items=again)
         items[:] = [item for item in items if item not in again]
+    # Then the other notebooks (a lab, a kernel and half a minute each), then the other test files:
+    # a worker that ends on a short file leaves no long tail for the others to wait out.
     first = {name: index for index, name in enumerate(LONGEST_FIRST)}
-    items.sort(key=lambda item: first.get(item.path.name, len(first)))  # stable: the rest as collected
+    items.sort(key=lambda item: first.get(item.path.name, len(first) + (item.path.suffix != ".ipynb")))  # stable
 
 
 @pytest.fixture(scope="session", autouse=True)
