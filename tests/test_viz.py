@@ -178,7 +178,8 @@ def imported_modules(module_name: str) -> set[str]:
     ("trace", {"pplab.timeline", "pplab.profiled"}),  # the event model, and the profiler traces' reader
     ("profiled", {"pplab.timeline"}),
     ("formatting", set()),
-    ("simulator", {"pplab.schedules", "pplab.schedules.compiled", "pplab.timeline"}),
+    ("simulator", {"pplab.schedules", "pplab.schedules.communication", "pplab.schedules.compiled",
+                   "pplab.timeline"}),  # communication: the runtime's comm-batch rule
     ("views.viz", {"pplab.timeline", "pplab.formatting"}),
     ("schedule_search", {"pplab.schedules", "pplab.simulator", "pplab.timeline", "pplab.formatting",
                          "pplab.list_scheduling", "pplab.zero_bubble_heuristic"}),

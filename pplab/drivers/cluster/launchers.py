@@ -139,15 +139,25 @@ class LocalCluster:
         ipyparallel picks free ports first and binds them later; on a busy machine another process
         can take one in between (three labs starting at once did). A scheduler thread that fails to
         bind dies alone: the controller lives, engines register, and every request to them is lost
-        (a start then waited out its whole start_timeout in _describe)."""
+        (a start then waited out its whole start_timeout in _describe). A controller that exited
+        once its files were written (an attendee's lab in the room test, three starting at once,
+        failed here with psutil's NoSuchProcess) starts afresh when its log says a port was taken,
+        and is a LabStartError with that log otherwise."""
         import psutil
 
         wanted = self._ports_in_connection_files()
         deadline = time.monotonic() + recent_load().scale(CONTROLLER_BIND_SECONDS)
         while True:
-            controller = psutil.Process(self._cluster.controller.process.pid)
+            try:
+                controller = psutil.Process(self._cluster.controller.process.pid)
+                processes = [controller, *controller.children(recursive=True)]
+            except psutil.NoSuchProcess:  # the controller exited once its files were written
+                if "Address already in use" in self.launch_logs():
+                    return sorted(wanted)  # its main process lost a port the same way: start afresh
+                self.check_alive()  # any other exit: a LabStartError with its last words
+                raise
             listening = set()
-            for process in [controller, *controller.children(recursive=True)]:
+            for process in processes:
                 with contextlib.suppress(psutil.Error):
                     listening |= {c.laddr.port for c in process.net_connections("tcp") if c.status == "LISTEN"}
             missing = sorted(wanted - listening)
