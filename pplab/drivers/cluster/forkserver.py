@@ -37,10 +37,17 @@ def preload() -> None:
     import ipyparallel.engine.app  # noqa: F401
 
     import pplab.drivers.cluster.engine  # noqa: F401
-    from pplab.drivers.local import RANK_IMPORTS
 
-    for name in RANK_IMPORTS:  # what pipelines run on a rank: 2 s each engine would import again
+    for name in ENGINE_IMPORTS:
         importlib.import_module(name)
+
+
+# What every engine's pipeline needs: its stages and its training loop. Not the rest of the pools'
+# RANK_IMPORTS (torch._dynamo, checkpoints, torch's pipelining: 2 s of CPU here): imported here,
+# before any engine forks, they made every lab start 3.5 s later (bench_lab_start, 2 ranks: 6.0 s
+# against 2.6 s, torchrun 3.2 s), and only an engine that trains (an optimizer imports dynamo),
+# checkpoints or runs torch's schedules needs them, importing them then, beside its peers.
+ENGINE_IMPORTS = ["pplab.rank.rank_pipeline", "pplab.rank.train"]
 
 
 def start_engine(index: int, engine_argv: list[str]) -> int:
