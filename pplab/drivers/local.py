@@ -48,9 +48,10 @@ from pplab.rank.rank_context import (RankContext, RankDiedError, RankError, Rank
 
 # What every rank imports: a rank forked from a server that imported these once starts in a
 # tenth of a second, where a spawned one spends about 2 s of CPU importing torch. torch._dynamo
-# (1.1 s of CPU) is among them because almost every rank imports it anyway: building a stage on
-# the meta device, an optimizer's first parameter group and torch's pipelining each do. Once it is
-# in, checkpoints, DTensor and pipelining add 0.06 s: every rank gets them too.
+# (1.1 s of CPU) is among them because most pool ranks import it anyway: an optimizer's first
+# parameter group and torch's pipelining each do. Once it is in, checkpoints, DTensor and
+# pipelining add 0.06 s: every rank gets them too. (This server serves the client's pools for its
+# whole life; a lab's engines preload less: pplab.drivers.cluster.forkserver.ENGINE_IMPORTS.)
 RANK_IMPORTS = ["torch", "torch.distributed", "torch._dynamo", "torch.distributed.checkpoint",
                 "torch.distributed.pipelining", "pplab.rank.rank_pipeline", "pplab.rank.train"]
 

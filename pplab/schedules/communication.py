@@ -96,4 +96,3 @@ def receives_to_prepost(steps: Sequence[tuple[Action, ...]]) -> list[tuple[Actio
         if step[0].is_comm:
             receives = tuple(action for action in step if not action.is_send)
     return upcoming[::-1]
-
