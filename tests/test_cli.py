@@ -181,8 +181,17 @@ def run_train(*arguments: str, torchrun: bool = False, cwd=None) -> subprocess.C
     """`pplab train ...` as a user types it: local ranks, or two ranks under torchrun."""
     launcher = ([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"]
                 if torchrun else [sys.executable])
+    # A rank that dies of a signal prints its threads' Python stacks (torchrun reports only the signal).
+    environment = {**os.environ, "PYTHONFAULTHANDLER": "1"}
     return subprocess.run([*launcher, "-m", "pplab", "train", *arguments], capture_output=True,
-                          text=True, timeout=300, cwd=cwd)
+                          text=True, timeout=300, cwd=cwd, env=environment)
+
+
+def what_ranks_said(done: subprocess.CompletedProcess) -> str:
+    """A failed run's stderr, the ranks' own lines first: torchrun's summary of a rank that died of a
+    signal fills the tail and names only the signal."""
+    said = done.stderr
+    return said if len(said) <= 6000 else f"{said[:4000]}\n[...]\n{said[-2000:]}"
 
 
 def reported_losses(path: Path) -> dict[int, float]:
@@ -197,7 +206,7 @@ def trained(tmp_path_factory):
     folder = tmp_path_factory.mktemp("train")
     done = run_train("--steps", "6", "--eval-every", "3", "--checkpoint-dir", str(folder / "run"),
                      "--checkpoint-every", "3", "--keep", "2", "--report", str(folder / "whole.json"))
-    assert done.returncode == 0, done.stderr
+    assert done.returncode == 0, what_ranks_said(done)
     return done, folder
 
 
@@ -222,7 +231,7 @@ def test_train_command_under_torchrun_is_the_same_run(trained, tmp_path):
     _, folder = trained
     launched = run_train("--steps", "6", "--eval-every", "3", "--report", str(tmp_path / "torchrun.json"),
                          torchrun=True)
-    assert launched.returncode == 0, launched.stderr[-2000:]
+    assert launched.returncode == 0, what_ranks_said(launched)
     assert "ranks started by torchrun" in launched.stdout
     assert reported_losses(tmp_path / "torchrun.json") == reported_losses(folder / "whole.json")
 
@@ -313,7 +322,7 @@ def test_demo_runs_under_torchrun_with_one_process_per_rank(tmp_path):
     done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
                            "-m", "pplab", "demo", "--n-microbatches", "2", "--forward", "0.01",
                            "--out", str(tmp_path)],
-                          capture_output=True, text=True, timeout=300)
-    assert done.returncode == 0, done.stdout + done.stderr
+                          capture_output=True, text=True, timeout=300, env={**os.environ, "PYTHONFAULTHANDLER": "1"})
+    assert done.returncode == 0, done.stdout + what_ranks_said(done)
     assert "on 2 ranks started by torchrun" in done.stdout
     assert done.stdout.count("parity ok") == 4  # reported once, by rank 0
