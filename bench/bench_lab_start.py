@@ -6,7 +6,10 @@ the gloo process group is initialised and one barrier is done.
 * torchrun: `torchrun --standalone --nproc_per_node=N ready.py`, timed from launch
   until rank 0 has passed the barrier (it prints the time).
 * lab, fresh kernel: a new Python process that has already imported pplab (as a
-  notebook after its first cell) times `pplab.Lab(n_ranks=N)`, its first lab.
+  notebook after its first cell) times `pplab.Lab(n_ranks=N)`, its first lab. Its client
+  has not imported torch (the engines have theirs): the kernel imports it when it first
+  needs it (a pipeline, a tensor in a result), timed apart as "client torch" and added
+  in a second ratio, for a kernel whose next cell uses torch at once.
 * lab, warm kernel: `pplab.Lab(n_ranks=N)` again in this process (ipyparallel is
   already imported, as for a second lab or a restart).
 
@@ -49,6 +52,9 @@ import pplab
 started = time.perf_counter()
 lab = pplab.Lab(n_ranks=int(sys.argv[1]), verbose=False)
 print(f"READY {time.perf_counter() - started!r}", flush=True)
+started = time.perf_counter()
+import torch
+print(f"CLIENT_TORCH {time.perf_counter() - started!r}", flush=True)
 lab.stop()
 """
 
@@ -63,12 +69,13 @@ def time_torchrun(ranks: int, script: str, environment: dict) -> float:
     return _ready_value(finished.stdout) - launched
 
 
-def time_fresh_lab(ranks: int, environment: dict) -> float:
-    """Seconds a new process that has imported pplab takes to get its first ready lab."""
+def time_fresh_lab(ranks: int, environment: dict) -> tuple[float, float]:
+    """Seconds a new process that has imported pplab takes to get its first ready lab, and then
+    to import torch in that process."""
     finished = subprocess.run([sys.executable, "-c", FRESH_LAB_SCRIPT, str(ranks)],
                               capture_output=True, text=True, env=environment, timeout=300,
                               check=True)
-    return _ready_value(finished.stdout)
+    return _ready_value(finished.stdout), _ready_value(finished.stdout, "CLIENT_TORCH ")
 
 
 def time_warm_lab(ranks: int) -> float:
@@ -82,11 +89,11 @@ def time_warm_lab(ranks: int) -> float:
     return elapsed
 
 
-def _ready_value(stdout: str) -> float:
+def _ready_value(stdout: str, prefix: str = "READY ") -> float:
     for line in stdout.splitlines():
-        if line.startswith("READY "):
+        if line.startswith(prefix):
             return float(line.split()[1])
-    raise RuntimeError(f"no READY line in the output:\n{stdout}")
+    raise RuntimeError(f"no {prefix.strip()} line in the output:\n{stdout}")
 
 
 def noop():
@@ -117,6 +124,7 @@ def time_noop_calls(ranks: int, calls: int) -> dict:
 def measure_start(ranks: int, repeats: int, script: str, environment: dict) -> dict:
     """Interleaved trials of the three ways to get N ready ranks; medians and ratios."""
     trials = {"torchrun": [], "lab_fresh_kernel": [], "lab_warm_kernel": []}
+    client_torch = []  # after each fresh kernel's lab: its own `import torch`
     kinds = {"torchrun": lambda: time_torchrun(ranks, script, environment),
              "lab_fresh_kernel": lambda: time_fresh_lab(ranks, environment),
              "lab_warm_kernel": lambda: time_warm_lab(ranks)}
@@ -124,11 +132,16 @@ def measure_start(ranks: int, repeats: int, script: str, environment: dict) -> d
     for repeat in range(repeats):
         for kind in order if repeat % 2 == 0 else reversed(order):
             seconds = kinds[kind]()
+            if kind == "lab_fresh_kernel":
+                seconds, imported = seconds
+                client_torch.append(imported)
             trials[kind].append(seconds)
             print(f"  N={ranks} repeat {repeat + 1}/{repeats}: {kind:17s} {seconds:6.2f} s", flush=True)
     medians = {kind: statistics.median(values) for kind, values in trials.items()}
-    return {"trials_s": trials, "median_s": medians,
+    then_torch = statistics.median(ready + imported for ready, imported in zip(trials["lab_fresh_kernel"], client_torch))
+    return {"trials_s": trials, "median_s": medians, "client_torch_s": client_torch,
             "ratio_fresh_kernel": medians["lab_fresh_kernel"] / medians["torchrun"],
+            "ratio_fresh_kernel_then_client_torch": then_torch / medians["torchrun"],
             "ratio_warm_kernel": medians["lab_warm_kernel"] / medians["torchrun"]}
 
 
@@ -180,7 +193,8 @@ def main() -> int:
         medians = row["median_s"]
         print(f"  N={ranks}: torchrun {medians['torchrun']:.2f} s | lab, fresh kernel "
               f"{medians['lab_fresh_kernel']:.2f} s (ratio {row['ratio_fresh_kernel']:.2f}) | "
-              f"lab, warm kernel {medians['lab_warm_kernel']:.2f} s (ratio {row['ratio_warm_kernel']:.2f})")
+              f"lab, warm kernel {medians['lab_warm_kernel']:.2f} s (ratio {row['ratio_warm_kernel']:.2f}) | "
+              f"fresh kernel, then its own torch: ratio {row['ratio_fresh_kernel_then_client_torch']:.2f}")
     print(f"  lab.run(noop), 2 ranks: {noop_result['lab_run_ms']:.1f} ms "
           f"(ipyparallel apply alone: {noop_result['ipyparallel_apply_ms']:.1f} ms)")
     print(f"wrote {args.output}")

@@ -149,7 +149,10 @@ def test_a_lab_error_without_a_traceback_is_its_own_summary():
 
 
 @pytest.mark.timeout(60)
-def test_a_failed_calls_summary_is_what_precedes_the_traceback_whatever_the_rank_said(lab2):
+def test_a_failed_calls_summary_is_what_precedes_the_traceback_whatever_the_rank_said(lab2, monkeypatch):
+    # Both ranks raise; the second's report must arrive within the grace, which a crowded machine
+    # outlasted (1 s, stretched to 3). What is tested here is the summary, so the grace is long.
+    monkeypatch.setattr(lab2, "grace", 30.0)
     with pytest.raises(RankFailedError) as caught:
         lab2.run(raise_a_message_that_looks_like_a_traceback)
     error = caught.value

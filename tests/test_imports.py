@@ -96,6 +96,8 @@ def test_the_top_level_names_load_on_first_use():
               "assert 'pplab.drivers.cluster' not in sys.modules\n"
               "lab_class = pplab.Lab\n"
               "assert 'pplab.drivers.cluster' in sys.modules and lab_class.__module__ == 'pplab.views.lab'\n"
+              # a fresh kernel's lab starts without importing torch (1-2 s): the engines import their own
+              "assert 'torch' not in sys.modules, 'pplab.Lab imports torch'\n"
               "assert 'matplotlib' not in sys.modules\n"
               "pplab.viz\n"
               "assert 'matplotlib' in sys.modules\n")

@@ -9,24 +9,39 @@ is the notebook's lab, `pplab.views.lab.Lab`: its pipelines also show live views
 
 from __future__ import annotations
 
+import importlib
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 from pplab.arguments import renamed_keywords
 from pplab.drivers.cluster.lab import Lab as _ClusterLab
 from pplab.drivers.local import RankPool as _LocalPool
 from pplab.drivers.torchrun import TorchrunRanks as _TorchrunRanks
-from pplab.model import LlamaConfig
-from pplab.rank.mesh import Mesh
-from pplab.rank.rank_pipeline import PipelineSpec
-from pplab.schedules import Schedule
-from pplab.session.pipeline import Pipeline
-from pplab.simulator import Costs
+
+if TYPE_CHECKING:  # imported when a pipeline is built: they import torch (1-2 s in a fresh kernel),
+    # which a lab's start needs no more than a pool's (the engines import their own)
+    from pplab.model import LlamaConfig
+    from pplab.rank.mesh import Mesh
+    from pplab.schedules import Schedule
+    from pplab.session.pipeline import Pipeline
+    from pplab.simulator import Costs
+
+
+class ImportedOnUse:
+    """A class attribute that is a class of another module, imported when first read: "module:Name"."""
+
+    def __init__(self, where: str):
+        self.module, self.name = where.split(":")
+
+    def __get__(self, instance, owner) -> type:
+        return getattr(importlib.import_module(self.module), self.name)
 
 
 class _BuildsPipelines:
     """`pipeline(...)` for a driver of ranks."""
 
-    pipeline_class = Pipeline  # what `pipeline` builds (a notebook's lab builds a richer one)
+    # What `pipeline` builds (a notebook's lab builds a richer one).
+    pipeline_class = ImportedOnUse("pplab.session.pipeline:Pipeline")
 
     @renamed_keywords(microbatches="n_microbatches", timeout="op_timeout")
     def pipeline(self, config: LlamaConfig, schedule: str | Schedule = "1f1b", n_microbatches: int | None = None,
@@ -54,6 +69,8 @@ class _BuildsPipelines:
         param_dtype     "float32", or "bfloat16" for plain bf16 stages (a pipeline alone; the loss is
                         computed in fp32; compare with one device at a bf16 tolerance)
         """
+        from pplab.rank.rank_pipeline import PipelineSpec
+
         self._check_usable()
         spec = PipelineSpec.create(config, schedule, self.world_size, n_microbatches, n_virtual, impl=impl,
                                    seed=seed, balance=balance, allow_empty=allow_empty,

@@ -190,7 +190,7 @@ class Pipeline:
         """What shows training's progress: anything with `add(record, timeline)` and `close()`.
 
         Here a terminal's progress bar (or nothing); a notebook's pipeline shows a live view instead
-        (pplab.views.lab.NotebookPipeline).
+        (pplab.views.notebook_pipeline.NotebookPipeline).
         """
         return ProgressBar(total_steps, first_step) if show else _NoDisplay()
 

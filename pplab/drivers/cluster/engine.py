@@ -9,6 +9,10 @@ Besides events, a call's published data carries what the rank says about the
 call itself: `call_on_rank`, which runs every `Lab.run` function, notes there when
 the function's error left the process group unusable. Only the rank can tell:
 the client sees a remote error as a class name and a message.
+
+The client imports this module too (to name these functions, and the keys of what ranks
+publish), so torch is imported in the functions: a fresh kernel's lab starts without the
+client importing torch (1-2 s); it imports it when it first uses it.
 """
 
 from __future__ import annotations
@@ -19,10 +23,6 @@ import socket
 import sys
 import threading
 
-import torch
-import torch.distributed as dist
-
-from pplab.comm import PipelineTimeoutError
 from pplab.drivers.cluster.gloo_adapter import gloo_transport_failed
 from pplab.drivers.cluster.plan import RankSpec
 from pplab.drivers.cores import pin_this_process
@@ -32,10 +32,6 @@ from pplab.rank.rank_context import RankContext, publish, set_rank_context
 EVENT_KEY_PREFIX = "pplab-event-"
 # The data key under which a rank notes that its call broke the process group (with why).
 PROCESS_GROUP_BROKEN_KEY = "pplab-process-group-broken"
-# After these a rank's process group cannot be used again: a timed-out P2P wait of the
-# runtime leaves gloo's pair closed; a backend error leaves the communicator unusable.
-# (So does gloo's untyped error of a raw send/recv: gloo_adapter recognises it.)
-BREAKING_ERRORS = (PipelineTimeoutError, dist.DistBackendError)
 
 
 def event_key(sequence: int) -> str:
@@ -45,6 +41,8 @@ def event_key(sequence: int) -> str:
 
 def describe() -> dict:
     """Report host, process and GPUs of this engine: what the client needs to assign ranks."""
+    import torch
+
     from pplab.drivers.cluster import records
 
     return {
@@ -80,6 +78,9 @@ def _check_interface(name: str) -> None:
 
 def setup_rank(spec: RankSpec) -> dict:
     """Join the process group as `spec.rank`, do one barrier, and define rank names for %%px."""
+    import torch
+    import torch.distributed as dist
+
     for entry in reversed(spec.sys_path):
         if entry not in sys.path:
             sys.path.insert(0, entry)  # so functions from the notebook's own modules import here
@@ -114,6 +115,8 @@ def setup_rank(spec: RankSpec) -> dict:
 
 def _define_names_for_px_cells(context: RankContext) -> None:
     """Put rank, world_size, device, dist, ... in the engine's namespace, where %%px cells run."""
+    import torch
+    import torch.distributed as dist
     from IPython import get_ipython
 
     shell = get_ipython()
@@ -139,17 +142,30 @@ def call_on_rank(fn, /, *args, **kwargs):
 
 def breaks_process_group(error: BaseException) -> bool:
     """True if `error`, or an error it was raised from or while handling, leaves the group unusable."""
-    seen = set()
+    seen, breaking = set(), breaking_errors()
     while error is not None and id(error) not in seen:
-        if isinstance(error, BREAKING_ERRORS) or gloo_transport_failed(error):
+        if isinstance(error, breaking) or gloo_transport_failed(error):
             return True
         seen.add(id(error))
         error = error.__cause__ or error.__context__
     return False
 
 
+def breaking_errors() -> tuple[type[BaseException], ...]:
+    """The errors after which a rank's process group cannot be used again: a timed-out P2P wait of
+    the runtime leaves gloo's pair closed; a backend error leaves the communicator unusable. (So does
+    gloo's untyped error of a raw send/recv: gloo_adapter recognises it.)"""
+    import torch.distributed as dist
+
+    from pplab.comm import PipelineTimeoutError
+
+    return PipelineTimeoutError, dist.DistBackendError
+
+
 def teardown_rank() -> None:
     """Leave the process group, so that the engine can stop cleanly."""
+    import torch.distributed as dist
+
     if dist.is_initialized():
         dist.destroy_process_group()
     set_rank_context(None)

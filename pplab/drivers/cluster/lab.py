@@ -161,7 +161,8 @@ class Lab:
         self._launcher = LocalCluster(
             n_ranks, os.path.abspath(profile_dir or records.default_profile_dir()),
             controller_ip=controller_ip, fork=sys.platform == "linux" if fork is None else bool(fork),
-            threads=self.threads, start_timeout=self._start_wait(), verbose=verbose)
+            threads=self.threads, start_timeout=self._start_wait(), verbose=verbose,
+            machine_load=self.machine_load)
         self._bring_up(self._launcher.start, "start")
 
     @classmethod
@@ -524,9 +525,18 @@ class Lab:
 
 
 def _local_gpu_count(backend: str, device: str) -> int:
-    """GPUs on this host; 0 without asking CUDA when CPU is forced."""
-    if device == "cpu" or (backend == "gloo" and device == "auto"):
+    """GPUs on this host; 0 without asking CUDA when CPU is forced, or when the host has no GPU's
+    device files (asking imports torch, 1-2 s of a fresh kernel, before the engines could start)."""
+    if device == "cpu" or (backend == "gloo" and device == "auto") or not _gpu_device_files():
         return 0
     import torch
 
     return torch.cuda.device_count()
+
+
+def _gpu_device_files() -> bool:
+    """True where a CUDA (NVIDIA) or ROCm (AMD) device is visible as a file, or the OS is not Linux."""
+    if not sys.platform.startswith("linux"):
+        return True
+    return os.path.exists("/dev/kfd") or any(name.startswith("nvidia") and name[6:].isdigit()
+                                             for name in os.listdir("/dev"))
