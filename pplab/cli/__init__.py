@@ -1,4 +1,4 @@
-"""The `pplab` command: headless demos and reports, no Jupyter needed. One module per subcommand
+"""Floor 8, the `pplab` command: headless demos and reports, no Jupyter needed. One module per subcommand
 (its flags and what it runs); this one assembles them and turns errors into one line each."""
 
 from __future__ import annotations

@@ -51,8 +51,12 @@ class DrillResult:
 
 
 def seat(out: str) -> None:
-    """One attendee's lessons on a lab of their own (run in a process of its own); writes JSON to `out`."""
-    import pplab
+    """One attendee's lessons on a lab of their own (run in a process of its own); writes JSON to `out`.
+    (The session's lab: a drill's seats write no records in an instructor's room.)"""
+    from pplab.bubble import explain
+    from pplab.model import LlamaConfig
+    from pplab.session.drivers import Lab
+    from pplab.simulator import Costs
 
     times, verdicts, started = {}, {}, time.monotonic()
 
@@ -60,8 +64,8 @@ def seat(out: str) -> None:
         times[name] = time.monotonic() - since
         return time.monotonic()
 
-    config = pplab.LlamaConfig.tiny()
-    lab = pplab.Lab(n_ranks=2, device="cpu", verbose=False)
+    config = LlamaConfig.tiny()
+    lab = Lab(n_ranks=2, device="cpu", verbose=False)
     try:
         now = phase("lab start", started)
         for name in SCHEDULES:
@@ -70,12 +74,12 @@ def seat(out: str) -> None:
             verdicts[f"{name} gradient flow"] = pipe.check_gradient_flow().passed
             pipe.close()
         now = phase("parity and flow", now)
-        slow = lab.pipeline(config, "1f1b", n_microbatches=4, timing=pplab.Costs(**SLOW_STAGE))
+        slow = lab.pipeline(config, "1f1b", n_microbatches=4, timing=Costs(**SLOW_STAGE))
         steps = [slow.step().timeline for _ in range(3)]  # each explained with the others as evidence
         for index, step in enumerate(steps):
             others = [other for other in steps if other is not step]
             verdicts[f"straggler, step {index + 1}"] = \
-                pplab.bubble.explain(step, slow.schedule, steps=others).straggler == 1
+                explain(step, slow.schedule, steps=others).straggler == 1
         slow.close()
         now = phase("straggler", now)
         losses = lab.pipeline(config, "1f1b", n_microbatches=4).train(

@@ -1,4 +1,4 @@
-"""The session: the client side of a pipeline, above the drivers of ranks.
+"""Floor 5, the session: the client side of a pipeline, above the drivers of ranks.
 
 A `Pipeline` builds a pipeline's stages on the ranks, steps it, checks it against one
 device, trains it and streams what the ranks do. It needs of its ranks only what every

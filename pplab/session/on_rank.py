@@ -19,6 +19,7 @@ from __future__ import annotations
 import dataclasses
 from collections import Counter
 
+from pplab._version import __version__
 from pplab.rank import faults
 from pplab.rank.mesh import memory_held, optimizer_state_bytes
 from pplab.rank.rank_context import Feed, rank_context
@@ -38,7 +39,7 @@ def build_on_rank(pipeline_id: str, spec: PipelineSpec) -> dict:
     context = rank_context()
     pipeline = RankPipeline(spec, context.rank, context.device)
     _pipelines[pipeline_id] = pipeline
-    return {"rank": context.rank, "stages": sorted(pipeline.stages),
+    return {"rank": context.rank, "pplab": __version__, "stages": sorted(pipeline.stages),
             "parameters": sum(p.numel() for p in pipeline.parameters()),
             "coordinates": pipeline.place.coordinates if pipeline.place else None}
 

@@ -15,6 +15,7 @@ import uuid
 from collections.abc import Sequence
 
 
+from pplab._version import __version__
 from pplab.arguments import check_positive_seconds
 from pplab.checkpoint_files import CheckpointError, read_manifest, resume_path
 from pplab.rank.checks import (BoundaryTable, GradientFlowReport, ParityReport, check_gradient_flow,
@@ -33,6 +34,19 @@ from pplab.timeline import Event, Now, Timeline
 from pplab.rank.train import ProgressBar, TrainHistory, TrainOptions, TrainRecord, prepare_data
 
 STREAM_DRAIN_SECONDS = 10.0  # how long a live step's result waits for events trailing it
+
+
+def wrong_placement(spec: PipelineSpec, placement: list[dict]) -> str | None:
+    """Why the ranks' stages (and mesh places), as `build_on_rank` reported them, are not the ones
+    `spec` gives them (a rank running another pplab, on another host, builds others); None if they are."""
+    for rank, built in enumerate(placement):
+        expected = spec.schedule.stages_of(spec.pp_rank(rank))
+        place = spec.mesh.coordinates(rank) if spec.mesh else None
+        if built["stages"] != expected or built["coordinates"] != place:
+            return (f"rank {rank} built stages {built['stages']} at {built['coordinates']}, not {expected} at "
+                    f"{place} as this client's spec says; it runs pplab {built.get('pplab')}, this client "
+                    f"{__version__}: give every host the same pplab")
+    return None
 
 
 class Pipeline:
@@ -56,6 +70,10 @@ class Pipeline:
         self._call_timeout = self.spec.op_timeout + 120.0 + 2 * padded
         self.placement = lab.run(build_on_rank, self.pipeline_id, self.spec, timeout=self._call_timeout)
         self._built_on = lab.rank_processes
+        wrong = wrong_placement(self.spec, self.placement)
+        if wrong:  # said now, before a step waits for messages that never come
+            self.close()
+            raise RuntimeError(wrong)
 
     def _check_engines(self) -> None:
         """The stages live on the processes that built them: once those are replaced, or the pipeline
