@@ -535,8 +535,9 @@ def _local_gpu_count(backend: str, device: str) -> int:
 
 
 def _gpu_device_files() -> bool:
-    """True where a CUDA (NVIDIA) or ROCm (AMD) device is visible as a file, or the OS is not Linux."""
+    """True where a GPU may be visible: an NVIDIA (/dev/nvidiaN), ROCm (/dev/kfd) or WSL2 (/dev/dxg)
+    device file, or an OS other than Linux (where CUDA is asked)."""
     if not sys.platform.startswith("linux"):
         return True
-    return os.path.exists("/dev/kfd") or any(name.startswith("nvidia") and name[6:].isdigit()
-                                             for name in os.listdir("/dev"))
+    return (os.path.exists("/dev/kfd") or os.path.exists("/dev/dxg")
+            or any(name.startswith("nvidia") and name[6:].isdigit() for name in os.listdir("/dev")))
