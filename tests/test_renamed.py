@@ -61,6 +61,16 @@ def test_the_last_releases_names_are_the_new_ones():
         assert pplab.session.PipelineRun is pplab.Pipeline
 
 
+def test_the_notebooks_pipeline_class_moved_to_a_module_of_its_own():
+    """It left pplab.views.lab, so that pplab.Lab loads no torch (test_imports); one more release there."""
+    import pplab.views.lab
+    from pplab.views.notebook_pipeline import NotebookPipeline
+
+    with pytest.warns(DeprecationWarning, match=r"pplab.views.lab.NotebookPipeline is now "
+                                                r"pplab.views.notebook_pipeline.NotebookPipeline"):
+        assert pplab.views.lab.NotebookPipeline is NotebookPipeline
+
+
 def test_the_plain_ranks_training_entry_point_has_a_name_of_its_own():
     """pplab.rank.train.train_on_rank shared its name with the session's train_on_rank (which
     trains stages already built): it is build_and_train_on_rank now, the old name one more release."""
