@@ -42,7 +42,7 @@ _EXPORTS = {
     "Costs": "pplab.simulator",
     "Event": "pplab.timeline",
     "Timeline": "pplab.timeline",
-    "TrainOptions": "pplab.rank.train",
+    "TrainOptions": "pplab.config",
     "load_model": "pplab.rank.checkpoint",
     "Mesh": "pplab.rank.mesh",
     "profile": "pplab.rank.profiler",
@@ -95,7 +95,7 @@ if _TYPE_CHECKING:  # what static checkers and editors see
     from pplab.views.lab import Lab
     from pplab.simulator import Costs, simulate
     from pplab.timeline import Event, Timeline
-    from pplab.rank.train import TrainOptions
+    from pplab.config import TrainOptions
 
 
 class _PublicModules:

@@ -14,7 +14,7 @@ pytestmark = pytest.mark.quick  # starts no process (conftest makes sure)
 PACKAGE = Path(pplab.__file__).parent
 # The one table of floors (the README's layout and each folder's docstring follow it). The core's
 # own two: data types and schedules, then what computes on them.
-CORE_FLOORS = {"_version": 1, "arguments": 1, "model": 1, "data": 1, "timeline": 1, "formatting": 1, "checkpoint_files": 1,
+CORE_FLOORS = {"_version": 1, "arguments": 1, "config": 1, "model": 1, "data": 1, "timeline": 1, "formatting": 1, "checkpoint_files": 1,
                "schedules": 1, "hf": 1, "traced": 1, "text": 1, "partition": 2, "simulator": 2, "prediction": 2,
                "schedule_search": 2, "list_scheduling": 2, "zero_bubble_heuristic": 2, "comm": 2, "profiled": 2, "trace": 2, "bubble": 2,
                "straggler": 2, "machine": 1}

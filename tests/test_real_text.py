@@ -83,8 +83,7 @@ def refused(capsys, *argv: str) -> tuple[int, str]:
     (["--data", "nowhere.txt"], "data 'nowhere.txt' does not exist"),
     (["--tokenizer", "bpe"], "tokenizer='bpe' tokenises (and 'bpe' learns from) the training text"),
     (["--epochs", "2"], "epochs count passes over data=..."),
-    (["--min-lr", "1"], "need 0 <= min_lr <= lr"),
-    (["--betas", "0.9,1.5"], "need two betas in [0, 1)"),
+    (["--min-lr", "1"], "lr=0.003, min_lr=1.0: need min_lr <= lr"),
     (["--dp", "3"], "--dp 3 x --tp 1 does not divide 2 ranks"),
 ])
 def test_bad_data_options_are_one_line_before_any_rank(capsys, arguments, message):

@@ -7,7 +7,7 @@ import json
 from pathlib import Path
 
 from pplab._version import __version__
-from pplab.cli.options import arguments_as_json, positive_int
+from pplab.cli.options import add_run_flag, arguments_as_json
 
 
 def run(args: argparse.Namespace) -> int:
@@ -52,11 +52,10 @@ def add_to(commands, ranks_run: argparse.ArgumentParser) -> argparse.ArgumentPar
                     "or their folder), and explain each rank's bubble: the schedule's own, waits for messages, "
                     "a straggler, time outside the pipeline; then predict what one change would gain.")
     run_analyze.add_argument("traces", metavar="TRACES", nargs="+", help="the ranks' trace files, or their folder")
-    run_analyze.add_argument("--schedule", required=True, metavar="NAME",
-                             help="the schedule the run used (pplab's or torch's name, any spelling)")
-    run_analyze.add_argument("--n-microbatches", type=positive_int, required=True, metavar="N",
-                             help="microbatches per step")
-    run_analyze.add_argument("--n-virtual", type=positive_int, default=1, metavar="N", help="stages per rank")
+    add_run_flag(run_analyze, "schedule", required=True,
+                 help="the schedule the run used (pplab's or torch's name, any spelling)")
+    add_run_flag(run_analyze, "n_microbatches", required=True)
+    add_run_flag(run_analyze, "n_virtual")
     run_analyze.add_argument("--step", type=int, default=-1,
                              help="which of the traces' steps (0 = the first; default -1, the last)")
     run_analyze.add_argument("--out", default="pplab-analysis", help="folder for the picture, trace and report")

@@ -11,7 +11,7 @@ from pathlib import Path
 from pplab._version import __version__
 from pplab.schedules import theory
 from pplab.simulator import Costs, simulate
-from pplab.cli.options import arguments_as_json, bubble_figure, number, positive_int
+from pplab.cli.options import add_run_flag, arguments_as_json, bubble_figure, number, positive_int
 
 
 DEMO_SCHEDULES = {  # per runtime: (schedule, stages per rank)
@@ -131,8 +131,7 @@ def add_to(commands, ranks_run: argparse.ArgumentParser) -> argparse.ArgumentPar
                                    parents=[ranks_run])
     run_demo.add_argument("--n-ranks", type=positive_int, default=4, metavar="N",
                           help="local ranks to start (default 4; torchrun decides its own)")
-    run_demo.add_argument("--n-microbatches", type=positive_int, default=8, metavar="N",
-                          help="microbatches per step (default 8)")
+    add_run_flag(run_demo, "n_microbatches", default=8)
     run_demo.add_argument("--microbatch-size", type=positive_int, default=2)
     run_demo.add_argument("--seq-len", type=positive_int, default=32)
     run_demo.add_argument("--forward", type=number, default=0.05,
@@ -140,9 +139,8 @@ def add_to(commands, ranks_run: argparse.ArgumentParser) -> argparse.ArgumentPar
     run_demo.add_argument("--steps", type=positive_int, default=1,
                           help="steps of each schedule on the same ranks (no optimizer: each must "
                                "repeat the first)")
-    run_demo.add_argument("--seed", type=int, default=0)
-    run_demo.add_argument("--impl", choices=("pplab", "torch"), default="pplab",
-                          help="the hand-written runtime, or torch.distributed.pipelining's schedules")
+    add_run_flag(run_demo, "seed")
+    add_run_flag(run_demo, "impl")
     run_demo.add_argument("--out", default="pplab-demo",
                           help="folder for pictures, traces and report.json")
     run_demo.set_defaults(handler=run)

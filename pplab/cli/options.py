@@ -1,9 +1,10 @@
-"""What the commands' flags accept, each refused with argparse's error naming the value, and
-what the commands' reports share."""
+"""What the commands' flags accept, each refused with argparse's error naming the value (a run's
+options: the flags made from their fields, `add_field_flags`), and what the commands' reports share."""
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 
 
 def positive_int(text: str) -> int:
@@ -39,20 +40,6 @@ def per_stage(text: str) -> float | tuple[float, ...]:
     return values[0] if len(values) == 1 else values
 
 
-
-def betas(text: str) -> tuple[float, float]:
-    parts = text.split(",")
-    if len(parts) != 2:
-        raise argparse.ArgumentTypeError(f"{text!r}: give two numbers, e.g. 0.9,0.95")
-    return tuple(number(part) for part in parts)
-
-
-
-def balance(text: str) -> tuple[int, ...]:
-    return tuple(positive_int(part) for part in text.split(","))
-
-
-
 def arguments_as_json(args: argparse.Namespace) -> dict:
     """The command's arguments as JSON can hold them."""
     return {key: list(value) if isinstance(value, tuple) else value
@@ -62,3 +49,57 @@ def arguments_as_json(args: argparse.Namespace) -> dict:
 def bubble_figure(value: float | None) -> str:
     """A bubble fraction as the demo prints it, or "n/a" when theory has no closed form."""
     return "n/a" if value is None else f"{value:.3f}"
+
+
+def add_field_flags(parser: argparse.ArgumentParser, config_class, skip=(), **changed) -> None:
+    """A flag for each field of the dataclass `config_class` (pplab.config.option's fields; those in `skip`
+    left out), grouped by section as `--help` shows them: `--batch-size` for `batch_size`, with the
+    field's help, default and check. `changed` gives a field's flag other argparse settings
+    (`n_microbatches={"default": 8}`)."""
+    from pplab.config import sections_of
+
+    by_name = {each.name: each for each in dataclasses.fields(config_class)}
+    for section, names in sections_of(config_class).items():
+        group = parser.add_argument_group(f"{section} (a --config file's [{section}] table)")
+        for name in names:
+            if name not in skip:
+                add_field_flag(group, by_name[name], **changed.get(name, {}))
+
+
+def add_run_flag(parser: argparse.ArgumentParser, name: str, **settings) -> None:
+    """The flag of the run's field `name` (pplab.session.run.RunConfig), on another command: its help,
+    kind and default, but for the argparse `settings` given (`default=8`, `required=True`)."""
+    from pplab.session.run import RunConfig
+
+    add_field_flag(parser, next(f for f in dataclasses.fields(RunConfig) if f.name == name), **settings)
+
+
+def add_field_flag(parser: argparse.ArgumentParser, field: dataclasses.Field, **settings) -> None:
+    """One field's flag (see add_field_flags)."""
+    kind, default = field.metadata["kind"], settings.pop("default", field.default)
+    shown = "" if default is None or settings.get("required") else f" (default {_shown(default)})"
+    metavar = field.metadata["metavar"] or ("{" + ",".join(kind.choices) + "}" if kind.choices else None)
+    flag = dict(help=field.metadata["help"] + shown, default=default, metavar=metavar)
+    if isinstance(default, bool):
+        flag = dict(help=flag["help"].removesuffix(" (default False)"), action="store_true", default=default)
+    else:
+        flag["type"] = text_of_kind(kind)
+    parser.add_argument("--" + field.name.replace("_", "-"), **{**flag, **settings})
+
+
+def text_of_kind(kind):
+    """argparse's `type` for a field of this kind: the flag's text read as the kind reads it, refused
+    in argparse's words ("argument --steps: '0' is not a whole number >= 1")."""
+    def read(text: str):
+        try:
+            value = kind.from_text(text)
+            kind.check("value", value, optional=value is None)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not {kind.said}") from None
+        return value
+    read.__name__ = kind.said
+    return read
+
+
+def _shown(default) -> str:
+    return ",".join(map(str, default)) if isinstance(default, tuple) else str(default)

@@ -11,7 +11,7 @@ from pathlib import Path
 from pplab._version import __version__
 from pplab.schedules import SCHEDULE_NAMES, Kind, build, schedule_name, theory, validate
 from pplab.simulator import Costs, simulate
-from pplab.cli.options import arguments_as_json, bubble_figure, number, per_stage, positive_int
+from pplab.cli.options import add_run_flag, arguments_as_json, bubble_figure, number, per_stage, positive_int
 
 
 def run(args: argparse.Namespace) -> int:
@@ -142,10 +142,9 @@ def add_to(commands, ranks_run: argparse.ArgumentParser) -> argparse.ArgumentPar
     run_simulate.add_argument("schedule", metavar="SCHEDULE", help=f"one of {', '.join(SCHEDULE_NAMES)} "
                                                                    f"(any case; '-', '_' or nothing between words)")
     run_simulate.add_argument("--n-ranks", type=positive_int, required=True, metavar="N", help="ranks")
-    run_simulate.add_argument("--n-microbatches", type=positive_int, required=True, metavar="N",
-                              help="microbatches per step")
-    run_simulate.add_argument("--n-virtual", type=positive_int, default=None, metavar="N",
-                              help="stages per rank (interleaved-1f1b: default 2; others: 1)")
+    add_run_flag(run_simulate, "n_microbatches", required=True)
+    add_run_flag(run_simulate, "n_virtual", default=None,
+                 help="stages per rank (interleaved-1f1b: default 2; others: 1)")
     run_simulate.add_argument("--forward", type=per_stage, default=1.0,
                               help="forward F of one stage (an interleaved chunk is a stage; default 1)")
     run_simulate.add_argument("--backward", type=per_stage, default=None,

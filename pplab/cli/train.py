@@ -12,9 +12,7 @@ import time
 from pathlib import Path
 
 from pplab._version import __version__
-from pplab.schedules import SCHEDULE_NAMES
-from pplab.schedules.names import TORCH_ONLY_NAMES
-from pplab.cli.options import arguments_as_json, balance, betas, number, positive_int
+from pplab.cli.options import add_field_flags, arguments_as_json, number, positive_int
 
 
 def run(args: argparse.Namespace) -> int:
@@ -88,8 +86,8 @@ def with_config(parser: argparse.ArgumentParser, argv: list[str] | None, path: s
     for key, value in flattened(tomllib.loads(Path(path).read_text(encoding="utf-8"))).items():
         dest = key.replace("-", "_")
         dest = ALIASES.get(dest, dest)
-        flag = actions.get("n_ranks" if dest == "pp" else dest)  # pp: the flag gives pp x dp x tp ranks
-        values[dest] = _converted(flag, key, value, path) if flag else value  # a few have no flag (eval_batches)
+        flag = actions["n_ranks" if dest == "pp" else dest]  # every field has its flag; pp: --n-ranks's check
+        values[dest] = _converted(flag, key, value, path)
     pp = values.pop("pp", None)
     train.set_defaults(**values)
     args = parser.parse_args(argv)
@@ -131,61 +129,17 @@ def add_to(commands, ranks_run: argparse.ArgumentParser) -> argparse.ArgumentPar
                     "Runs --n-ranks local processes, or one rank per process under torchrun "
                     "(torchrun --standalone --nproc_per_node=N -m pplab train ...).")
     run_train.add_argument("--n-ranks", type=positive_int, default=2, metavar="N",
-                           help="local ranks to start (default 2; torchrun decides its own)")
-    run_train.add_argument("--schedule", default="1f1b", help=f"one of {', '.join(SCHEDULE_NAMES)}; with "
-                           f"--impl torch also {', '.join(TORCH_ONLY_NAMES)} "
-                           f"(any case; torch's class names work too)")
-    run_train.add_argument("--impl", choices=("pplab", "torch"), default="pplab",
-                           help="the hand-written runtime, or torch.distributed.pipelining's schedules")
-    run_train.add_argument("--n-microbatches", type=positive_int, default=4, metavar="N",
-                           help="microbatches per step (default 4)")
-    run_train.add_argument("--n-virtual", type=positive_int, default=1, metavar="N",
-                           help="stages per rank (default 1; interleaved and torch's multi-stage schedules: 2+)")
-    run_train.add_argument("--steps", type=positive_int, default=200,
-                           help="training steps: the LR schedule's horizon (default 200)")
-    run_train.add_argument("--batch-size", type=positive_int, default=8,
-                           help="sequences per step, cut into the microbatches (default 8)")
-    run_train.add_argument("--seq-len", type=positive_int, default=64)
-    run_train.add_argument("--lr", type=functools.partial(number, positive=True), default=3e-3)
-    run_train.add_argument("--min-lr", type=number, default=3e-4,
-                           help="the LR at the end of the cosine (default 3e-4; 0 decays to zero)")
-    run_train.add_argument("--warmup", type=int, default=20, help="steps of linear warm-up")
-    run_train.add_argument("--weight-decay", type=number, default=0.1, help="AdamW's, on matrices only")
-    run_train.add_argument("--betas", type=betas, default=(0.9, 0.95), help="AdamW's, e.g. 0.9,0.95")
-    run_train.add_argument("--eps", type=functools.partial(number, positive=True), default=1e-8)
-    run_train.add_argument("--model", default="tiny",
-                           help="tiny, small, or a config.json (pplab's fields, or a Hugging Face config)")
-    run_train.add_argument("--data", default=None,
-                           help="a text file, a directory of .txt files or a dataset saved with the datasets "
-                                "library (default: the embedded corpus)")
-    run_train.add_argument("--tokenizer", default="char",
-                           help="char, bpe (byte-level, trained on --data, saved beside the checkpoints), "
-                                "or a tokenizer.json")
-    run_train.add_argument("--vocab-size", type=positive_int, default=512, help="the BPE's vocabulary")
-    run_train.add_argument("--epochs", type=positive_int, default=None,
-                           help="passes over --data's training text (instead of --steps)")
-    run_train.add_argument("--dp", type=positive_int, default=1, help="FSDP replicas (a mesh; --impl torch)")
-    run_train.add_argument("--tp", type=positive_int, default=1, help="tensor-parallel ranks (a mesh; --impl torch)")
-    run_train.add_argument("--clip", type=number, default=1.0, help="max global gradient norm (0: none)")
-    run_train.add_argument("--seed", type=int, default=0, help="model initialisation")
-    run_train.add_argument("--data-seed", type=int, default=0)
-    run_train.add_argument("--eval-every", type=int, default=50, help="steps between held-out evaluations")
-    run_train.add_argument("--checkpoint-dir", default=None)
-    run_train.add_argument("--checkpoint-every", type=int, default=0, help="0: only at the end")
-    run_train.add_argument("--keep", type=positive_int, default=3, help="complete checkpoints kept")
-    run_train.add_argument("--async-save", action="store_true", help="write checkpoints in the background")
-    run_train.add_argument("--resume", default=None, help="'latest' (in --checkpoint-dir) or a checkpoint path")
+                           help="local ranks to start: pp = N / (dp x tp) (default 2; torchrun decides its own)")
     run_train.add_argument("--timeout", type=functools.partial(number, positive=True), default=3600.0,
                            help="local ranks: seconds the whole training may take (default 3600)")
     run_train.add_argument("--report", default=None, help="write every step's record as JSON to this file")
-    run_train.add_argument("--param-dtype", choices=("float32", "bfloat16"), default="float32",
-                           help="the stages' weights and activations (bfloat16: a pipeline alone; the loss in fp32)")
-    run_train.add_argument("--balance", type=balance, default=None,
-                           help="layers per stage, e.g. 3,5 (default: as even as possible)")
     run_train.add_argument("--config", default=None,
-                           help="a TOML file of these options (names with _ instead of -; seed 003's pp, dp, "
-                                "tp, schedule, virtual_stages, microbatches, balance read too); flags win")
+                           help="a TOML file of the options below (their names, with _ for -; in tables or not; "
+                                "seed 003's virtual_stages and microbatches read too); flags win")
     run_train.add_argument("--print-config", action="store_true",
                            help="print the resolved options as TOML and start nothing")
+    from pplab.session.run import RunConfig  # its fields are the options: each one's flag, help, default, check
+
+    add_field_flags(run_train, RunConfig, skip=("pp",))  # pp follows from --n-ranks, --dp and --tp
     run_train.set_defaults(handler=run)
     return run_train

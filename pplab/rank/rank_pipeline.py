@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 import torch
 
 from pplab.arguments import OP_TIMEOUT, check_positive_int, renamed_keywords
+from pplab.config import IMPLEMENTATIONS, PARAM_DTYPES
 from pplab.data import Batch
 from pplab.rank.mesh import CollectiveLog, Mesh, MeshPlace, parallelize_stage
 from pplab.model import IGNORE_INDEX, LlamaConfig
@@ -30,8 +31,6 @@ from pplab.simulator import Costs
 from pplab.timeline import Event, Timeline
 
 
-PARAM_DTYPES = ("float32", "bfloat16")  # bf16: weights, activations and gradients; the loss in fp32
-IMPLEMENTATIONS = ("pplab", "torch")  # the hand-written runtime, torch.distributed.pipelining
 
 
 @dataclass

@@ -37,11 +37,10 @@ import torch
 import torch.distributed as dist
 
 from pplab._version import __version__
-from pplab.arguments import check_positive_int
 from pplab.rank.checkpoint import Checkpointer, rank_module
-from pplab.checkpoint_files import check_config, read_manifest, resume_path
+from pplab.config import TrainOptions
 from pplab.data import HELDOUT_FRACTION, batches
-from pplab.model import LlamaConfig, loss_fn
+from pplab.model import loss_fn
 from pplab.partition import layer_ranges
 from pplab.rank.rank_pipeline import PipelineSpec, RankPipeline
 from pplab.rank.reference import as_microbatches
@@ -49,77 +48,6 @@ from pplab.timeline import Event, Now
 
 __all__ = ["TrainOptions", "TrainRecord", "TrainHistory", "RankTrainer", "build_and_train_on_rank", "lr_factor",
            "make_optimizer", "prepare_data", "train_batch", "heldout_batches"]
-
-
-@dataclass(frozen=True)
-class TrainOptions:
-    """How to train: what every rank must agree on (small and picklable)."""
-
-    steps: int = 200            # the run's length: the LR reaches min_lr at this step
-    batch_size: int = 8         # sequences per step, cut into the schedule's microbatches
-    seq_len: int = 64
-    lr: float = 3e-3
-    min_lr: float = 3e-4
-    warmup: int = 20
-    weight_decay: float = 0.1   # on matrices only (not norms), as LLaMA recipes do
-    betas: tuple[float, float] = (0.9, 0.95)
-    eps: float = 1e-8
-    clip: float | None = 1.0    # the largest global gradient norm; None: no clipping
-    data_seed: int = 0
-    data: str | None = None     # a text file, a directory of .txt files or a saved dataset; None: the embedded corpus
-    tokenizer: str = "char"     # "char", "bpe" (learned from `data`, saved beside the checkpoints) or a tokenizer.json
-    vocab_size: int = 512       # the BPE's vocabulary (the model's vocab_size must hold it)
-    epochs: int | None = None   # with `data`: passes over its training sequences (sets `steps`)
-    eval_every: int = 50        # steps between held-out evaluations (0: never)
-    eval_batches: int = 2
-    checkpoint_dir: str | None = None
-    checkpoint_every: int = 0   # steps between checkpoints (0: only at the end of `train`)
-    keep: int = 3               # complete checkpoints kept, newest first
-    async_save: bool = False    # write checkpoints in the background (torch.distributed.checkpoint.async_save)
-    resume: str | None = None   # "latest" (in checkpoint_dir) or a checkpoint's path
-
-    def __post_init__(self):
-        object.__setattr__(self, "betas", tuple(self.betas))  # from TOML or JSON: a list
-
-    def check(self, n_microbatches: int, config: LlamaConfig | None = None, replicas: int = 1) -> None:
-        """Raise a ValueError naming the first option that cannot work, before any rank blocks.
-
-        A checkpoint to resume from is found and its manifest read (and, given the run's
-        `config`, matched against it): a CheckpointError now, not on the ranks.
-        """
-        for name in ("steps", "batch_size", "seq_len", "eval_batches", "keep"):
-            check_positive_int(f"TrainOptions.{name}", getattr(self, name))
-        for name in ("warmup", "eval_every", "checkpoint_every", "data_seed"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value < 0:
-                raise ValueError(f"TrainOptions.{name}={value!r}: give an integer >= 0")
-        if self.batch_size % (n_microbatches * replicas):
-            across = f"dp={replicas} pipelines x {n_microbatches}" if replicas > 1 else f"{n_microbatches}"
-            raise ValueError(f"TrainOptions.batch_size={self.batch_size} does not split into "
-                             f"{across} microbatches; use a multiple of {n_microbatches * replicas}")
-        if not 0 <= self.min_lr <= self.lr or not self.lr > 0:
-            raise ValueError(f"lr={self.lr}, min_lr={self.min_lr}: need 0 <= min_lr <= lr and lr > 0")
-        if not (len(self.betas) == 2 and all(0 <= b < 1 for b in self.betas)) or not self.eps > 0 \
-                or not self.weight_decay >= 0:
-            raise ValueError(f"betas={self.betas}, eps={self.eps}, weight_decay={self.weight_decay}: need two "
-                             f"betas in [0, 1), eps > 0 and weight_decay >= 0")
-        if self.tokenizer != "char" and self.data is None:
-            raise ValueError(f"tokenizer={self.tokenizer!r} tokenises (and 'bpe' learns from) the training text: "
-                             f"give data=<a text file, a directory of .txt files or a saved dataset>, or "
-                             f"tokenizer='char' for the embedded corpus")
-        if self.epochs is not None:
-            check_positive_int("TrainOptions.epochs", self.epochs)
-            if self.data is None:
-                raise ValueError("epochs count passes over data=...: the embedded corpus is drawn at random "
-                                 "without end; give data=<text>, or steps=<count>")
-        if self.clip is not None and not self.clip > 0:
-            raise ValueError(f"TrainOptions.clip={self.clip!r}: give a norm > 0, or None for no clipping")
-        if (self.checkpoint_every or self.resume == "latest") and self.checkpoint_dir is None:
-            raise ValueError("checkpoint_every and resume='latest' need checkpoint_dir=<a directory>")
-        if self.resume is not None:
-            path = resume_path(self.resume, self.checkpoint_dir)
-            if config is not None:
-                check_config(path, read_manifest(path), config.record())
 
 
 def lr_factor(options: TrainOptions, step_index: int) -> float:

@@ -1,10 +1,11 @@
 """One training run from one configuration: what `pplab train` does, as a function.
 
 `RunConfig` holds every option of a run: the model, the parallel layout (`pp`, `dp`, `tp`, the
-mesh's names; `schedule`, `n_microbatches`, `n_virtual`, `balance`, the names `lab.pipeline` and
-the flags use; seed 003's `microbatches` and `virtual_stages` are read too), the stages' dtype,
-and every field of `TrainOptions` (the optimizer, the schedule of the learning rate, the
-data, the checkpoints). `train(config, **keywords)` starts the ranks (local processes, or
+mesh's names; `schedule`, `n_microbatches`, `n_virtual`, `balance`, the names `lab.pipeline`
+uses; seed 003's `microbatches` and `virtual_stages` are read too), the stages' dtype, and
+every field of `TrainOptions` (the optimizer, the schedule of the learning rate, the data,
+the checkpoints). Each field is written once, with its help, section and kind
+(`pplab.config.option`): the `pplab train` flags are made from them. `train(config, **keywords)` starts the ranks (local processes, or
 the processes torchrun started) and trains; `pplab train` builds the same configuration
 from its flags or from a TOML file (`RunConfig.from_toml`), so that both give the same run.
 """
@@ -17,9 +18,14 @@ import os
 from collections.abc import Sequence
 from dataclasses import dataclass, fields
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-from pplab.arguments import check_positive_int, renamed_keywords, warn_renamed
-from pplab.rank.train import TrainHistory, TrainOptions
+from pplab.arguments import renamed_keywords, warn_renamed
+from pplab.config import IMPLEMENTATIONS, INTEGER, LAYERS, PARAM_DTYPES, TrainOptions, choice, option, sections_of
+from pplab.schedules.names import SCHEDULE_NAMES, TORCH_ONLY_NAMES
+
+if TYPE_CHECKING:
+    from pplab.rank.train import TrainHistory
 
 __all__ = ["RunConfig", "train"]
 
@@ -32,17 +38,23 @@ ALIASES = {"microbatches": "n_microbatches", "virtual_stages": "n_virtual"}
 class RunConfig(TrainOptions):
     """Everything a training run takes (TrainOptions' fields, and the model and its layout)."""
 
-    model: str = "tiny"              # tiny, small, or a config.json (pplab's fields or a Hugging Face config)
-    pp: int = 2                      # ranks along the pipeline; the run takes pp x dp x tp ranks
-    dp: int = 1                      # FSDP replicas (a mesh; impl="torch")
-    tp: int = 1                      # tensor-parallel ranks (a mesh; impl="torch")
-    schedule: str = "1f1b"
-    impl: str = "pplab"
-    n_microbatches: int = 4          # per pipeline per step
-    n_virtual: int = 1               # stages per rank
-    balance: Sequence[int] | None = None
-    param_dtype: str = "float32"
-    seed: int = 0                    # the model's initialisation
+    model: str = option("tiny", "tiny, small, or a config.json (pplab's fields, or a Hugging Face config)", "model")
+    param_dtype: str = option("float32", "the stages' weights and activations (bfloat16: a pipeline alone; the "
+                                         "loss in fp32)", "model", choice(*PARAM_DTYPES))
+    seed: int = option(0, "the model's initialisation: each parameter from (seed, its name)", "model", INTEGER)
+    pp: int = option(2, "ranks along the pipeline; the run takes pp x dp x tp ranks", "parallel")
+    dp: int = option(1, "FSDP replicas (a mesh; impl torch)", "parallel")
+    tp: int = option(1, "tensor-parallel ranks (a mesh; impl torch)", "parallel")
+    schedule: str = option("1f1b", f"one of {', '.join(SCHEDULE_NAMES)}; with impl torch also "
+                                   f"{', '.join(TORCH_ONLY_NAMES)} (any case; torch's class names work too)",
+                           "schedule", metavar="NAME")
+    impl: str = option("pplab", "the hand-written runtime (pplab), or torch.distributed.pipelining's schedules "
+                                "(torch)", "schedule", choice(*IMPLEMENTATIONS))
+    n_microbatches: int = option(4, "microbatches per pipeline per step", "schedule", metavar="N")
+    n_virtual: int = option(1, "stages per rank (interleaved and torch's multi-stage schedules: 2+)", "schedule",
+                            metavar="N")
+    balance: Sequence[int] | None = option(None, "layers per stage, e.g. 3,5 (default: as even as possible)",
+                                           "schedule", LAYERS, "L1,L2,...")
 
     def __post_init__(self):
         super().__post_init__()
@@ -50,8 +62,11 @@ class RunConfig(TrainOptions):
             object.__setattr__(self, "clip", None)
         if self.balance is not None:
             object.__setattr__(self, "balance", tuple(self.balance))
-        for name in ("pp", "dp", "tp", "n_microbatches", "n_virtual"):
-            check_positive_int(f"RunConfig.{name}", getattr(self, name), example=2)
+        own = {f.name for f in fields(TrainOptions)}
+        for each in fields(self):  # the layout's fields now; TrainOptions' in check(), as ever
+            if each.name not in own:
+                each.metadata["kind"].check(f"RunConfig.{each.name}", getattr(self, each.name),
+                                            optional=each.metadata["optional"])
 
     @classmethod
     def names(cls) -> list[str]:
@@ -91,20 +106,12 @@ class RunConfig(TrainOptions):
             raise ValueError(f"--config {str(path)!r} is not TOML: {error}") from None
 
     def to_toml(self) -> str:
-        """The configuration as a TOML file that `from_toml` reads back."""
+        """The configuration as a TOML file that `from_toml` reads back, a table per section."""
         lines = []
-        for name in self.names():
-            value = getattr(self, name)
-            if name == "clip" and value is None:
-                lines.append("clip = 0.0  # no clipping")
-            elif value is None:
-                lines.append(f"# {name} is not set")
-            elif isinstance(value, bool):
-                lines.append(f"{name} = {str(value).lower()}")
-            elif isinstance(value, (list, tuple)):
-                lines.append(f"{name} = [{', '.join(json.dumps(v) for v in value)}]")
-            else:
-                lines.append(f"{name} = {json.dumps(value)}")
+        for section, names in sections_of(self).items():
+            lines.append(f"{chr(10) if lines else ''}[{section}]")
+            for name in names:
+                lines.append(_toml_line(name, getattr(self, name)))
         return "\n".join(lines) + "\n"
 
     @property
@@ -143,6 +150,18 @@ class RunConfig(TrainOptions):
 
 # RunConfig(microbatches=4), the last release's keywords: one more release, with a DeprecationWarning.
 RunConfig.__init__ = renamed_keywords(**ALIASES)(RunConfig.__init__)
+
+
+def _toml_line(name: str, value) -> str:
+    if name == "clip" and value is None:
+        return "clip = 0.0  # no clipping"
+    if value is None:
+        return f"# {name} is not set"
+    if isinstance(value, bool):
+        return f"{name} = {str(value).lower()}"
+    if isinstance(value, (list, tuple)):
+        return f"{name} = [{', '.join(json.dumps(v) for v in value)}]"
+    return f"{name} = {json.dumps(value)}"
 
 
 def stages_of(n_ranks: int, dp: int, tp: int, said: str = "dp={dp} x tp={tp}") -> int:

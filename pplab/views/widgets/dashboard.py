@@ -19,7 +19,7 @@ import time
 
 import ipywidgets as widgets
 
-from pplab.rank.rank_pipeline import IMPLEMENTATIONS
+from pplab.config import IMPLEMENTATIONS
 from pplab.schedules import SCHEDULE_NAMES, TORCH_SCHEDULES, theory
 from pplab.machine import crowding_note, measure_load
 from pplab.simulator import Costs, costs_from_timeline, simulate

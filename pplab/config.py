@@ -1,0 +1,188 @@
+"""Floor 1, the options of a training run, each written once: its name, default, help, section and kind.
+
+A field is declared with `option(default, help, section, kind)`. Everything else is read from the
+fields: `TrainOptions` (how to train, what every rank agrees on) and `pplab.session.run.RunConfig`
+(that, and the model and its layout) check their values by kind; the `pplab train` flags are made
+from them (`--batch-size` from `batch_size`, its help, default and check); a TOML file's keys are
+their names, in tables named by their sections; `lab.pipeline`'s keywords have the same names and
+defaults. `tests/test_config.py` walks every field through all of them.
+
+Pure Python (no torch): the command line reads these fields before it decides to start anything.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass, field, fields
+
+from pplab.checkpoint_files import check_config, read_manifest, resume_path
+
+__all__ = ["TrainOptions", "option", "SECTIONS"]
+
+# The tables of a TOML file, in the order `to_toml` writes them (a reader's grouping: the keys are
+# the fields' names, whatever table they sit in).
+SECTIONS = ("model", "parallel", "schedule", "data", "optimizer", "run")
+IMPLEMENTATIONS = ("pplab", "torch")  # the hand-written runtime, torch.distributed.pipelining
+PARAM_DTYPES = ("float32", "bfloat16")  # bf16: weights, activations and gradients; the loss in fp32
+
+
+@dataclass(frozen=True)
+class Kind:
+    """What a field holds: how a flag's text becomes a value, and which values it takes."""
+
+    said: str                              # "a whole number >= 1", in errors
+    from_text: Callable[[str], object]     # raises ValueError on text it cannot read
+    valid: Callable[[object], bool]
+    example: str
+    choices: tuple[str, ...] = ()          # a choice's names, for a flag's help
+
+    def check(self, name: str, value: object, optional: bool = False) -> None:
+        """Raise a ValueError naming `name`, `value` and an example if the value is not of this kind."""
+        if value is None and optional:
+            return
+        if not self.valid(value):
+            raise ValueError(f"{name}={value!r}: give {self.said}, e.g. {name.rpartition('.')[2]}={self.example}")
+
+
+def _whole(text: str) -> int:
+    value = int(text)
+    if str(value) != text.strip().lstrip("+"):  # "1.0", "1e3": not a count
+        raise ValueError(text)
+    return value
+
+
+def _real(text: str) -> float:
+    value = float(text)
+    if not math.isfinite(value):
+        raise ValueError(text)
+    return value
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)  # True is an int, but no count
+
+
+def _is_real(value: object) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+
+
+def _numbers(text: str, of: Callable[[str], object]) -> tuple:
+    return tuple(of(part.strip()) for part in text.split(","))
+
+
+COUNT = Kind("a whole number >= 1", _whole, lambda v: _is_int(v) and v >= 1, "4")
+COUNT_OR_ZERO = Kind("a whole number >= 0", _whole, lambda v: _is_int(v) and v >= 0, "0")
+INTEGER = Kind("a whole number", _whole, _is_int, "0")
+POSITIVE = Kind("a number > 0", _real, lambda v: _is_real(v) and v > 0, "0.001")
+NUMBER_OR_ZERO = Kind("a number >= 0", _real, lambda v: _is_real(v) and v >= 0, "0")
+BETAS = Kind("two numbers in [0, 1)", lambda text: _numbers(text, _real),
+             lambda v: isinstance(v, (tuple, list)) and len(v) == 2 and all(_is_real(b) and 0 <= b < 1 for b in v),
+             "0.9,0.95")
+LAYERS = Kind("layers per stage, whole numbers >= 1", lambda text: _numbers(text, _whole),
+              lambda v: isinstance(v, (tuple, list)) and len(v) > 0 and all(COUNT.valid(n) for n in v), "3,5")
+TEXT = Kind("a text", str, lambda v: isinstance(v, str), "'tiny'")
+CLIP_NORM = Kind("a norm > 0 (0: no clipping)", lambda text: _real(text) or None,
+                 lambda v: _is_real(v) and v > 0, "1.0")
+SWITCH = Kind("true or false", str, lambda v: isinstance(v, bool), "true")
+
+
+def choice(*names: str) -> Kind:
+    """One of `names`."""
+    return Kind(f"one of {', '.join(map(repr, names))}", str, lambda v: v in names, repr(names[0]), names)
+
+
+KINDS = {int: COUNT, float: POSITIVE, str: TEXT, bool: SWITCH}
+
+
+def option(default, help: str, section: str, kind: Kind | None = None, metavar: str | None = None,
+           optional: bool | None = None):
+    """A configuration field: its default, its help (the flag's and the reader's), the TOML table it
+    sits in, and its kind (by default from the default's type: an int a count, a float > 0).
+    `optional`: None is a value too, "not set" (by default where None is the default)."""
+    if section not in SECTIONS:
+        raise ValueError(f"section={section!r}: choose one of {', '.join(SECTIONS)}")
+    kind = kind or KINDS[type(default)]
+    return field(default=default, metadata={"help": help, "section": section, "kind": kind, "metavar": metavar,
+                                            "optional": default is None if optional is None else optional})
+
+
+def check_fields(options) -> None:
+    """Raise a ValueError naming the first field of the dataclass `options` whose value is not of its
+    kind (None passes where the field is optional: not set)."""
+    for each in fields(options):
+        if "kind" in each.metadata:
+            each.metadata["kind"].check(f"{type(options).__name__}.{each.name}", getattr(options, each.name),
+                                        optional=each.metadata["optional"])
+
+
+@dataclass(frozen=True)
+class TrainOptions:
+    """How to train: what every rank must agree on (small and picklable)."""
+
+    steps: int = option(200, "training steps: the LR reaches min_lr at this step", "run")
+    batch_size: int = option(8, "sequences per step, cut into the schedule's microbatches", "data")
+    seq_len: int = option(64, "tokens per sequence", "data")
+    lr: float = option(3e-3, "AdamW's learning rate after the warm-up", "optimizer")
+    min_lr: float = option(3e-4, "the LR at the end of the cosine (0 decays to zero)", "optimizer", NUMBER_OR_ZERO)
+    warmup: int = option(20, "steps of linear warm-up", "optimizer", COUNT_OR_ZERO)
+    weight_decay: float = option(0.1, "AdamW's, on matrices only (not norms), as LLaMA recipes do", "optimizer",
+                                 NUMBER_OR_ZERO)
+    betas: tuple[float, float] = option((0.9, 0.95), "AdamW's two betas", "optimizer", BETAS, "B1,B2")
+    eps: float = option(1e-8, "AdamW's epsilon", "optimizer")
+    clip: float | None = option(1.0, "the largest global gradient norm (None, or 0 in a file or flag: no clipping)",
+                                "optimizer", CLIP_NORM, optional=True)
+    data_seed: int = option(0, "the seed of the batches drawn", "data", COUNT_OR_ZERO)
+    data: str | None = option(None, "a text file, a directory of .txt files or a dataset saved with the datasets "
+                                    "library (default: the embedded corpus)", "data", TEXT, "PATH")
+    tokenizer: str = option("char", "char, bpe (byte-level, learned from data and saved beside the checkpoints), "
+                                    "or a tokenizer.json", "data")
+    vocab_size: int = option(512, "the BPE's vocabulary (the model's vocab_size must hold it)", "data")
+    epochs: int | None = option(None, "passes over data's training sequences (instead of steps)", "data", COUNT)
+    eval_every: int = option(50, "steps between held-out evaluations (0: never)", "run", COUNT_OR_ZERO)
+    eval_batches: int = option(2, "held-out batches per evaluation", "run")
+    checkpoint_dir: str | None = option(None, "where checkpoints go", "run", TEXT, "DIR")
+    checkpoint_every: int = option(0, "steps between checkpoints (0: only at the end)", "run", COUNT_OR_ZERO)
+    keep: int = option(3, "complete checkpoints kept, newest first", "run")
+    async_save: bool = option(False, "write checkpoints in the background", "run")
+    resume: str | None = option(None, "'latest' (in checkpoint_dir) or a checkpoint's path", "run", TEXT, "PATH")
+
+    def __post_init__(self):
+        object.__setattr__(self, "betas", tuple(self.betas))  # from TOML or JSON: a list
+
+    def check(self, n_microbatches: int, config=None, replicas: int = 1) -> None:
+        """Raise a ValueError naming the first option that cannot work, before any rank blocks.
+
+        Each field by its kind, then what fields must agree on. A checkpoint to resume from is
+        found and its manifest read (and, given the run's model `config`, a `LlamaConfig`,
+        matched against it): a CheckpointError now, not on the ranks.
+        """
+        check_fields(self)
+        if self.batch_size % (n_microbatches * replicas):
+            across = f"dp={replicas} pipelines x {n_microbatches}" if replicas > 1 else f"{n_microbatches}"
+            raise ValueError(f"TrainOptions.batch_size={self.batch_size} does not split into "
+                             f"{across} microbatches; use a multiple of {n_microbatches * replicas}")
+        if not self.min_lr <= self.lr:
+            raise ValueError(f"lr={self.lr}, min_lr={self.min_lr}: need min_lr <= lr")
+        if self.tokenizer != "char" and self.data is None:
+            raise ValueError(f"tokenizer={self.tokenizer!r} tokenises (and 'bpe' learns from) the training text: "
+                             f"give data=<a text file, a directory of .txt files or a saved dataset>, or "
+                             f"tokenizer='char' for the embedded corpus")
+        if self.epochs is not None and self.data is None:
+            raise ValueError("epochs count passes over data=...: the embedded corpus is drawn at random "
+                             "without end; give data=<text>, or steps=<count>")
+        if (self.checkpoint_every or self.resume == "latest") and self.checkpoint_dir is None:
+            raise ValueError("checkpoint_every and resume='latest' need checkpoint_dir=<a directory>")
+        if self.resume is not None:
+            path = resume_path(self.resume, self.checkpoint_dir)
+            if config is not None:
+                check_config(path, read_manifest(path), config.record())
+
+
+def sections_of(options) -> dict[str, list[str]]:
+    """The dataclass `options`' field names by section, in SECTIONS' order (a field with no section
+    in "run")."""
+    grouped = {section: [] for section in SECTIONS}
+    for each in fields(options):
+        grouped[each.metadata.get("section", "run")].append(each.name)
+    return {section: names for section, names in grouped.items() if names}

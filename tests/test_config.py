@@ -1,0 +1,145 @@
+"""One configuration: every field of a run, walked through Python, a TOML file, the `pplab train`
+flags, `--config`, a rebuild and the ranks' side, arrives with the same value; a bad value is
+refused by its name on every path. A field added without a value here fails the first test."""
+
+import dataclasses
+import inspect
+import re
+import tomllib
+
+import pytest
+
+from pplab.cli import main
+from pplab.config import TrainOptions
+from pplab.session.drivers import Lab, RankPool
+from pplab.session.run import RunConfig
+
+pytestmark = pytest.mark.quick  # starts no process
+
+# A value other than the default, for every field.
+CHANGED = {
+    "steps": 7, "batch_size": 16, "seq_len": 32, "lr": 0.001, "min_lr": 0.0, "warmup": 3, "weight_decay": 0.05,
+    "betas": (0.8, 0.99), "eps": 1e-6, "clip": 0.5, "data_seed": 5, "data": "corpus.txt", "tokenizer": "bpe",
+    "vocab_size": 300, "epochs": 2, "eval_every": 10, "eval_batches": 3, "checkpoint_dir": "runs",
+    "checkpoint_every": 5, "keep": 2, "async_save": True, "resume": "latest",
+    "model": "small", "param_dtype": "bfloat16", "seed": 7, "pp": 4, "dp": 2, "tp": 2, "schedule": "zb-h1",
+    "impl": "torch", "n_microbatches": 8, "n_virtual": 2, "balance": (3, 5),
+}
+FIELDS = [field.name for field in dataclasses.fields(RunConfig)]
+
+
+def test_every_field_has_a_changed_value_and_a_help():
+    assert sorted(CHANGED) == sorted(FIELDS)
+    for field in dataclasses.fields(RunConfig):
+        assert CHANGED[field.name] != field.default, field.name
+        assert field.metadata["help"] and field.metadata["section"], field.name
+
+
+def flag_arguments(name: str, value) -> list[str]:
+    """The `pplab train` arguments that say `name = value`, and the ranks to keep the layout's pp."""
+    config = RunConfig(**{name: value})
+    ranks = ["--n-ranks", str(config.n_ranks)]  # the command line gives pp as ranks / (dp x tp)
+    if name == "pp":
+        return ranks
+    if isinstance(value, bool):
+        return [f"--{name.replace('_', '-')}", *ranks]
+    text = ",".join(map(str, value)) if isinstance(value, tuple) else str(value)
+    return [f"--{name.replace('_', '-')}", text, *ranks]
+
+
+def printed(capsys, *argv: str) -> RunConfig:
+    """The configuration `pplab train ... --print-config` resolves, read back."""
+    assert main(["train", *argv, "--print-config"]) == 0
+    return RunConfig.of(tomllib.loads(capsys.readouterr().out))
+
+
+@pytest.mark.parametrize("name", FIELDS)
+def test_a_field_arrives_the_same_by_every_path(name, capsys, tmp_path):
+    value = CHANGED[name]
+    in_python = RunConfig(**{name: value})
+    assert getattr(in_python, name) == value
+    # A TOML file, as written and as a user writes one key of it (in its table or not).
+    written = tmp_path / "written.toml"
+    written.write_text(in_python.to_toml())
+    assert RunConfig.from_toml(written) == in_python
+    one_key = tmp_path / "one.toml"
+    line = next(line for line in in_python.to_toml().splitlines() if line.startswith(f"{name} ="))
+    one_key.write_text(f"[{dataclasses.fields(RunConfig)[FIELDS.index(name)].metadata['section']}]\n{line}\n")
+    assert RunConfig.from_toml(one_key) == in_python
+    # The command line: its flag, and --config's file.
+    assert printed(capsys, *flag_arguments(name, value)) == in_python
+    assert printed(capsys, "--config", str(written)) == in_python
+    # A rebuild: the default configuration with this one field changed.
+    assert dataclasses.replace(RunConfig(), **{name: value}) == in_python
+    assert RunConfig().with_changes(**{name: value}) == in_python
+
+
+# Each field's layout as the ranks' pipeline shows it; other fields set where the value needs them.
+ON_THE_RANKS = {
+    "model": ({}, lambda spec: spec.config.hidden_size),
+    "param_dtype": ({}, lambda spec: spec.param_dtype),
+    "seed": ({}, lambda spec: spec.seed),
+    "pp": ({}, lambda spec: spec.schedule.n_ranks),
+    "dp": ({"impl": "torch"}, lambda spec: spec.mesh.dp if spec.mesh else 1),
+    "tp": ({"impl": "torch"}, lambda spec: spec.mesh.tp if spec.mesh else 1),
+    "schedule": ({}, lambda spec: spec.schedule.name),
+    "impl": ({}, lambda spec: spec.impl),
+    "n_microbatches": ({}, lambda spec: spec.schedule.n_microbatches),
+    "n_virtual": ({"schedule": "interleaved-1f1b"}, lambda spec: spec.schedule.n_virtual),
+    "balance": ({}, lambda spec: spec.balance and tuple(spec.balance)),
+}
+
+
+@pytest.mark.parametrize("name", FIELDS)
+def test_a_field_reaches_the_ranks(name):
+    """What the ranks are handed: the training's fields as TrainOptions, the layout's in the pipeline's spec."""
+    if name not in ON_THE_RANKS:
+        assert getattr(RunConfig(**{name: CHANGED[name]}).training(), name) == CHANGED[name]
+        return
+    needs, seen = ON_THE_RANKS[name]
+    before = seen(RunConfig().pipeline_spec())
+    after = seen(RunConfig(**needs, **{name: CHANGED[name]}).pipeline_spec())
+    assert before != after, name
+    assert after == (768 if name == "model" else CHANGED[name]), (name, after)  # small: 768 wide
+
+
+def test_lab_pipeline_keywords_have_the_fields_names_and_defaults():
+    """lab.pipeline's keywords (every driver's) that are a run's fields take the field's name and default."""
+    for pipeline in (Lab.pipeline, RankPool.pipeline):
+        keywords = inspect.signature(pipeline).parameters
+        shared = [name for name in keywords if name in FIELDS]
+        assert sorted(shared) == ["balance", "impl", "n_microbatches", "n_virtual", "param_dtype", "schedule",
+                                  "seed"]
+        for name in shared:
+            default = dataclasses.fields(RunConfig)[FIELDS.index(name)].default
+            if name == "n_microbatches":  # a Schedule given by itself brings its own count
+                assert keywords[name].default is None
+            else:
+                assert keywords[name].default == default, name
+
+
+# A value of the wrong kind, as a flag's text and as Python's value.
+BAD = {"a whole number >= 1": ("0", 0), "a whole number >= 0": ("-1", -1), "a whole number": ("1.5", 1.5),
+       "a number > 0": ("0", 0.0), "a number >= 0": ("-1", -1.0), "two numbers in [0, 1)": ("0.9,1.5", (0.9, 1.5)),
+       "layers per stage, whole numbers >= 1": ("3,0", (3, 0)), "a norm > 0 (0: no clipping)": ("-1", -1.0),
+       "a text": (None, 5), "true or false": (None, "yes")}
+
+
+@pytest.mark.parametrize("name", FIELDS)
+def test_a_bad_value_is_refused_by_name_on_every_path(name, capsys):
+    field = dataclasses.fields(RunConfig)[FIELDS.index(name)]
+    kind = field.metadata["kind"]
+    text, value = BAD.get(kind.said, ("float16", "float16"))  # a choice: a name it does not have
+    with pytest.raises(ValueError, match=re.escape(f"RunConfig.{name}={value!r}: give {kind.said}")):
+        RunConfig(**{name: value}).check(4)
+    if text is not None:  # any text is a text; a switch is there or not
+        flag = "--n-ranks" if name == "pp" else f"--{name.replace('_', '-')}"
+        with pytest.raises(SystemExit) as exit:
+            main(["train", flag, text, "--print-config"])
+        assert exit.value.code == 2
+        assert f"argument {flag}: {text!r} is not {kind.said}" in capsys.readouterr().err
+
+
+def test_train_options_are_a_run_configs_training_part():
+    assert [f.name for f in dataclasses.fields(TrainOptions)] == FIELDS[:len(dataclasses.fields(TrainOptions))]
+    assert RunConfig().training() == TrainOptions()
