@@ -65,3 +65,13 @@ def warn_moved(old: str, new: str, why: str = "") -> None:
     now, elsewhere (from a module's __getattr__); `why` in a few words, if the move needs one."""
     warnings.warn(f"{old} is now {new}{f' ({why})' if why else ''}; {old} works until the next release",
                   DeprecationWarning, stacklevel=3)
+
+
+def moved_up(module: str, name: str, home: str, new: str):
+    """`module.name`, a public name that moved to a higher floor (`home`; public as `new`): found there by
+    name, so that the lower floor does not import the higher one, with a DeprecationWarning naming `new`."""
+    import importlib
+
+    warnings.warn(f"{module}.{name} is now {new}; {module}.{name} works until the next release",
+                  DeprecationWarning, stacklevel=3)
+    return getattr(importlib.import_module(home), name)

@@ -14,7 +14,8 @@ import pplab
 from pplab.data import batches
 from ranks import run_ranks
 from pplab.rank.mesh import Mesh, all_gathers_per_unit, communicated_bytes, memory_held, optimizer_state_bytes
-from pplab.rank.rank_pipeline import PipelineSpec, RankPipeline, merge_steps, run_jobs_on_rank, split_for_ranks
+from pplab.rank.rank_pipeline import PipelineSpec, RankPipeline, run_jobs_on_rank, split_for_ranks
+from pplab.session.results import merge_steps
 from pplab.rank.reference import reference_step
 from pplab.rank.checks import compare_with_reference
 from pplab.schedules import build
@@ -236,7 +237,8 @@ from pplab.rank.checks import compare_with_reference
 from pplab.data import batches
 from pplab.drivers.torchrun import run_as_torchrun_rank
 from pplab.model import LlamaConfig
-from pplab.rank.rank_pipeline import PipelineSpec, merge_steps, run_jobs_on_rank, split_for_ranks
+from pplab.rank.rank_pipeline import PipelineSpec, run_jobs_on_rank, split_for_ranks
+from pplab.session.results import merge_steps
 from pplab.rank.reference import reference_step
 
 config = LlamaConfig.tiny()

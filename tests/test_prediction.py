@@ -7,7 +7,8 @@ from pplab.data import batches
 from pplab.prediction import Profile, StageProfile, predict
 from pplab.rank.profiler import profile
 from ranks import run_ranks
-from pplab.rank.rank_pipeline import PipelineSpec, merge_steps, run_jobs_on_rank, split_for_ranks
+from pplab.rank.rank_pipeline import PipelineSpec, run_jobs_on_rank, split_for_ranks
+from pplab.session.results import merge_steps
 from pplab.schedules import build, theory
 from pplab.simulator import Costs
 

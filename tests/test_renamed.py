@@ -71,6 +71,15 @@ def test_the_notebooks_pipeline_class_moved_to_a_module_of_its_own():
         assert pplab.views.lab.NotebookPipeline is NotebookPipeline
 
 
+def test_the_memory_table_moved_to_the_session_the_client_side():
+    """pipe.memory()'s table is drawn on the client: it left pplab.mesh (the ranks' floor), one more release there."""
+    from pplab import mesh, session
+
+    with pytest.warns(DeprecationWarning, match=r"pplab.mesh.MemoryTable is now pplab.session.MemoryTable"):
+        assert mesh.MemoryTable is session.MemoryTable
+    assert "MemoryTable" not in mesh.__all__ and "MemoryTable" in session.__all__
+
+
 def test_the_plain_ranks_training_entry_point_has_a_name_of_its_own():
     """pplab.rank.train.train_on_rank shared its name with the session's train_on_rank (which
     trains stages already built): it is build_and_train_on_rank now, the old name one more release."""

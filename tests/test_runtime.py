@@ -13,7 +13,8 @@ from pplab.comm import PipelineTimeoutError
 from pplab.data import batches
 from pplab.session import RankFailedError
 from ranks import run_ranks
-from pplab.rank.rank_pipeline import PipelineSpec, merge_steps, run_jobs_on_rank, split_for_ranks
+from pplab.rank.rank_pipeline import PipelineSpec, run_jobs_on_rank, split_for_ranks
+from pplab.session.results import merge_steps
 from pplab.schedules import Action, Schedule, build, from_text
 
 
@@ -178,7 +179,7 @@ def test_a_ready_schedule_must_agree_with_the_arguments():
 def test_a_step_lists_its_microbatch_losses_and_boundary_shapes_by_microbatch_as_the_reference_does():
     import typing
 
-    from pplab.rank.rank_pipeline import StepResult
+    from pplab.session.results import StepResult
     from pplab.rank.reference import ReferenceResult
     from pplab.rank.runtime import Boundary, RankStep
 

@@ -9,7 +9,8 @@ import pplab
 from pplab.rank.checks import compare_with_reference
 from pplab.data import batches
 from ranks import run_ranks
-from pplab.rank.rank_pipeline import PipelineSpec, merge_steps, run_jobs_on_rank, split_for_ranks
+from pplab.rank.rank_pipeline import PipelineSpec, run_jobs_on_rank, split_for_ranks
+from pplab.session.results import merge_steps
 from pplab.schedule_search import NothingFitsError, list_schedule, search, search_balance, stage_costs
 from pplab.schedules import Schedule, add_communication, v_placement, validate
 from pplab.simulator import Costs, simulate

@@ -13,7 +13,8 @@ import pplab
 from pplab.rank.checks import check_gradient_flow, compare_with_reference
 from pplab.data import batches
 from ranks import run_ranks
-from pplab.rank.rank_pipeline import PipelineSpec, merge_steps, run_jobs_on_rank, split_for_ranks
+from pplab.rank.rank_pipeline import PipelineSpec, run_jobs_on_rank, split_for_ranks
+from pplab.session.results import merge_steps
 from pplab.schedules import from_torch
 from pplab.rank.torch_pp import torch_schedule
 

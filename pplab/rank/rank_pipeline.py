@@ -5,15 +5,15 @@ seed, partition, timeouts); it is small and picklable, so a notebook sends it
 to every engine, or every torchrun process builds it itself. `RankPipeline` is
 one rank's half: its stage modules and its `RankRuntime`. `split_for_ranks`
 decides what data each rank gets: token ids only where stage 0 lives, targets
-only where the last stage lives, nothing elsewhere. `merge_steps` turns the
-ranks' reports into one `StepResult`.
+only where the last stage lives, nothing elsewhere. The client turns the ranks'
+reports into one step (`pplab.session.results`).
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 import dataclasses
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
@@ -24,11 +24,11 @@ from pplab.rank.mesh import CollectiveLog, Mesh, MeshPlace, parallelize_stage
 from pplab.model import IGNORE_INDEX, LlamaConfig
 from pplab.partition import as_model, build_stage, layer_ranges
 from pplab.rank.reference import as_microbatches
-from pplab.rank.runtime import Boundary, RankRuntime, RankStep
+from pplab.rank.runtime import RankRuntime, RankStep
 from pplab.rank.tied import TiedGradients, tie_on_rank
 from pplab.schedules import Schedule, build, check_runnable, validate
 from pplab.simulator import Costs
-from pplab.timeline import Event, Timeline
+from pplab.timeline import Event
 
 
 
@@ -288,37 +288,6 @@ def check_microbatch(config: LlamaConfig, index: int, input_ids: torch.Tensor,
             raise ValueError(f"{where}: a {name} {int(bad[0])} is outside the vocabulary "
                              f"0..{config.vocab_size - 1} (vocab_size={config.vocab_size}); check "
                              f"the tokenizer and the config")
-
-
-@dataclass
-class StepResult:
-    """One pipeline step seen from the client: loss, timeline, boundary shapes, gradients."""
-
-    loss: float
-    microbatch_losses: list[float]  # by microbatch index
-    timeline: Timeline
-    boundary_shapes: list[Boundary]  # what crossed each stage boundary, by (boundary, microbatch)
-    grad_stats: dict[str, dict]
-    grads: dict[str, torch.Tensor] | None = None
-    rank_steps: list[RankStep] = field(default_factory=list, repr=False)
-
-
-def merge_steps(rank_steps: Sequence[RankStep], label: str = "measured") -> StepResult:
-    """Combine the ranks' reports (ordered by rank) into one StepResult."""
-    losses = {}
-    for rank_step in rank_steps:
-        losses.update(rank_step.losses_by_microbatch)
-    ordered = [losses[mb] for mb in sorted(losses)]
-    grad_stats, grads = {}, {}
-    for rank_step in rank_steps:
-        grad_stats.update(rank_step.grad_stats)
-        grads.update(rank_step.grads or {})
-    timeline = Timeline([e for r in rank_steps for e in r.events], n_ranks=len(rank_steps), label=label)
-    # On a mesh, the TP ranks of a stage send the same activations: each boundary counts once.
-    unique = {(b.source, b.microbatch): b for r in rank_steps for b in r.boundary_shapes}
-    boundary_shapes = [unique[key] for key in sorted(unique)]
-    return StepResult(sum(ordered) / len(ordered), ordered, timeline, boundary_shapes, grad_stats,
-                      grads or None, list(rank_steps))
 
 
 def run_jobs_on_rank(rank: int, world_size: int, jobs: Sequence[tuple[PipelineSpec, list[dict]]],

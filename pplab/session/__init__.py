@@ -26,6 +26,7 @@ import importlib as _importlib
 _EXPORTS = {"Lab": "pplab.session.drivers", "RankPool": "pplab.session.drivers",
             "TorchrunRanks": "pplab.session.drivers",
             "Pipeline": "pplab.session.pipeline", "LiveStep": "pplab.session.pipeline",
+            "MemoryTable": "pplab.session.results",  # what pipe.memory() shows
             # what every driver raises when a call fails (the lab's errors are these too)
             **{name: "pplab.rank.rank_context"
                for name in ("RankError", "RankFailedError", "RankDiedError", "RankTimeoutError")}}
