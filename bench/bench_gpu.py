@@ -37,7 +37,7 @@ from pathlib import Path
 import torch
 
 import pplab
-from pplab.checkpoint_files import step_directory
+from pplab.base.checkpoint_files import step_directory
 from pplab.model import LlamaConfig
 
 # GPU tolerances: cuBLAS may pick other kernels (another summation order) than the CPU reference,
@@ -169,7 +169,7 @@ def profile_costs(device: str) -> dict:
 
 def forward_by_cuda_events() -> dict:
     """A middle stage's forward timed by CUDA events and by the profiler's synchronised clock."""
-    from pplab.partition import build_stage
+    from pplab.models.partition import build_stage
 
     config = LlamaConfig.small()
     stage = build_stage(config, 1, 4, 0, torch.device("cuda"))

@@ -42,7 +42,7 @@ import torch
 import pplab
 from pplab.data import batches
 from pplab.model import LlamaModel
-from pplab.partition import layer_ranges
+from pplab.models.partition import layer_ranges
 from pplab.rank.mesh import Mesh, all_gathers_per_unit, communicated_bytes
 from pplab.schedules import Schedule
 

@@ -39,7 +39,7 @@ import torch
 import pplab
 from pplab.data import batches
 from pplab.drivers.local import run_ranks
-from pplab.prediction import predict
+from pplab.planning.prediction import predict
 from pplab.rank.profiler import hop_costs_on_rank, profile
 from pplab.schedules import Kind
 

@@ -34,7 +34,7 @@ import torch
 
 import pplab
 from pplab.data import batches
-from pplab.schedule_search import search, search_balance, stage_costs
+from pplab.planning.search import search, search_balance, stage_costs
 from pplab.schedules import build, validate
 from pplab.schedules.compiled import no_cyclic_gc
 from pplab.schedules.validation import (_check_each_action, _check_every_pass_present, _check_runs_to_the_end,

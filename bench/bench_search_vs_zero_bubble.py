@@ -4,7 +4,7 @@
    a message time; a memory limit in microbatches held): p in {3, 4}, m in {2p, 3p}; uniform
    stages, a heavy first stage (x1.5) or a heavy last one (x2); latencies 0, 0.1, 0.5, 1 and 2
    forwards; limits p, 1.5p and 2p. For each, the step time of `pplab.search` against the best
-   of the built-in schedules that fit and of `pplab.zero_bubble_heuristic.best_heuristic`
+   of the built-in schedules that fit and of `pplab.planning.zero_bubble_heuristic.best_heuristic`
    (written from the paper's description). The search tries the heuristic's schedules among its
    candidates, so "never slower" holds by construction; what the grid measures is where its
    other candidates and its local improvement are strictly faster, and by how much.
@@ -26,9 +26,9 @@ import time
 from pathlib import Path
 
 from measuring import load
-from pplab.zero_bubble_heuristic import best_heuristic
+from pplab.planning.zero_bubble_heuristic import best_heuristic
 
-from pplab.schedule_search import search
+from pplab.planning.search import search
 from pplab.simulator import Costs
 
 RESULTS = Path(__file__).parent / "results" / "search_vs_zero_bubble.json"

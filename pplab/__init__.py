@@ -2,7 +2,10 @@
 
 The folders are the floors; lower floors never import higher ones:
 
-    pplab/*.py, schedules/   the core: model, data, schedules, trace, simulator, search
+    pplab/base/, schedules/, models/, data/, trace/
+                             floor 1: checks and the one configuration, schedules as data,
+                             the model, data, the event model
+    pplab/planning/          floor 2: simulator, prediction, search, the bubble explained
     pplab/rank/              what runs on a rank: runtime, torch's schedules, mesh,
                              checks, checkpoints, training
     pplab/drivers/           where ranks live: local processes, torchrun, a cluster of engines
@@ -31,26 +34,26 @@ from pplab._version import __version__  # noqa: F401  (written in _version.py al
 
 # public name -> the module that defines it
 _EXPORTS = {
-    "LlamaConfig": "pplab.model",
-    "LlamaModel": "pplab.model",
-    "build_model": "pplab.model",
-    "generate": "pplab.model",
-    "build_stage": "pplab.partition",
-    "layer_ranges": "pplab.partition",
+    "LlamaConfig": "pplab.models.llama",
+    "LlamaModel": "pplab.models.llama",
+    "build_model": "pplab.models.llama",
+    "generate": "pplab.models.llama",
+    "build_stage": "pplab.models.partition",
+    "layer_ranges": "pplab.models.partition",
     "reference_step": "pplab.rank.reference",
-    "simulate": "pplab.simulator",
-    "Costs": "pplab.simulator",
-    "Event": "pplab.timeline",
-    "Timeline": "pplab.timeline",
-    "TrainOptions": "pplab.config",
+    "simulate": "pplab.planning.simulator",
+    "Costs": "pplab.planning.simulator",
+    "Event": "pplab.trace.timeline",
+    "Timeline": "pplab.trace.timeline",
+    "TrainOptions": "pplab.base.config",
     "load_model": "pplab.rank.checkpoint",
     "Mesh": "pplab.rank.mesh",
     "profile": "pplab.rank.profiler",
     "hop_costs_on_rank": "pplab.rank.profiler",  # run on two ranks: the time of one hop between them
-    "predict": "pplab.prediction",
-    "search": "pplab.schedule_search",  # floor 2: it runs the simulator, so it sits beside it
-    "search_balance": "pplab.schedule_search",
-    "stage_costs": "pplab.schedule_search",  # a balance's per-stage costs, from per-layer ones
+    "predict": "pplab.planning.prediction",
+    "search": "pplab.planning.search",  # floor 2: it runs the simulator
+    "search_balance": "pplab.planning.search",
+    "stage_costs": "pplab.planning.search",  # a balance's per-stage costs, from per-layer ones
     "Lab": "pplab.views.lab",  # engines as ranks, from Jupyter: pipelines with live views
     "RankPool": "pplab.session",  # the same on local processes: command line, tests, scripts
     "TorchrunRanks": "pplab.session",  # in a torchrun script: this process is one rank
@@ -59,43 +62,49 @@ _EXPORTS = {
 }
 # public module -> where it lives (`pplab.viz`, `from pplab import checkpoint`)
 _MODULES = {
-    "model": "pplab.model", "data": "pplab.data", "schedules": "pplab.schedules", "trace": "pplab.trace",
-    "simulator": "pplab.simulator", "comm": "pplab.comm", "viz": "pplab.views.viz", "widgets": "pplab.views.widgets",
+    "model": "pplab.models.llama", "data": "pplab.data", "schedules": "pplab.schedules", "trace": "pplab.trace",
+    "simulator": "pplab.planning.simulator", "comm": "pplab.rank.comm", "viz": "pplab.views.viz", "widgets": "pplab.views.widgets",
     "exercises": "pplab.course.exercises", "checks": "pplab.rank.checks", "checkpoint": "pplab.rank.checkpoint",
     "train": "pplab.rank.train", "mesh": "pplab.rank.mesh", "faults": "pplab.rank.faults",
     "cluster": "pplab.drivers.cluster", "session": "pplab.session",
-    "hf": "pplab.hf",  # Hugging Face models as stages (pip install 'pplab[hf]')
-    "traced": "pplab.traced",  # any module, cut by torch's tracer
-    "text": "pplab.text",  # documents, a byte-level BPE, packed sequences (tokenizers: the hf extra)
+    "hf": "pplab.models.hf",  # Hugging Face models as stages (pip install 'pplab[hf]')
+    "traced": "pplab.models.traced",  # any module, cut by torch's tracer
+    "text": "pplab.data.text",  # documents, a byte-level BPE, packed sequences (tokenizers: the hf extra)
     "run": "pplab.session.run",  # one training run from one configuration: run.train(...), RunConfig
-    "profiled": "pplab.profiled",  # a run recorded with torch.profiler, read back as a Timeline
-    "bubble": "pplab.bubble",  # where a measured step's bubble went, and what would shrink it
-    "machine": "pplab.machine",  # how busy this machine is: what waits and predictions scale with
+    "profiled": "pplab.trace.profiled",  # a run recorded with torch.profiler, read back as a Timeline
+    "bubble": "pplab.planning.bubble",  # where a measured step's bubble went, and what would shrink it
+    "machine": "pplab.base.machine",  # how busy this machine is: what waits and predictions scale with
 }
 
 __all__ = [*_EXPORTS, *_MODULES]
 
 if _TYPE_CHECKING:  # what static checkers and editors see
-    from pplab import bubble, comm, data, hf, machine, model, profiled, schedules, session, simulator, text, trace, traced
+    from pplab import data, schedules, session, trace
+    from pplab.base import machine
+    from pplab.data import text
     from pplab.drivers import cluster
+    from pplab.models import hf, traced
+    from pplab.models import llama as model
+    from pplab.planning import bubble, simulator
     from pplab.session import run
-    from pplab.rank import checkpoint, checks, faults, mesh, train
+    from pplab.rank import checkpoint, checks, comm, faults, mesh, train
+    from pplab.trace import profiled
     from pplab.course import exercises
     from pplab.views import viz, widgets
     from pplab.rank.checkpoint import load_model
     from pplab.drivers.cluster import cleanup
     from pplab.rank.mesh import Mesh
-    from pplab.model import LlamaConfig, LlamaModel, build_model, generate
-    from pplab.partition import build_stage, layer_ranges
-    from pplab.prediction import predict
+    from pplab.models.llama import LlamaConfig, LlamaModel, build_model, generate
+    from pplab.models.partition import build_stage, layer_ranges
+    from pplab.planning.prediction import predict
     from pplab.rank.profiler import hop_costs_on_rank, profile
     from pplab.rank.reference import reference_step
-    from pplab.schedule_search import search, search_balance, stage_costs
+    from pplab.planning.search import search, search_balance, stage_costs
     from pplab.session import Pipeline, RankPool, TorchrunRanks
     from pplab.views.lab import Lab
-    from pplab.simulator import Costs, simulate
-    from pplab.timeline import Event, Timeline
-    from pplab.config import TrainOptions
+    from pplab.planning.simulator import Costs, simulate
+    from pplab.trace.timeline import Event, Timeline
+    from pplab.base.config import TrainOptions
 
 
 class _PublicModules:
@@ -128,7 +137,7 @@ _RENAMED = {"PipelineRun": "Pipeline"}  # the last release's names, kept for one
 
 def __getattr__(name: str):
     if name in _RENAMED:
-        from pplab.arguments import warn_renamed
+        from pplab.base.arguments import warn_renamed
 
         warn_renamed("pplab", name, _RENAMED[name])
         return __getattr__(_RENAMED[name])

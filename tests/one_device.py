@@ -5,7 +5,7 @@ import torch
 
 from pplab.data import batches, split_microbatches
 from pplab.model import LlamaConfig, build_model, loss_fn
-from pplab.partition import layer_ranges, stage_of_parameter
+from pplab.models.partition import layer_ranges, stage_of_parameter
 from pplab.rank.train import TrainOptions, make_optimizer
 
 

@@ -13,7 +13,7 @@ from pplab.data import batches
 from pplab.session import RankError
 from ranks import run_ranks
 from pplab.model import LlamaConfig, build_model
-from pplab.partition import build_stage
+from pplab.models.partition import build_stage
 from pplab.rank.rank_pipeline import PipelineSpec, RankPipeline
 from pplab.rank.reference import reference_step
 from pplab.rank.train import RankTrainer, TrainOptions, build_and_train_on_rank, make_optimizer

@@ -23,7 +23,7 @@ from pplab import checkpoint
 from pplab.rank.checkpoint import CheckpointError, Checkpointer, rank_module
 from ranks import run_ranks
 from pplab.model import LlamaConfig
-from pplab.partition import build_stage
+from pplab.models.partition import build_stage
 from pplab.rank.rank_pipeline import PipelineSpec, RankPipeline
 from pplab.rank.train import RankTrainer, TrainOptions, build_and_train_on_rank, make_optimizer
 

@@ -10,7 +10,7 @@ import tomllib
 import pytest
 
 from pplab.cli import main
-from pplab.config import TrainOptions
+from pplab.base.config import TrainOptions
 from pplab.session.drivers import Lab, RankPool
 from pplab.session.run import RunConfig
 

@@ -1,6 +1,6 @@
 """One look for every report: byte sizes, aligned text tables and HTML tables."""
 
-from pplab.formatting import ShownAsText, format_bytes, html_table, text_table
+from pplab.base.formatting import ShownAsText, format_bytes, html_table, text_table
 
 
 def test_bytes_read_in_the_largest_unit_they_fill():

@@ -3,6 +3,7 @@ no modules import each other in a circle. Read from the source, imports inside f
 (a lazy import is still a dependency)."""
 
 import ast
+import re
 from pathlib import Path
 
 import pytest
@@ -12,14 +13,21 @@ import pplab
 pytestmark = pytest.mark.quick  # starts no process (conftest makes sure)
 
 PACKAGE = Path(pplab.__file__).parent
-# The one table of floors (the README's layout and each folder's docstring follow it). The core's
-# own two: data types and schedules, then what computes on them.
-CORE_FLOORS = {"_version": 1, "arguments": 1, "config": 1, "model": 1, "data": 1, "timeline": 1, "formatting": 1, "checkpoint_files": 1,
-               "schedules": 1, "hf": 1, "traced": 1, "text": 1, "partition": 2, "simulator": 2, "prediction": 2,
-               "schedule_search": 2, "list_scheduling": 2, "zero_bubble_heuristic": 2, "comm": 2, "profiled": 2, "trace": 2, "bubble": 2,
-               "straggler": 2, "machine": 1}
-FOLDER_FLOORS = {"rank": 3, "drivers": 4, "session": 5, "course": 6, "views": 7}
 COMMAND = 8  # cli/ and __main__.py: the `pplab` command
+
+
+def floor_of_folder(folder: Path) -> int:
+    """A folder's floor, as its docstring says it first: "Floor N, ..."."""
+    docstring = ast.get_docstring(ast.parse((folder / "__init__.py").read_text())) or ""
+    match = re.match(r"Floor (\d+), ", docstring)
+    if not match:
+        raise ValueError(f"pplab/{folder.name}/__init__.py does not begin 'Floor N, ': its floor is unknown")
+    return int(match.group(1))
+
+
+# The floors are the folders: each says its own in its docstring (the README's layout follows them).
+FOLDER_FLOORS = {path.parent.name: floor_of_folder(path.parent) for path in sorted(PACKAGE.glob("*/__init__.py"))}
+LOOSE = {"_version": 1, "__main__": COMMAND}  # the only modules outside a folder: the version, `python -m pplab`
 
 
 def module_name(path: Path) -> str:
@@ -28,15 +36,11 @@ def module_name(path: Path) -> str:
 
 
 def floor(module: str) -> int:
-    """The floor of a pplab module, from where it lives."""
+    """The floor of a pplab module, from the folder it lives in."""
     parts = module.split(".")[1:]
     if not parts:
         raise ValueError("pplab itself has no floor")
-    if parts[0] in FOLDER_FLOORS:
-        return FOLDER_FLOORS[parts[0]]
-    if parts[0] in ("cli", "__main__"):
-        return COMMAND
-    return CORE_FLOORS[parts[0]]
+    return FOLDER_FLOORS[parts[0]] if parts[0] in FOLDER_FLOORS else LOOSE[parts[0]]
 
 
 def imports_of(path: Path) -> set[str]:
@@ -108,11 +112,24 @@ def test_no_modules_import_each_other_in_a_circle():
     assert circles == [], "import circles: " + "; ".join(" -> ".join(circle) for circle in circles)
 
 
-def test_the_floors_are_what_the_readme_and_each_folders_docstring_say():
-    """This file's table is the one table: the README's layout and the folders' docstrings follow it."""
+def test_every_module_but_two_lives_in_a_floors_folder():
+    loose = sorted(path.stem for path in PACKAGE.glob("*.py") if path.name != "__init__.py")
+    assert loose == sorted(LOOSE), f"modules outside the floors' folders: {sorted(set(loose) - set(LOOSE))}"
+
+
+def test_the_floors_are_what_the_readme_says():
+    """Each folder's docstring gives its floor; the README's layout says the same, floor by floor."""
     readme = (PACKAGE.parent / "README.md").read_text()
-    for folder, number in {**FOLDER_FLOORS, "cli": COMMAND}.items():
-        assert f"**floor {number}**, `{folder}/`" in readme, f"the README's layout does not put pplab/{folder}/ on floor {number}"
-        docstring = ast.get_docstring(ast.parse((PACKAGE / folder / "__init__.py").read_text()))
-        assert docstring.startswith(f"Floor {number}, "), f"pplab/{folder}/__init__.py does not begin 'Floor {number}, '"
-    assert "**floors 1 and 2**, the core" in readme
+    assert FOLDER_FLOORS["cli"] == COMMAND
+    for number in sorted(set(FOLDER_FLOORS.values())):
+        folders = ", ".join(f"`{folder}/`" for folder, floor in FOLDER_FLOORS.items() if floor == number)
+        assert f"**floor {number}**, {folders}" in readme, \
+            f"the README's layout does not say **floor {number}**, {folders}"
+
+
+def test_pplab_itself_imports_modules_by_where_they_live():
+    """Inside pplab, no import goes through a public short name (pplab.model for pplab.models.llama):
+    those hide a module's floor from these checks."""
+    aliases = sorted(f"{module}: {name}" for module in MODULES for name in IMPORTS[module]
+                     if name not in MODULES)
+    assert aliases == []

@@ -63,7 +63,7 @@ def run_mesh(mesh: Mesh, schedule="1f1b", microbatch_size=2):
 def stage_units(spec, rank) -> int:
     """FSDP units on a rank: one per block, plus the stage root."""
     (stage,) = spec.schedule.stages_of(spec.pp_rank(rank))
-    start, end = pplab.partition.layer_ranges(CONFIG.num_hidden_layers, spec.schedule.n_stages)[stage]
+    start, end = pplab.layer_ranges(CONFIG.num_hidden_layers, spec.schedule.n_stages)[stage]
     return end - start + 1
 
 

@@ -108,7 +108,7 @@ def test_stage_allocates_only_what_it_owns(stage_index, n_stages):
 
 
 def test_every_parameter_name_maps_to_the_stage_that_holds_it():
-    from pplab.partition import stage_of_parameter
+    from pplab.models.partition import stage_of_parameter
 
     config = pplab.LlamaConfig.tiny()
     for n_stages in (1, 2, 3, 5, 8):

@@ -4,7 +4,7 @@ import pytest
 
 import pplab
 from pplab.data import batches
-from pplab.prediction import Profile, StageProfile, predict
+from pplab.planning.prediction import Profile, StageProfile, predict
 from pplab.rank.profiler import profile
 from ranks import run_ranks
 from pplab.rank.rank_pipeline import PipelineSpec, run_jobs_on_rank, split_for_ranks

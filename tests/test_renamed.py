@@ -138,7 +138,7 @@ def test_pplab_train_and_run_train_start_from_the_same_defaults():
 def test_one_default_bound_for_a_wait_between_ranks_everywhere():
     import inspect
 
-    from pplab.arguments import OP_TIMEOUT
+    from pplab.base.arguments import OP_TIMEOUT
     from pplab.comm import StageLink
     from pplab.drivers.local import run_ranks
     from pplab.drivers.torchrun import TorchrunRanks, run_as_torchrun_rank
@@ -156,7 +156,7 @@ def test_one_default_bound_for_a_wait_between_ranks_everywhere():
                                       ("COMM_KINDS", "pplab.trace.COMM_EVENT_KINDS")])
 def test_the_traces_last_release_names_still_work_and_say_where_they_are_now(old, new):
     import pplab.trace
-    from pplab.timeline import COMM_EVENT_KINDS, Event, Timeline
+    from pplab.trace.timeline import COMM_EVENT_KINDS, Event, Timeline
 
     with pytest.warns(DeprecationWarning, match=rf"pplab.trace.{old} is now {new}"):
         value = getattr(pplab.trace, old)

@@ -11,10 +11,10 @@ from pplab.data import batches
 from ranks import run_ranks
 from pplab.rank.rank_pipeline import PipelineSpec, run_jobs_on_rank, split_for_ranks
 from pplab.session.results import merge_steps
-from pplab.schedule_search import NothingFitsError, list_schedule, search, search_balance, stage_costs
+from pplab.planning.search import NothingFitsError, list_schedule, search, search_balance, stage_costs
 from pplab.schedules import Schedule, add_communication, v_placement, validate
 from pplab.simulator import Costs, simulate
-from pplab.zero_bubble_heuristic import best_heuristic
+from pplab.planning.zero_bubble_heuristic import best_heuristic
 
 
 SLOW_LINK = Costs(forward=1.0, input_grad=1.0, weight_grad=1.0, latency=1.5)

@@ -83,7 +83,7 @@ def test_the_release_rule_b_or_w_frees_a_forward():
 
 
 def test_theory_the_timeline_and_the_search_count_activations_by_the_one_release_rule():
-    from pplab.schedule_search import _peaks
+    from pplab.planning.search import _peaks
     from pplab.simulator import Costs, simulate
 
     costs = Costs(forward=1.0, input_grad=1.0, weight_grad=0.5, latency=0.25)

@@ -10,8 +10,8 @@ import pytest
 
 from pplab.simulator import Costs, simulate
 from pplab.bubble import named_schedule
-from pplab.straggler import straggler_verdict
-from pplab.timeline import Event, Timeline
+from pplab.planning.straggler import straggler_verdict
+from pplab.trace.timeline import Event, Timeline
 
 pytestmark = pytest.mark.quick
 

@@ -12,8 +12,8 @@ from pplab.cli.options import add_run_flag, arguments_as_json
 
 def run(args: argparse.Namespace) -> int:
     """Read a profiled run's traces and explain its bubble: picture, Chrome trace, JSON and a report."""
-    from pplab.bubble import explain, named_schedule
-    from pplab.profiled import read_profiler_traces
+    from pplab.planning.bubble import explain, named_schedule
+    from pplab.trace.profiled import read_profiler_traces
     from pplab.views import viz  # matplotlib only when drawing
 
     run = read_profiler_traces(args.traces, step=args.step)

@@ -10,7 +10,7 @@ from pathlib import Path
 
 from pplab._version import __version__
 from pplab.schedules import theory
-from pplab.simulator import Costs, simulate
+from pplab.planning.simulator import Costs, simulate
 from pplab.cli.options import add_run_flag, arguments_as_json, bubble_figure, number, positive_int
 
 
@@ -28,7 +28,7 @@ def run(args: argparse.Namespace) -> int:
     from pplab.views import viz
     from pplab.data import batches
     from pplab.drivers.torchrun import TorchrunRanks, under_torchrun
-    from pplab.model import LlamaConfig, build_model
+    from pplab.models.llama import LlamaConfig, build_model
     from pplab.rank.rank_pipeline import PipelineSpec
     from pplab.rank.reference import reference_step
     from pplab.session import Pipeline, RankPool

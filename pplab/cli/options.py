@@ -56,7 +56,7 @@ def add_field_flags(parser: argparse.ArgumentParser, config_class, skip=(), **ch
     left out), grouped by section as `--help` shows them: `--batch-size` for `batch_size`, with the
     field's help, default and check. `changed` gives a field's flag other argparse settings
     (`n_microbatches={"default": 8}`)."""
-    from pplab.config import sections_of
+    from pplab.base.config import sections_of
 
     by_name = {each.name: each for each in dataclasses.fields(config_class)}
     for section, names in sections_of(config_class).items():

@@ -71,7 +71,7 @@ def run(args: argparse.Namespace) -> int:
 
 def _drill(seats: int) -> int:
     """One seat alone, then `seats` at once: every verdict right, and what the crowd costs a seat."""
-    from pplab.machine import measure_load
+    from pplab.base.machine import measure_load
     from pplab.course.drill import drill, drill_table
 
     print(f"pplab room --drill {seats}: on {measure_load().describe()}")

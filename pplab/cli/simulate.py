@@ -10,7 +10,7 @@ from pathlib import Path
 
 from pplab._version import __version__
 from pplab.schedules import SCHEDULE_NAMES, Kind, build, schedule_name, theory, validate
-from pplab.simulator import Costs, simulate
+from pplab.planning.simulator import Costs, simulate
 from pplab.cli.options import add_run_flag, arguments_as_json, bubble_figure, number, per_stage, positive_int
 
 

@@ -17,7 +17,7 @@ from pplab.cli.options import add_field_flags, arguments_as_json, number, positi
 
 def run(args: argparse.Namespace) -> int:
     """Train on local ranks or under torchrun (the same loop as a lab pipeline's `train`): `run.train`."""
-    from pplab.checkpoint_files import resume_path
+    from pplab.base.checkpoint_files import resume_path
 
     if args.resume is not None:  # found and its manifest read before torch loads or any rank starts
         resume_path(args.resume, args.checkpoint_dir)

@@ -159,7 +159,7 @@ def check_gpipe_time(gpipe_step_time, max_ranks: int = 5, max_microbatches: int 
     import random
 
     from pplab.schedules import build
-    from pplab.simulator import Costs, simulate
+    from pplab.planning.simulator import Costs, simulate
 
     name = "a GPipe step's time"
     rng = random.Random(0)
@@ -211,8 +211,8 @@ def check_stage_forward(stage_forward, seed: int = 0) -> Verdict:
     import torch
 
     from pplab.data import batches
-    from pplab.model import LlamaConfig
-    from pplab.partition import build_stage
+    from pplab.models.llama import LlamaConfig
+    from pplab.models.partition import build_stage
 
     name = "a stage's forward"
     config = LlamaConfig.tiny()
@@ -334,7 +334,7 @@ class _WatchedWork:
 
 def _forward_backward_on_rank(forward_backward, config, batch) -> dict:
     from pplab.rank.rank_context import rank_context
-    from pplab.partition import build_stage
+    from pplab.models.partition import build_stage
 
     rank = rank_context().rank
     stage = build_stage(config, rank, 2)
@@ -351,7 +351,7 @@ def check_send_recv(lab, forward_backward, seed: int = 0) -> Verdict:
     rank 1 receives it, runs stage 1 and the loss, and sends back the gradient of what it
     received, with which rank 0 runs its backward. Judged against one device, on a 2-rank lab."""
     from pplab.data import batches
-    from pplab.model import LlamaConfig
+    from pplab.models.llama import LlamaConfig
     from pplab.rank.reference import reference_step
 
     name = "send and receive, with gradients"
@@ -386,7 +386,7 @@ def check_send_recv(lab, forward_backward, seed: int = 0) -> Verdict:
 # --- 4 · torch's own API by hand: PipelineStage, ScheduleGPipe, each rank's step (a 2-rank lab) ----
 
 def _torch_step_on_rank(train_step, config, batch, n_microbatches) -> dict:
-    from pplab.partition import build_stage
+    from pplab.models.partition import build_stage
     from pplab.rank.rank_context import rank_context
 
     context = rank_context()
@@ -406,7 +406,7 @@ def check_torch_step(lab, train_step, seed: int = 0) -> Verdict:
     `n_microbatches` does not divide must be refused with a ValueError on every rank, before any
     rank steps. Judged against one device on a 2-rank lab."""
     from pplab.data import batches
-    from pplab.model import LlamaConfig
+    from pplab.models.llama import LlamaConfig
     from pplab.rank.reference import reference_step
 
     name = "torch's API by hand"
@@ -592,7 +592,7 @@ def check_schedule(lab, lines, n_microbatches: int = 4, max_in_flight: int | Non
     """A schedule written as one line of actions per rank ("0F0 0F1 0B0 ..."): it must name every
     microbatch, hold at most `max_in_flight` activations on a rank, never deadlock, and match
     one device when run on the lab."""
-    from pplab.model import LlamaConfig
+    from pplab.models.llama import LlamaConfig
     from pplab.schedules import ScheduleError, from_text, peak_inflight_at, validate
 
     name = "a schedule by hand"
@@ -636,7 +636,7 @@ def check_schedule(lab, lines, n_microbatches: int = 4, max_in_flight: int | Non
 
 def _clip_on_rank(clip_global_norm, config, batch, max_norm: float) -> dict:
     from pplab.rank.rank_context import rank_context
-    from pplab.partition import build_stage
+    from pplab.models.partition import build_stage
     from pplab.rank.reference import reference_step
 
     context = rank_context()
@@ -659,7 +659,7 @@ def check_clipping(lab, clip_global_norm, seed: int = 0) -> Verdict:
     import torch
 
     from pplab.data import batches
-    from pplab.model import LlamaConfig
+    from pplab.models.llama import LlamaConfig
     from pplab.rank.reference import reference_step
 
     name = "global-norm clipping"
@@ -726,7 +726,7 @@ def check_layout(layout, directory) -> Verdict:
     `transformers` model computes on one device: the loss and every parameter's gradient."""
     import torch
 
-    from pplab.hf import HFModel, Layout
+    from pplab.models.hf import HFModel, Layout
     from pplab.rank.checks import compare_with_reference
     from pplab.rank.reference import reference_step
 
@@ -807,7 +807,7 @@ def _role_of(kind: str) -> str:
 def _chained_stages(model, cut, tokens, targets) -> tuple[float, dict]:
     """The stages of `cut` (block ranges) built and run one after the other in this process, each
     backward fed with the gradient of the next stage's input: (loss, gradients by name)."""
-    from pplab.model import loss_fn
+    from pplab.models.llama import loss_fn
 
     stages = [model.build_stage(blocks, embed=i == 0, head=i == len(cut) - 1) for i, blocks in enumerate(cut)]
     inputs, outputs, x = [], [], tokens
@@ -845,7 +845,7 @@ def check_packing(pack_documents) -> Verdict:
     sequences the way `pplab.text.PackedText` cuts them (`join_documents`, then `cut_sequences`)."""
     import random
 
-    from pplab.text import cut_sequences, join_documents
+    from pplab.data.text import cut_sequences, join_documents
 
     name = "text packed into sequences"
     rng = random.Random(0)
@@ -889,7 +889,7 @@ def _packing_hint(returned, given, expected, token_lists, seq_len: int, bos: int
     """What the learner's packing most likely did (known mistakes, tried in turn)."""
     import torch
 
-    from pplab.text import cut_sequences, join_documents
+    from pplab.data.text import cut_sequences, join_documents
 
     if given is None:
         return (f"return a pair (inputs, targets), each a list of rows (or a tensor [rows, seq_len]); "
@@ -927,7 +927,7 @@ def check_idle_share(idle_share, *timelines) -> Verdict:
     `Timeline.bubble_fraction(rank)` on the timelines given (read from traces) and on simulated ones
     (uneven stages, message latency, split backwards)."""
     from pplab.schedules import build
-    from pplab.simulator import Costs, simulate
+    from pplab.planning.simulator import Costs, simulate
 
     name = "a rank's idle share from a trace"
     given_ones = [(timeline, f"your timeline {i + 1}") for i, timeline in enumerate(timelines)]

@@ -40,7 +40,7 @@ from datetime import timedelta
 from collections.abc import Sequence
 from multiprocessing import connection
 
-from pplab.arguments import OP_TIMEOUT, check_positive_int, check_positive_seconds, renamed_keywords
+from pplab.base.arguments import OP_TIMEOUT, check_positive_int, check_positive_seconds, renamed_keywords
 from pplab.drivers.cores import check_cores, pin_this_process
 from pplab.rank.rank_context import (RankContext, RankDiedError, RankError, RankEvent, RankFailedError,
                                      RankTimeoutError, StillRunning, rank_context, set_rank_context)
@@ -581,7 +581,7 @@ def __getattr__(name: str):
     """`LocalRankError`, the last release's name: every driver now raises the same errors
     (RankFailedError, RankDiedError, RankTimeoutError, each a RankError)."""
     if name in _RENAMED:
-        from pplab.arguments import warn_moved
+        from pplab.base.arguments import warn_moved
 
         warn_moved(f"pplab.drivers.local.{name}", f"pplab.session.{_RENAMED[name]}", "every driver raises it")
         return RankError

@@ -14,7 +14,7 @@ import os
 import socket
 from datetime import timedelta
 
-from pplab.arguments import OP_TIMEOUT, renamed_keywords
+from pplab.base.arguments import OP_TIMEOUT, renamed_keywords
 from pplab.drivers.local import error_report, one_line
 from pplab.rank.rank_context import RankContext, RankEvent, RankFailedError, set_rank_context
 

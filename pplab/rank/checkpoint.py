@@ -17,7 +17,7 @@ Two pitfalls decide how the state is written:
 
 A save is atomic: shards go to a hidden `.step-N.partial` directory; when every rank
 has written, the ranks hash the files (each its share), rank 0 writes `pplab.json` (the
-manifest, listing every file's size and hash; see pplab.checkpoint_files) and renames
+manifest, listing every file's size and hash; see pplab.base.checkpoint_files) and renames
 the directory to `step-N`. A crash mid-save leaves the previous checkpoints untouched.
 
 A load never changes a run halfway. Every rank checks the manifest and verifies its
@@ -45,11 +45,11 @@ import torch.distributed as dist
 from torch import nn
 from torch.export.unflatten import InterpreterModule
 
-from pplab.checkpoint_files import (FORMAT, MANIFEST, PREFIX, CheckpointError, check_config,
+from pplab.base.checkpoint_files import (FORMAT, MANIFEST, PREFIX, CheckpointError, check_config,
                                     complete_checkpoints, data_files, file_record, latest,
                                     read_manifest, resolve, sealed, share, step_directory,
                                     unverifiable, verify)
-from pplab.model import LlamaConfig, LlamaModel
+from pplab.models.llama import LlamaConfig, LlamaModel
 
 __all__ = ["FORMAT", "MANIFEST", "PREFIX", "CheckpointError", "Checkpointer", "check_loadable",
            "complete_checkpoints", "export_model", "export_pretrained", "latest", "load_model", "rank_module",
@@ -384,7 +384,7 @@ def load_model(path: str | Path, config: LlamaConfig | None = None, device="cpu"
 def _model_of_record(saved: dict):
     """The model description a manifest's `config` record was written from."""
     if "hf_config.model_type" in saved:
-        from pplab.hf import HFModel
+        from pplab.models.hf import HFModel
 
         return HFModel.of_record(saved)
     return LlamaConfig(**saved)

@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from pplab.formatting import ShownAsText, html_table, text_table
+from pplab.base.formatting import ShownAsText, html_table, text_table
 from pplab.rank.gradients import gradient_stats
 from pplab.rank.reference import ReferenceResult
 from pplab.rank.runtime import Boundary

@@ -83,7 +83,7 @@ def disarm_on_rank(pipeline_id: str) -> int:
 def stall(pipe, action: str, seconds: float) -> int:
     """Make the rank that runs `action` (e.g. "1F3") sleep `seconds` inside it, in the next step
     that reaches it. Returns that rank."""
-    from pplab.arguments import check_positive_seconds
+    from pplab.base.arguments import check_positive_seconds
 
     return _arm(pipe, action, "stall", check_positive_seconds("seconds", seconds))
 

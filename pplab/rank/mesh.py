@@ -30,12 +30,12 @@ import torch
 import torch.distributed as dist
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from pplab.arguments import check_positive_int, moved_up
-from pplab.formatting import html_table, text_table
+from pplab.base.arguments import check_positive_int, moved_up
+from pplab.base.formatting import html_table, text_table
 from pplab.rank.memory import SavedBytes
-from pplab.model import LlamaConfig, LlamaModel
+from pplab.models.llama import LlamaConfig, LlamaModel
 from pplab.rank.shards import local_tensor
-from pplab.timeline import Event
+from pplab.trace.timeline import Event
 
 __all__ = ["Mesh", "MeshPlace", "MESH_DIMS", "parallelize_stage", "apply_tensor_parallel",
            "apply_activation_checkpointing", "apply_fsdp", "memory_held",

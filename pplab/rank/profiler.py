@@ -6,7 +6,7 @@ backward (B), and the zero-bubble halves of the backward (I: input gradient; W: 
 gradients, from what I kept), with the very functions the runtime uses, a few repeats each,
 one thread (a rank's share of a CPU), and keeps the medians. It also measures the bytes a
 forward saves for backward (as the runtime counts them), the boundary message, and the
-parameters' bytes. What it returns, a `pplab.prediction.Profile`, is what `predict` reads.
+parameters' bytes. What it returns, a `pplab.planning.prediction.Profile`, is what `predict` reads.
 
 `hop_costs_on_rank` measures, on two ranks, how long a boundary message takes one way and
 how long posting it takes the sender (`Profile.with_link` adds both to a profile).
@@ -21,12 +21,12 @@ from collections.abc import Sequence
 
 import torch
 
-from pplab.arguments import check_positive_int
+from pplab.base.arguments import check_positive_int
 from pplab.rank.memory import SavedBytes
-from pplab.machine import measure_load
-from pplab.model import LlamaConfig, loss_fn
-from pplab.partition import as_model, build_stage, layer_ranges
-from pplab.prediction import Profile, StageProfile
+from pplab.base.machine import measure_load
+from pplab.models.llama import LlamaConfig, loss_fn
+from pplab.models.partition import as_model, build_stage, layer_ranges
+from pplab.planning.prediction import Profile, StageProfile
 from pplab.rank.split_backward import input_gradient, weight_gradients
 
 
@@ -146,7 +146,7 @@ def hop_costs_on_rank(rank: int, world_size: int, nbytes: int, repeats: int = 20
     """
     import torch.distributed as dist
 
-    from pplab.comm import StageLink, monotonic_clock
+    from pplab.rank.comm import StageLink, monotonic_clock
     from pplab.schedules import Action, Kind, build
 
     if world_size != 2:

@@ -17,18 +17,18 @@ from dataclasses import dataclass
 
 import torch
 
-from pplab.arguments import OP_TIMEOUT, check_positive_int, renamed_keywords
-from pplab.config import IMPLEMENTATIONS, PARAM_DTYPES
+from pplab.base.arguments import OP_TIMEOUT, check_positive_int, renamed_keywords
+from pplab.base.config import IMPLEMENTATIONS, PARAM_DTYPES
 from pplab.data import Batch
 from pplab.rank.mesh import CollectiveLog, Mesh, MeshPlace, parallelize_stage
-from pplab.model import IGNORE_INDEX, LlamaConfig
-from pplab.partition import as_model, build_stage, layer_ranges
+from pplab.models.llama import IGNORE_INDEX, LlamaConfig
+from pplab.models.partition import as_model, build_stage, layer_ranges
 from pplab.rank.reference import as_microbatches
 from pplab.rank.runtime import RankRuntime, RankStep
 from pplab.rank.tied import TiedGradients, tie_on_rank
 from pplab.schedules import Schedule, build, check_runnable, validate
-from pplab.simulator import Costs
-from pplab.timeline import Event
+from pplab.planning.simulator import Costs
+from pplab.trace.timeline import Event
 
 
 
@@ -41,7 +41,7 @@ class PipelineSpec:
     (`pplab.session.drivers`); their defaults are written here and in `create`, the same.
     """
 
-    config: LlamaConfig  # the model: a LlamaConfig or a pplab.hf.HFModel (see pplab.partition)
+    config: LlamaConfig  # the model: a LlamaConfig or a pplab.hf.HFModel (see pplab.models.partition)
     schedule: Schedule
     seed: int = 0
     balance: Sequence[int] | None = None

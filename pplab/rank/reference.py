@@ -16,7 +16,7 @@ import torch
 from pplab.data import Batch, split_microbatches
 from torch import nn
 
-from pplab.model import LlamaConfig, LlamaModel, loss_fn
+from pplab.models.llama import LlamaConfig, LlamaModel, loss_fn
 
 
 @dataclass
@@ -46,11 +46,11 @@ def reference_step(model: LlamaModel | LlamaConfig, batch: Batch | Sequence[Batc
     """Loss and every parameter's gradient of one step on one device, microbatched like a pipeline.
 
     `model` is a built model (its gradients are overwritten; a `transformers` causal LM
-    too) or a model description (a config, see `pplab.partition.as_model`; built from `seed`).
+    too) or a model description (a config, see `pplab.models.partition.as_model`; built from `seed`).
     A tied weight's gradient is listed under each of its names, as the stages hold it.
     """
     if not isinstance(model, nn.Module):
-        from pplab.partition import as_model
+        from pplab.models.partition import as_model
 
         model = as_model(model).build_model(seed)
     microbatches = as_microbatches(batch, n_microbatches)

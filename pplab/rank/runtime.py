@@ -27,18 +27,18 @@ import torch.distributed as dist
 from torch import nn
 from torch.profiler import record_function
 
-from pplab.arguments import OP_TIMEOUT
-from pplab.comm import PipelineTimeoutError, StageLink, dtype_name, in_order_mismatch, monotonic_clock
+from pplab.base.arguments import OP_TIMEOUT
+from pplab.rank.comm import PipelineTimeoutError, StageLink, dtype_name, in_order_mismatch, monotonic_clock
 from pplab.rank.faults import strike
 from pplab.rank.gradients import gradient_report
 from pplab.rank.memory import ForwardBytes
-from pplab.model import loss_fn
+from pplab.models.llama import loss_fn
 from pplab.schedules import Action, Dependencies, Kind, Schedule, check_runnable
 from pplab.schedules.communication import comm_batches, receives_to_prepost
-from pplab.simulator import Costs
+from pplab.planning.simulator import Costs
 from pplab.rank.split_backward import input_gradient, torch_split_backward, weight_gradients
 from pplab.rank.step_clock import StepClock, pad_to_cost
-from pplab.timeline import Event, Now
+from pplab.trace.timeline import Event, Now
 
 Key = tuple[int, int]  # (stage, microbatch)
 

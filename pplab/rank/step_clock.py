@@ -13,9 +13,9 @@ import torch
 import torch.distributed as dist
 from torch.profiler import record_function
 
-from pplab.comm import monotonic_clock
+from pplab.rank.comm import monotonic_clock
 from pplab.schedules import Action
-from pplab.simulator import Costs
+from pplab.planning.simulator import Costs
 
 
 class StepClock:

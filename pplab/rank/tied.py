@@ -23,8 +23,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from pplab.comm import PipelineTimeoutError
-from pplab.timeline import Event
+from pplab.rank.comm import PipelineTimeoutError
+from pplab.trace.timeline import Event
 
 TIED_TAG = 1 << 30  # above every pipeline message's tag (pplab.comm.message_tag)
 

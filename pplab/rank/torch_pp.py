@@ -22,15 +22,15 @@ import torch
 from torch.profiler import record_function
 from torch import nn
 
-from pplab.comm import dtype_name, monotonic_clock
+from pplab.rank.comm import dtype_name, monotonic_clock
 from pplab.rank.gradients import gradient_report
 from pplab.rank.memory import ForwardBytes
-from pplab.model import loss_fn
+from pplab.models.llama import loss_fn
 from pplab.rank.runtime import Boundary, RankStep
 from pplab.schedules import Action, Kind, Schedule, build, from_torch, torch_plan
-from pplab.simulator import Costs
+from pplab.planning.simulator import Costs
 from pplab.rank.step_clock import StepClock, pad_to_cost
-from pplab.timeline import Event, Now
+from pplab.trace.timeline import Event, Now
 
 def torch_schedule(name: str, n_ranks: int, n_microbatches: int, n_virtual: int = 1) -> Schedule:
     """The pplab schedule torch will run for `name`, any spelling (checked on the client, torch's

@@ -38,13 +38,13 @@ import torch.distributed as dist
 
 from pplab._version import __version__
 from pplab.rank.checkpoint import Checkpointer, rank_module
-from pplab.config import TrainOptions
+from pplab.base.config import TrainOptions
 from pplab.data import HELDOUT_FRACTION, batches
-from pplab.model import loss_fn
-from pplab.partition import layer_ranges
+from pplab.models.llama import loss_fn
+from pplab.models.partition import layer_ranges
 from pplab.rank.rank_pipeline import PipelineSpec, RankPipeline
 from pplab.rank.reference import as_microbatches
-from pplab.timeline import Event, Now
+from pplab.trace.timeline import Event, Now
 
 __all__ = ["TrainOptions", "TrainRecord", "TrainHistory", "RankTrainer", "build_and_train_on_rank", "lr_factor",
            "make_optimizer", "prepare_data", "train_batch", "heldout_batches"]
@@ -330,7 +330,7 @@ def heldout_batches(options: TrainOptions) -> list:
 
 
 def _packed(options: TrainOptions):
-    from pplab.text import packed_text
+    from pplab.data.text import packed_text
 
     stamp = (_stamp(options.data), _stamp(options.tokenizer) if options.tokenizer != "char" else 0)
     return packed_text(options.data, options.tokenizer, options.seq_len, options.batch_size, options.data_seed,
@@ -344,7 +344,7 @@ def prepare_data(options: TrainOptions, config) -> TrainOptions:
     checked to make whole batches, and `epochs` turned into steps."""
     if options.data is None:
         return options
-    from pplab.text import PackedText, load_tokenizer, read_documents
+    from pplab.data.text import PackedText, load_tokenizer, read_documents
 
     documents = read_documents(options.data)
     if options.tokenizer == "bpe":
@@ -366,8 +366,8 @@ def _bpe_tokenizer(options: TrainOptions, documents: list[str]) -> Path:
     (or, without a checkpoint_dir, in a temporary folder named after the data and the size, so
     that a later call with the same options finds the same file). A different tokenizer already
     in that place is refused rather than replaced: checkpoints beside it were made with it."""
-    from pplab.checkpoint_files import resume_path
-    from pplab.text import TOKENIZER_FILE, BPETokenizer
+    from pplab.base.checkpoint_files import resume_path
+    from pplab.data.text import TOKENIZER_FILE, BPETokenizer
 
     if options.resume is not None:
         beside = resume_path(options.resume, options.checkpoint_dir).parent / TOKENIZER_FILE
@@ -507,7 +507,7 @@ def __getattr__(name: str):
     """`train_on_rank`, the last release's name of `build_and_train_on_rank` (it shared its name with
     the session's `train_on_rank`, which trains stages already built)."""
     if name == "train_on_rank":
-        from pplab.arguments import warn_renamed
+        from pplab.base.arguments import warn_renamed
 
         warn_renamed("pplab.rank.train", name, "build_and_train_on_rank")
         return build_and_train_on_rank

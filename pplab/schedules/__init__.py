@@ -1,4 +1,5 @@
-"""Pipeline schedules as plain data: actions, schedules, one dependency rule, a validator and the theory.
+"""Floor 1, pipeline schedules as plain data: actions, schedules, one dependency rule, a validator and
+the theory.
 
 A schedule says, for every rank, the ordered list of actions that rank runs:
 compute (``F``, ``B``, or the zero-bubble ``I`` and ``W``) and the sends and

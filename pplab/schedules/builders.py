@@ -6,7 +6,7 @@ on rank s % p); `build` checks the sizes and adds the communication.
 
 from __future__ import annotations
 
-from pplab.arguments import check_positive_int
+from pplab.base.arguments import check_positive_int
 from pplab.schedules.actions import Action, Kind
 from pplab.schedules.communication import add_communication
 from pplab.schedules.names import SCHEDULE_NAMES, schedule_name

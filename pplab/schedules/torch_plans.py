@@ -9,7 +9,7 @@ from __future__ import annotations
 import functools
 from dataclasses import dataclass
 
-from pplab.arguments import check_positive_int
+from pplab.base.arguments import check_positive_int
 from pplab.schedules.actions import Action, Kind
 from pplab.schedules.communication import add_communication
 from pplab.schedules.names import SCHEDULE_NAMES, schedule_name

@@ -40,12 +40,12 @@ _MOVED = {"Lab": "pplab.Lab"}  # ... and names that moved, the same
 
 def __getattr__(name: str):
     if name in _RENAMED:
-        from pplab.arguments import warn_renamed
+        from pplab.base.arguments import warn_renamed
 
         warn_renamed("pplab.session", name, _RENAMED[name])
         return __getattr__(_RENAMED[name])
     if name in _MOVED:
-        from pplab.arguments import warn_moved
+        from pplab.base.arguments import warn_moved
 
         warn_moved(f"pplab.session.{name}", _MOVED[name], "with live views")
     if name not in _EXPORTS:

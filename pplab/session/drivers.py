@@ -13,18 +13,18 @@ import importlib
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
-from pplab.arguments import renamed_keywords
+from pplab.base.arguments import renamed_keywords
 from pplab.drivers.cluster.lab import Lab as _ClusterLab
 from pplab.drivers.local import RankPool as _LocalPool
 from pplab.drivers.torchrun import TorchrunRanks as _TorchrunRanks
 
 if TYPE_CHECKING:  # imported when a pipeline is built: they import torch (1-2 s in a fresh kernel),
     # which a lab's start needs no more than a pool's (the engines import their own)
-    from pplab.model import LlamaConfig
+    from pplab.models.llama import LlamaConfig
     from pplab.rank.mesh import Mesh
     from pplab.schedules import Schedule
     from pplab.session.pipeline import Pipeline
-    from pplab.simulator import Costs
+    from pplab.planning.simulator import Costs
 
 
 class ImportedOnUse:

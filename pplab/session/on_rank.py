@@ -26,7 +26,7 @@ from pplab.rank.rank_context import Feed, rank_context
 from pplab.rank.rank_pipeline import PipelineSpec, RankPipeline
 from pplab.rank.runtime import RankStep
 from pplab.rank.train import RankTrainer, TrainHistory, TrainOptions, TrainRecord
-from pplab.timeline import Event, Now
+from pplab.trace.timeline import Event, Now
 
 RANK_ITEMS = (Event, Now, TrainRecord)  # what a rank publishes (see above)
 

@@ -11,9 +11,9 @@ from dataclasses import dataclass, field
 
 import torch
 
-from pplab.formatting import ShownAsText, format_bytes, html_table, text_table
+from pplab.base.formatting import ShownAsText, format_bytes, html_table, text_table
 from pplab.rank.runtime import Boundary, RankStep
-from pplab.timeline import Timeline
+from pplab.trace.timeline import Timeline
 
 __all__ = ["StepResult", "merge_steps", "MemoryTable"]
 

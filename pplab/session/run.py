@@ -20,8 +20,8 @@ from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from pplab.arguments import renamed_keywords, warn_renamed
-from pplab.config import IMPLEMENTATIONS, INTEGER, LAYERS, PARAM_DTYPES, TrainOptions, choice, option, sections_of
+from pplab.base.arguments import renamed_keywords, warn_renamed
+from pplab.base.config import IMPLEMENTATIONS, INTEGER, LAYERS, PARAM_DTYPES, TrainOptions, choice, option, sections_of
 from pplab.schedules.names import SCHEDULE_NAMES, TORCH_ONLY_NAMES
 
 if TYPE_CHECKING:
@@ -184,7 +184,7 @@ def flattened(document: dict) -> dict:
 def model_of(name: str, vocab_size: int | None = None):
     """'tiny', 'small' (both with the tokenizer's vocabulary), or a config.json: pplab's own fields,
     or a Hugging Face config (it has a model_type)."""
-    from pplab.model import LlamaConfig
+    from pplab.models.llama import LlamaConfig
 
     sizes = {} if vocab_size is None else {"vocab_size": vocab_size}
     if name in ("tiny", "small"):
@@ -213,7 +213,7 @@ def _vocabulary(tokenizer: str, bpe_size: int) -> int | None:
         return None
     if tokenizer == "bpe":
         return bpe_size
-    from pplab.text import load_tokenizer
+    from pplab.data.text import load_tokenizer
 
     return load_tokenizer(tokenizer).vocab_size
 

@@ -39,7 +39,7 @@ def __getattr__(name: str):
     """`NotebookPipeline`, where it was defined until it moved to its own module (this one imports no
     torch, so that `pplab.Lab(...)` starts without the client importing torch): one more release."""
     if name == "NotebookPipeline":
-        from pplab.arguments import warn_moved
+        from pplab.base.arguments import warn_moved
         from pplab.views.notebook_pipeline import NotebookPipeline
 
         warn_moved("pplab.views.lab.NotebookPipeline", "pplab.views.notebook_pipeline.NotebookPipeline")

@@ -23,8 +23,8 @@ from matplotlib.patches import Patch, Rectangle
 from matplotlib.ticker import PercentFormatter
 from matplotlib.transforms import blended_transform_factory
 
-from pplab.formatting import byte_unit, format_bytes
-from pplab.timeline import Event, Timeline
+from pplab.base.formatting import byte_unit, format_bytes
+from pplab.trace.timeline import Event, Timeline
 
 __all__ = ["plot_timeline", "compare_timelines", "plot_memory", "plot_bubbles", "plot_training", "save",
            "kind_colours"]

@@ -39,7 +39,7 @@ _IMPORTED_WHEN_USED = {"Lab": "pplab.drivers.cluster.lab", "RankCall": "pplab.dr
 
 def __getattr__(name: str):
     if name == "Lab":  # one Lab a user sees: pplab.Lab (this one, without pipelines, is the driver beneath it)
-        from pplab.arguments import warn_moved
+        from pplab.base.arguments import warn_moved
 
         warn_moved("pplab.cluster.Lab", "pplab.Lab", "the same lab, with pipelines and live views")
     if name in _IMPORTED_WHEN_USED:

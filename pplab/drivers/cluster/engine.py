@@ -157,7 +157,7 @@ def breaking_errors() -> tuple[type[BaseException], ...]:
     gloo's untyped error of a raw send/recv: gloo_adapter recognises it.)"""
     import torch.distributed as dist
 
-    from pplab.comm import PipelineTimeoutError
+    from pplab.rank.comm import PipelineTimeoutError
 
     return PipelineTimeoutError, dist.DistBackendError
 

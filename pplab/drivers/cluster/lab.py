@@ -25,7 +25,7 @@ from dataclasses import replace
 from collections.abc import Sequence
 from typing import Callable, Iterator
 
-from pplab.arguments import OP_TIMEOUT, check_positive_int, check_positive_seconds, renamed_keywords
+from pplab.base.arguments import OP_TIMEOUT, check_positive_int, check_positive_seconds, renamed_keywords
 from pplab.drivers.cluster import engine, records
 from pplab.drivers.cluster.calls import RankCall
 from pplab.drivers.cluster.errors import RESTART_HINT, LabError, LabNeedsRestartError, LabStartError
@@ -35,7 +35,7 @@ from pplab.drivers.cluster.plan import (RankSpec, assign_ranks, check_gpus, chec
                                 local_ranks, loopback_interface)
 from pplab.drivers.cluster.status import RankGroup, RankInfo, RankTable
 from pplab.drivers.cores import check_cores
-from pplab.machine import busy_note, measure_load
+from pplab.base.machine import busy_note, measure_load
 from pplab.rank.rank_context import RankEvent
 
 TEARDOWN_SECONDS = 5.0

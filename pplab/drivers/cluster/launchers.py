@@ -34,7 +34,7 @@ import uuid
 
 from pplab.drivers.cluster import records
 from pplab.drivers.cluster.errors import LabError, LabStartError
-from pplab.machine import busy_note, recent_load
+from pplab.base.machine import busy_note, recent_load
 
 # The controller accepts an engine only after its heart beats: a 100 ms beat instead of
 # 3 s saves seconds at start; 100 missed beats (10 s) before it declares an engine dead

@@ -35,7 +35,7 @@ import tempfile
 import time
 import uuid
 
-from pplab.arguments import check_positive_int, renamed_keywords
+from pplab.base.arguments import check_positive_int, renamed_keywords
 from pplab.drivers.cluster.launchers import engine_args  # the same engines a local lab starts
 
 CONTROL, DATA = "pplab0", "pplab1"  # each host's interfaces, the same names on every host

@@ -13,7 +13,7 @@ from dataclasses import astuple, dataclass, fields
 from typing import Callable, Iterable
 
 from pplab.drivers.cluster import records
-from pplab.formatting import ShownAsText, html_table, text_table
+from pplab.base.formatting import ShownAsText, html_table, text_table
 
 
 @dataclass(frozen=True)

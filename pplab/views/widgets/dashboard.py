@@ -19,11 +19,11 @@ import time
 
 import ipywidgets as widgets
 
-from pplab.config import IMPLEMENTATIONS
+from pplab.base.config import IMPLEMENTATIONS
 from pplab.schedules import SCHEDULE_NAMES, TORCH_SCHEDULES, theory
-from pplab.machine import crowding_note, measure_load
-from pplab.simulator import Costs, costs_from_timeline, simulate
-from pplab.timeline import Timeline
+from pplab.base.machine import crowding_note, measure_load
+from pplab.planning.simulator import Costs, costs_from_timeline, simulate
+from pplab.trace.timeline import Timeline
 from pplab.views.widgets.panels import (BubblesView, GradientsView, MemoryView, ShapesView, TimelineView,
                                   WhereView)
 from pplab.views.widgets.render import RED, Throttle
@@ -110,7 +110,7 @@ class Dashboard(widgets.VBox):
         return report
 
     def _check_steps(self, steps: int) -> None:
-        from pplab.arguments import check_positive_int
+        from pplab.base.arguments import check_positive_int
 
         check_positive_int("steps", steps, example=5)
         if self.running and self._task is None:
@@ -192,7 +192,7 @@ class Dashboard(widgets.VBox):
     def _take(self, items) -> None:
         """Put what the ranks published into the 'where each rank is' panel, and redraw it
         (also with nothing new: how long a rank has waited keeps growing)."""
-        from pplab.timeline import Now
+        from pplab.trace.timeline import Now
 
         for _, item in items:
             if isinstance(item, Now):
@@ -250,7 +250,7 @@ class Dashboard(widgets.VBox):
                                    picture=picture)
 
     def _stage_of(self):
-        from pplab.partition import layer_ranges, stage_of_parameter
+        from pplab.models.partition import layer_ranges, stage_of_parameter
 
         spec = self.pipe.spec
         ranges = layer_ranges(spec.config.num_hidden_layers, spec.schedule.n_stages, spec.balance,

@@ -13,8 +13,8 @@ from collections.abc import Callable, Sequence
 
 import ipywidgets as widgets
 
-from pplab.formatting import format_bytes
-from pplab.timeline import Timeline
+from pplab.base.formatting import format_bytes
+from pplab.trace.timeline import Timeline
 from pplab.views.widgets.render import AMBER, RED, show_png, table
 
 FULL_WIDTH = widgets.Layout(width="100%")
@@ -366,7 +366,7 @@ class WhereView(widgets.VBox):
         self.render()
 
     def update(self, now, seen_at: float | None = None) -> None:
-        """Take a rank's latest `pplab.timeline.Now` (what it started, whom it waits on)."""
+        """Take a rank's latest `pplab.trace.timeline.Now` (what it started, whom it waits on)."""
         before = self.latest.get(now.rank)
         if before is not None and before.waits_for and now.since >= before.since:  # (same step)
             self._settle(before, now.since - before.since)

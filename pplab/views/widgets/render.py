@@ -12,7 +12,7 @@ import io
 import time
 from typing import Iterable
 
-from pplab.formatting import html_table
+from pplab.base.formatting import html_table
 
 PNG_DPI = 90
 

@@ -18,7 +18,7 @@ class RoomView(widgets.VBox):
     """A table of the room (`folder`: the PPLAB_ROOM the attendees have), re-read every `refresh` seconds."""
 
     def __init__(self, folder, refresh: float = 2.0, exercises: list[str] | None = None):
-        from pplab.arguments import check_positive_seconds
+        from pplab.base.arguments import check_positive_seconds
         from pplab.course.exercises import EXERCISES
 
         self.folder, self.refresh_seconds = folder, check_positive_seconds("refresh", refresh)

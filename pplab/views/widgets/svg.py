@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import html
 
-from pplab.timeline import Timeline
+from pplab.trace.timeline import Timeline
 
 ROW = 18  # pixels per rank row
 LABEL_WIDTH = 56  # pixels left of the time axis for "rank r"

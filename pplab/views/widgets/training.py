@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import ipywidgets as widgets
 
-from pplab.timeline import Timeline
+from pplab.trace.timeline import Timeline
 from pplab.views.widgets.panels import TimelineView, _image
 from pplab.views.widgets.render import Throttle, show_png
 

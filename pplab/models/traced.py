@@ -19,7 +19,7 @@ while it builds. A factory that loads weights from a file loads them the same wa
 For Hugging Face decoders `pplab.hf.HFModel` builds only a rank's own stages.
 
 Floor 1, beside `pplab.model` and `pplab.hf`: it answers the questions every model
-description answers (see `pplab.partition`).
+description answers (see `pplab.models.partition`).
 """
 
 from __future__ import annotations
@@ -32,7 +32,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from pplab.model import check_token_ids
+from pplab.models.llama import check_token_ids
 
 __all__ = ["TracedModel"]
 

@@ -35,10 +35,10 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from pplab.arguments import OP_TIMEOUT
-from pplab.machine import busy_note
+from pplab.base.arguments import OP_TIMEOUT
+from pplab.base.machine import busy_note
 from pplab.schedules import Action, Kind, Schedule
-from pplab.timeline import Event
+from pplab.trace.timeline import Event
 
 __all__ = ["StageLink", "PipelineTimeoutError", "encode_header", "decode_header", "MAX_DIMS", "message_tag"]
 

@@ -1,16 +1,18 @@
-"""Timelines of real runs: one step recorded with torch.profiler, read into the event model.
+"""Floor 1, timelines: `timeline` (the event model: what every rank did and when, on one clock),
+`profiled` (runs recorded with torch.profiler, read back), and here the reader of real runs:
+one step recorded with torch.profiler, read into the event model.
 
     from pplab.trace import from_profiler
 
-`pplab.Event` and `pplab.Timeline` (the event model, defined in `pplab.timeline`) are the common
+`pplab.Event` and `pplab.Timeline` (the event model, defined in `pplab.trace.timeline`) are the common
 language of the simulator, the runtimes, the views and the pictures; `from_profiler` reads a
 profiled run into a `Timeline` (`pplab.profiled`). `COMM_EVENT_KINDS` are the kinds of an event
 that communicates (a schedule's messages and the mesh's collectives), `COLLECTIVE_KINDS` the
 collectives alone; `Now` marks what a rank is doing at the moment of a live view.
 """
 
-from pplab.profiled import from_profiler
-from pplab.timeline import COLLECTIVE_KINDS, COMM_EVENT_KINDS, Now
+from pplab.trace.profiled import from_profiler
+from pplab.trace.timeline import COLLECTIVE_KINDS, COMM_EVENT_KINDS, Now
 
 __all__ = ["Now", "COMM_EVENT_KINDS", "COLLECTIVE_KINDS", "from_profiler"]
 
@@ -22,11 +24,8 @@ _RENAMED = {"Event": "pplab.Event", "Timeline": "pplab.Timeline", "COMM_KINDS": 
 def __getattr__(name: str):
     if name not in _RENAMED:
         raise AttributeError(f"module 'pplab.trace' has no attribute {name!r}")
-    import warnings
+    from pplab.base.arguments import warn_moved
+    from pplab.trace import timeline
 
-    import pplab.timeline
-
-    # (pplab.arguments.warn_moved's words: this module imports only the timeline and its reader)
-    warnings.warn(f"pplab.trace.{name} is now {_RENAMED[name]}; pplab.trace.{name} works until the next release",
-                  DeprecationWarning, stacklevel=2)
-    return getattr(pplab.timeline, _RENAMED[name].rsplit(".", 1)[1])
+    warn_moved(f"pplab.trace.{name}", _RENAMED[name])
+    return getattr(timeline, _RENAMED[name].rsplit(".", 1)[1])

@@ -16,7 +16,7 @@ import math
 from collections.abc import Callable
 from dataclasses import dataclass, field, fields
 
-from pplab.checkpoint_files import check_config, read_manifest, resume_path
+from pplab.base.checkpoint_files import check_config, read_manifest, resume_path
 
 __all__ = ["TrainOptions", "option", "SECTIONS"]
 

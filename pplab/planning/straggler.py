@@ -28,7 +28,7 @@ from collections import defaultdict
 from dataclasses import dataclass
 from typing import Sequence
 
-from pplab.timeline import Timeline
+from pplab.trace.timeline import Timeline
 
 __all__ = ["STRAGGLER_RATIO", "StragglerVerdict", "straggler_verdict"]
 

@@ -46,7 +46,7 @@ from pplab.schedules import (COMPUTE_KINDS, SEND_KINDS, Action, DeadlockError, D
                              ScheduleError)
 from pplab.schedules.communication import comm_batches
 from pplab.schedules.compiled import KINDS, SEND_B, SEND_F, Compiled, boundaries, compile_schedule, no_cyclic_gc
-from pplab.timeline import Event, Timeline
+from pplab.trace.timeline import Event, Timeline
 
 __all__ = ["Costs", "simulate", "costs_from_timeline"]
 

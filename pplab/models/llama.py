@@ -19,7 +19,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from pplab.arguments import check_positive_int
+from pplab.base.arguments import check_positive_int
 
 __all__ = ["LlamaConfig", "LlamaModel", "build_model", "generate", "loss_fn", "IGNORE_INDEX", "RMSNorm",
            "RotaryEmbedding", "Attention", "MLP", "DecoderLayer"]

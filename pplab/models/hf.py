@@ -31,7 +31,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from pplab.model import check_token_ids, parameter_seed
+from pplab.models.llama import check_token_ids, parameter_seed
 
 __all__ = ["Layout", "HFModel", "LAYOUTS"]
 

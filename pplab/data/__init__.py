@@ -1,4 +1,5 @@
-"""Training data that needs no download: an embedded corpus, a character tokenizer, batches.
+"""Floor 1, training data. Here, what needs no download: an embedded corpus, a character tokenizer,
+batches; `text`, real text (documents from local files, a byte-level BPE, packed sequences).
 
 The default corpus is made, not fetched: a small grammar writes sentences,
 arithmetic facts and counting runs from a fixed seed. It has enough structure
@@ -16,8 +17,8 @@ from pathlib import Path
 
 import torch
 
-from pplab.arguments import check_positive_int
-from pplab.model import IGNORE_INDEX
+from pplab.base.arguments import check_positive_int
+from pplab.models.llama import IGNORE_INDEX
 
 __all__ = ["Batch", "CharTokenizer", "IGNORE_INDEX", "SPLITS", "HELDOUT_FRACTION", "default_corpus",
            "load_text", "pad_sequences", "batches", "packed_batches", "hf_batches", "split_microbatches"]

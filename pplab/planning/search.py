@@ -7,7 +7,7 @@ last the LM head), and a schedule made for the measured costs can beat the hand-
 1. every built-in schedule that fits the sizes: pplab's (gpipe, 1f1b, zb-h1,
    interleaved-1f1b) and, where torch is installed, torch's plans (`TORCH_SCHEDULES`: the
    same four but zb-h1, and looped-bfs, interleaved-zero-bubble, zbv-zero-bubble, dualpipev);
-2. list schedules built on the same cost model (`pplab.list_scheduling`), in time order:
+2. list schedules built on the same cost model (`pplab.planning.list_scheduling`), in time order:
    whenever a rank is idle it starts a backward (B, or I) whose gradient is there, else a
    forward whose input is there and whose activations fit under a cap, else a W it held back,
    which fills what would have been a bubble. Variants: each cap from one microbatch up to the
@@ -17,7 +17,7 @@ last the LM head), and a schedule made for the measured costs can beat the hand-
    a backward (the 1F1B steady state), running a held-back W first when memory stops the
    forward it wants. With two stages per rank, each both looped and in a V (rank r holds
    stages r and 2p-1-r, as ZBV and DualPipeV place them).
-3. the zero-bubble paper's heuristic (`pplab.zero_bubble_heuristic`, one stage per rank): its
+3. the zero-bubble paper's heuristic (`pplab.planning.zero_bubble_heuristic`, one stage per rank): its
    four combinations of warm-up depth and skipped forwards, so the search is never slower
    than it;
 4. a local improvement of the fastest few: move one action of a rank a few places, keep what
@@ -41,12 +41,12 @@ import time
 from dataclasses import dataclass, field, replace
 from typing import Sequence
 
-from pplab.formatting import ShownAsText, format_bytes, text_table
-from pplab.list_scheduling import empty_pipeline, list_schedule
+from pplab.base.formatting import ShownAsText, format_bytes, text_table
+from pplab.planning.list_scheduling import empty_pipeline, list_schedule
 from pplab.schedules import (SCHEDULE_NAMES, TORCH_SCHEDULES, Kind, Schedule, ScheduleError, add_communication, build,
                              from_torch, releases_activations, v_placement, validate)
-from pplab.simulator import Costs, simulate
-from pplab.zero_bubble_heuristic import HYPERPARAMETERS, heuristic_name, heuristic_schedule
+from pplab.planning.simulator import Costs, simulate
+from pplab.planning.zero_bubble_heuristic import HYPERPARAMETERS, heuristic_name, heuristic_schedule
 
 
 @dataclass(frozen=True)

@@ -11,7 +11,7 @@ measured Timeline (pplab's own, or one imported from torch.profiler traces):
   chain (a rank that waited itself before sending passes the blame upstream);
 * a straggler: a rank whose compute took longer than its peers' (the median rank's). With
   stages of unequal work this is the rank with more to do, which a rebalance would help. Who it
-  is, is decided action by action from every step given (`pplab.straggler`), so that a busy
+  is, is decided action by action from every step given (`pplab.planning.straggler`), so that a busy
   machine makes the verdict undecided rather than wrong;
 * outside the pipeline: the part of the profiled step (ProfilerStep) before its first action
   and after its last (the optimizer, data loading), where the traces say how long the step was.
@@ -29,9 +29,9 @@ from dataclasses import dataclass, field
 from typing import Sequence
 
 from pplab.schedules import Kind, Schedule, build, from_torch, theory, torch_plan
-from pplab.simulator import Costs, costs_from_timeline, simulate
-from pplab.straggler import STRAGGLER_RATIO, StragglerVerdict, straggler_verdict
-from pplab.timeline import Event, Timeline
+from pplab.planning.simulator import Costs, costs_from_timeline, simulate
+from pplab.planning.straggler import STRAGGLER_RATIO, StragglerVerdict, straggler_verdict
+from pplab.trace.timeline import Event, Timeline
 
 __all__ = ["STRAGGLER_RATIO", "BubbleReport", "RankBubble", "Wait", "Suggestion", "explain", "named_schedule"]
 

@@ -40,7 +40,7 @@ import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from pplab.timeline import Event, Timeline
+from pplab.trace.timeline import Event, Timeline
 
 __all__ = ["ImportedRun", "from_profiler", "read_profiler_traces", "TraceImportError"]
 

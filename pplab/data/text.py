@@ -23,7 +23,7 @@ from pathlib import Path
 
 import torch
 
-from pplab.arguments import check_positive_int
+from pplab.base.arguments import check_positive_int
 from pplab.data import HELDOUT_FRACTION, Batch, CharTokenizer
 
 __all__ = ["BPETokenizer", "PackedText", "read_documents", "load_tokenizer", "join_documents", "cut_sequences",

@@ -16,8 +16,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from pathlib import Path
 
-from pplab.arguments import check_positive_int
-from pplab.model import LlamaConfig
+from pplab.base.arguments import check_positive_int
+from pplab.models.llama import LlamaConfig
 
 
 def layer_ranges(n_layers: int, n_stages: int, balance: Sequence[int] | None = None,
@@ -66,7 +66,7 @@ def as_model(model):
     if isinstance(model, LlamaConfig) or hasattr(model, "build_stage"):
         return model
     if isinstance(model, (str, Path)) or "transformers" in type(model).__module__:
-        from pplab.hf import HFModel
+        from pplab.models.hf import HFModel
 
         return HFModel.of(model)
     own = (" For a module of your own, describe how to build and cut it: "

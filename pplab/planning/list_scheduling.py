@@ -1,8 +1,8 @@
 """List scheduling: per-rank compute orders built in time order on the cost model.
 
 Whenever a rank is idle it starts what a policy prefers among the passes whose inputs are
-there: the search (`pplab.schedule_search`) tries such schedules under many memory caps and
-policies, and the zero-bubble paper's heuristic (`pplab.zero_bubble_heuristic`) is one more
+there: the search (`pplab.planning.search`) tries such schedules under many memory caps and
+policies, and the zero-bubble paper's heuristic (`pplab.planning.zero_bubble_heuristic`) is one more
 policy of the same kind. Both ask this module what each pass waits for, from the schedules'
 one dependency rule.
 """
@@ -13,7 +13,7 @@ import heapq
 from collections import defaultdict
 
 from pplab.schedules import Action, Dependencies, Kind, Schedule, releases_activations
-from pplab.simulator import Costs
+from pplab.planning.simulator import Costs
 
 
 def list_schedule(p: int, m: int, v: int, costs: Costs, weights, cap: float, split: bool,

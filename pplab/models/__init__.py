@@ -1,0 +1,4 @@
+"""Floor 1, the models a pipeline cuts: `llama` (pplab's small LLaMA-style decoder, public as
+`pplab.model`), `hf` (Hugging Face causal language models described in the same terms),
+`traced` (any module, cut at names by torch's tracer) and `partition` (cutting a model into
+stages, on the meta device first)."""
