@@ -11,7 +11,7 @@ What ../shared/GPU.md asks, each check on its own so that one failure leaves the
    and the profiler's synchronised clock against CUDA events for the same forward;
 5. bf16 stages: the loss against fp32's;
 6. a torch.profiler trace of a GPU step (CPU and CUDA activity), gzipped beside the results and
-   read back with `pplab.profiled`.
+   read back with `pplab.trace`.
 
 Run: python bench/bench_gpu.py --out DIR   (about four minutes on an H100/H200)
      python bench/bench_gpu.py --out DIR --device cpu   (the same flows on CPU: a dry run of this script)
@@ -224,7 +224,7 @@ def traced_step_on_rank(rank, world_size, folder, device):
 
 def profiler_trace(device: str, out_dir: Path, work: Path) -> dict:
     from pplab.drivers.local import run_ranks
-    from pplab.profiled import read_profiler_traces
+    from pplab.trace import read_profiler_traces
 
     folder = work / "trace"
     folder.mkdir()

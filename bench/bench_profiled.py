@@ -2,7 +2,7 @@
 
 1. Import speed. A real run of p=8 ranks (gloo processes), 1f1b with m=64 microbatches, pplab's
    runtime, is profiled with torch.profiler (CPU activity, one active step) and every rank's
-   trace written. `pplab.profiled.read_profiler_traces` then reads the folder, on one core, in
+   trace written. `pplab.trace.read_profiler_traces` then reads the folder, on one core, in
    `--repeats` rounds: events per second and megabytes per second, and the time a 1 GB trace
    folder would take at that rate (extrapolated: reading is linear in the spans).
    Goal: a 1 GB folder in under a minute.
@@ -35,7 +35,7 @@ import torch
 from measuring import load
 from pplab.drivers.local import run_ranks
 from pplab.model import LlamaConfig
-from pplab.profiled import read_profiler_traces
+from pplab.trace import read_profiler_traces
 
 RESULTS = Path(__file__).parent / "results" / "profiled.json"
 GOAL_IMPORT_SECONDS_PER_GB, GOAL_LABEL_COST = 60.0, 0.01

@@ -71,7 +71,6 @@ _MODULES = {
     "traced": "pplab.models.traced",  # any module, cut by torch's tracer
     "text": "pplab.data.text",  # documents, a byte-level BPE, packed sequences (tokenizers: the hf extra)
     "run": "pplab.session.run",  # one training run from one configuration: run.train(...), RunConfig
-    "profiled": "pplab.trace.profiled",  # a run recorded with torch.profiler, read back as a Timeline
     "bubble": "pplab.planning.bubble",  # where a measured step's bubble went, and what would shrink it
     "machine": "pplab.base.machine",  # how busy this machine is: what waits and predictions scale with
 }
@@ -88,7 +87,6 @@ if _TYPE_CHECKING:  # what static checkers and editors see
     from pplab.planning import bubble, simulator
     from pplab.session import run
     from pplab.rank import checkpoint, checks, comm, faults, mesh, train
-    from pplab.trace import profiled
     from pplab.course import exercises
     from pplab.views import viz, widgets
     from pplab.rank.checkpoint import load_model
@@ -116,14 +114,14 @@ class _PublicModules:
     def find_spec(fullname: str, path=None, target=None):
         package, _, rest = fullname.partition(".")
         short, _, inner = rest.partition(".")
-        if package != "pplab" or short not in _MODULES or _MODULES[short] == f"pplab.{short}":
+        if package != "pplab" or short not in {**_MODULES, **_MOVED_MODULES} or _MODULES.get(short) == f"pplab.{short}":
             return None
         return _spec_from_loader(fullname, _PublicModules)
 
     @staticmethod
     def create_module(spec):
         short, _, inner = spec.name.removeprefix("pplab.").partition(".")
-        return _importlib.import_module(_MODULES[short] + (f".{inner}" if inner else ""))
+        return _importlib.import_module(_module_of(short) + (f".{inner}" if inner else ""))
 
     @staticmethod
     def exec_module(module):
@@ -133,6 +131,18 @@ class _PublicModules:
 _sys.meta_path.insert(0, _PublicModules)
 
 _RENAMED = {"PipelineRun": "Pipeline"}  # the last release's names, kept for one release
+# ... and public modules that joined another: short name -> (the public module now, where the old one lives)
+_MOVED_MODULES = {"profiled": ("pplab.trace", "pplab.trace.profiled")}
+
+
+def _module_of(short: str) -> str:
+    """Where the public module `short` lives (a moved one's old module, with a DeprecationWarning)."""
+    if short in _MOVED_MODULES:
+        from pplab.base.arguments import warn_moved
+
+        warn_moved(f"pplab.{short}", _MOVED_MODULES[short][0], stacklevel=4)  # the user's line
+        return _MOVED_MODULES[short][1]
+    return _MODULES[short]
 
 
 def __getattr__(name: str):
@@ -141,8 +151,8 @@ def __getattr__(name: str):
 
         warn_renamed("pplab", name, _RENAMED[name])
         return __getattr__(_RENAMED[name])
-    if name in _MODULES:
-        return _importlib.import_module(_MODULES[name])
+    if name in _MODULES or name in _MOVED_MODULES:
+        return _importlib.import_module(_module_of(name))
     if name not in _EXPORTS:
         raise AttributeError(f"module 'pplab' has no attribute {name!r}")
     value = getattr(_importlib.import_module(_EXPORTS[name]), name)

@@ -18,7 +18,7 @@ import pytest
 import pplab
 
 CORE = ["pplab.base.arguments", "pplab.model", "pplab.data", "pplab.schedules", "pplab.trace.timeline", "pplab.trace",
-        "pplab.profiled", "pplab.bubble", "pplab.base.formatting",
+        "pplab.trace.profiled", "pplab.bubble", "pplab.base.formatting",
         "pplab.models.partition", "pplab.simulator", "pplab.planning.prediction", "pplab.comm", "pplab.rank.runtime",
         "pplab.rank.step_clock", "pplab.rank.memory", "pplab.rank.split_backward", "pplab.rank.shards", "pplab.rank.gradients",
         "pplab.rank.reference", "pplab.rank.checks", "pplab.rank.rank_pipeline", "pplab.drivers.local", "pplab.drivers.torchrun", "pplab.rank.torch_pp",
@@ -28,7 +28,7 @@ CORE = ["pplab.base.arguments", "pplab.model", "pplab.data", "pplab.schedules", 
 UPPER_FLOORS = ["ipyparallel", "IPython", "ipywidgets", "matplotlib", "pplab.drivers.cluster", "pplab.course",
                 "pplab.views",
                 "transformers", "safetensors", "tokenizers", "datasets"]  # the hf extra: loaded on its path only, even by pplab.hf
-PURE_PYTHON = ["pplab", "pplab.schedules", "pplab.trace.timeline", "pplab.trace", "pplab.profiled", "pplab.base.formatting",
+PURE_PYTHON = ["pplab", "pplab.schedules", "pplab.trace.timeline", "pplab.trace", "pplab.trace.profiled", "pplab.base.formatting",
                "pplab.simulator",
                "pplab.planning.prediction", "pplab.base.checkpoint_files", "pplab.rank.rank_context"]  # not even torch
 

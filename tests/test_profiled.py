@@ -19,7 +19,7 @@ import torch
 
 from pplab.bubble import explain, named_schedule
 from pplab.model import LlamaConfig
-from pplab.profiled import TraceImportError, read_profiler_traces
+from pplab.trace import TraceImportError, read_profiler_traces
 from pplab.simulator import Costs
 from pplab.trace import from_profiler
 from ranks import run_ranks

@@ -71,6 +71,21 @@ def test_the_notebooks_pipeline_class_moved_to_a_module_of_its_own():
         assert pplab.views.lab.NotebookPipeline is NotebookPipeline
 
 
+def test_the_profiler_traces_reader_joined_pplab_trace():
+    """"profile" means one thing, a profile of costs (pplab.profile); torch.profiler's runs are read by
+    pplab.trace, and pplab.profiled, the module that did it, is the same module for one more release."""
+    import importlib
+
+    import pplab.trace
+
+    with pytest.warns(DeprecationWarning, match=r"pplab.profiled is now pplab.trace"):
+        assert pplab.profiled.read_profiler_traces is pplab.trace.read_profiler_traces
+    sys.modules.pop("pplab.profiled", None)  # imported by its old name before: imported afresh, and said
+    with pytest.warns(DeprecationWarning, match=r"pplab.profiled is now pplab.trace"):
+        assert importlib.import_module("pplab.profiled").ImportedRun is pplab.trace.ImportedRun
+    assert "profiled" not in pplab.__all__
+
+
 def test_the_memory_table_moved_to_the_session_the_client_side():
     """pipe.memory()'s table is drawn on the client: it left pplab.mesh (the ranks' floor), one more release there."""
     from pplab import mesh, session

@@ -60,11 +60,12 @@ def warn_renamed(module: str, old: str, new: str) -> None:
                   DeprecationWarning, stacklevel=3)
 
 
-def warn_moved(old: str, new: str, why: str = "") -> None:
+def warn_moved(old: str, new: str, why: str = "", stacklevel: int = 3) -> None:
     """Say that the public name `old` (a full path) is the last release's, and `new` the one to use
-    now, elsewhere (from a module's __getattr__); `why` in a few words, if the move needs one."""
+    now, elsewhere (from a module's __getattr__: `stacklevel` finds the user's line); `why` in a
+    few words, if the move needs one."""
     warnings.warn(f"{old} is now {new}{f' ({why})' if why else ''}; {old} works until the next release",
-                  DeprecationWarning, stacklevel=3)
+                  DeprecationWarning, stacklevel=stacklevel)
 
 
 def moved_up(module: str, name: str, home: str, new: str):

@@ -108,7 +108,7 @@ class Action:
     @property
     def profiler_label(self) -> str:
         """The name of this action's `record_function` span, as torch's multi-stage schedules write
-        it ("PP:1F3"): a torch.profiler trace of any run then reads the same (`pplab.profiled`)."""
+        it ("PP:1F3"): a torch.profiler trace of any run then reads the same (`pplab.trace`)."""
         return f"PP:{self}"
 
     @classmethod

@@ -6,15 +6,17 @@ one step recorded with torch.profiler, read into the event model.
 
 `pplab.Event` and `pplab.Timeline` (the event model, defined in `pplab.trace.timeline`) are the common
 language of the simulator, the runtimes, the views and the pictures; `from_profiler` reads a
-profiled run into a `Timeline` (`pplab.profiled`). `COMM_EVENT_KINDS` are the kinds of an event
+profiled run into a `Timeline`, `read_profiler_traces` into an `ImportedRun` (the ranks' traces, what
+was read and how: `pplab.trace.profiled`, public as `pplab.profiled` until this release). `COMM_EVENT_KINDS` are the kinds of an event
 that communicates (a schedule's messages and the mesh's collectives), `COLLECTIVE_KINDS` the
 collectives alone; `Now` marks what a rank is doing at the moment of a live view.
 """
 
-from pplab.trace.profiled import from_profiler
+from pplab.trace.profiled import ImportedRun, TraceImportError, from_profiler, read_profiler_traces
 from pplab.trace.timeline import COLLECTIVE_KINDS, COMM_EVENT_KINDS, Now
 
-__all__ = ["Now", "COMM_EVENT_KINDS", "COLLECTIVE_KINDS", "from_profiler"]
+__all__ = ["Now", "COMM_EVENT_KINDS", "COLLECTIVE_KINDS", "from_profiler", "read_profiler_traces", "ImportedRun",
+           "TraceImportError"]
 
 # The last release's names, kept for one release: Event and Timeline have one path, the top level;
 # COMM_KINDS here differed from pplab.schedules.COMM_KINDS (it holds the collectives too).
