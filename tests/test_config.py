@@ -4,6 +4,7 @@ refused by its name on every path. A field added without a value here fails the 
 
 import dataclasses
 import inspect
+import json
 import re
 import tomllib
 
@@ -121,12 +122,13 @@ def test_lab_pipeline_keywords_have_the_fields_names_and_defaults():
 # A value of the wrong kind, as a flag's text and as Python's value.
 BAD = {"a whole number >= 1": ("0", 0), "a whole number >= 0": ("-1", -1), "a whole number": ("1.5", 1.5),
        "a number > 0": ("0", 0.0), "a number >= 0": ("-1", -1.0), "two numbers in [0, 1)": ("0.9,1.5", (0.9, 1.5)),
-       "layers per stage, whole numbers >= 1": ("3,0", (3, 0)), "a norm > 0 (0: no clipping)": ("-1", -1.0),
-       "a text": (None, 5), "true or false": (None, "yes")}
+       "layers per stage, whole numbers >= 1": ("3,0", (3, 0)),
+       "a norm > 0 (None: no clipping; 0 in a file or a flag)": ("-1", -1.0),
+       "a text or a path": (None, 5), "a schedule's name, or a Schedule": (None, 5), "true or false": (None, "yes")}
 
 
 @pytest.mark.parametrize("name", FIELDS)
-def test_a_bad_value_is_refused_by_name_on_every_path(name, capsys):
+def test_a_bad_value_is_refused_by_name_on_every_path(name, capsys, tmp_path):
     field = dataclasses.fields(RunConfig)[FIELDS.index(name)]
     kind = field.metadata["kind"]
     text, value = BAD.get(kind.said, ("float16", "float16"))  # a choice: a name it does not have
@@ -138,6 +140,22 @@ def test_a_bad_value_is_refused_by_name_on_every_path(name, capsys):
             main(["train", flag, text, "--print-config"])
         assert exit.value.code == 2
         assert f"argument {flag}: {text!r} is not {kind.said}" in capsys.readouterr().err
+    if text is not None or kind.choices:  # a file's value, read as the flag reads its text
+        file = tmp_path / "bad.toml"
+        file.write_text(f"{name} = {json.dumps(list(value) if isinstance(value, tuple) else value)}\n")
+        assert main(["train", "--config", str(file), "--print-config"]) == 2
+        err = capsys.readouterr().err
+        assert f"--config {str(file)!r}: " in err and name in err and err.count("\n") == 1, err
+
+
+def test_a_path_is_taken_where_a_file_or_folder_is_meant_and_kept_as_text(tmp_path):
+    config = RunConfig(checkpoint_dir=tmp_path / "run", data=tmp_path / "notes.txt", model=tmp_path / "config.json")
+    assert (config.checkpoint_dir, config.data, config.model) == tuple(str(tmp_path / name) for name in
+                                                                       ("run", "notes.txt", "config.json"))
+    assert RunConfig.of(tomllib.loads(config.to_toml())) == config
+    with pytest.raises(ValueError, match=r"TrainOptions.clip=0: give a norm > 0 \(None: no clipping"):
+        TrainOptions(clip=0).check(4)
+    assert RunConfig(clip=0).clip is None  # as a file or a flag says it
 
 
 def test_train_options_are_a_run_configs_training_part():

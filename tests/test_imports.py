@@ -30,7 +30,8 @@ UPPER_FLOORS = ["ipyparallel", "IPython", "ipywidgets", "matplotlib", "pplab.dri
                 "transformers", "safetensors", "tokenizers", "datasets"]  # the hf extra: loaded on its path only, even by pplab.hf
 PURE_PYTHON = ["pplab", "pplab.schedules", "pplab.trace.timeline", "pplab.trace", "pplab.trace.profiled", "pplab.base.formatting",
                "pplab.simulator",
-               "pplab.planning.prediction", "pplab.base.checkpoint_files", "pplab.rank.rank_context"]  # not even torch
+               "pplab.planning.prediction", "pplab.base.checkpoint_files", "pplab.rank.rank_context",
+               "pplab.base.config", "pplab.session.run", "pplab.cli"]  # not even torch (the CLI builds its flags from run's fields)
 
 
 

@@ -78,9 +78,11 @@ def test_the_profiler_traces_reader_joined_pplab_trace():
 
     import pplab.trace
 
+    vars(pplab).pop("profiled", None)  # bound by an earlier `import pplab.profiled`: found afresh, and said
     with pytest.warns(DeprecationWarning, match=r"pplab.profiled is now pplab.trace"):
         assert pplab.profiled.read_profiler_traces is pplab.trace.read_profiler_traces
     sys.modules.pop("pplab.profiled", None)  # imported by its old name before: imported afresh, and said
+    vars(pplab).pop("profiled", None)  # (an import binds the name on the package)
     with pytest.warns(DeprecationWarning, match=r"pplab.profiled is now pplab.trace"):
         assert importlib.import_module("pplab.profiled").ImportedRun is pplab.trace.ImportedRun
     assert "profiled" not in pplab.__all__

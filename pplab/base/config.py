@@ -13,6 +13,7 @@ Pure Python (no torch): the command line reads these fields before it decides to
 from __future__ import annotations
 
 import math
+import os
 from collections.abc import Callable
 from dataclasses import dataclass, field, fields
 
@@ -37,12 +38,14 @@ class Kind:
     example: str
     choices: tuple[str, ...] = ()          # a choice's names, for a flag's help
 
-    def check(self, name: str, value: object, optional: bool = False) -> None:
-        """Raise a ValueError naming `name`, `value` and an example if the value is not of this kind."""
+    def check(self, name: str, value: object, optional: bool = False, example: str | None = None) -> None:
+        """Raise a ValueError naming `name`, `value` and an example (the field's own, else the kind's)
+        if the value is not of this kind."""
         if value is None and optional:
             return
         if not self.valid(value):
-            raise ValueError(f"{name}={value!r}: give {self.said}, e.g. {name.rpartition('.')[2]}={self.example}")
+            raise ValueError(f"{name}={value!r}: give {self.said}, e.g. "
+                             f"{name.rpartition('.')[2]}={example or self.example}")
 
 
 def _whole(text: str) -> int:
@@ -82,7 +85,8 @@ BETAS = Kind("two numbers in [0, 1)", lambda text: _numbers(text, _real),
 LAYERS = Kind("layers per stage, whole numbers >= 1", lambda text: _numbers(text, _whole),
               lambda v: isinstance(v, (tuple, list)) and len(v) > 0 and all(COUNT.valid(n) for n in v), "3,5")
 TEXT = Kind("a text", str, lambda v: isinstance(v, str), "'tiny'")
-CLIP_NORM = Kind("a norm > 0 (0: no clipping)", lambda text: _real(text) or None,
+PATH = Kind("a text or a path", str, lambda v: isinstance(v, (str, os.PathLike)), "'run'")  # kept as text
+CLIP_NORM = Kind("a norm > 0 (None: no clipping; 0 in a file or a flag)", lambda text: _real(text) or None,
                  lambda v: _is_real(v) and v > 0, "1.0")
 SWITCH = Kind("true or false", str, lambda v: isinstance(v, bool), "true")
 
@@ -96,15 +100,17 @@ KINDS = {int: COUNT, float: POSITIVE, str: TEXT, bool: SWITCH}
 
 
 def option(default, help: str, section: str, kind: Kind | None = None, metavar: str | None = None,
-           optional: bool | None = None):
+           optional: bool | None = None, example: str | None = None):
     """A configuration field: its default, its help (the flag's and the reader's), the TOML table it
     sits in, and its kind (by default from the default's type: an int a count, a float > 0).
-    `optional`: None is a value too, "not set" (by default where None is the default)."""
+    `optional`: None is a value too, "not set" (by default where None is the default); `example`:
+    a good value, as errors show it (by default the kind's)."""
     if section not in SECTIONS:
         raise ValueError(f"section={section!r}: choose one of {', '.join(SECTIONS)}")
     kind = kind or KINDS[type(default)]
     return field(default=default, metadata={"help": help, "section": section, "kind": kind, "metavar": metavar,
-                                            "optional": default is None if optional is None else optional})
+                                            "optional": default is None if optional is None else optional,
+                                            "example": example})
 
 
 def check_fields(options) -> None:
@@ -113,7 +119,7 @@ def check_fields(options) -> None:
     for each in fields(options):
         if "kind" in each.metadata:
             each.metadata["kind"].check(f"{type(options).__name__}.{each.name}", getattr(options, each.name),
-                                        optional=each.metadata["optional"])
+                                        each.metadata["optional"], each.metadata["example"])
 
 
 @dataclass(frozen=True)
@@ -134,21 +140,26 @@ class TrainOptions:
                                 "optimizer", CLIP_NORM, optional=True)
     data_seed: int = option(0, "the seed of the batches drawn", "data", COUNT_OR_ZERO)
     data: str | None = option(None, "a text file, a directory of .txt files or a dataset saved with the datasets "
-                                    "library (default: the embedded corpus)", "data", TEXT, "PATH")
+                                    "library (default: the embedded corpus)", "data", PATH, "PATH",
+                                example="'notes.txt'")
     tokenizer: str = option("char", "char, bpe (byte-level, learned from data and saved beside the checkpoints), "
-                                    "or a tokenizer.json", "data")
+                                    "or a tokenizer.json", "data", PATH, example="'bpe'")
     vocab_size: int = option(512, "the BPE's vocabulary (the model's vocab_size must hold it)", "data")
     epochs: int | None = option(None, "passes over data's training sequences (instead of steps)", "data", COUNT)
     eval_every: int = option(50, "steps between held-out evaluations (0: never)", "run", COUNT_OR_ZERO)
     eval_batches: int = option(2, "held-out batches per evaluation", "run")
-    checkpoint_dir: str | None = option(None, "where checkpoints go", "run", TEXT, "DIR")
+    checkpoint_dir: str | None = option(None, "where checkpoints go", "run", PATH, "DIR", example="'run'")
     checkpoint_every: int = option(0, "steps between checkpoints (0: only at the end)", "run", COUNT_OR_ZERO)
     keep: int = option(3, "complete checkpoints kept, newest first", "run")
     async_save: bool = option(False, "write checkpoints in the background", "run")
-    resume: str | None = option(None, "'latest' (in checkpoint_dir) or a checkpoint's path", "run", TEXT, "PATH")
+    resume: str | None = option(None, "'latest' (in checkpoint_dir) or a checkpoint's path", "run", PATH, "PATH",
+                                example="'latest'")
 
     def __post_init__(self):
         object.__setattr__(self, "betas", tuple(self.betas))  # from TOML or JSON: a list
+        for each in fields(self):  # a path is kept as its text: the manifest and a TOML file hold it so
+            if isinstance(getattr(self, each.name), os.PathLike):
+                object.__setattr__(self, each.name, os.fspath(getattr(self, each.name)))
 
     def check(self, n_microbatches: int, config=None, replicas: int = 1) -> None:
         """Raise a ValueError naming the first option that cannot work, before any rank blocks.

@@ -5,7 +5,7 @@ mesh's names; `schedule`, `n_microbatches`, `n_virtual`, `balance`, the names `l
 uses; seed 003's `microbatches` and `virtual_stages` are read too), the stages' dtype, and
 every field of `TrainOptions` (the optimizer, the schedule of the learning rate, the data,
 the checkpoints). Each field is written once, with its help, section and kind
-(`pplab.config.option`): the `pplab train` flags are made from them. `train(config, **keywords)` starts the ranks (local processes, or
+(`pplab.base.config.option`): the `pplab train` flags are made from them. `train(config, **keywords)` starts the ranks (local processes, or
 the processes torchrun started) and trains; `pplab train` builds the same configuration
 from its flags or from a TOML file (`RunConfig.from_toml`), so that both give the same run.
 """
@@ -21,11 +21,16 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from pplab.base.arguments import renamed_keywords, warn_renamed
-from pplab.base.config import IMPLEMENTATIONS, INTEGER, LAYERS, PARAM_DTYPES, TrainOptions, choice, option, sections_of
+from pplab.base.config import (IMPLEMENTATIONS, INTEGER, LAYERS, PARAM_DTYPES, PATH, Kind, TrainOptions, choice, option,
+                               sections_of)
+from pplab.schedules import Schedule
 from pplab.schedules.names import SCHEDULE_NAMES, TORCH_ONLY_NAMES
 
 if TYPE_CHECKING:
     from pplab.rank.train import TrainHistory
+
+# A schedule by name (flags, files), or in Python a Schedule itself (built, written, searched).
+SCHEDULE = Kind("a schedule's name, or a Schedule", str, lambda v: isinstance(v, (str, Schedule)), "'1f1b'")
 
 __all__ = ["RunConfig", "train"]
 
@@ -38,16 +43,17 @@ ALIASES = {"microbatches": "n_microbatches", "virtual_stages": "n_virtual"}
 class RunConfig(TrainOptions):
     """Everything a training run takes (TrainOptions' fields, and the model and its layout)."""
 
-    model: str = option("tiny", "tiny, small, or a config.json (pplab's fields, or a Hugging Face config)", "model")
+    model: str = option("tiny", "tiny, small, or a config.json (pplab's fields, or a Hugging Face config)", "model",
+                        PATH)
     param_dtype: str = option("float32", "the stages' weights and activations (bfloat16: a pipeline alone; the "
                                          "loss in fp32)", "model", choice(*PARAM_DTYPES))
     seed: int = option(0, "the model's initialisation: each parameter from (seed, its name)", "model", INTEGER)
     pp: int = option(2, "ranks along the pipeline; the run takes pp x dp x tp ranks", "parallel")
     dp: int = option(1, "FSDP replicas (a mesh; impl torch)", "parallel")
     tp: int = option(1, "tensor-parallel ranks (a mesh; impl torch)", "parallel")
-    schedule: str = option("1f1b", f"one of {', '.join(SCHEDULE_NAMES)}; with impl torch also "
-                                   f"{', '.join(TORCH_ONLY_NAMES)} (any case; torch's class names work too)",
-                           "schedule", metavar="NAME")
+    schedule: str | Schedule = option("1f1b", f"one of {', '.join(SCHEDULE_NAMES)}; with impl torch also "
+                                              f"{', '.join(TORCH_ONLY_NAMES)} (any case; torch's class names work "
+                                              f"too); in Python also a Schedule", "schedule", SCHEDULE, "NAME")
     impl: str = option("pplab", "the hand-written runtime (pplab), or torch.distributed.pipelining's schedules "
                                 "(torch)", "schedule", choice(*IMPLEMENTATIONS))
     n_microbatches: int = option(4, "microbatches per pipeline per step", "schedule", metavar="N")
@@ -66,7 +72,7 @@ class RunConfig(TrainOptions):
         for each in fields(self):  # the layout's fields now; TrainOptions' in check(), as ever
             if each.name not in own:
                 each.metadata["kind"].check(f"RunConfig.{each.name}", getattr(self, each.name),
-                                            optional=each.metadata["optional"])
+                                            each.metadata["optional"], each.metadata["example"])
 
     @classmethod
     def names(cls) -> list[str]:
@@ -86,7 +92,7 @@ class RunConfig(TrainOptions):
             options[name] = value
         try:
             return cls(**options)
-        except TypeError as error:
+        except (TypeError, ValueError) as error:
             raise ValueError(f"{where}: {error}") from None
 
     def with_changes(self, **changes) -> "RunConfig":
@@ -153,6 +159,8 @@ RunConfig.__init__ = renamed_keywords(**ALIASES)(RunConfig.__init__)
 
 
 def _toml_line(name: str, value) -> str:
+    if isinstance(value, Schedule):
+        return f"# {name} is a Schedule ({value.name}): a file names one"
     if name == "clip" and value is None:
         return "clip = 0.0  # no clipping"
     if value is None:
