@@ -68,11 +68,12 @@ def test_a_rank_that_dies_at_an_action_is_named_by_its_peer(fragile_lab):
         pipe.step()
     message = str(failure.value)
     # The death, then what its peer saw of it: a message it lost (of microbatch 2, or 1 if
-    # rank 1 died before its send of the gradient of microbatch 1 was through).
+    # rank 1 died before its send of the gradient of microbatch 1 was through), or, where the
+    # machine kept rank 0 off a core past its 3 s, the same message it waited for in vain.
     assert message.startswith("rank 1 (engine "), message
     assert f"pid {pid} on " in message
-    assert re.search(r"\nThen rank 0 lost the (send of the )?gradient of microbatch (?P<mb>[12]) (to|from) "
-                     r"rank 1 \(action 0(SEND|RECV)_B(?P=mb)\)", message), message
+    assert re.search(r"\nThen rank 0 (lost|waited [\d.]+ s for) the (send of the )?gradient of microbatch "
+                     r"(?P<mb>[12]) (to|from) rank 1 \(action 0(SEND|RECV)_B(?P=mb)\)", message), message
     assert fragile_lab.status()[1].state == "dead"
     fragile_lab.restart()
     assert fragile_lab.pipeline(CONFIG, schedule="gpipe", n_microbatches=4).check_parity().passed
