@@ -73,6 +73,5 @@ def moved_up(module: str, name: str, home: str, new: str):
     name, so that the lower floor does not import the higher one, with a DeprecationWarning naming `new`."""
     import importlib
 
-    warnings.warn(f"{module}.{name} is now {new}; {module}.{name} works until the next release",
-                  DeprecationWarning, stacklevel=3)
+    warn_moved(f"{module}.{name}", new, stacklevel=4)  # the user's line, past the module's __getattr__
     return getattr(importlib.import_module(home), name)

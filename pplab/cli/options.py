@@ -6,27 +6,17 @@ from __future__ import annotations
 import argparse
 import dataclasses
 
+from pplab.base.config import COUNT, NUMBER_OR_ZERO, POSITIVE, sections_of
+
 
 def positive_int(text: str) -> int:
-    """An option's whole number >= 1, or argparse's error naming the value."""
-    try:
-        value = int(text)
-    except ValueError:
-        value = 0
-    if value < 1 or str(value) != text.strip().lstrip("+"):
-        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number >= 1")
-    return value
+    """An option's whole number >= 1, or argparse's error naming the value (a count's rule, as a run's fields read it)."""
+    return text_of_kind(COUNT)(text)
 
 
 def number(text: str, positive: bool = False) -> float:
     """An option's finite number >= 0 (> 0 when `positive`), or argparse's error naming the value."""
-    try:
-        value = float(text)
-    except ValueError:
-        value = float("nan")
-    if not (value > 0 if positive else value >= 0) or value == float("inf"):
-        raise argparse.ArgumentTypeError(f"{text!r} is not a number {'> 0' if positive else '>= 0'}")
-    return value
+    return text_of_kind(POSITIVE if positive else NUMBER_OR_ZERO)(text)
 
 
 def per_stage(text: str) -> float | tuple[float, ...]:
@@ -56,8 +46,6 @@ def add_field_flags(parser: argparse.ArgumentParser, config_class, skip=(), **ch
     left out), grouped by section as `--help` shows them: `--batch-size` for `batch_size`, with the
     field's help, default and check. `changed` gives a field's flag other argparse settings
     (`n_microbatches={"default": 8}`)."""
-    from pplab.base.config import sections_of
-
     by_name = {each.name: each for each in dataclasses.fields(config_class)}
     for section, names in sections_of(config_class).items():
         group = parser.add_argument_group(f"{section} (a --config file's [{section}] table)")

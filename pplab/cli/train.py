@@ -66,7 +66,7 @@ def run_config(args: argparse.Namespace):
     n_ranks = int(os.environ["WORLD_SIZE"]) if under_torchrun() else args.n_ranks
     pp = stages_of(n_ranks, args.dp, args.tp, said="--dp {dp} x --tp {tp}")
     same = {name: getattr(args, name) for name in RunConfig.names() if hasattr(args, name)}
-    return RunConfig(**{**same, "pp": pp, "clip": args.clip or None})
+    return RunConfig(**{**same, "pp": pp})  # --clip 0 is None already (its flag reads it so)
 
 
 

@@ -49,7 +49,6 @@ def merge_steps(rank_steps: Sequence[RankStep], label: str = "measured") -> Step
                       grads or None, list(rank_steps))
 
 
-
 class MemoryTable(ShownAsText):
     """Per rank: what it holds (parameters, gradients, AdamW state) against the same stage unsharded."""
 
