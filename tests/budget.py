@@ -34,6 +34,7 @@ def tree_cpu_seconds() -> float:
 class SuiteBudget:
     def __init__(self):
         self.per_file: dict[str, list[float]] = {}  # path: [worker-seconds, CPU-seconds]
+        self.per_test: dict[str, list[float]] = {}  # node id: the same, all phases
         self._counted: float | None = None  # this worker's CPU-seconds at its last report
 
     @pytest.hookimpl(hookwrapper=True)
@@ -48,17 +49,26 @@ class SuiteBudget:
     def pytest_runtest_logreport(self, report):
         """On the controller, from every worker: add up each file's time and CPU, all phases."""
         seconds = self.per_file.setdefault(report.nodeid.split("::")[0], [0.0, 0.0])
-        seconds[0] += report.duration
-        seconds[1] += dict(report.user_properties).get("cpu_seconds", 0.0)
+        cpu = dict(report.user_properties).get("cpu_seconds", 0.0)
+        for seconds in (seconds, self.per_test.setdefault(report.nodeid, [0.0, 0.0])):
+            seconds[0] += report.duration
+            seconds[1] += cpu
 
     def pytest_terminal_summary(self, terminalreporter):
-        """Each file's worker-seconds and CPU-seconds, the longest first; the files over their share."""
+        """Each file's worker-seconds and CPU-seconds, the longest first; the files over their share.
+        (`--budget-json PATH` also writes every test's, to find where a file's seconds go.)"""
         if not self.per_file or hasattr(terminalreporter.config, "workerinput"):
             return
+        path = terminalreporter.config.getoption("budget_json")
+        if path:
+            import json
+
+            with open(path, "w") as file:
+                json.dump({"files": self.per_file, "tests": self.per_test}, file, indent=1)
         total, cpu = (sum(seconds[i] for seconds in self.per_file.values()) for i in (0, 1))
         write = terminalreporter.write_line
         terminalreporter.section(f"worker-seconds per file: {total:.0f} in all, {cpu:.0f} CPU-seconds")
-        for path, (seconds, cpu) in sorted(self.per_file.items(), key=lambda item: -item[1][0])[:25]:
+        for path, (seconds, cpu) in sorted(self.per_file.items(), key=lambda item: -item[1][0]):
             over = "  OVER its share" if seconds > FILE_SHARE_SECONDS else ""
             write(f"{seconds:7.1f} s {cpu:7.1f} CPU-s  {path}{over}")
         over = [path for path, (seconds, _) in self.per_file.items() if seconds > FILE_SHARE_SECONDS]

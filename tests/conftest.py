@@ -90,6 +90,11 @@ class UnixSocketKernelManager(AsyncKernelManager):
         super().__init__(**kwargs)
 
 
+def pytest_addoption(parser):
+    parser.addoption("--budget-json", metavar="PATH", help="write each file's and each test's worker-seconds "
+                     "and CPU-seconds to PATH (JSON), besides the table printed at the end")
+
+
 def pytest_configure(config):
     """nbmake's notebook runs start their kernels through `UnixSocketKernelManager` too; the
     suite's budget (budget.py) counts every file's seconds, the notebooks' too."""
