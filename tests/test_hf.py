@@ -108,6 +108,8 @@ def test_tied_embeddings_need_their_gradients_summed():
     assert unsummed.failing == ["lm_head.weight", "model.embed_tokens.weight"]
     with pool(2).pipeline(config, schedule="1f1b", n_microbatches=4) as pipe:
         result = pipe.step(batch)
+        live = pipe.start_step(batch, live_interval=0.05).result()  # its events come on the stream only
+    assert sorted(e.rank for e in live.timeline.events if e.kind == "ALL_REDUCE") == [0, 1]
     summing = [e for e in result.timeline.events if e.kind == "ALL_REDUCE"]
     assert sorted(e.rank for e in summing) == [0, 1]  # at the end of the step, on both ends
     assert all(e.bytes == 128 * 32 * 4 for e in summing)

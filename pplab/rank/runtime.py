@@ -88,7 +88,18 @@ class RankStep:
     boundary_shapes: list[Boundary]  # what this rank sent across a stage boundary
     grad_stats: dict[str, dict]
     grads: dict[str, torch.Tensor] | None = None
-    streamed: int = 0  # events published while the step ran, and so left out of `events`
+    streamed: int = 0  # events a watcher was told while the step ran, and so left out of `events`
+
+
+def reported_once(events: list[Event], watch, untold: list[Event] = ()) -> tuple[list[Event], int]:
+    """A step's events for its result, each reported once: without a watcher, all of them; with one,
+    those it was not told as they ended (`untold`) are told now, and the result keeps none of them,
+    only how many there were (the client waits for that many on the stream)."""
+    if watch is None:
+        return events, 0
+    for event in untold:
+        watch(event)
+    return [], len(events)
 
 
 @dataclass
@@ -139,7 +150,8 @@ class RankRuntime:
         the last stage lives. `activation_shapes` (per microbatch) lets receives skip the
         shape handshake; without it every activation is preceded by a header. `watch`, if
         given, is told what the rank starts (a `Now`) and every event as soon as it ends,
-        so that a live view can follow the step while it runs.
+        so that a live view can follow the step while it runs; the result then carries no
+        events, only their count (`streamed`): each event travels once.
         """
         self._check_data(inputs, targets)
         self._check_backend_can_match(handshake=activation_shapes is None)
@@ -176,13 +188,12 @@ class RankRuntime:
                 tell.event(events[-1])
         link.finish()
         tell.messages()
-        tell.starting([])
         self._check_all_released(state)
-        events.extend(link.events)
-        if self.tied is not None:  # after the last backward, before anything reads the gradients
-            events.extend(self.tied.sum(self.stages, clock if self.record else None))
-        return RankStep(self.rank, events, state.losses, boundary_shapes,
-                        *gradient_report(self.stages.values(), return_grads))
+        tied = [] if self.tied is None else self.tied.sum(self.stages, clock if self.record else None)  # after
+        tell.starting([])  # the last backward, before anything reads the gradients
+        kept, streamed = reported_once([*events, *link.events, *tied], watch, untold=tied)
+        return RankStep(self.rank, kept, state.losses, boundary_shapes,
+                        *gradient_report(self.stages.values(), return_grads), streamed=streamed)
 
     def _waits_for(self, batch: list[Action]) -> tuple[tuple[int, str], ...]:
         """(peer rank, the peer's send) for every receive in a batch: whom the rank waits on."""

@@ -26,7 +26,7 @@ from pplab.rank.comm import dtype_name, monotonic_clock
 from pplab.rank.gradients import gradient_report
 from pplab.rank.memory import ForwardBytes
 from pplab.models.llama import loss_fn
-from pplab.rank.runtime import Boundary, RankStep
+from pplab.rank.runtime import Boundary, RankStep, reported_once
 from pplab.schedules import Action, Kind, Schedule, build, from_torch, torch_plan
 from pplab.planning.simulator import Costs
 from pplab.rank.step_clock import StepClock, pad_to_cost
@@ -254,13 +254,14 @@ class TorchRankRuntime:
                                          losses=losses, return_outputs=False)
         finally:
             collective_events = self.collectives.stop() if self.collectives is not None else []
-        if self.tied is not None:  # torch has scaled the gradients: sum the tied ones now
-            collective_events += self.tied.sum(self.stages, self.recorder.clock if self.recorder.clock else None)
+        tied = [] if self.tied is None else self.tied.sum(  # torch has scaled the gradients: sum the tied ones now
+            self.stages, self.recorder.clock if self.recorder.clock else None)
+        kept, streamed = reported_once([*self.recorder.events, *collective_events, *tied], watch, untold=tied)
         if watch is not None:
             watch(Now(self.rank, "done", self.recorder.clock()))
         losses_by_microbatch = {mb: float(loss.detach()) for mb, loss in enumerate(losses or [])}
-        return RankStep(self.rank, [*self.recorder.events, *collective_events], losses_by_microbatch,
-                        list(self.recorder.boundary_shapes), *gradient_report(self.stages.values(), return_grads))
+        return RankStep(self.rank, kept, losses_by_microbatch, list(self.recorder.boundary_shapes),
+                        *gradient_report(self.stages.values(), return_grads), streamed=streamed)
 
 
 def _whole_batch(microbatches, what: str) -> torch.Tensor:

@@ -17,7 +17,6 @@ built there from `built_pipeline(pipe.pipeline_id)`.
 from __future__ import annotations
 
 import dataclasses
-from collections import Counter
 
 from pplab._version import __version__
 from pplab.rank import faults
@@ -68,9 +67,8 @@ def step_on_rank(pipeline_id: str, per_rank_data: list[dict], return_grads: bool
     with faults.in_pipeline(pipeline_id):  # the faults armed for this pipeline may fire (pplab.faults)
         if live_interval is None:
             return pipeline.step(data, return_grads=return_grads)
-        with Feed(live_interval) as feed:
-            streamed = _Streamed(feed)
-            return streamed.left_out_of(pipeline.step(data, return_grads=return_grads, watch=streamed))
+        with Feed(live_interval) as feed:  # the events go out on the stream; the result says how many
+            return pipeline.step(data, return_grads=return_grads, watch=feed.put)
 
 
 def train_on_rank(pipeline_id: str, options: TrainOptions, until: int | None,
@@ -92,29 +90,6 @@ def train_on_rank(pipeline_id: str, options: TrainOptions, until: int | None,
         trainer = _trainers[pipeline_id] = RankTrainer(pipeline, options)
     with Feed(live_interval) as feed, faults.in_pipeline(pipeline_id):  # each step's events, then its record
         return trainer.train(until, on_step=feed.put, watch=feed.put)
-
-
-class _Streamed:
-    """Hands what a step tells to the feed, keeping count of the events, so that the step's result
-    does not carry them a second time."""
-
-    def __init__(self, feed: Feed):
-        self.feed, self.events = feed, Counter()
-
-    def __call__(self, item: Event | Now) -> None:
-        if isinstance(item, Event):
-            self.events[item] += 1
-        self.feed.put(item)
-
-    def left_out_of(self, step: RankStep) -> RankStep:
-        """The step without the events that went out on the stream (and how many those were)."""
-        sent, kept = Counter(self.events), []
-        for event in step.events:
-            if sent[event]:
-                sent[event] -= 1
-            else:
-                kept.append(event)
-        return dataclasses.replace(step, events=kept, streamed=sum(self.events.values()))
 
 
 def memory_on_rank(pipeline_id: str) -> dict:
