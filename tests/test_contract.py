@@ -76,6 +76,23 @@ def die_on_rank_one():
     return "fine"
 
 
+def what_this_rank_was_given(value, common, *, extra):
+    from pplab.rank.rank_context import rank_context
+
+    return rank_context().rank, value, common, extra
+
+
+def test_a_per_rank_argument_gives_each_rank_its_own_item_on_a_pool_and_on_a_lab(lab2):
+    for ranks in (pool(2), lab2):
+        given = ranks.run(what_this_rank_was_given, contract.PerRank(["zero", "one"]), "both",
+                          extra=contract.PerRank([{"n": 0}, {"n": 1}]))
+        assert given == [(0, "zero", "both", {"n": 0}), (1, "one", "both", {"n": 1})], type(ranks)
+        with pytest.raises(ValueError, match=r"what_this_rank_was_given\(\): argument 0 is a PerRank of 3 "
+                                             r"values for 2 ranks: give exactly one value per rank"):
+            ranks.run_async(what_this_rank_was_given, contract.PerRank([1, 2, 3]), "both", extra=None)
+        assert ranks.run(what_this_rank_was_given, 1, 2, extra=3) == [(0, 1, 2, 3), (1, 1, 2, 3)]  # still usable
+
+
 def test_a_rank_that_raises_is_the_same_error_on_a_pool_and_on_a_lab(lab2):
     for ranks in (pool(2), lab2):
         assert isinstance(ranks, contract.Ranks)

@@ -6,6 +6,10 @@ processes (`pplab.drivers.local.RankPool`) and torchrun's processes (`TorchrunRa
 driver (a batch scheduler's job, a remote pool) is usable by every session once it keeps it.
 `tests/test_contract.py` checks the three against it.
 
+An argument whose value differs by rank is wrapped in `PerRank`: each rank is given its own item,
+and a driver sends each rank only that item (a step's batch, split by rank, is not sent whole to
+every rank).
+
 A call that fails raises the same errors from every driver, from `pplab.rank.rank_context`
 (re-exported by `pplab.session`): `RankFailedError` (a rank raised), `RankDiedError` (a rank's
 process ended), `RankTimeoutError` (past its bound), each a `RankError` with `.ranks`, `.causes`
@@ -14,10 +18,42 @@ process ended), `RankTimeoutError` (past its bound), each a `RankError` with `.r
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Protocol, runtime_checkable
 
 from pplab.rank.rank_context import RankEvent
+
+
+class PerRank(tuple):
+    """An argument of `run` / `run_async` with one value per rank: rank r is given the r-th item, and
+    is sent only that one."""
+
+    def __new__(cls, values: Sequence):
+        return super().__new__(cls, values)
+
+    def __repr__(self) -> str:
+        return f"PerRank({list(self)!r})"
+
+
+def has_per_rank(args: tuple, kwargs: dict) -> bool:
+    """True if any argument is a `PerRank` (a driver then sends each rank its own arguments)."""
+    return any(isinstance(value, PerRank) for value in (*args, *kwargs.values()))
+
+
+def check_per_rank(args: tuple, kwargs: dict, world_size: int, name: str) -> None:
+    """Refuse, before any rank is asked, a `PerRank` argument without one value for each rank."""
+    for position, value in [*enumerate(args), *kwargs.items()]:
+        if isinstance(value, PerRank) and len(value) != world_size:
+            raise ValueError(f"{name}: argument {position!r} is a PerRank of {len(value)} values for "
+                             f"{world_size} ranks: give exactly one value per rank")
+
+
+def for_rank(rank: int, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+    """The arguments as rank `rank` is given them: each `PerRank` replaced by its item for that rank."""
+    def own(value):
+        return value[rank] if isinstance(value, PerRank) else value
+
+    return tuple(own(value) for value in args), {key: own(value) for key, value in kwargs.items()}
 
 
 @runtime_checkable
@@ -57,10 +93,11 @@ class Ranks(Protocol):
         """(host, pid) of each rank's process: a pipeline built on other processes is gone."""
 
     def run(self, fn: Callable, *args, timeout: float | None = None, **kwargs) -> list:
-        """fn(*args, **kwargs) on every rank; the results by rank, or a RankError."""
+        """fn(*args, **kwargs) on every rank (a `PerRank` argument: each rank its own item); the
+        results by rank, or a RankError."""
 
     def run_async(self, fn: Callable, *args, timeout: float | None = None, **kwargs) -> RankCall:
-        """Start fn(*args, **kwargs) on every rank and return at once."""
+        """Start fn(*args, **kwargs) on every rank (as `run`) and return at once."""
 
     def stop(self) -> None:
         """End the ranks; nothing is left running."""

@@ -41,6 +41,7 @@ from collections.abc import Sequence
 from multiprocessing import connection
 
 from pplab.base.arguments import OP_TIMEOUT, check_positive_int, check_positive_seconds, renamed_keywords
+from pplab.drivers.contract import check_per_rank, for_rank, has_per_rank
 from pplab.drivers.cores import check_cores, pin_this_process
 from pplab.rank.rank_context import (RankContext, RankDiedError, RankError, RankEvent, RankFailedError,
                                      RankTimeoutError, StillRunning, rank_context, set_rank_context)
@@ -345,14 +346,15 @@ class RankPool:
         if not self._processes:
             self._start()
         call_id = next(self._call_ids)
-        message = pickle.dumps((call_id, fn, args, kwargs))  # once, not once per rank
+        name = f"{getattr(fn, '__name__', type(fn).__name__)}()"
+        check_per_rank(args, kwargs, self.world_size, name)
+        message = None if has_per_rank(args, kwargs) else pickle.dumps((call_id, fn, args, kwargs))  # once
         for rank, link in enumerate(self._links):
             try:
-                link.send_bytes(message)
+                link.send_bytes(message or pickle.dumps((call_id, fn, *for_rank(rank, args, kwargs))))
             except OSError:  # its process is gone: this call fails, the next one starts afresh
                 self._end_processes(patience=0.0)
                 raise RankDiedError(f"rank {rank}'s process has ended; call again for fresh ranks", ranks=[rank]) from None
-        name = f"{getattr(fn, '__name__', type(fn).__name__)}()"
         call = PoolCall(self, call_id, name, self.timeout if timeout is None else timeout)
         self._calls[call_id] = call
         return call

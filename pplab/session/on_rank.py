@@ -55,15 +55,15 @@ def built_pipeline(pipeline_id: str) -> RankPipeline:
     return _pipelines[pipeline_id]
 
 
-def step_on_rank(pipeline_id: str, per_rank_data: list[dict], return_grads: bool,
+def step_on_rank(pipeline_id: str, data: dict, return_grads: bool,
                  live_interval: float | None = None) -> RankStep:
-    """Run one step of the pipeline `pipeline_id` with this rank's share of the data.
+    """Run one step of the pipeline `pipeline_id` with this rank's share of the data (what
+    `split_for_ranks` gives this rank: the client sends it as a `PerRank`).
 
     With `live_interval`, what the rank starts and every event it records are published
     while the step runs (see `pplab.rank.rank_context.Feed`), for live views.
     """
-    context = rank_context()
-    pipeline, data = built_pipeline(pipeline_id), per_rank_data[context.rank]
+    pipeline = built_pipeline(pipeline_id)
     with faults.in_pipeline(pipeline_id):  # the faults armed for this pipeline may fire (pplab.faults)
         if live_interval is None:
             return pipeline.step(data, return_grads=return_grads)

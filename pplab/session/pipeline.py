@@ -21,6 +21,7 @@ from pplab.base.checkpoint_files import CheckpointError, read_manifest, resume_p
 from pplab.rank.checks import (BoundaryTable, GradientFlowReport, ParityReport, check_gradient_flow,
                           compare_with_reference)
 from pplab.data import Batch, batches
+from pplab.drivers.contract import PerRank
 from pplab.rank.mesh import Mesh
 from pplab.models.llama import LlamaConfig
 from pplab.rank.rank_context import RankError, StillRunning
@@ -135,7 +136,7 @@ class Pipeline:
         if live_interval is not None:
             check_positive_seconds("live_interval", live_interval)
         batch = self.default_batch() if batch is None else batch
-        data = split_for_ranks(self.spec, batch)
+        data = PerRank(split_for_ranks(self.spec, batch))  # each rank is sent its own share only
         call = self.lab.run_async(step_on_rank, self.pipeline_id, data, return_grads, live_interval,
                                   timeout=self._call_timeout)
         return LiveStep(self, call)

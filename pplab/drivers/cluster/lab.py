@@ -34,6 +34,7 @@ from pplab.drivers.cluster.launchers import ConnectedCluster, LocalCluster
 from pplab.drivers.cluster.plan import (RankSpec, assign_ranks, check_gpus, check_threads, choose_backend_device,
                                 local_ranks, loopback_interface)
 from pplab.drivers.cluster.status import RankGroup, RankInfo, RankTable
+from pplab.drivers.contract import check_per_rank, for_rank, has_per_rank
 from pplab.drivers.cores import check_cores
 from pplab.base.machine import busy_note, measure_load
 from pplab.rank.rank_context import RankEvent
@@ -422,8 +423,17 @@ class Lab:
         if timeout is not None:
             check_positive_seconds("timeout", timeout)
         name = f"{getattr(fn, '__name__', type(fn).__name__)}()"
+        check_per_rank(args, kwargs, self.world_size, name)
         # Through engine.call_on_rank: it tells the client when fn's error broke the process group.
-        running = self._view.apply_async(engine.call_on_rank, fn, *args, **kwargs)
+        if has_per_rank(args, kwargs):  # each engine is sent its own rank's arguments, in rank order
+            import ipyparallel as ipp
+
+            running = ipp.AsyncResult.join(*[
+                self.client[engine_id].apply_async(engine.call_on_rank, fn, *rank_args, **rank_kwargs)
+                for rank, engine_id in enumerate(self._view.targets)
+                for rank_args, rank_kwargs in [for_rank(rank, args, kwargs)]])
+        else:
+            running = self._view.apply_async(engine.call_on_rank, fn, *args, **kwargs)
         self._last_call = RankCall(self._ranks, running, name, timeout, self.grace)
         self._changed("called")
         return self._last_call
