@@ -27,6 +27,18 @@ def floor_of_folder(folder: Path) -> int:
 
 # The floors are the folders: each says its own in its docstring (the README's layout follows them).
 FOLDER_FLOORS = {path.parent.name: floor_of_folder(path.parent) for path in sorted(PACKAGE.glob("*/__init__.py"))}
+
+
+def test_a_folder_inside_a_floor_says_it_is_part_of_that_floor():
+    """A folder within a floor's folder (drivers/cluster/, views/widgets/) is on its parent's floor,
+    and its docstring's first line says so, so that a reader who opens it first knows where it stands."""
+    nested = sorted(PACKAGE.glob("*/*/__init__.py"))
+    assert nested, "no folder within a floor's folder: this test has nothing to check"
+    for path in nested:
+        parent, folder = path.parent.parent.name, path.parent.name
+        first_line = (ast.get_docstring(ast.parse(path.read_text())) or "").splitlines()[0]
+        said = f"part of floor {FOLDER_FLOORS[parent]}, {parent}/"
+        assert said in first_line, f"pplab/{parent}/{folder}/__init__.py's first line should say '{said}': {first_line!r}"
 LOOSE = {"_version": 1, "__main__": COMMAND}  # the only modules outside a folder: the version, `python -m pplab`
 
 

@@ -1,4 +1,4 @@
-"""The lab cluster: ipyparallel engines as torch.distributed ranks, driven from a notebook.
+"""The lab cluster (part of floor 4, drivers/): ipyparallel engines as torch.distributed ranks.
 
     lab = pplab.Lab(n_ranks=4)    # start: engines up, ranks assigned, process group ready
     lab.run(fn, *args)            # fn on every rank, results ordered by rank

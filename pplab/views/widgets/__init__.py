@@ -1,4 +1,4 @@
-"""Live views of a pipeline in a notebook (ipywidgets and matplotlib, floor 7).
+"""Live views of a pipeline in a notebook (part of floor 7, views/): ipywidgets and matplotlib.
 
 `Dashboard(pipe)` (or `pipe.dashboard()`) follows a lab pipeline while its ranks
 work. Each panel also works alone, on static or simulated timelines:
