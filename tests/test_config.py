@@ -104,8 +104,8 @@ def test_a_field_reaches_the_ranks(name):
     assert after == (768 if name == "model" else CHANGED[name]), (name, after)  # small: 768 wide
 
 
-def test_lab_pipeline_keywords_have_the_fields_names_and_defaults():
-    """lab.pipeline's keywords (every driver's) that are a run's fields take the field's name and default."""
+def test_lab_pipeline_keywords_have_the_fields_names_defaults_and_help():
+    """lab.pipeline's keywords (every driver's) that are a run's fields take the field's name, default and help."""
     for pipeline in (Lab.pipeline, RankPool.pipeline):
         keywords = inspect.signature(pipeline).parameters
         shared = [name for name in keywords if name in FIELDS]
@@ -117,6 +117,9 @@ def test_lab_pipeline_keywords_have_the_fields_names_and_defaults():
                 assert keywords[name].default is None
             else:
                 assert keywords[name].default == default, name
+            # and its help, as the field gives it (help(lab.pipeline) reads what `pplab train --help` reads)
+            said = dataclasses.fields(RunConfig)[FIELDS.index(name)].metadata["help"]
+            assert " ".join(said.split()) in " ".join(pipeline.__doc__.split()), name
 
 
 # A value of the wrong kind, as a flag's text and as Python's value.

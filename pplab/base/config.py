@@ -113,6 +113,27 @@ def option(default, help: str, section: str, kind: Kind | None = None, metavar: 
                                             "example": example})
 
 
+def keywords_help(function, config_class, own: dict[str, str], indent: int = 8, width: int = 104) -> str:
+    """A table of `function`'s keywords for its docstring, in its signature's order: each keyword that
+    is a field of `config_class` with that field's help (written once, in the field), the others with
+    the words `own` gives them."""
+    import inspect
+    import textwrap
+
+    helps = {each.name: each.metadata["help"] for each in fields(config_class) if "help" in each.metadata}
+    names = [name for name in inspect.signature(function).parameters if name != "self"]
+    missing = [name for name in names if name not in own and name not in helps]
+    if missing:
+        raise ValueError(f"{function.__qualname__}: no help for {missing}: give it in `own` or make it a field")
+    column = max(map(len, names)) + 2
+    lines = []
+    for name in names:
+        wrapped = textwrap.wrap(own.get(name) or helps[name], width - indent - column)
+        lines += [" " * indent + f"{name:{column}s}{wrapped[0]}",
+                  *(" " * (indent + column) + line for line in wrapped[1:])]
+    return "\n".join(lines)
+
+
 def check_fields(options) -> None:
     """Raise a ValueError naming the first field of the dataclass `options` whose value is not of its
     kind (None passes where the field is optional: not set)."""

@@ -14,9 +14,11 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 from pplab.base.arguments import renamed_keywords
+from pplab.base.config import keywords_help
 from pplab.drivers.cluster.lab import Lab as _ClusterLab
 from pplab.drivers.local import RankPool as _LocalPool
 from pplab.drivers.torchrun import TorchrunRanks as _TorchrunRanks
+from pplab.session.run import RunConfig
 
 if TYPE_CHECKING:  # imported when a pipeline is built: they import torch (1-2 s in a fresh kernel),
     # which a lab's start needs no more than a pool's (the engines import their own)
@@ -48,27 +50,7 @@ class _BuildsPipelines:
                  n_virtual: int = 1, *, impl: str = "pplab", seed: int = 0, balance: Sequence[int] | None = None,
                  allow_empty: bool = False, op_timeout: float | None = None, timing: Costs | None = None,
                  record: bool = True, mesh: Mesh | dict | None = None, param_dtype: str = "float32") -> Pipeline:
-        """Build a pipeline's stages on every rank, everything checked first; step it with `.step()`.
-
-        config          the model: a `pplab.LlamaConfig`; a Hugging Face causal-LM config or a local
-                        directory holding one (config.json, optionally *.safetensors); or a
-                        `pplab.hf.HFModel` (a layout of your own, tied sums off): see pplab.hf
-        schedule        a schedule's name, in any spelling ("1f1b", "ZBVZeroBubble": see
-                        `pplab.schedules.schedule_name`), or a `Schedule` (built, written, searched)
-        n_microbatches  microbatches per step (with a name; a Schedule has its own)
-        n_virtual       stages per rank: 2 or more for interleaved-1f1b and torch's multi-stage schedules
-        impl            "pplab" (the hand-written runtime) or "torch" (torch.distributed.pipelining)
-        seed            the model's initialisation: each parameter from (seed, its name)
-        balance         layers per stage, e.g. [3, 5] (default: as even as possible)
-        allow_empty     let a stage have no layers
-        op_timeout      seconds one wait between ranks may take (default: the driver's `op_timeout`)
-        timing          timing mode: a `pplab.Costs`, each compute action padded to its cost
-        record          record the events of each step (the timeline)
-        mesh            PP as one dimension of a mesh: {"pp": 2, "dp": 2} or `pplab.Mesh(...)`
-                        (FSDP on dp and tensor parallelism on tp need impl="torch")
-        param_dtype     "float32", or "bfloat16" for plain bf16 stages (a pipeline alone; the loss is
-                        computed in fp32; compare with one device at a bf16 tolerance)
-        """
+        # The docstring is made below: its keywords that are a run's fields say what their field says.
         from pplab.rank.rank_pipeline import PipelineSpec
 
         self._check_usable()
@@ -77,6 +59,22 @@ class _BuildsPipelines:
                                    op_timeout=self.op_timeout if op_timeout is None else op_timeout,
                                    timing=timing, record=record, mesh=mesh, param_dtype=param_dtype)
         return self.pipeline_class(self, spec)
+
+
+# lab.pipeline's keywords: those that are a run's fields (schedule, n_microbatches, n_virtual, impl, seed,
+# balance, param_dtype) take their field's name, default (tests/test_config.py) and help; the rest are its own.
+_BuildsPipelines.pipeline.__doc__ = (
+    "Build a pipeline's stages on every rank, everything checked first; step it with `.step()`.\n\n"
+    + keywords_help(_BuildsPipelines.pipeline, RunConfig, {
+        "config": "the model: a `pplab.LlamaConfig`; a Hugging Face causal-LM config or a local directory "
+                  "holding one (config.json, optionally *.safetensors); or a `pplab.hf.HFModel` (a layout of "
+                  "your own, tied sums off): see pplab.hf",
+        "allow_empty": "let a stage have no layers",
+        "op_timeout": "seconds one wait between ranks may take (default: the driver's `op_timeout`)",
+        "timing": "timing mode: a `pplab.Costs`, each compute action padded to its cost",
+        "record": "record the events of each step (the timeline)",
+        "mesh": 'PP as one dimension of a mesh: {"pp": 2, "dp": 2} or `pplab.Mesh(...)` (FSDP on dp and '
+                'tensor parallelism on tp need impl="torch")'}) + "\n")
 
 
 class Lab(_BuildsPipelines, _ClusterLab):

@@ -56,7 +56,8 @@ class RunConfig(TrainOptions):
                                               f"too); in Python also a Schedule", "schedule", SCHEDULE, "NAME")
     impl: str = option("pplab", "the hand-written runtime (pplab), or torch.distributed.pipelining's schedules "
                                 "(torch)", "schedule", choice(*IMPLEMENTATIONS))
-    n_microbatches: int = option(4, "microbatches per pipeline per step", "schedule", metavar="N")
+    n_microbatches: int = option(4, "microbatches per pipeline per step (a Schedule brings its own)", "schedule",
+                                 metavar="N")
     n_virtual: int = option(1, "stages per rank (interleaved and torch's multi-stage schedules: 2+)", "schedule",
                             metavar="N")
     balance: Sequence[int] | None = option(None, "layers per stage, e.g. 3,5 (default: as even as possible)",
