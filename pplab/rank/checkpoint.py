@@ -51,9 +51,8 @@ from pplab.base.checkpoint_files import (FORMAT, MANIFEST, PREFIX, CheckpointErr
                                     unverifiable, verify)
 from pplab.models.llama import LlamaConfig, LlamaModel
 
-__all__ = ["FORMAT", "MANIFEST", "PREFIX", "CheckpointError", "Checkpointer", "check_loadable",
-           "complete_checkpoints", "export_model", "export_pretrained", "latest", "load_model", "rank_module",
-           "read_manifest", "resolve", "step_directory"]
+__all__ = ["CheckpointError", "export_model", "export_pretrained", "latest", "load_model", "read_manifest",
+           "step_directory"]
 
 # torch.distributed.checkpoint is imported where it is used: it brings DTensor and sympy with it
 # (1.2 s of CPU), which every process that imports the training loop would pay, checkpointing or

@@ -40,7 +40,7 @@ from pplab.base.machine import busy_note
 from pplab.schedules import Action, Kind, Schedule
 from pplab.trace.timeline import Event
 
-__all__ = ["StageLink", "PipelineTimeoutError", "encode_header", "decode_header", "MAX_DIMS", "message_tag"]
+__all__ = ["StageLink", "PipelineTimeoutError", "encode_header", "decode_header", "MAX_DIMS"]
 
 MAX_DIMS = 6
 _DTYPES = [torch.float32, torch.float16, torch.bfloat16, torch.float64]

@@ -46,8 +46,7 @@ from pplab.rank.rank_pipeline import PipelineSpec, RankPipeline
 from pplab.rank.reference import as_microbatches
 from pplab.trace.timeline import Event, Now
 
-__all__ = ["TrainOptions", "TrainRecord", "TrainHistory", "RankTrainer", "build_and_train_on_rank", "lr_factor",
-           "make_optimizer", "prepare_data", "train_batch", "heldout_batches"]
+__all__ = ["TrainOptions", "TrainRecord", "TrainHistory", "RankTrainer", "train_batch"]
 
 
 def lr_factor(options: TrainOptions, step_index: int) -> float:
