@@ -123,12 +123,14 @@ def keywords_help(function, config_class, own: dict[str, str], indent: int = 8, 
     helps = {each.name: each.metadata["help"] for each in fields(config_class) if "help" in each.metadata}
     names = [name for name in inspect.signature(function).parameters if name != "self"]
     missing = [name for name in names if name not in own and name not in helps]
-    if missing:
-        raise ValueError(f"{function.__qualname__}: no help for {missing}: give it in `own` or make it a field")
+    twice = [name for name in own if name in helps]
+    if missing or twice:
+        raise ValueError(f"{function.__qualname__}: no help for {missing}, and help written twice for {twice}: "
+                         f"give a keyword's help in `own` only when it is not a field")
     column = max(map(len, names)) + 2
     lines = []
     for name in names:
-        wrapped = textwrap.wrap(own.get(name) or helps[name], width - indent - column)
+        wrapped = textwrap.wrap(own[name] if name in own else helps[name], width - indent - column)
         lines += [" " * indent + f"{name:{column}s}{wrapped[0]}",
                   *(" " * (indent + column) + line for line in wrapped[1:])]
     return "\n".join(lines)

@@ -35,25 +35,29 @@ class PerRank(tuple):
         return f"PerRank({list(self)!r})"
 
 
-def has_per_rank(args: tuple, kwargs: dict) -> bool:
-    """True if any argument is a `PerRank` (a driver then sends each rank its own arguments)."""
-    return any(isinstance(value, PerRank) for value in (*args, *kwargs.values()))
+def call_name(fn) -> str:
+    """How a call is named in its errors and its repr: "step_on_rank()"."""
+    return f"{getattr(fn, '__name__', type(fn).__name__)}()"
 
 
-def check_per_rank(args: tuple, kwargs: dict, world_size: int, name: str) -> None:
-    """Refuse, before any rank is asked, a `PerRank` argument without one value for each rank."""
-    for position, value in [*enumerate(args), *kwargs.items()]:
-        if isinstance(value, PerRank) and len(value) != world_size:
-            raise ValueError(f"{name}: argument {position!r} is a PerRank of {len(value)} values for "
+def arguments_by_rank(fn, args: tuple, kwargs: dict, world_size: int) -> list[tuple[tuple, dict]] | None:
+    """Each rank's (args, kwargs), every `PerRank` replaced by that rank's item; None when no argument
+    is a PerRank (every rank is then given the same). A PerRank without exactly one value per rank is
+    refused here, before any rank is asked."""
+    per_rank = [(position, value) for position, value in [*enumerate(args), *kwargs.items()]
+                if isinstance(value, PerRank)]
+    if not per_rank:
+        return None
+    for position, value in per_rank:
+        if len(value) != world_size:
+            raise ValueError(f"{call_name(fn)}: argument {position!r} is a PerRank of {len(value)} values for "
                              f"{world_size} ranks: give exactly one value per rank")
 
-
-def for_rank(rank: int, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
-    """The arguments as rank `rank` is given them: each `PerRank` replaced by its item for that rank."""
-    def own(value):
+    def own(value, rank: int):
         return value[rank] if isinstance(value, PerRank) else value
 
-    return tuple(own(value) for value in args), {key: own(value) for key, value in kwargs.items()}
+    return [(tuple(own(value, rank) for value in args), {key: own(value, rank) for key, value in kwargs.items()})
+            for rank in range(world_size)]
 
 
 @runtime_checkable

@@ -41,7 +41,7 @@ from collections.abc import Sequence
 from multiprocessing import connection
 
 from pplab.base.arguments import OP_TIMEOUT, check_positive_int, check_positive_seconds, renamed_keywords
-from pplab.drivers.contract import check_per_rank, for_rank, has_per_rank
+from pplab.drivers.contract import arguments_by_rank, call_name
 from pplab.drivers.cores import check_cores, pin_this_process
 from pplab.rank.rank_context import (RankContext, RankDiedError, RankError, RankEvent, RankFailedError,
                                      RankTimeoutError, StillRunning, rank_context, set_rank_context)
@@ -338,6 +338,7 @@ class RankPool:
         self._check_usable()
         if timeout is not None:
             check_positive_seconds("timeout", timeout)
+        by_rank = arguments_by_rank(fn, args, kwargs, self.world_size)
         for running in list(self._calls.values()):  # the ranks run one call at a time, in order
             try:
                 running.result()
@@ -346,16 +347,17 @@ class RankPool:
         if not self._processes:
             self._start()
         call_id = next(self._call_ids)
-        name = f"{getattr(fn, '__name__', type(fn).__name__)}()"
-        check_per_rank(args, kwargs, self.world_size, name)
-        message = None if has_per_rank(args, kwargs) else pickle.dumps((call_id, fn, args, kwargs))  # once
-        for rank, link in enumerate(self._links):
+        # Every message is made before any is sent (one that cannot be pickled fails the call before
+        # a rank starts it); the same one for every rank unless an argument is a PerRank.
+        messages = ([pickle.dumps((call_id, fn, args, kwargs))] * self.world_size if by_rank is None else
+                    [pickle.dumps((call_id, fn, *arguments)) for arguments in by_rank])
+        for rank, (link, message) in enumerate(zip(self._links, messages)):
             try:
-                link.send_bytes(message or pickle.dumps((call_id, fn, *for_rank(rank, args, kwargs))))
+                link.send_bytes(message)
             except OSError:  # its process is gone: this call fails, the next one starts afresh
                 self._end_processes(patience=0.0)
                 raise RankDiedError(f"rank {rank}'s process has ended; call again for fresh ranks", ranks=[rank]) from None
-        call = PoolCall(self, call_id, name, self.timeout if timeout is None else timeout)
+        call = PoolCall(self, call_id, call_name(fn), self.timeout if timeout is None else timeout)
         self._calls[call_id] = call
         return call
 

@@ -15,7 +15,7 @@ import socket
 from datetime import timedelta
 
 from pplab.base.arguments import OP_TIMEOUT, renamed_keywords
-from pplab.drivers.contract import check_per_rank, for_rank
+from pplab.drivers.contract import arguments_by_rank
 from pplab.drivers.local import error_report, one_line
 from pplab.rank.rank_context import RankContext, RankEvent, RankFailedError, set_rank_context
 
@@ -70,8 +70,9 @@ class TorchrunRanks:
         """fn(*args, **kwargs) on this rank; every rank's result, by rank, on every process."""
         import torch.distributed as dist
 
-        check_per_rank(args, kwargs, self.world_size, f"{getattr(fn, '__name__', type(fn).__name__)}()")
-        args, kwargs = for_rank(self.rank, args, kwargs)  # this process is its rank
+        by_rank = arguments_by_rank(fn, args, kwargs, self.world_size)
+        if by_rank is not None:
+            args, kwargs = by_rank[self.rank]  # this process is its rank
         try:
             outcome = ("ok", fn(*args, **kwargs))
         except Exception as error:  # every rank learns who failed, instead of waiting for it

@@ -48,7 +48,7 @@ from torch.export.unflatten import InterpreterModule
 from pplab.base.checkpoint_files import (FORMAT, MANIFEST, PREFIX, CheckpointError, check_config,
                                     complete_checkpoints, data_files, file_record, latest,
                                     read_manifest, resolve, sealed, share, step_directory,
-                                    unverifiable, verify)
+                                    unverifiable, verify)  # noqa: F401 (PREFIX: importable here as before)
 from pplab.models.llama import LlamaConfig, LlamaModel
 
 __all__ = ["CheckpointError", "export_model", "export_pretrained", "latest", "load_model", "read_manifest",

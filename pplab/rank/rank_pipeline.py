@@ -198,8 +198,8 @@ class RankPipeline:
         """One step on this rank with the data `split_for_ranks` prepared for it (`watch`: see RankRuntime.step)."""
         if zero_grad:
             self.zero_grad()
-        # On a dp mesh, microbatches are numbered within the whole batch: what a watcher is
-        # told too, so that a streamed event and a returned one are the same event.
+        # On a dp mesh, microbatches are numbered within the whole batch: the events a watcher is
+        # told as the ones a result carries.
         first = self.place.first_microbatch(self.spec.schedule.n_microbatches) if self.place else 0
         numbered = watch if watch is None or not first else (
             lambda item: watch(_renumbered(item, first) if isinstance(item, Event) else item))

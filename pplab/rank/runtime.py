@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import contextlib
 from dataclasses import dataclass, field
+from collections.abc import Sequence
 from typing import Callable
 
 import torch
@@ -91,7 +92,7 @@ class RankStep:
     streamed: int = 0  # events a watcher was told while the step ran, and so left out of `events`
 
 
-def reported_once(events: list[Event], watch, untold: list[Event] = ()) -> tuple[list[Event], int]:
+def reported_once(events: list[Event], watch, untold: Sequence[Event] = ()) -> tuple[list[Event], int]:
     """A step's events for its result, each reported once: without a watcher, all of them; with one,
     those it was not told as they ended (`untold`) are told now, and the result keeps none of them,
     only how many there were (the client waits for that many on the stream)."""
@@ -189,9 +190,10 @@ class RankRuntime:
         link.finish()
         tell.messages()
         self._check_all_released(state)
-        tied = [] if self.tied is None else self.tied.sum(self.stages, clock if self.record else None)  # after
-        tell.starting([])  # the last backward, before anything reads the gradients
+        # The tied weights' gradients summed after the last backward, before anything reads them.
+        tied = [] if self.tied is None else self.tied.sum(self.stages, clock if self.record else None)
         kept, streamed = reported_once([*events, *link.events, *tied], watch, untold=tied)
+        tell.starting([])  # done
         return RankStep(self.rank, kept, state.losses, boundary_shapes,
                         *gradient_report(self.stages.values(), return_grads), streamed=streamed)
 

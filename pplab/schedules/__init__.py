@@ -27,7 +27,7 @@ once per (kind, stage).
 """
 
 # The public surface is `__all__`. A few more names are imported here for pplab's own modules
-# (message_peer, add_communication, Need, ...): importable as before, not advertised.
+# (message_peer, Need, peak_inflight_at, ...): importable as before, not advertised.
 from pplab.schedules.actions import (COMM_KINDS, COMPUTE_KINDS, RELEASE_KINDS, SEND_KINDS, Action, Kind,
                                      message_boundary, message_peer, message_receiver, message_sender,
                                      releases_activations)  # noqa: F401
@@ -43,5 +43,5 @@ from pplab.schedules.torch_plans import TORCH_SCHEDULES, TorchPlan, from_torch, 
 
 __all__ = ["Kind", "Action", "COMM_KINDS", "Schedule", "ScheduleError", "DeadlockError", "from_lists",
            "loop_placement", "v_placement", "schedule_name", "SCHEDULE_NAMES", "ALL_SCHEDULE_NAMES",
-           "Dependencies", "from_text", "build", "validate", "check_runnable", "Theory", "theory",
+           "Dependencies", "add_communication", "from_text", "build", "validate", "check_runnable", "Theory", "theory",
            "TORCH_SCHEDULES", "torch_plan", "from_torch"]

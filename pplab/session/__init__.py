@@ -5,7 +5,8 @@ device, trains it and streams what the ranks do. It needs of its ranks only what
 driver offers:
 
     ranks.world_size, ranks.op_timeout, ranks.state, ranks.rank_processes
-    ranks.run(fn, *args, timeout=...)        -> results by rank    (fn(*args) on every rank)
+    ranks.run(fn, *args, timeout=...)        -> results by rank    (fn(*args) on every rank; an
+                                                argument wrapped in PerRank: each rank its own item)
     ranks.run_async(fn, *args, timeout=...)  -> call: call.poll_events(), call.result(timeout=...),
                                                 call.wait_for_events()
 
@@ -27,6 +28,7 @@ _EXPORTS = {"Lab": "pplab.session.drivers", "RankPool": "pplab.session.drivers",
             "TorchrunRanks": "pplab.session.drivers",
             "Pipeline": "pplab.session.pipeline", "LiveStep": "pplab.session.pipeline",
             "MemoryTable": "pplab.session.results",  # what pipe.memory() shows
+            "PerRank": "pplab.drivers.contract",  # an argument of run(): one value per rank
             # what every driver raises when a call fails (the lab's errors are these too)
             **{name: "pplab.rank.rank_context"
                for name in ("RankError", "RankFailedError", "RankDiedError", "RankTimeoutError")}}

@@ -60,8 +60,9 @@ class RunConfig(TrainOptions):
                                  metavar="N")
     n_virtual: int = option(1, "stages per rank (interleaved and torch's multi-stage schedules: 2+)", "schedule",
                             metavar="N")
-    balance: Sequence[int] | None = option(None, "layers per stage, e.g. 3,5 (default: as even as possible)",
-                                           "schedule", LAYERS, "L1,L2,...")
+    balance: Sequence[int] | None = option(
+        None, "layers per stage (3,5 on the command line, [3, 5] in Python; default: as even as possible)",
+        "schedule", LAYERS, "L1,L2,...")
 
     def __post_init__(self):
         super().__post_init__()

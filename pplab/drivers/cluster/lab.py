@@ -34,7 +34,7 @@ from pplab.drivers.cluster.launchers import ConnectedCluster, LocalCluster
 from pplab.drivers.cluster.plan import (RankSpec, assign_ranks, check_gpus, check_threads, choose_backend_device,
                                 local_ranks, loopback_interface)
 from pplab.drivers.cluster.status import RankGroup, RankInfo, RankTable
-from pplab.drivers.contract import check_per_rank, for_rank, has_per_rank
+from pplab.drivers.contract import arguments_by_rank, call_name
 from pplab.drivers.cores import check_cores
 from pplab.base.machine import busy_note, measure_load
 from pplab.rank.rank_context import RankEvent
@@ -422,19 +422,17 @@ class Lab:
         self._check_usable()
         if timeout is not None:
             check_positive_seconds("timeout", timeout)
-        name = f"{getattr(fn, '__name__', type(fn).__name__)}()"
-        check_per_rank(args, kwargs, self.world_size, name)
+        by_rank = arguments_by_rank(fn, args, kwargs, self.world_size)
         # Through engine.call_on_rank: it tells the client when fn's error broke the process group.
-        if has_per_rank(args, kwargs):  # each engine is sent its own rank's arguments, in rank order
+        if by_rank is None:
+            running = self._view.apply_async(engine.call_on_rank, fn, *args, **kwargs)
+        else:  # each engine is sent its own rank's arguments (the view's engines are in rank order)
             import ipyparallel as ipp
 
             running = ipp.AsyncResult.join(*[
                 self.client[engine_id].apply_async(engine.call_on_rank, fn, *rank_args, **rank_kwargs)
-                for rank, engine_id in enumerate(self._view.targets)
-                for rank_args, rank_kwargs in [for_rank(rank, args, kwargs)]])
-        else:
-            running = self._view.apply_async(engine.call_on_rank, fn, *args, **kwargs)
-        self._last_call = RankCall(self._ranks, running, name, timeout, self.grace)
+                for engine_id, (rank_args, rank_kwargs) in zip(self._view.targets, by_rank)])
+        self._last_call = RankCall(self._ranks, running, call_name(fn), timeout, self.grace)
         self._changed("called")
         return self._last_call
 
