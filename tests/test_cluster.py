@@ -559,6 +559,7 @@ def test_a_rank_whose_process_dies_is_named_then_restart_works(fragile_lab):
     assert time.monotonic() - started < slack()  # noticed, not waited out (the call's timeout is 20 s)
     assert caught.value.ranks == [1]
     assert "rank 1 (engine" in str(caught.value) and "lab.restart()" in str(caught.value)
+    assert "died (its process ended, exit status 3)" in str(caught.value)  # as its fork server reaped it
     assert [row.state for row in fragile_lab.status()] == ["idle", "dead"]
     fork_server = psutil.Process(old_pids[0]).ppid()  # the engines' supervisor, torch imported there
     fragile_lab.restart()

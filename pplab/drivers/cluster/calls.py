@@ -214,7 +214,8 @@ class RankCall:
     def _died(self, died: list[int], failed: list[int]) -> RankDiedError:
         """A rank's death, with what its peers saw of it (e.g. the message to it they lost)."""
         who = ", ".join(self._ranks.describe(rank) for rank in died)
-        reason = f"{who} died (its process ended) while running {self._name}"
+        how = "".join(self._ranks.how_it_ended(rank) for rank in died[:1])
+        reason = f"{who} died (its process ended{how}) while running {self._name}"
         self._ranks.needs_restart(reason)
         seen = [(evalue.splitlines() or [ename])[0] for ename, evalue, _ in
                 (_remote_parts(self._per_rank[rank].exception()) for rank in failed)]

@@ -27,6 +27,7 @@ import contextlib
 import json
 import logging
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -216,6 +217,18 @@ class LocalCluster:
         if exited:
             raise LabStartError(f"{exited.removeprefix('pplab forkserver: ').strip()} during "
                                 f"start-up.\n{self.launch_logs()}")
+
+    def engine_exit(self, pid: int) -> str | None:
+        """How the engine of process `pid` ended, as its fork server logged it on reaping it
+        ("killed by SIGKILL", "exit status 1"); None if it has not (yet)."""
+        if self._fork_server is None or not os.path.exists(self._fork_server_log()):
+            return None
+        with open(self._fork_server_log(), errors="replace") as log:
+            said = [line for line in log if f"(pid {pid}) exited with status " in line]
+        if not said:
+            return None
+        code = int(said[-1].rsplit(" ", 1)[1])
+        return f"killed by {signal.Signals(-code).name}" if code < 0 else f"exit status {code}"
 
     def launch_logs(self) -> str:
         """The last lines the controller and engines wrote, for start-up error messages."""
@@ -445,6 +458,10 @@ class ConnectedCluster:
 
     def check_alive(self) -> None:
         """This lab started no process that could have exited."""
+
+    def engine_exit(self, pid: int) -> str | None:
+        """The engines were started elsewhere: how one ended is not known here."""
+        return None
 
     def launch_logs(self) -> str:
         """The last lines the launchers in the cluster file wrote (none without a cluster file)."""

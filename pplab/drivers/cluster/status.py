@@ -9,6 +9,7 @@ a new group, so a call on the old engines cannot mark the new ones.
 
 from __future__ import annotations
 
+import time
 from dataclasses import astuple, dataclass, fields
 from typing import Callable, Iterable
 
@@ -34,10 +35,12 @@ class RankGroup:
     """The ranks of one start of a lab, and whether they still work (what RankCall reports to)."""
 
     def __init__(self, infos: list[RankInfo], processes: dict[int, dict],
-                 registered: Callable[[], Iterable[int]] | None = None):
+                 registered: Callable[[], Iterable[int]] | None = None,
+                 exited: Callable[[int], str | None] | None = None):
         self.infos = infos
         self.processes = processes  # rank -> process entry, for the ranks on this host
         self.registered = registered  # the engine ids the controller still hears (every host)
+        self.exited = exited  # pid -> how that engine ended ("killed by SIGKILL"), where it is known
         self.broken: str | None = None  # why these ranks must be replaced, if they must
         self.last_errors: dict = {}
 
@@ -54,6 +57,16 @@ class RankGroup:
         return [rank for rank in ranks
                 if (records.find_process(self.processes[rank]) is None if rank in self.processes
                     else heard is not None and self.infos[rank].engine_id not in heard)]
+
+    def how_it_ended(self, rank: int, patience: float = 1.0) -> str:
+        """", killed by SIGABRT" for a dead rank whose end its fork server logged (it does on reaping
+        it, within a fraction of a second: waited for up to `patience` s); "" where it is not known."""
+        if self.exited is None:
+            return ""
+        deadline = time.monotonic() + patience
+        while (said := self.exited(self.infos[rank].pid)) is None and time.monotonic() < deadline:
+            time.sleep(0.1)
+        return f", {said}" if said else ""
 
     def describe(self, rank: int) -> str:
         """'rank 1 (engine 3, pid 4242 on host)': what a user needs to find the process."""
