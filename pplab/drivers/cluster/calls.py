@@ -214,7 +214,7 @@ class RankCall:
     def _died(self, died: list[int], failed: list[int]) -> RankDiedError:
         """A rank's death, with what its peers saw of it (e.g. the message to it they lost)."""
         who = ", ".join(self._ranks.describe(rank) for rank in died)
-        how = "".join(self._ranks.how_it_ended(rank) for rank in died[:1])
+        how = self._ranks.how_it_ended(died[0])  # the first death's cause (several are one cause)
         reason = f"{who} died (its process ended{how}) while running {self._name}"
         self._ranks.needs_restart(reason)
         seen = [(evalue.splitlines() or [ename])[0] for ename, evalue, _ in

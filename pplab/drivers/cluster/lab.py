@@ -288,7 +288,8 @@ class Lab:
         processes = {rank: {"pid": about[engine_id]["pid"], "role": f"rank {rank}",
                             "started": about[engine_id]["started"]}
                      for rank, engine_id in enumerate(order) if about[engine_id]["host"] == here}
-        self._ranks = RankGroup(infos, processes, registered=lambda: self.client.ids, exited=self._launcher.engine_exit)
+        self._ranks = RankGroup(infos, processes, registered=lambda: self.client.ids,
+                                exited=self._launcher.engine_exit)
         self._launcher.record_ranks(list(processes.values()))
         progress.update(f"joining {len(order)} ranks to a {backend} process group")
         self._join_process_group(order, about, hosts)
