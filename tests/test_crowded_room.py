@@ -45,8 +45,10 @@ for name in ("gpipe", "1f1b", "zb-h1"):
 slow = lab.pipeline(config, "1f1b", n_microbatches=4,
                     timing=pplab.Costs(**SLOW_STAGE))  # the drill's: stage 1 four times slower
 steps = [slow.step().timeline for _ in range(3)]  # each explained with the others as evidence
-stragglers = [pplab.bubble.explain(step, slow.schedule, steps=[other for other in steps if other is not step]).straggler
-              for step in steps]
+reports = [pplab.bubble.explain(step, slow.schedule, steps=[other for other in steps if other is not step])
+           for step in steps]
+stragglers = [report.straggler for report in reports]
+verdicts = [report.verdict.text() for report in reports]  # the evidence, should a verdict be wrong
 slow.close()
 pipe = lab.pipeline(config, schedule="1f1b", n_microbatches=4)
 losses = pipe.train(steps=20, batch_size=8, seq_len=32, warmup=2, eval_every=100, show=False).losses
@@ -55,7 +57,7 @@ ports = sorted({port for path in files for value in json.loads(path.read_text())
                 for port in (value if isinstance(value, list) else [value])
                 if isinstance(port, int) and not isinstance(port, bool)})
 say(f"{seat}.ready", json.dumps({"cluster_id": lab.cluster_id, "ports": ports, "checked": checked,
-                                 "stragglers": stragglers, "losses": losses}))
+                                 "stragglers": stragglers, "verdicts": verdicts, "losses": losses}))
 while True:
     order = folder / f"{seat}.order"
     if order.exists():
@@ -107,7 +109,7 @@ def test_three_attendees_labs_work_beside_two_burners_and_stop_alone(tmp_path, i
             burner.kill()
         for seat, lab in started.items():
             assert lab["checked"] == {name: [True, True] for name in ("gpipe", "1f1b", "zb-h1")}, (seat, lab)
-            assert lab["stragglers"] == [1, 1, 1], (seat, lab["stragglers"])
+            assert lab["stragglers"] == [1, 1, 1], (seat, lab["verdicts"])
             losses = lab["losses"]
             assert len(losses) == 20 and all(loss == loss for loss in losses) and losses[-1] < losses[0], losses
         # Three labs, no cluster and no port shared.

@@ -5,18 +5,25 @@ from its core meanwhile. The load only ever adds, and it adds unevenly: one acti
 the next one shares its core. So the evidence here is per action, never a rank's total:
 
 * each action (stage, kind) has run several times, once per microbatch and once per step given;
-  its *best* time (the fastest run) is the closest to its cost, its *typical* time (the median)
-  is what the load made of it;
-* a rank's compute at best is the sum over its actions of their best times, and likewise at
-  typical;
+  its *best* time (the fastest run) is the closest to its cost, and never under it;
+* how far the best may still be over its cost is read from the runs next to it. Near its
+  smallest values the load's excess is spread about evenly, so the fastest run's excess is
+  like one of the gaps between the next runs: it is over `k` times the gap up to the `j`-th
+  next run with probability (1 + k)^-j. With `k` set for `CONFIDENCE` (shared among the few
+  gaps tried, the tightest kept), an action's cost lies between its best less `k` such gaps
+  and its best. When the next runs came within a hair of the best, that range is a point;
+  when they took much longer, the best was probably loaded too, and the range says by how much;
+* a rank's compute is the sum over its actions, at either end of that range;
 * the candidate is the rank whose compute at best is largest. Against the other ranks (their
-  median) it computes at least its best over their typical, and at most its typical over their
-  best: an interval that is narrow on a quiet machine and widens with the load;
+  median) it computes at least its lowest over their best, and at most its best over their
+  lowest: a point on a quiet machine, an interval that widens as the load blurs the best;
 * it is the straggler when even the lower end is over `STRAGGLER_RATIO` and every kind of its
-  actions (F, B, ...) at best is slower than the other ranks' typical: an action whose every run
-  was loaded has a slow best, two kinds loaded every time are far rarer, and a rank with more
-  work is slower at all of them. There is none when even the upper end is under the ratio;
-  otherwise the verdict is undecided, saying by how much the load varied an action's time.
+  actions (F, B, ...) is slower at best than the other ranks' at best; there is none when even
+  the upper end is under the ratio; otherwise the verdict is undecided, saying by how much the
+  load varied an action's time (typical, the median run, over best). More steps narrow it.
+
+A load that stretches every run of one rank alike (a core it never has to itself) is not told
+apart from more work: that rank does compute longer, on this machine.
 
 Pure Python on a Timeline: it runs on pplab's own recordings and on imported profiler traces.
 """
@@ -33,6 +40,7 @@ from pplab.trace.timeline import Timeline
 __all__ = ["STRAGGLER_RATIO", "StragglerVerdict", "straggler_verdict"]
 
 STRAGGLER_RATIO = 1.25  # a rank computing this much more than the other ranks is the straggler
+CONFIDENCE = 0.9  # of each end of an action's cost range (see the module's docstring)
 
 
 @dataclass(frozen=True)
@@ -42,16 +50,16 @@ class StragglerVerdict:
     rank: int | None  # the straggler; None when there is none or the evidence cannot tell
     decided: bool
     candidate: int  # the rank that computes most at best
-    low: float  # the candidate's compute over the other ranks', at least (its best against their typical)
-    high: float  # ... and at most (its typical against their best)
+    low: float  # the candidate's compute over the other ranks', at least (with CONFIDENCE)
+    high: float  # ... and at most
     load_spread: float  # how much longer an action typically ran than at best (the largest rank's, a fraction)
     runs_per_action: int  # the fewest times any action ran: the evidence's depth
 
     def text(self) -> str:
         """One line for a report."""
         bounds = (f"{self.low:.2f}x" if abs(self.high - self.low) < 0.005
-                  else f"{self.low:.2f}-{self.high:.2f}x")
-        evidence = (f"its actions' best and typical times against the other ranks' "
+                  else f"{self.low:.2f}-{self.high:.2f}x ({CONFIDENCE:.0%} bounds)")
+        evidence = (f"each action's fastest runs against the other ranks' "
                     f"({self.runs_per_action} run{'s' if self.runs_per_action != 1 else ''} of each action)")
         if self.rank is not None:
             return f"straggler: rank {self.rank}, computing {bounds} the other ranks' compute; from {evidence}"
@@ -61,6 +69,16 @@ class StragglerVerdict:
         return (f"straggler: undecided: rank {self.candidate} computes {bounds} the other ranks' compute, and "
                 f"the machine's load varied an action's time by {self.load_spread:.0%} (typical over best): too "
                 f"little to tell it from the {STRAGGLER_RATIO}x line. Measure more steps, or on a quieter machine")
+
+
+def cost_range(durations: Sequence[float]) -> tuple[float, float]:
+    """An action's cost from its runs: (lowest, best), `CONFIDENCE` that it is not under lowest."""
+    ordered = sorted(durations)
+    best = ordered[0]
+    gaps = range(1, min(len(ordered) - 1, max(2, len(ordered) // 4)) + 1)  # up to a quarter of the runs along
+    miss = (1 - CONFIDENCE) / len(gaps) if gaps else 0.0  # the chance of missing, shared by the gaps tried
+    lowest = [best - (miss ** (-1 / j) - 1) * (ordered[j] - best) for j in gaps]  # (1 + k)^-j = miss
+    return max(0.0, max(lowest, default=best)), best
 
 
 def straggler_verdict(timelines: Sequence[Timeline], n_ranks: int) -> StragglerVerdict | None:
@@ -76,21 +94,24 @@ def straggler_verdict(timelines: Sequence[Timeline], n_ranks: int) -> StragglerV
             if index == 0:
                 count_in_step[key] += 1
     kinds = sorted({kind for _, _, kind in count_in_step})
+    ranges = {key: cost_range(durations) for key, durations in runs.items()}
+    LOWEST, BEST = 0, 1
 
-    def compute(rank: int, estimate, kind: str | None = None) -> float:
-        """The rank's compute in one step, each action at its `estimate` (min: best, median: typical)."""
-        return sum(count * estimate(runs[key]) for key, count in count_in_step.items()
+    def compute(rank: int, end: int, kind: str | None = None) -> float:
+        """The rank's compute in one step, each action's cost at one `end` of its range."""
+        return sum(count * ranges[key][end] for key, count in count_in_step.items()
                    if key[0] == rank and kind in (None, key[2]))
 
-    def over_others(candidate: int, mine, theirs, kind: str | None = None) -> float:
+    def over_others(candidate: int, mine: int, theirs: int, kind: str | None = None) -> float:
         others = statistics.median(compute(rank, theirs, kind) for rank in range(n_ranks) if rank != candidate)
         return compute(candidate, mine, kind) / others if others > 0 else float("inf")
 
-    best = [compute(rank, min) for rank in range(n_ranks)]
-    typical = [compute(rank, statistics.median) for rank in range(n_ranks)]
+    best = [compute(rank, BEST) for rank in range(n_ranks)]
     candidate = max(range(n_ranks), key=lambda rank: best[rank])
-    low, high = over_others(candidate, min, statistics.median), over_others(candidate, statistics.median, min)
-    every_kind_slower = all(over_others(candidate, min, statistics.median, kind) > 1 for kind in kinds)
+    low, high = over_others(candidate, LOWEST, BEST), over_others(candidate, BEST, LOWEST)
+    every_kind_slower = all(over_others(candidate, BEST, BEST, kind) > 1 for kind in kinds)
+    typical = [sum(count * statistics.median(runs[key]) for key, count in count_in_step.items() if key[0] == rank)
+               for rank in range(n_ranks)]
     spread = max((typical[rank] / best[rank] - 1 for rank in range(n_ranks) if best[rank] > 0), default=0.0)
     straggles = low > STRAGGLER_RATIO and every_kind_slower
     decided = straggles or high < STRAGGLER_RATIO
