@@ -183,7 +183,8 @@ def test_a_slow_rank_is_named_the_straggler_and_the_waits_are_its(tmp_path):
     # The verdict weighs both profiled steps, as `pplab analyze` does: one step's four runs of an
     # action could all be loaded on a busy machine, eight far more rarely.
     earlier = read_profiler_traces(folder, step=0).timeline
-    report = explain(run.timeline, named_schedule("1f1b", 2, M), run.outside, steps=[earlier])
+    assert [step.events for step in run.other_steps] == [earlier.events]
+    report = explain(run.timeline, named_schedule("1f1b", 2, M), run.outside, steps=run.other_steps)
     assert report.straggler == 1, report.text()
     assert report.waits_caused_by(1) > 0.03 and report.waits_caused_by(0) < report.waits_caused_by(1) / 4
     assert report.ranks[0].waiting > report.ranks[1].waiting

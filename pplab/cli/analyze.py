@@ -21,9 +21,7 @@ def run(args: argparse.Namespace) -> int:
     schedule = named_schedule(args.schedule, n_ranks, args.n_microbatches, args.n_virtual)
     # The trace's other steps weigh in the straggler's verdict: a busy machine slows an action
     # once, rarely every time.
-    others = [read_profiler_traces(args.traces, step=index).timeline
-              for index in range(run.steps_in_trace) if index != run.step]
-    report = explain(run.timeline, schedule, run.outside, steps=others)
+    report = explain(run.timeline, schedule, run.outside, steps=run.other_steps)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     picture, trace, numbers, text = (out / "timeline.png", out / "timeline.trace.json", out / "report.json",

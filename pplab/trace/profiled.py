@@ -106,7 +106,10 @@ class RankTrace:
 
 @dataclass
 class ImportedRun:
-    """What `read_profiler_traces` found: the step as a Timeline, and how it was read."""
+    """What `read_profiler_traces` found: the step as a Timeline, and how it was read.
+
+    `other_steps` are the traces' other steps: `explain(run.timeline, schedule, run.outside,
+    steps=run.other_steps)` weighs them in the straggler's verdict."""
 
     timeline: Timeline
     files: list[str]
@@ -117,6 +120,7 @@ class ImportedRun:
     alignment_error: float | None  # seconds; 0 on one host (one clock), None where nothing could tell
     outside: list[float | None]  # per rank, seconds of the ProfilerStep outside the pipeline's actions
     notes: list[str] = field(default_factory=list)
+    other_steps: list[Timeline] = field(default_factory=list)  # the traces' other steps, in order: more evidence
 
     def summary(self) -> str:
         """A few lines: files, step, labels, clocks."""
@@ -156,10 +160,18 @@ def read_profiler_traces(paths, *, step: int = -1) -> ImportedRun:
         raise TraceImportError(f"step={step}: the traces hold {n_steps} step(s); give 0..{n_steps - 1} or -1")
     index = step % n_steps
     one_host = len({trace.host for trace in traces}) == 1
+    device = any(span.device and PP_LABEL.match(span.name) for trace in traces for span in trace.spans)
+    timeline, labels, outside, error, notes = _read_step(traces, windows, index, one_host, device)
+    others = [_read_step(traces, windows, other, one_host, device)[0] for other in range(n_steps) if other != index]
+    return ImportedRun(timeline, [t.path for t in traces], index, n_steps, labels, one_host, error, outside,
+                       notes, others)
+
+
+def _read_step(traces: list[RankTrace], windows, index: int, one_host: bool, device: bool):
+    """Step `index` of the traces: (timeline, labels, outside per rank, alignment error, notes)."""
     chosen = [found[index][:2] for found in windows]
     offsets, error, notes = _clock_offsets(traces, chosen, one_host)
     _check_one_step(traces, chosen, offsets)
-    device = any(span.device and PP_LABEL.match(span.name) for trace in traces for span in trace.spans)
     events, labels, outside = [], set(), []
     for trace, found, offset in zip(traces, windows, offsets):
         start, end, profiled = found[index]
@@ -170,8 +182,7 @@ def read_profiler_traces(paths, *, step: int = -1) -> ImportedRun:
         outside.append(max(0.0, (end - start) / 1e6 - (max(e.end for e in compute) - min(e.start for e in compute)))
                        if profiled and compute else None)
     timeline = Timeline(events, n_ranks=len(traces), label="imported from torch.profiler").normalised()
-    return ImportedRun(timeline, [t.path for t in traces], index, n_steps, " and ".join(sorted(labels)),
-                       one_host, error, outside, notes)
+    return timeline, " and ".join(sorted(labels)), outside, error, notes
 
 
 # ---------------------------------------------------------------- files
