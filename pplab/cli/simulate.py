@@ -9,7 +9,7 @@ import json
 from pathlib import Path
 
 from pplab._version import __version__
-from pplab.schedules import SCHEDULE_NAMES, Kind, build, schedule_name, theory, validate
+from pplab.schedules import SCHEDULE_NAMES, Kind, Schedule, build, schedule_name, theory, validate
 from pplab.planning.simulator import Costs, simulate
 from pplab.cli.options import add_run_flag, arguments_as_json, bubble_figure, number, per_stage, positive_int
 
@@ -18,16 +18,8 @@ def run(args: argparse.Namespace) -> int:
     """Predict a schedule's timeline on a cost model: picture, Chrome trace and numbers; no processes."""
     from pplab.views import viz  # matplotlib only when drawing
 
-    name = schedule_name(args.schedule)
-    interleaved = name == "interleaved-1f1b"
-    n_virtual = args.n_virtual if args.n_virtual is not None else (2 if interleaved else 1)
-    if interleaved and n_virtual < 2:
-        raise ValueError(f"--n-virtual {n_virtual}: interleaved-1f1b runs 2 or more stages per rank; "
-                         f"give --n-virtual 2 or more, or simulate 1f1b for one stage per rank")
-    if name in SCHEDULE_NAMES and not interleaved and n_virtual != 1:
-        raise ValueError(f"--n-virtual {n_virtual}: {name} runs one stage per rank; leave "
-                         f"--n-virtual out, or simulate interleaved-1f1b for several stages per rank")
-    schedule = build(name, args.n_ranks, args.n_microbatches, n_virtual)
+    schedule = _from_csv(args) if args.schedule.endswith(".csv") else _built(args)
+    name = schedule.name
     validate(schedule)
     costs = _costs(args, schedule)
     timeline = simulate(schedule, costs)
@@ -63,6 +55,39 @@ def run(args: argparse.Namespace) -> int:
         print(f"  theory n/a: {textbook.conditions}")
     print(f"  wrote {picture}, {trace} (open in ui.perfetto.dev) and {numbers}")
     return 0
+
+
+def _built(args: argparse.Namespace) -> Schedule:
+    """The named schedule, at the sizes the flags give."""
+    name = schedule_name(args.schedule)
+    for flag in ("n_ranks", "n_microbatches"):
+        if getattr(args, flag) is None:
+            raise ValueError(f"--{flag.replace('_', '-')} is needed for a named schedule ({name}); a schedule "
+                             f"read from torch's CSV (FILE.csv) brings its own sizes")
+    interleaved = name == "interleaved-1f1b"
+    n_virtual = args.n_virtual if args.n_virtual is not None else (2 if interleaved else 1)
+    if interleaved and n_virtual < 2:
+        raise ValueError(f"--n-virtual {n_virtual}: interleaved-1f1b runs 2 or more stages per rank; "
+                         f"give --n-virtual 2 or more, or simulate 1f1b for one stage per rank")
+    if name in SCHEDULE_NAMES and not interleaved and n_virtual != 1:
+        raise ValueError(f"--n-virtual {n_virtual}: {name} runs one stage per rank; leave "
+                         f"--n-virtual out, or simulate interleaved-1f1b for several stages per rank")
+    return build(name, args.n_ranks, args.n_microbatches, n_virtual)
+
+
+def _from_csv(args: argparse.Namespace) -> Schedule:
+    """The schedule of a torch compute-only CSV; sizes given as flags must be the file's."""
+    path = Path(args.schedule)
+    if not path.is_file():
+        raise ValueError(f"{args.schedule}: no such file (a schedule ending in .csv is read from torch's CSV)")
+    schedule = Schedule.from_torch_csv(path)
+    for flag, value in (("n_ranks", schedule.n_ranks), ("n_microbatches", schedule.n_microbatches),
+                        ("n_virtual", schedule.n_virtual)):
+        given = getattr(args, flag)
+        if given is not None and given != value:
+            raise ValueError(f"--{flag.replace('_', '-')} {given}, but {path} holds {value}: leave the flag "
+                             f"out (the file brings its sizes)")
+    return schedule
 
 
 def _costs(args: argparse.Namespace, schedule) -> Costs:
@@ -131,6 +156,19 @@ def _one_or_all(values: list[float]):
     return values[0] if len(set(values)) == 1 else tuple(values)
 
 
+def add_cost_flags(parser: argparse.ArgumentParser) -> None:
+    """The cost model's durations, as `pplab simulate` and `pplab search` take them."""
+    parser.add_argument("--forward", type=per_stage, default=1.0,
+                        help="forward F of one stage (an interleaved chunk is a stage; default 1)")
+    parser.add_argument("--backward", type=per_stage, default=None,
+                        help="whole backward B (default twice the forward)")
+    parser.add_argument("--weight", type=per_stage, default=None,
+                        help="zero-bubble schedules: the weight-gradient pass W, part of the "
+                             "backward (the input-gradient pass I is the rest; default half)")
+    parser.add_argument("--latency", type=number, default=0.0,
+                        help="time a message between ranks takes (default 0)")
+
+
 def add_to(commands, ranks_run: argparse.ArgumentParser) -> argparse.ArgumentParser:
     """This command's flags, on the `pplab` parser's subcommands."""
     run_simulate = commands.add_parser(
@@ -140,20 +178,16 @@ def add_to(commands, ranks_run: argparse.ArgumentParser) -> argparse.ArgumentPar
                     "give seconds to compare with a measured run. Each duration is one number, "
                     "or one per stage separated by commas.")
     run_simulate.add_argument("schedule", metavar="SCHEDULE", help=f"one of {', '.join(SCHEDULE_NAMES)} "
-                                                                   f"(any case; '-', '_' or nothing between words)")
-    run_simulate.add_argument("--n-ranks", type=positive_int, required=True, metavar="N", help="ranks")
-    add_run_flag(run_simulate, "n_microbatches", required=True)
+                                                                   f"(any case; '-', '_' or nothing between words), "
+                                                                   f"or a torch compute-only CSV (FILE.csv, as "
+                                                                   f"Schedule.to_torch_csv writes it)")
+    run_simulate.add_argument("--n-ranks", type=positive_int, default=None, metavar="N",
+                              help="ranks (needed for a named schedule; a CSV brings its own)")
+    add_run_flag(run_simulate, "n_microbatches", default=None,
+                 help="microbatches per step (needed for a named schedule; a CSV brings its own)")
     add_run_flag(run_simulate, "n_virtual", default=None,
                  help="stages per rank (interleaved-1f1b: default 2; others: 1)")
-    run_simulate.add_argument("--forward", type=per_stage, default=1.0,
-                              help="forward F of one stage (an interleaved chunk is a stage; default 1)")
-    run_simulate.add_argument("--backward", type=per_stage, default=None,
-                              help="whole backward B (default twice the forward)")
-    run_simulate.add_argument("--weight", type=per_stage, default=None,
-                              help="zero-bubble schedules: the weight-gradient pass W, part of the "
-                                   "backward (the input-gradient pass I is the rest; default half)")
-    run_simulate.add_argument("--latency", type=number, default=0.0,
-                              help="time a message between ranks takes (default 0)")
+    add_cost_flags(run_simulate)
     run_simulate.add_argument("--bandwidth", type=functools.partial(number, positive=True), default=None,
                               help="bytes per cost unit of a link (needs --activation-bytes)")
     run_simulate.add_argument("--activation-bytes", type=positive_int, default=None,

@@ -26,7 +26,7 @@ from pplab.models.partition import as_model, build_stage, layer_ranges
 from pplab.rank.reference import as_microbatches
 from pplab.rank.runtime import RankRuntime, RankStep
 from pplab.rank.tied import TiedGradients, tie_on_rank
-from pplab.schedules import Schedule, build, check_runnable, validate
+from pplab.schedules import Schedule, build, check_runnable, check_torch_runs, validate
 from pplab.planning.simulator import Costs
 from pplab.trace.timeline import Event
 
@@ -83,13 +83,15 @@ class PipelineSpec:
             mesh = Mesh.of(mesh)
             mesh.check(config, n_ranks, impl)
             n_ranks = mesh.pp
-        if impl == "torch":
-            if not isinstance(schedule, str) or n_microbatches is None:
-                raise ValueError("impl='torch' runs torch's own schedules: give one by name (e.g. "
-                                 "schedule='1f1b') and n_microbatches=<count>")
+        if impl == "torch" and isinstance(schedule, str):
+            if n_microbatches is None:
+                raise ValueError(f"schedule={schedule!r} needs n_microbatches=<count>")
             from pplab.rank.torch_pp import torch_schedule
 
             schedule = torch_schedule(schedule, n_ranks, n_microbatches, n_virtual)
+        elif impl == "torch":  # any schedule: torch's runtime runs it from its CSV
+            _check_matches(schedule, n_ranks, n_microbatches, n_virtual)
+            check_torch_runs(schedule)
         elif isinstance(schedule, str):
             if n_microbatches is None:
                 raise ValueError(f"schedule={schedule!r} needs n_microbatches=<count>")

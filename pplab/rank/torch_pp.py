@@ -1,6 +1,7 @@
 """The same stage modules under torch.distributed.pipelining, recorded in pplab's timeline.
 
-torch runs its own schedules (`ScheduleGPipe`, `Schedule1F1B`, the multi-stage ones) over
+torch runs its own schedules (`ScheduleGPipe`, `Schedule1F1B`, the multi-stage ones), and any
+other pplab schedule from its CSV on `_PipelineScheduleRuntime` (as torchtitan does), over
 `PipelineStage`s; pplab gives them its stage modules and records what torch executed by
 subclassing the stage (`RecordingStage`): each forward, backward (full or input-only) and
 weight-gradient pass is timed around torch's own method, padded to its cost in timing mode,
@@ -17,6 +18,8 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import tempfile
+from pathlib import Path
 
 import torch
 from torch.profiler import record_function
@@ -27,7 +30,7 @@ from pplab.rank.gradients import gradient_report
 from pplab.rank.memory import ForwardBytes
 from pplab.models.llama import loss_fn
 from pplab.rank.runtime import Boundary, RankStep, reported_once
-from pplab.schedules import Action, Kind, Schedule, build, from_torch, torch_plan
+from pplab.schedules import TORCH_SCHEDULES, Action, Kind, Schedule, build, from_torch, torch_plan
 from pplab.planning.simulator import Costs
 from pplab.rank.step_clock import StepClock, pad_to_cost
 from pplab.trace.timeline import Event, Now
@@ -45,6 +48,18 @@ def torch_schedule(name: str, n_ranks: int, n_microbatches: int, n_virtual: int 
     if entry.built_by_pplab:
         return build(entry.name, n_ranks, n_microbatches, n_virtual)
     return plan
+
+
+def is_torch_plan(schedule: Schedule) -> bool:
+    """True when `schedule` is one of torch's own schedules (by name, and action for action); any
+    other runs on torch's `_PipelineScheduleRuntime` from its CSV, as torchtitan runs one."""
+    if schedule.name not in TORCH_SCHEDULES:
+        return False
+    try:
+        own = torch_schedule(schedule.name, schedule.n_ranks, schedule.n_microbatches, schedule.n_virtual)
+    except ValueError:  # torch does not plan it at these sizes
+        return False
+    return own == schedule
 
 
 @functools.cache
@@ -215,13 +230,18 @@ class TorchRankRuntime:
                                       group=self._stage_group)
             stage.recorder, stage.forward_bytes = self.recorder, ForwardBytes()
             self.torch_stages.append(stage)
-        schedule_class = torch_schedules.get_schedule_class(torch_plan(schedule.name).torch_name)
+        plan = is_torch_plan(schedule)
+        schedule_class = (torch_schedules.get_schedule_class(torch_plan(schedule.name).torch_name) if plan
+                          else torch_schedules._PipelineScheduleRuntime)  # any other: torch runs its CSV
         single = issubclass(schedule_class, torch_schedules.PipelineScheduleSingle)
         self.recorder.labels = single  # the multi-stage ones label each action "PP:<action>" themselves
         # scale_grads: torch divides every gradient by the number of microbatches, so they are
         # those of the mean loss, as pplab's runtime and the single-device reference compute.
         self.torch_schedule = schedule_class(self.torch_stages[0] if single else self.torch_stages,
                                              schedule.n_microbatches, loss_fn=loss_fn, scale_grads=True)
+        if not plan:
+            with tempfile.TemporaryDirectory() as folder:
+                self.torch_schedule._load_csv(str(schedule.to_torch_csv(Path(folder) / "schedule.csv")))
 
     def _follow_shape(self, activation_shapes) -> None:
         """torch's stages infer their activations' shapes once, on their first step: when the

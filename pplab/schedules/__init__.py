@@ -20,7 +20,9 @@ inside `from_torch`). The modules, each building on the ones before:
   `check_runnable`: real ranks need a send and a receive wherever data crosses ranks;
 * `textbook` — `theory`: the textbook bubble and peak in-flight activations;
 * `torch_plans` — `TORCH_SCHEDULES` (torch's schedules by canonical name: torch's class
-  name and stages per rank) and `from_torch`: torch.distributed.pipelining's plans as schedules.
+  name and stages per rank) and `from_torch`: torch.distributed.pipelining's plans as schedules;
+* `torch_csv` — any schedule as the CSV torch's runtime and torchtitan run
+  (`Schedule.to_torch_csv`, `Schedule.from_torch_csv`), and `check_torch_runs`.
 
 The integer form `validate` and `simulate` loop over (`compiled`) reads the same rules,
 once per (kind, stage).
@@ -40,8 +42,9 @@ from pplab.schedules.builders import build
 from pplab.schedules.validation import check_runnable, validate
 from pplab.schedules.textbook import Theory, peak_inflight_at, theory  # noqa: F401
 from pplab.schedules.torch_plans import TORCH_SCHEDULES, TorchPlan, from_torch, torch_plan  # noqa: F401
+from pplab.schedules.torch_csv import check_torch_runs, read_torch_csv, write_torch_csv  # noqa: F401
 
 __all__ = ["Kind", "Action", "COMM_KINDS", "Schedule", "ScheduleError", "DeadlockError", "from_lists",
            "loop_placement", "v_placement", "schedule_name", "SCHEDULE_NAMES", "ALL_SCHEDULE_NAMES",
            "Dependencies", "add_communication", "from_text", "build", "validate", "check_runnable", "Theory", "theory",
-           "TORCH_SCHEDULES", "torch_plan", "from_torch"]
+           "TORCH_SCHEDULES", "torch_plan", "from_torch", "check_torch_runs"]

@@ -7,6 +7,7 @@ answer for any schedule; `loop_placement` and `v_placement` spell out the two cl
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Sequence
 
 from pplab.schedules.actions import Action
@@ -95,6 +96,22 @@ class Schedule:
         """A schedule of the same sizes, name and placement with other action lists."""
         return Schedule(actions, self.n_ranks, self.n_microbatches, self.n_stages,
                         self.n_virtual, self.name, self.placement)
+
+    def to_torch_csv(self, path) -> Path:
+        """Write this schedule as torch's compute-only CSV, which torch's `_PipelineScheduleRuntime`
+        and torchtitan (`pipeline_parallel_schedule_csv`) run; the path written (see
+        `pplab.schedules.torch_csv`)."""
+        from pplab.schedules import write_torch_csv  # the package's, loaded after this module
+
+        return write_torch_csv(self, path)
+
+    @classmethod
+    def from_torch_csv(cls, path, name: str | None = None) -> Schedule:
+        """Read torch's compute-only CSV back as a schedule, with pplab's sends and receives added
+        (`name`: the file's stem unless given)."""
+        from pplab.schedules import read_torch_csv  # the package's, loaded after this module
+
+        return read_torch_csv(path, name)
 
     def __str__(self) -> str:
         # One column per rank, like torch's printout: p columns stay readable

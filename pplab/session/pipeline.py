@@ -26,6 +26,7 @@ from pplab.rank.mesh import Mesh
 from pplab.models.llama import LlamaConfig
 from pplab.rank.rank_context import RankError, StillRunning
 from pplab.rank.rank_pipeline import PipelineSpec, split_for_ranks
+from pplab.schedules import TORCH_SCHEDULES
 from pplab.rank.reference import ReferenceResult, reference_step
 from pplab.schedules import Schedule
 from pplab.session.on_rank import (RANK_ITEMS, build_on_rank, drop_on_rank, memory_on_rank, step_on_rank,
@@ -259,7 +260,8 @@ class Pipeline:
 
     def __repr__(self) -> str:
         s = self.schedule
-        runtime = f"torch's {s.name}" if self.spec.impl == "torch" else s.name
+        runtime = s.name if self.spec.impl != "torch" else (
+            f"torch's {s.name}" if s.name in TORCH_SCHEDULES else f"{s.name} on torch's runtime")
         mesh = self.spec.mesh
         where = (f"{mesh.world_size} ranks as pp={mesh.pp} x dp={mesh.dp} x tp={mesh.tp}" if mesh
                  else f"{s.n_ranks} ranks")

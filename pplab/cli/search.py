@@ -1,0 +1,54 @@
+"""`pplab search`: the fastest schedule for a cost model, and the CSV torch and torchtitan run."""
+
+from __future__ import annotations
+
+import argparse
+import functools
+from pathlib import Path
+
+from pplab.cli.options import add_run_flag, number, positive_int
+from pplab.cli.simulate import add_cost_flags
+
+
+def run(args: argparse.Namespace) -> int:
+    """Search the schedules for these sizes and costs; print what was tried; write the found one's CSV."""
+    from pplab.planning.search import search
+    from pplab.planning.simulator import Costs
+
+    backward = args.backward if args.backward is not None else (
+        tuple(2 * f for f in args.forward) if isinstance(args.forward, tuple) else 2 * args.forward)
+    input_grad = None if args.weight is None else (
+        tuple(b - w for b, w in zip(backward, args.weight)) if isinstance(args.weight, tuple) else backward - args.weight)
+    costs = Costs(forward=args.forward, backward=None if args.weight is not None else backward,
+                  input_grad=input_grad, weight_grad=args.weight, latency=args.latency)
+    found = search(args.n_ranks, args.n_microbatches, costs, memory_limit=args.memory_limit,
+                   n_virtual=args.n_virtual, show=not args.quiet)
+    print(found)
+    if args.csv:
+        path = found.schedule.to_torch_csv(Path(args.csv))
+        print(f"wrote {path}: torch's compute-only CSV of {found.schedule.name!r}. Run it with torch's "
+              f"_PipelineScheduleRuntime._load_csv, torchtitan's pipeline_parallel_schedule_csv, or "
+              f"`pplab simulate {path}`")
+    return 0
+
+
+def add_to(commands, ranks_run: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """This command's flags, on the `pplab` parser's subcommands."""
+    run_search = commands.add_parser(
+        "search", help="the fastest schedule for a cost model, written as torch's CSV (no processes)",
+        description="Try every built-in schedule, torch's plans and pplab's list schedules on a cost model, "
+                    "under a memory limit; print them fastest first and, with --csv, write the fastest as "
+                    "the CSV that torch's runtime and torchtitan load. Durations are in cost units, each one "
+                    "number or one per stage separated by commas.")
+    run_search.add_argument("--n-ranks", type=positive_int, required=True, metavar="N", help="ranks")
+    add_run_flag(run_search, "n_microbatches", required=True)
+    add_run_flag(run_search, "n_virtual", default=None,
+                 help="stages per rank (default: from the per-stage costs, else 1)")
+    add_cost_flags(run_search)
+    run_search.add_argument("--memory-limit", type=functools.partial(number, positive=True), default=None,
+                            help="per rank, in microbatches of the rank's activations (default: none)")
+    run_search.add_argument("--csv", metavar="FILE", default=None,
+                            help="write the schedule found as torch's compute-only CSV")
+    run_search.add_argument("--quiet", action="store_true", help="no progress bar")
+    run_search.set_defaults(handler=run)
+    return run_search

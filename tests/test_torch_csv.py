@@ -1,0 +1,191 @@
+"""Schedules as torch's CSV: written from any pplab schedule, read back equal, refused with the
+action and the reason, and run by torch's own runtime (`_PipelineScheduleRuntime._load_csv`) in
+a torchrun script with no pplab code on the ranks, its gradients those of one device."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from pplab.planning.search import search
+from pplab.schedules import Action, Kind, Schedule, ScheduleError, build, check_torch_runs, from_text, from_torch
+from pplab.simulator import Costs
+
+
+def searched(n_ranks: int, n_microbatches: int, costs: Costs) -> Schedule:
+    return search(n_ranks, n_microbatches, costs, show=False, improve_seconds=0).schedule
+
+
+SCHEDULES = {
+    "1f1b": lambda: build("1f1b", 2, 4),
+    "zb-h1": lambda: build("zb-h1", 4, 8),
+    "interleaved-1f1b": lambda: build("interleaved-1f1b", 2, 4, 2),
+    "zbv-zero-bubble (torch's plan, a V)": lambda: from_torch("zbv-zero-bubble", 2, 4, 2),
+    "dualpipev (torch's plan, overlapped F and B)": lambda: from_torch("dualpipev", 2, 4, 2),
+    "searched, uneven stages": lambda: searched(3, 6, Costs(forward=(1, 1, 2), input_grad=(1, 1, 2),
+                                                            weight_grad=(1, 1, 2))),
+    "by hand": lambda: from_text(["0F0 0F1 0B0 0F2 0B1 0B2", "1F0 1B0 1F1 1B1 1F2 1B2"]),
+}
+
+
+@pytest.mark.quick
+@pytest.mark.parametrize("made", SCHEDULES.values(), ids=SCHEDULES.keys())
+def test_any_schedule_is_written_as_torchs_csv_and_read_back_equal(tmp_path, made):
+    schedule = made()
+    path = schedule.to_torch_csv(tmp_path / "schedule.csv")
+    rows = path.read_text().splitlines()
+    assert len(rows) == schedule.n_ranks
+    assert [row.split(",") for row in rows] == [[str(a) for a in acts if a.is_compute] for acts in schedule.actions]
+    again = Schedule.from_torch_csv(path, name=schedule.name)
+    assert again.compute_only() == schedule.compute_only()  # torch's plans keep torch's own messages
+    if schedule.name not in ("zbv-zero-bubble", "dualpipev"):
+        assert again == schedule  # pplab's messages: the same rule both ways
+    assert Schedule.from_torch_csv(path).name == "schedule"  # the file's stem by default
+    check_torch_runs(schedule)  # torch validates and lowers it, as on the ranks
+
+
+@pytest.mark.quick
+def test_what_torchs_csv_cannot_hold_is_refused_naming_the_cell_and_why(tmp_path):
+    path = tmp_path / "bad.csv"
+    path.write_text("0F0,0SEND_F0,0B0\n1RECV_F0,1F0,1B0\n")
+    with pytest.raises(ScheduleError, match=r"bad.csv, row 1 \(rank 0\), cell 2: '0SEND_F0' is a send or "
+                                            r"receive; .* F, B, I and W only \(torch adds the messages itself\)"):
+        Schedule.from_torch_csv(path)
+    path.write_text("0UNSHARD,0F0,0B0,0RESHARD\n1F0,1B0\n")
+    with pytest.raises(ScheduleError, match=r"cell 1: '0UNSHARD' is one of torch's own actions \(FSDP"):
+        Schedule.from_torch_csv(path)
+    path.write_text("0F0,0X0\n1F0,1B0\n")
+    with pytest.raises(ScheduleError, match=r"cell 2: cannot read action '0X0'"):
+        Schedule.from_torch_csv(path)
+    # A schedule that breaks a dependency is not written: the validator names the action.
+    backward_first = from_text(["0F0 0B0", "1B0 1F0"])
+    with pytest.raises(ScheduleError, match=r"1B0"):
+        backward_first.to_torch_csv(tmp_path / "never.csv")
+    assert not (tmp_path / "never.csv").exists()
+
+
+# Plain torch on the ranks: a stack of Linear + Tanh blocks, one per stage, in float64; each rank
+# reads its stages off its own row of the CSV; torch's runtime loads the file and runs it; rank 0
+# gathers every stage's gradients and compares them with one device's.
+TORCHRUN_SCRIPT = r'''
+import csv, json, re, sys
+import torch
+import torch.distributed as dist
+from torch.distributed.pipelining import PipelineStage
+from torch.distributed.pipelining.schedules import _PipelineScheduleRuntime
+
+out = sys.argv[1]
+dist.init_process_group("gloo")
+rank, world = dist.get_rank(), dist.get_world_size()
+torch.set_default_dtype(torch.float64)
+WIDTH, BATCH, N_MICROBATCHES = 8, 8, 4
+
+
+def block(index):
+    torch.manual_seed(index)
+    return torch.nn.Sequential(torch.nn.Linear(WIDTH, WIDTH), torch.nn.Tanh())
+
+
+def loss_fn(output, target):
+    return ((output - target) ** 2).mean()
+
+
+torch.manual_seed(1234)
+inputs, targets = torch.randn(BATCH, WIDTH), torch.randn(BATCH, WIDTH)
+results = {}
+for path in sys.argv[2:]:
+    with open(path, newline="") as file:
+        rows = list(csv.reader(file))
+    n_stages = 1 + max(int(re.match(r"\d+", cell).group()) for row in rows for cell in row if cell)
+    mine = sorted({int(re.match(r"\d+", cell).group()) for cell in rows[rank] if cell})
+    modules = {index: block(index) for index in mine}
+    stages = [PipelineStage(modules[index], index, n_stages, torch.device("cpu")) for index in mine]
+    runtime = _PipelineScheduleRuntime(stages, N_MICROBATCHES, loss_fn=loss_fn, scale_grads=True)
+    runtime._load_csv(path)
+    losses = []
+    first, last = 0 in mine, n_stages - 1 in mine
+    runtime.step(*([inputs] if first else []), target=targets if last else None, losses=losses if last else None)
+    grads = {f"{index}.{name}": p.grad.tolist() for index, module in modules.items()
+             for name, p in module.named_parameters()}
+    gathered = [None] * world
+    dist.all_gather_object(gathered, grads)
+    if rank == 0:
+        whole = torch.nn.Sequential(*[block(index) for index in range(n_stages)])
+        reference = sum(loss_fn(whole(x), y) for x, y in zip(inputs.chunk(N_MICROBATCHES),
+                                                            targets.chunk(N_MICROBATCHES))) / N_MICROBATCHES
+        reference.backward()
+        expected = {f"{index}.{name}": p.grad for index in range(n_stages)
+                    for name, p in whole[index].named_parameters()}
+        got = {name: torch.tensor(value) for part in gathered for name, value in part.items()}
+        results[path] = {"stages": n_stages, "same_names": sorted(got) == sorted(expected),
+                         "max_difference": max(float((got[name] - expected[name]).abs().max()) for name in expected)}
+if rank == 0:
+    with open(out, "w") as file:
+        json.dump(results, file)
+dist.destroy_process_group()
+'''
+
+
+def test_torchs_runtime_runs_pplabs_schedules_from_the_csv_exact_against_one_device(tmp_path):
+    found = searched(2, 4, Costs(forward=(1, 3), input_grad=(1, 3), weight_grad=(1, 3)))
+    shaped_v = from_torch("zbv-zero-bubble", 2, 4, 2)
+    by_hand = from_text(["0F0 0F1 0I0 0I1 0W1 0W0 0F2 0F3 0I2 0W2 0I3 0W3",
+                         "1F0 1I0 1F1 1I1 1W0 1W1 1F2 1I2 1F3 1I3 1W2 1W3"])
+    paths = [schedule.to_torch_csv(tmp_path / f"{label}.csv")
+             for label, schedule in (("searched", found), ("v", shaped_v), ("by-hand", by_hand))]
+    script, out = tmp_path / "run_csv.py", tmp_path / "results.json"
+    script.write_text(TORCHRUN_SCRIPT)
+    done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+                           str(script), str(out), *map(str, paths)], capture_output=True, text=True, timeout=300,
+                          env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert done.returncode == 0, done.stdout + done.stderr[-4000:]
+    results = json.loads(out.read_text())
+    assert [results[str(path)]["stages"] for path in paths] == [2, 4, 2]
+    for path in paths:
+        assert results[str(path)]["same_names"], results
+        assert results[str(path)]["max_difference"] < 1e-12, (path.name, results[str(path)])
+
+
+@pytest.mark.quick
+def test_the_command_line_searches_writes_the_csv_and_simulates_it(tmp_path, capsys):
+    from pplab.cli import main
+
+    csv_path, out = tmp_path / "found.csv", tmp_path / "simulated"
+    costs = ["--forward", "1", "--weight", "1", "--latency", "1.5"]
+    assert main(["search", "--n-ranks", "4", "--n-microbatches", "8", *costs, "--memory-limit", "4",
+                 "--csv", str(csv_path), "--quiet"]) == 0
+    said = capsys.readouterr().out
+    found = search(4, 8, Costs(forward=1, input_grad=1, weight_grad=1, latency=1.5), memory_limit=4, show=False)
+    assert f"found {found.schedule.name}: step {found.step_time:g}" in said and f"wrote {csv_path}" in said
+    assert Schedule.from_torch_csv(csv_path).compute_only().actions == found.schedule.compute_only().actions
+    assert main(["simulate", str(csv_path), *costs, "--out", str(out)]) == 0
+    numbers = json.loads((out / "found.json").read_text())
+    assert numbers["step_time"] == found.step_time and numbers["n_ranks"] == 4 and numbers["n_microbatches"] == 8
+    # Sizes come from the file: a flag that disagrees is refused, and a named schedule needs them.
+    assert main(["simulate", str(csv_path), "--n-ranks", "2", "--out", str(out)]) == 2
+    assert "--n-ranks 2, but" in capsys.readouterr().err
+    assert main(["simulate", "zb-h1", "--out", str(out)]) == 2
+    assert "--n-ranks is needed for a named schedule (zb-h1)" in capsys.readouterr().err
+
+
+def test_a_lab_runs_a_searched_schedule_on_torchs_runtime_exactly(lab2):
+    import pplab
+
+    config = pplab.LlamaConfig.tiny()
+    found = search(2, 4, Costs(forward=(1, 2), input_grad=(1, 2), weight_grad=(1, 2), latency=1), show=False,
+                   improve_seconds=0)
+    listed = next(c.schedule for c in found.tried if c.schedule is not None and c.name.startswith("list I+W"))
+    pipe = lab2.pipeline(config, schedule=listed, impl="torch")
+    try:
+        assert repr(pipe).startswith(f"<Pipeline {listed.name} on torch's runtime: 2 ranks")
+        parity = pipe.check_parity()
+        assert parity.passed and parity.max_abs_diff == 0.0, str(parity)
+        order = [[str(Action(e.stage, Kind(e.kind), e.microbatch)) for e in sorted(
+            pipe.last.timeline.of_rank(rank), key=lambda e: e.start) if e.is_compute] for rank in range(2)]
+        assert order == [[str(a) for a in acts if a.is_compute] for acts in listed.actions]  # torch ran this order
+    finally:
+        pipe.close()
