@@ -8,17 +8,18 @@ from pathlib import Path
 
 from pplab._version import __version__
 from pplab.cli.options import add_run_flag, arguments_as_json
+from pplab.schedules import Schedule
 
 
 def run(args: argparse.Namespace) -> int:
     """Read a profiled run's traces and explain its bubble: picture, Chrome trace, JSON and a report."""
-    from pplab.planning.bubble import explain, named_schedule
+    from pplab.planning.bubble import explain
     from pplab.trace.profiled import read_profiler_traces
     from pplab.views import viz  # matplotlib only when drawing
 
     run = read_profiler_traces(args.traces, step=args.step)
     n_ranks = run.timeline.n_ranks
-    schedule = named_schedule(args.schedule, n_ranks, args.n_microbatches, args.n_virtual)
+    schedule = _schedule(args, n_ranks)
     # The trace's other steps weigh in the straggler's verdict: a busy machine slows an action
     # once, rarely every time.
     report = explain(run.timeline, schedule, run.outside, steps=run.other_steps)
@@ -42,6 +43,30 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
+def _schedule(args: argparse.Namespace, n_ranks: int):
+    """The schedule the run used: from the flags, or from a torchtitan job's TOML."""
+    from pplab.planning.bubble import named_schedule
+
+    if not args.torchtitan_config:
+        if args.schedule is None or args.n_microbatches is None:
+            raise ValueError("give --schedule and --n-microbatches, or --torchtitan-config JOB.toml")
+        return named_schedule(args.schedule, n_ranks, args.n_microbatches, args.n_virtual)
+    if args.schedule is not None or args.n_microbatches is not None:
+        raise ValueError("--torchtitan-config brings the schedule and its microbatches: leave --schedule and "
+                         "--n-microbatches out")
+    from pplab.session.torchtitan import read_torchtitan
+
+    job = read_torchtitan(args.torchtitan_config)
+    print(job.text())
+    c = job.config
+    if c.pp != n_ranks:
+        raise ValueError(f"{args.torchtitan_config}: pipeline_parallel_degree = {c.pp}, but the traces hold "
+                         f"{n_ranks} ranks: give the traces of one pipeline")
+    if isinstance(c.schedule, Schedule):
+        return c.schedule
+    return named_schedule(c.schedule, n_ranks, c.n_microbatches, c.n_virtual)
+
+
 def add_to(commands, ranks_run: argparse.ArgumentParser) -> argparse.ArgumentParser:
     """This command's flags, on the `pplab` parser's subcommands."""
     run_analyze = commands.add_parser(
@@ -50,10 +75,13 @@ def add_to(commands, ranks_run: argparse.ArgumentParser) -> argparse.ArgumentPar
                     "or their folder), and explain each rank's bubble: the schedule's own, waits for messages, "
                     "a straggler, time outside the pipeline; then predict what one change would gain.")
     run_analyze.add_argument("traces", metavar="TRACES", nargs="+", help="the ranks' trace files, or their folder")
-    add_run_flag(run_analyze, "schedule", required=True,
+    add_run_flag(run_analyze, "schedule", default=None,
                  help="the schedule the run used (pplab's or torch's name, any spelling)")
-    add_run_flag(run_analyze, "n_microbatches", required=True)
+    add_run_flag(run_analyze, "n_microbatches", default=None, help="microbatches per step of the run")
     add_run_flag(run_analyze, "n_virtual")
+    run_analyze.add_argument("--torchtitan-config", metavar="JOB.toml", default=None,
+                             help="the torchtitan job's TOML the run came from: its schedule (or schedule CSV) "
+                                  "and microbatches, instead of --schedule and --n-microbatches")
     run_analyze.add_argument("--step", type=int, default=-1,
                              help="which of the traces' steps (0 = the first; default -1, the last)")
     run_analyze.add_argument("--out", default="pplab-analysis", help="folder for the picture, trace and report")

@@ -18,10 +18,16 @@ def run(args: argparse.Namespace) -> int:
     """Predict a schedule's timeline on a cost model: picture, Chrome trace and numbers; no processes."""
     from pplab.views import viz  # matplotlib only when drawing
 
-    schedule = _from_csv(args) if args.schedule.endswith(".csv") else _built(args)
+    job = None
+    if args.torchtitan_config:
+        job, schedule = _from_torchtitan(args)
+    elif args.schedule is None:
+        raise ValueError("give a SCHEDULE (a name, or a torch CSV), or --torchtitan-config JOB.toml")
+    else:
+        schedule = _from_csv(args) if args.schedule.endswith(".csv") else _built(args)
     name = schedule.name
     validate(schedule)
-    costs = _costs(args, schedule)
+    costs = _costs(args, schedule, job)
     timeline = simulate(schedule, costs)
     textbook = theory(schedule, costs)
     out = Path(args.out)
@@ -46,6 +52,8 @@ def run(args: argparse.Namespace) -> int:
                     peak_inflight_formula=textbook.peak_inflight_formula),
         files=dict(timeline=picture.name, trace=trace.name),
     )
+    if job is not None:
+        report["torchtitan"] = dict(config=str(job.path), read=job.read, unmodeled=job.unmodeled, notes=job.notes)
     numbers.write_text(json.dumps(report, indent=2) + "\n")
     print(f"pplab simulate: {name} on a cost model ({sizes}; {_describe(costs, schedule)})")
     print(f"  step time {timeline.step_time():.4g} (cost units)  bubble {timeline.bubble_fraction():.3f} "
@@ -90,8 +98,32 @@ def _from_csv(args: argparse.Namespace) -> Schedule:
     return schedule
 
 
-def _costs(args: argparse.Namespace, schedule) -> Costs:
-    """The cost model the options describe; --weight only where the schedule runs W on its own."""
+def _from_torchtitan(args: argparse.Namespace):
+    """A torchtitan job's schedule at its sizes; what pplab read and left out is printed first."""
+    from pplab.rank.torch_pp import torch_schedule
+    from pplab.session.torchtitan import read_torchtitan
+
+    if args.schedule is not None or args.n_ranks is not None or args.n_microbatches is not None:
+        raise ValueError("--torchtitan-config brings the schedule and its sizes: leave SCHEDULE, --n-ranks and "
+                         "--n-microbatches out")
+    job = read_torchtitan(args.torchtitan_config)
+    print(job.text())
+    c = job.config
+    schedule = c.schedule if isinstance(c.schedule, Schedule) else torch_schedule(c.schedule, c.pp, c.n_microbatches,
+                                                                                  c.n_virtual)
+    return job, schedule
+
+
+def _costs(args: argparse.Namespace, schedule, job=None) -> Costs:
+    """The cost model the options describe; --weight only where the schedule runs W on its own. A
+    torchtitan job's model, where pplab knows it, sets the forward: one unit per layer of a stage."""
+    if job is not None and job.model is not None and args.forward == 1.0:
+        from pplab.models.partition import layer_ranges
+
+        ranges = layer_ranges(job.model.num_hidden_layers, schedule.n_stages, allow_empty=True)
+        args.forward = tuple(float(end - start) for start, end in ranges)
+        print(f"  costs: the forward of one layer is 1 unit; the stages hold "
+              f"{', '.join(str(end - start) for start, end in ranges)} of the {job.model.num_hidden_layers} layers")
     if args.weight is not None and Kind.W not in _compute_kinds(schedule):
         raise ValueError(f"--weight given, but {schedule.name} runs the whole backward "
                          f"(B) in one pass, so there is no weight-gradient pass to time; leave --weight "
@@ -177,7 +209,7 @@ def add_to(commands, ranks_run: argparse.ArgumentParser) -> argparse.ArgumentPar
                     "(PNG), a Chrome trace and the numbers (JSON). Durations are in cost units: "
                     "give seconds to compare with a measured run. Each duration is one number, "
                     "or one per stage separated by commas.")
-    run_simulate.add_argument("schedule", metavar="SCHEDULE", help=f"one of {', '.join(SCHEDULE_NAMES)} "
+    run_simulate.add_argument("schedule", metavar="SCHEDULE", nargs="?", default=None, help=f"one of {', '.join(SCHEDULE_NAMES)} "
                                                                    f"(any case; '-', '_' or nothing between words), "
                                                                    f"or a torch compute-only CSV (FILE.csv, as "
                                                                    f"Schedule.to_torch_csv writes it)")
@@ -188,6 +220,10 @@ def add_to(commands, ranks_run: argparse.ArgumentParser) -> argparse.ArgumentPar
     add_run_flag(run_simulate, "n_virtual", default=None,
                  help="stages per rank (interleaved-1f1b: default 2; others: 1)")
     add_cost_flags(run_simulate)
+    run_simulate.add_argument("--torchtitan-config", metavar="JOB.toml", default=None,
+                              help="a torchtitan job's TOML: its schedule (or schedule CSV), pipeline degree, "
+                                   "microbatches and model, instead of SCHEDULE and the sizes; the fields pplab "
+                                   "does not model are listed")
     run_simulate.add_argument("--bandwidth", type=functools.partial(number, positive=True), default=None,
                               help="bytes per cost unit of a link (needs --activation-bytes)")
     run_simulate.add_argument("--activation-bytes", type=positive_int, default=None,

@@ -29,6 +29,7 @@ _EXPORTS = {"Lab": "pplab.session.drivers", "RankPool": "pplab.session.drivers",
             "Pipeline": "pplab.session.pipeline", "LiveStep": "pplab.session.pipeline",
             "MemoryTable": "pplab.session.results",  # what pipe.memory() shows
             "PerRank": "pplab.drivers.contract",  # an argument of run(): one value per rank
+            "read_torchtitan": "pplab.session.torchtitan", "TorchtitanJob": "pplab.session.torchtitan",
             # what every driver raises when a call fails (the lab's errors are these too)
             **{name: "pplab.rank.rank_context"
                for name in ("RankError", "RankFailedError", "RankDiedError", "RankTimeoutError")}}

@@ -113,6 +113,20 @@ class RunConfig(TrainOptions):
         except tomllib.TOMLDecodeError as error:
             raise ValueError(f"--config {str(path)!r} is not TOML: {error}") from None
 
+    @classmethod
+    def from_torchtitan(cls, path: str | Path) -> "RunConfig":
+        """The run a torchtitan job's TOML describes (`pplab.session.torchtitan`). The fields pplab
+        does not model are said in a warning; `pplab.session.read_torchtitan(path).text()` shows
+        them with what was read."""
+        import warnings
+
+        from pplab.session import read_torchtitan  # the package's: the reader imports this module
+
+        job = read_torchtitan(path)
+        if job.unmodeled:
+            warnings.warn(f"{path}: not modeled by pplab: {', '.join(job.unmodeled)}", UserWarning, stacklevel=2)
+        return job.config
+
     def to_toml(self) -> str:
         """The configuration as a TOML file that `from_toml` reads back, a table per section."""
         lines = []
