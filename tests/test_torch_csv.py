@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 
@@ -159,12 +160,12 @@ def test_the_command_line_searches_writes_the_csv_and_simulates_it(tmp_path, cap
     assert main(["search", "--n-ranks", "4", "--n-microbatches", "8", *costs, "--memory-limit", "4",
                  "--csv", str(csv_path), "--quiet"]) == 0
     said = capsys.readouterr().out
-    found = search(4, 8, Costs(forward=1, input_grad=1, weight_grad=1, latency=1.5), memory_limit=4, show=False)
-    assert f"found {found.schedule.name}: step {found.step_time:g}" in said and f"wrote {csv_path}" in said
-    assert Schedule.from_torch_csv(csv_path).compute_only().actions == found.schedule.compute_only().actions
+    name, step = re.search(r"found (.+?): step ([\d.]+)", said).groups()  # (how far it improved: the machine's pace)
+    assert f"wrote {csv_path}: torch's compute-only CSV of {name!r}" in said
     assert main(["simulate", str(csv_path), *costs, "--out", str(out)]) == 0
     numbers = json.loads((out / "found.json").read_text())
-    assert numbers["step_time"] == found.step_time and numbers["n_ranks"] == 4 and numbers["n_microbatches"] == 8
+    assert numbers["step_time"] == pytest.approx(float(step), rel=5e-4)  # printed to 4 digits: the schedule found
+    assert (numbers["n_ranks"], numbers["n_microbatches"]) == (4, 8)
     # Sizes come from the file: a flag that disagrees is refused, and a named schedule needs them.
     assert main(["simulate", str(csv_path), "--n-ranks", "2", "--out", str(out)]) == 2
     assert "--n-ranks 2, but" in capsys.readouterr().err
