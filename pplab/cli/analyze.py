@@ -8,7 +8,6 @@ from pathlib import Path
 
 from pplab._version import __version__
 from pplab.cli.options import add_run_flag, arguments_as_json
-from pplab.schedules import Schedule
 
 
 def run(args: argparse.Namespace) -> int:
@@ -62,9 +61,7 @@ def _schedule(args: argparse.Namespace, n_ranks: int):
     if c.pp != n_ranks:
         raise ValueError(f"{args.torchtitan_config}: pipeline_parallel_degree = {c.pp}, but the traces hold "
                          f"{n_ranks} ranks: give the traces of one pipeline")
-    if isinstance(c.schedule, Schedule):
-        return c.schedule
-    return named_schedule(c.schedule, n_ranks, c.n_microbatches, c.n_virtual)
+    return job.schedule()
 
 
 def add_to(commands, ranks_run: argparse.ArgumentParser) -> argparse.ArgumentParser:

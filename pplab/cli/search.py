@@ -7,21 +7,14 @@ import functools
 from pathlib import Path
 
 from pplab.cli.options import add_run_flag, number, positive_int
-from pplab.cli.simulate import add_cost_flags
+from pplab.cli.simulate import add_cost_flags, costs_from_flags
 
 
 def run(args: argparse.Namespace) -> int:
     """Search the schedules for these sizes and costs; print what was tried; write the found one's CSV."""
     from pplab.planning.search import search
-    from pplab.planning.simulator import Costs
 
-    backward = args.backward if args.backward is not None else (
-        tuple(2 * f for f in args.forward) if isinstance(args.forward, tuple) else 2 * args.forward)
-    input_grad = None if args.weight is None else (
-        tuple(b - w for b, w in zip(backward, args.weight)) if isinstance(args.weight, tuple) else backward - args.weight)
-    costs = Costs(forward=args.forward, backward=None if args.weight is not None else backward,
-                  input_grad=input_grad, weight_grad=args.weight, latency=args.latency)
-    found = search(args.n_ranks, args.n_microbatches, costs, memory_limit=args.memory_limit,
+    found = search(args.n_ranks, args.n_microbatches, costs_from_flags(args), memory_limit=args.memory_limit,
                    n_virtual=args.n_virtual, show=not args.quiet)
     print(found)
     if args.csv:

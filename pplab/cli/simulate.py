@@ -100,7 +100,6 @@ def _from_csv(args: argparse.Namespace) -> Schedule:
 
 def _from_torchtitan(args: argparse.Namespace):
     """A torchtitan job's schedule at its sizes; what pplab read and left out is printed first."""
-    from pplab.rank.torch_pp import torch_schedule
     from pplab.session.torchtitan import read_torchtitan
 
     if args.schedule is not None or args.n_ranks is not None or args.n_microbatches is not None:
@@ -108,20 +107,18 @@ def _from_torchtitan(args: argparse.Namespace):
                          "--n-microbatches out")
     job = read_torchtitan(args.torchtitan_config)
     print(job.text())
-    c = job.config
-    schedule = c.schedule if isinstance(c.schedule, Schedule) else torch_schedule(c.schedule, c.pp, c.n_microbatches,
-                                                                                  c.n_virtual)
-    return job, schedule
+    return job, job.schedule()
 
 
 def _costs(args: argparse.Namespace, schedule, job=None) -> Costs:
     """The cost model the options describe; --weight only where the schedule runs W on its own. A
     torchtitan job's model, where pplab knows it, sets the forward: one unit per layer of a stage."""
+    forward = args.forward
     if job is not None and job.model is not None and args.forward == 1.0:
         from pplab.models.partition import layer_ranges
 
         ranges = layer_ranges(job.model.num_hidden_layers, schedule.n_stages, allow_empty=True)
-        args.forward = tuple(float(end - start) for start, end in ranges)
+        forward = tuple(float(end - start) for start, end in ranges)
         print(f"  costs: the forward of one layer is 1 unit; the stages hold "
               f"{', '.join(str(end - start) for start, end in ranges)} of the {job.model.num_hidden_layers} layers")
     if args.weight is not None and Kind.W not in _compute_kinds(schedule):
@@ -131,23 +128,29 @@ def _costs(args: argparse.Namespace, schedule, job=None) -> Costs:
     if args.bandwidth is not None and args.activation_bytes is None:
         raise ValueError(f"--bandwidth {args.bandwidth:g} needs the size of a message: give "
                          f"--activation-bytes (bytes per activation crossing a stage boundary)")
-    for option in ("forward", "backward", "weight"):
-        value = getattr(args, option)
+    for option, value in (("forward", forward), ("backward", args.backward), ("weight", args.weight)):
         if isinstance(value, tuple) and len(value) != schedule.n_stages:
             raise ValueError(f"--{option} has {len(value)} values but {schedule.name} on "
                              f"{schedule.n_ranks} ranks has {schedule.n_stages} stages; give one value "
                              f"per stage or a single number")
-    backward = args.backward if args.backward is not None else _times(2, args.forward)
+    return costs_from_flags(args, forward, bandwidth=args.bandwidth, activation_bytes=args.activation_bytes)
+
+
+def costs_from_flags(args: argparse.Namespace, forward=None, **link) -> Costs:
+    """The cost model of the duration flags (`add_cost_flags`; `forward` instead of --forward where
+    given): the backward is twice the forward unless given, and W, part of it, may not exceed it."""
+    forward = args.forward if forward is None else forward
+    backward = args.backward if args.backward is not None else _times(2, forward)
     if args.weight is not None:
-        for stage in range(schedule.n_stages):
+        per_stage = [len(v) for v in (forward, backward, args.weight) if isinstance(v, tuple)]
+        for stage in range(min(per_stage, default=1)):
             weight, whole = _stage_value(args.weight, stage), _stage_value(backward, stage)
             if weight > whole:
                 raise ValueError(f"--weight {weight:g} exceeds the whole backward {whole:g} on stage "
                                  f"{stage} (--backward, default twice --forward): W is part of the "
                                  f"backward, the input-gradient pass I the rest; give a smaller --weight "
                                  f"or a larger --backward")
-    return Costs(forward=args.forward, backward=backward, weight_grad=args.weight, latency=args.latency,
-                 bandwidth=args.bandwidth, activation_bytes=args.activation_bytes)
+    return Costs(forward=forward, backward=backward, weight_grad=args.weight, latency=args.latency, **link)
 
 
 def _times(factor: float, value):

@@ -18,7 +18,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from pplab.models.llama import LlamaConfig
-from pplab.schedules import Schedule
+from pplab.planning.bubble import named_schedule
+from pplab.schedules import Schedule, torch_plan
 from pplab.schedules.names import schedule_name
 from pplab.session.run import RunConfig
 
@@ -45,6 +46,12 @@ class TorchtitanJob:
     read: dict[str, object] = field(default_factory=dict)  # "table.key" -> value, the ones mapped
     unmodeled: dict[str, object] = field(default_factory=dict)  # "table.key" -> value, shown, not modeled
     notes: list[str] = field(default_factory=list)  # what pplab assumed where the file says nothing
+
+    def schedule(self) -> Schedule:
+        """The job's schedule at its sizes: the CSV's, or the one its class name plans."""
+        c = self.config
+        return c.schedule if isinstance(c.schedule, Schedule) else named_schedule(c.schedule, c.pp, c.n_microbatches,
+                                                                                  c.n_virtual)
 
     def text(self) -> str:
         """What was read, and every field pplab does not model."""
@@ -181,10 +188,8 @@ def _schedule(take: _Taker, job: TorchtitanJob, pp: int, n_microbatches: int) ->
             raise ValueError(f"{job.path}: {csv} is for {schedule.n_ranks} ranks and {schedule.n_microbatches} "
                              f"microbatches, the job for pipeline_parallel_degree = {pp} and {n_microbatches} "
                              f"(local_batch_size / pipeline_parallel_microbatch_size)")
-        return dict(schedule=schedule, n_virtual=schedule.n_virtual)
+        return dict(schedule=schedule, impl="torch", n_virtual=schedule.n_virtual)
     canonical = schedule_name(name)  # torch's class names read as pplab's names
-    from pplab.schedules import torch_plan
-
     plan = torch_plan(canonical)
     layers_per_stage = take("parallelism.pipeline_parallel_layers_per_stage", None)
     n_virtual = plan.fewest_stages_per_rank
