@@ -11,10 +11,16 @@ What ../shared/GPU.md asks, each check on its own so that one failure leaves the
    and the profiler's synchronised clock against CUDA events for the same forward;
 5. bf16 stages: the loss against fp32's;
 6. a torch.profiler trace of a GPU step (CPU and CUDA activity), gzipped beside the results and
-   read back with `pplab.trace`.
+   read back with `pplab.trace`;
+7. ranks that share the GPU (messages through host memory over gloo): 4 ranks on it (parity and
+   gradient flow on both runtimes, training with a checkpoint and a bitwise resume, a live step as
+   the dashboard watches it, a profiled trace of the 4 ranks read back, one action timed by the
+   host clock and by CUDA events); `pplab train` under torchrun with 2 processes on it; then 8
+   seats of 2 ranks at once, each exact, with the device memory of each.
 
 Run: python bench/bench_gpu.py --out DIR   (about four minutes on an H100/H200)
-     python bench/bench_gpu.py --out DIR --device cpu   (the same flows on CPU: a dry run of this script)
+     python bench/bench_gpu.py --out DIR --device cpu   (the same flows on CPU: a dry run of this script;
+     the shared-GPU checks then force host messages on CPU)
 Writes DIR/gpu.json (bench/results/gpu.json is the copy kept) and DIR/gpu_step_trace.json.gz.
 """
 
@@ -83,12 +89,7 @@ def lab_one_rank(device: str, work: Path) -> dict:
         pipe = lab.pipeline(LlamaConfig.tiny(), "1f1b", 4)
         resumed = pipe.train(50, resume=str(step_directory(checkpoints, 25)), **options)
         pipe.close()
-        before = {r.step: r.loss for r in whole.records}
-        after = {r.step: r.loss for r in resumed.records}
-        out["losses"] = {"step_1": before[1], "step_50": before[50]}
-        out["resume"] = {"steps_compared": sorted(after) == list(range(26, 51)),
-                         "bitwise_equal": all(after[s] == before[s] for s in after),
-                         "max_abs_diff": max(abs(after[s] - before[s]) for s in after)}
+        out.update(compare_resumed(whole, resumed, 25, 50))
         out["memory"] = lab.run(gpu_memory_on_rank)[0]
     return out
 
@@ -120,15 +121,187 @@ def torchrun_one_rank(work: Path) -> dict:
 
 
 def two_ranks_on_one_gpu(device: str) -> dict:
+    """Lab(2) on one GPU: NCCL forced is refused with its message; by default the ranks share it."""
     out = {}
     try:
-        pplab.Lab(2, device="cuda", verbose=False).stop()
-        out["forced_cuda"] = "started (not refused)"
+        pplab.Lab(2, backend="nccl", verbose=False).stop()
+        out["forced_nccl"] = "started (not refused)"
     except ValueError as error:
-        out["forced_cuda_refused"] = str(error)
+        out["forced_nccl_refused"] = str(error)
     with pplab.Lab(2, verbose=False) as lab:
-        out["auto"] = {"backend": lab.backend, "device": lab.device}
+        out["auto"] = {"backend": lab.backend, "device": lab.device, "placement": lab.placement}
     return out
+
+
+def shared_lab(n_ranks: int, device: str, **options):
+    """A lab whose ranks share the GPU (on CPU: host messages forced, the same path)."""
+    return pplab.Lab(n_ranks, verbose=False, **options, **({} if device == "cuda" else {"host_messages": True}))
+
+
+def four_ranks_on_one_gpu(device: str, work: Path) -> dict:
+    """4 ranks on the one GPU: parity on both runtimes, training and a bitwise resume, a live
+    step, one action timed by the host clock and by CUDA events, the memory of each rank.
+    Each part on its own: a failure is written down, the lab restarted, the next part run."""
+    out = {}
+    config = LlamaConfig.tiny()
+    with shared_lab(4, device) as lab:
+        out["placement"], out["gpus"], out["host_messages"] = lab.placement, lab.gpus, lab.host_messages
+
+        def part(name, measure):
+            try:
+                out[name] = measure()
+            except Exception as error:  # a finding; the other parts still run
+                out[name] = {"error": f"{type(error).__name__}: {error}"[:2000]}
+                if lab.state != "running":
+                    lab.restart()
+
+        for impl, schedule, n_virtual in (("pplab", "1f1b", 1), ("pplab", "zb-h1", 1), ("pplab", "interleaved-1f1b", 2),
+                                          ("torch", "1f1b", 1), ("torch", "interleaved-1f1b", 2),
+                                          ("torch", "zbv-zero-bubble", 2)):
+            def checked(impl=impl, schedule=schedule, n_virtual=n_virtual):
+                with lab.pipeline(config, schedule, 8, n_virtual=n_virtual, impl=impl) as pipe:
+                    return {**parity(pipe), "gradient_flow_passed": pipe.check_gradient_flow().passed}
+            part(f"parity {impl} {schedule}", checked)
+        part("training", lambda: train_and_resume(lab, config, work))
+        part("live_step", lambda: live_step(lab, config))
+        part("one_forward_on_rank_1", lambda: lab.run(action_timed_three_ways, device)[1])
+        part("memory_by_rank", lambda: lab.run(gpu_memory_on_rank))
+    return out
+
+
+def train_and_resume(lab, config, work: Path) -> dict:
+    """20 steps of 1f1b with a checkpoint at 10; zb-h1 resumed from it must give the same losses."""
+    checkpoints = work / "shared-checkpoints"
+    options = dict(batch_size=16, seq_len=64, eval_every=10, checkpoint_dir=str(checkpoints),
+                   checkpoint_every=10, show=False)
+    out = {}
+    with lab.pipeline(config, "1f1b", 8) as pipe:
+        started = time.perf_counter()
+        whole = pipe.train(20, **options)
+        out["train_20_steps_s"] = time.perf_counter() - started
+    with lab.pipeline(config, "zb-h1", 8) as pipe:
+        resumed = pipe.train(20, resume=str(step_directory(checkpoints, 10)), **options)
+    out.update(compare_resumed(whole, resumed, 10, 20))
+    return out
+
+
+def compare_resumed(whole, resumed, checkpoint_step: int, steps: int) -> dict:
+    """The first and last loss of the whole run, and whether the resumed one repeats it bitwise."""
+    before = {r.step: r.loss for r in whole.records}
+    after = {r.step: r.loss for r in resumed.records}
+    return {"losses": {"step_1": before[1], f"step_{steps}": before[steps]},
+            "resume": {"steps_compared": sorted(after) == list(range(checkpoint_step + 1, steps + 1)),
+                       "bitwise_equal": all(after[s] == before[s] for s in after),
+                       "max_abs_diff": max(abs(after[s] - before[s]) for s in after)}}
+
+
+def live_step(lab, config) -> dict:
+    """A step watched as it runs (what the dashboard draws from): items streamed, each rank's forwards."""
+    with lab.pipeline(config, "1f1b", 8) as pipe:
+        live = pipe.start_step(live_interval=0.05)
+        seen = []
+        while not live.finished():
+            seen.extend(live.poll())
+            time.sleep(0.02)
+        seen.extend(live.poll())
+        result = live.result()
+    events = result.timeline.events
+    return {"items_streamed": len(seen), "events": len(events), "step_ms": result.timeline.step_time() * 1e3,
+            "forward_ms_median_by_rank": {rank: 1e3 * sorted(e.end - e.start for e in events
+                                                              if e.rank == rank and e.kind == "F")[4]
+                                          for rank in range(lab.world_size)}}
+
+
+def action_timed_three_ways(device: str) -> dict:
+    """One stage's forward of a microbatch (a middle stage of tiny, 4 x 64 tokens): the host clock
+    around the launch, the host clock around launch and synchronise, and CUDA events (medians of 9)."""
+    import time  # (this runs on a rank: what it needs, it imports)
+
+    import torch
+
+    from pplab.model import LlamaConfig
+    from pplab.models.partition import build_stage
+    from pplab.rank.rank_context import rank_context
+
+    place = rank_context().device
+    config = LlamaConfig.tiny()
+    stage = build_stage(config, 1, 4, 0, place)
+    x = torch.randn(4, 64, config.hidden_size, device=place)
+    launch, synchronised, events = [], [], []
+    for _ in range(12):
+        if place.type == "cuda":
+            torch.cuda.synchronize()
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+        began = time.perf_counter()
+        stage(x)
+        launched = time.perf_counter()
+        if place.type == "cuda":
+            end.record()
+            torch.cuda.synchronize()
+        done = time.perf_counter()
+        launch.append((launched - began) * 1e3)
+        synchronised.append((done - began) * 1e3)
+        if place.type == "cuda":
+            events.append(start.elapsed_time(end))
+    median = lambda values: sorted(values[3:])[len(values[3:]) // 2] if values else None  # noqa: E731
+    return {"device": str(place), "host_launch_ms": median(launch), "host_synchronised_ms": median(synchronised),
+            "cuda_events_ms": median(events)}
+
+
+def torchrun_two_ranks_on_one_gpu(work: Path) -> dict:
+    """`pplab train` under torchrun with 2 processes and one GPU: they share it (gloo, host messages)."""
+    reports = work / "torchrun-shared"
+    reports.mkdir(parents=True, exist_ok=True)
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+               "-m", "pplab", "train", "--steps", "20", "--n-microbatches", "4", "--eval-every", "0",
+               "--report", str(reports / "report.json")]
+    started = time.perf_counter()
+    done = subprocess.run(command, capture_output=True, text=True, timeout=240)
+    out = {"seconds": time.perf_counter() - started, "rc": done.returncode}
+    if done.returncode:
+        out["tail"] = (done.stdout + done.stderr)[-1500:]
+        return out
+    records = json.loads((reports / "report.json").read_text())["records"]
+    out["losses"] = {"step_1": records[0]["loss"], "step_20": records[-1]["loss"]}
+    return out
+
+
+def eight_seats(device: str, n_seats: int = 8) -> dict:
+    """8 labs of 2 ranks at once on the one GPU, each parity-checked; the device memory of each."""
+    labs = []
+    try:
+        for _ in range(n_seats):
+            labs.append(shared_lab(2, device))
+        pipes = [lab.pipeline(LlamaConfig.tiny(), "1f1b", 4) for lab in labs]
+        steps = [pipe.start_step() for pipe in pipes]  # all seats at once
+        for step in steps:
+            step.result()
+        seats = {f"seat_{i}": {"placement": lab.placement, "parity": parity(pipe),
+                               "memory_by_rank": lab.run(gpu_memory_on_rank), "pids": lab.run(os.getpid)}
+                 for i, (lab, pipe) in enumerate(zip(labs, pipes))}
+        used = process_gpu_memory()
+        for seat in seats.values():
+            seat["device_memory_mib_by_rank"] = [used.get(pid) for pid in seat["pids"]]
+        return seats
+    finally:
+        for lab in labs:
+            lab.stop()
+
+
+def process_gpu_memory() -> dict[int, float]:
+    """MiB of device memory each process holds (its CUDA context included), as nvidia-smi reads it."""
+    try:
+        done = subprocess.run(["nvidia-smi", "--query-compute-apps=pid,used_memory", "--format=csv,noheader,nounits"],
+                              capture_output=True, text=True, timeout=30)
+    except (OSError, subprocess.TimeoutExpired):
+        return {}
+    used = {}
+    for line in done.stdout.splitlines():
+        pid, _, mib = line.partition(",")
+        if pid.strip().isdigit():
+            used[int(pid)] = float(mib)
+    return used
 
 
 def two_seats(device: str) -> dict:
@@ -209,7 +382,8 @@ def traced_step_on_rank(rank, world_size, folder, device):
     from pplab.data import batches
     from pplab.rank.rank_pipeline import PipelineSpec, RankPipeline, split_for_ranks
 
-    device = torch.device(device, rank) if device == "cuda" else torch.device(device)
+    # Ranks beyond the GPUs share them (their group is gloo's: messages through host memory).
+    device = torch.device(device, rank % torch.cuda.device_count()) if device == "cuda" else torch.device(device)
     spec = PipelineSpec.create(LlamaConfig.tiny(), "1f1b", world_size, 4, record=False)
     pipeline = RankPipeline(spec, rank, device)
     data = split_for_ranks(spec, next(batches(4, 64, 0)))[rank]
@@ -220,6 +394,25 @@ def traced_step_on_rank(rank, world_size, folder, device):
             pipeline.step(data)
             profiler.step()
     return str(device)
+
+
+def profiler_trace_shared(device: str, work: Path) -> dict:
+    """A profiled step of 4 ranks sharing the GPU, read back: each action's span on the device."""
+    from pplab.drivers.local import run_ranks
+    from pplab.trace import read_profiler_traces
+
+    folder = work / "trace-shared"
+    folder.mkdir()
+    ran_on = run_ranks(4, traced_step_on_rank, str(folder), device, backend="gloo")
+    run = read_profiler_traces(sorted(str(path) for path in folder.glob("rank*.json")))
+    events = run.timeline.events
+    by_kind = {}
+    for kind in ("F", "B", "SEND_F", "RECV_F"):
+        spans = sorted((e.end - e.start) * 1e3 for e in events if e.kind == kind)
+        if spans:
+            by_kind[kind] = {"count": len(spans), "median_ms": spans[len(spans) // 2]}
+    return {"ran_on": ran_on, "events": len(events), "ranks": sorted({e.rank for e in events}),
+            "step_time_ms": run.timeline.step_time() * 1e3, "by_kind": by_kind}
 
 
 def profiler_trace(device: str, out_dir: Path, work: Path) -> dict:
@@ -274,6 +467,10 @@ def main() -> int:
         "lab_one_rank": lambda: lab_one_rank(args.device, work),
         "torchrun_one_rank": lambda: torchrun_one_rank(work),
         "two_ranks_on_one_gpu": lambda: two_ranks_on_one_gpu(args.device),
+        "four_ranks_on_one_gpu": lambda: four_ranks_on_one_gpu(args.device, work),
+        "torchrun_two_ranks_on_one_gpu": lambda: torchrun_two_ranks_on_one_gpu(work),
+        "eight_seats": lambda: eight_seats(args.device),
+        "profiler_trace_shared": lambda: profiler_trace_shared(args.device, work),
         "two_seats": lambda: two_seats(args.device),
         "profile": lambda: profile_costs(args.device),
         "bf16_stages": lambda: bf16_stages(args.device),

@@ -172,7 +172,7 @@ def all_gone(pids, within=10.0):
     pytest.param({"n_ranks": 2, "device": "cuda"}, "device='cuda'",
                  marks=pytest.mark.skipif(torch.cuda.device_count() >= 2, reason="has 2 GPUs")),
     ({"n_ranks": 2, "backend": "nccl", "device": "cpu"}, "backend='nccl'"),
-    pytest.param({"n_ranks": 2, "backend": "nccl"}, "backend='nccl' needs one GPU per rank",
+    pytest.param({"n_ranks": 2, "backend": "nccl"}, "backend='nccl' needs",
                  marks=pytest.mark.skipif(torch.cuda.device_count() >= 2, reason="has 2 GPUs")),
     ({"n_ranks": 2, "op_timeout": 0}, "op_timeout=0"),
     ({"n_ranks": 2, "threads": 0}, "threads=0"),
@@ -191,13 +191,30 @@ def test_bad_arguments_are_rejected_before_anything_starts(arguments, named, ipy
 
 def test_backend_and_device_follow_the_gpus_of_each_host():
     two_hosts = {"a": 2, "b": 2}
-    assert choose_backend_device("auto", "auto", {"a": 2, "b": 2}, two_hosts) == ("nccl", "cuda")
-    assert choose_backend_device("auto", "auto", {"a": 2, "b": 1}, two_hosts) == ("gloo", "cpu")
-    assert choose_backend_device("gloo", "auto", {"a": 2, "b": 2}, two_hosts) == ("gloo", "cpu")
-    assert choose_backend_device("auto", "cpu", {"a": 8}, {"a": 2}) == ("gloo", "cpu")
-    assert choose_backend_device("gloo", "cuda", {"a": 2}, {"a": 2}) == ("gloo", "cuda")
-    with pytest.raises(ValueError, match="host 'b' would run 2 ranks on 1 GPU"):
-        choose_backend_device("auto", "cuda", {"a": 2, "b": 1}, two_hosts)
+    assert choose_backend_device("auto", "auto", {"a": 2, "b": 2}, two_hosts) == ("nccl", "cuda", False)
+    # A host with fewer GPUs than ranks: they share its GPU and talk over gloo, through host memory.
+    assert choose_backend_device("auto", "auto", {"a": 2, "b": 1}, two_hosts) == ("gloo", "cuda", True)
+    assert choose_backend_device("auto", "cuda", {"a": 1}, {"a": 4}) == ("gloo", "cuda", True)
+    assert choose_backend_device("auto", "auto", {"a": 2, "b": 0}, two_hosts) == ("gloo", "cpu", False)
+    assert choose_backend_device("gloo", "auto", {"a": 2, "b": 2}, two_hosts) == ("gloo", "cpu", False)
+    assert choose_backend_device("auto", "cpu", {"a": 8}, {"a": 2}) == ("gloo", "cpu", False)
+    assert choose_backend_device("gloo", "cuda", {"a": 2}, {"a": 2}) == ("gloo", "cuda", True)
+    # Asked for: through the host with a GPU per rank, or on CPU (the path tests run).
+    assert choose_backend_device("auto", "cuda", {"a": 2}, {"a": 2}, True) == ("gloo", "cuda", True)
+    assert choose_backend_device("auto", "auto", {"a": 0}, {"a": 2}, True) == ("gloo", "cpu", True)
+    with pytest.raises(ValueError, match="backend='nccl' needs one GPU per rank .* host 'b' would run 2 ranks "
+                                         "on 1 GPU.*leave it out .*share the GPUs"):
+        choose_backend_device("nccl", "cuda", {"a": 2, "b": 1}, two_hosts)
+    with pytest.raises(ValueError, match="host_messages=False needs one GPU per rank"):
+        choose_backend_device("auto", "auto", {"a": 1}, {"a": 2}, False)
+    with pytest.raises(ValueError, match="device='cuda' needs a GPU on every host, but host 'b' has none"):
+        choose_backend_device("auto", "cuda", {"a": 2}, two_hosts)
+    with pytest.raises(ValueError, match="host_messages=True sends every message over gloo"):
+        choose_backend_device("nccl", "cuda", {"a": 2}, {"a": 2}, True)
+    with pytest.raises(ValueError, match="backend='nccl' needs a GPU on every host, but host 'a' has none"):
+        choose_backend_device("nccl", "auto", {"a": 0}, {"a": 2})
+    with pytest.raises(ValueError, match="host_messages='yes': use True"):
+        choose_backend_device("auto", "auto", {"a": 2}, {"a": 2}, "yes")
 
 
 def test_each_attendee_chooses_the_gpus_of_a_lab_and_wrong_choices_are_refused_before_starting():
@@ -208,8 +225,9 @@ def test_each_attendee_chooses_the_gpus_of_a_lab_and_wrong_choices_are_refused_b
         gpus_for_seat(4, 2, 8)
     with pytest.raises(ValueError, match=r"gpus=\[4\] names 1 GPU\(s\) for 2 ranks: give one per rank"):
         check_gpus([4], 2, "auto", 8)
-    with pytest.raises(ValueError, match=r"gpus=\[1, 1\]: give distinct device numbers"):
-        check_gpus([1, 1], 2, "auto", 8)
+    assert check_gpus([1, 1], 2, "auto", 8) == (1, 1)  # two ranks on GPU 1: shared
+    with pytest.raises(ValueError, match=r"gpus=\[1, -1\]: give device numbers >= 0"):
+        check_gpus([1, -1], 2, "auto", 8)
     with pytest.raises(ValueError, match=r"gpus=\[6, 8\]: this host has 8 GPU\(s\) \(0..7\), so \[8\] do not exist"):
         check_gpus([6, 8], 2, "auto", 8)
     with pytest.raises(ValueError, match=r"with device='cpu': leave out gpus"):

@@ -234,7 +234,7 @@ def one_line(ename: str, evalue: str) -> str:
 _STOP = b""  # what a pool sends a rank to make it leave
 
 
-def _pool_rank_main(rank, world_size, rendezvous, backend, op_timeout, link, core=None):
+def _pool_rank_main(rank, world_size, rendezvous, backend, op_timeout, link, core=None, host_messages=False):
     """A pool's rank: join the group once, then run each call sent, until told to stop."""
     lock = threading.Lock()  # the call's thread and its feed's thread both send
 
@@ -256,7 +256,7 @@ def _pool_rank_main(rank, world_size, rendezvous, backend, op_timeout, link, cor
         seq, current["seq"] = current["seq"], current["seq"] + 1
         send(current["call"], "event", (seq, pickle.dumps(payload)))
 
-    set_rank_context(RankContext(rank, world_size, rank, world_size, backend, device), publish)
+    set_rank_context(RankContext(rank, world_size, rank, world_size, backend, device, host_messages), publish)
     # Each call starts from the random state a fresh process has, so results do not
     # depend on what ran before on the pool.
     fresh_torch, fresh_python = torch.get_rng_state(), random.getstate()
@@ -293,11 +293,13 @@ class RankPool:
 
     @renamed_keywords(world_size="n_ranks", init_timeout="op_timeout")
     def __init__(self, n_ranks: int, *, backend: str = "gloo", timeout: float = 120.0,
-                 op_timeout: float = OP_TIMEOUT, grace: float = 3.0, cores: Sequence[int] | None = None):
+                 op_timeout: float = OP_TIMEOUT, grace: float = 3.0, cores: Sequence[int] | None = None,
+                 host_messages: bool = False):
         """`timeout`: how long a call may take (the default of `run(..., timeout=)`); `op_timeout`:
         how long ONE wait between ranks may take (joining the group, a collective, a P2P op).
         `cores`: one core per rank to keep its threads on (e.g. [0, 1]; default: none, the kernel
-        places them; see pplab.drivers.cores for when pinning pays).
+        places them; see pplab.drivers.cores for when pinning pays). `host_messages`: copy each
+        message through host memory, as ranks that share a GPU do (see pplab.rank.host_messages).
 
         `pool.world_size` is `n_ranks` (torch.distributed's word for the number of ranks).
         """
@@ -305,6 +307,7 @@ class RankPool:
         check_positive_seconds("timeout", timeout)
         check_positive_seconds("op_timeout", op_timeout)
         self.world_size, self.backend, self.cores = n_ranks, backend, check_cores(cores, n_ranks)
+        self.host_messages = bool(host_messages)
         self.timeout, self.op_timeout, self.grace = timeout, op_timeout, grace
         self._context = process_context()
         self._processes: list = []
@@ -399,7 +402,7 @@ class RankPool:
         self._processes = [self._context.Process(
             target=_pool_rank_main, daemon=True, name=f"pplab-rank-{rank}",
             args=(rank, self.world_size, self._rendezvous.url, self.backend, self.op_timeout, links[rank][1],
-                  self.cores[rank] if self.cores else None))
+                  self.cores[rank] if self.cores else None, self.host_messages))
             for rank in range(self.world_size)]
         for process in self._processes:
             process.start()

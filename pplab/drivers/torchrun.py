@@ -37,26 +37,30 @@ class TorchrunRanks:
 
     @renamed_keywords(timeout="op_timeout")
     def __init__(self, op_timeout: float = OP_TIMEOUT):
-        """Join torchrun's process group (NCCL and one GPU per process where there are GPUs, else gloo);
-        `op_timeout`: seconds one wait between ranks (the rendezvous, a collective, a P2P op) may take."""
+        """Join torchrun's process group: on GPUs where there are any (NCCL with one GPU per process;
+        gloo, messages through host memory, where processes outnumber the GPUs and share them), else
+        gloo on CPU. `op_timeout`: seconds one wait between ranks (the rendezvous, a collective, a
+        P2P op) may take."""
         import torch
         import torch.distributed as dist
 
         if os.environ.get("MASTER_ADDR") in ("127.0.0.1", "localhost"):
             os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")  # one host: gloo on loopback
         local_rank = int(os.environ.get("LOCAL_RANK", 0))
-        use_cuda = torch.cuda.is_available() and torch.cuda.device_count() > local_rank
-        self.device = torch.device("cuda", local_rank) if use_cuda else torch.device("cpu")
-        if use_cuda:
+        local_world_size = int(os.environ.get("LOCAL_WORLD_SIZE", 1))
+        gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        # Every process decides alike from what all of them see (the host's GPUs, how many share them).
+        self.device = torch.device("cuda", local_rank % gpus) if gpus else torch.device("cpu")
+        if gpus:
             torch.cuda.set_device(self.device)
         else:
             torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", 1)))
-        self.backend = "nccl" if use_cuda else "gloo"
+        self.backend = "nccl" if gpus >= local_world_size else "gloo"
         dist.init_process_group(self.backend, timeout=timedelta(seconds=op_timeout))
         self.op_timeout, self.rank, self.world_size = op_timeout, dist.get_rank(), dist.get_world_size()
         set_rank_context(RankContext(self.rank, self.world_size, local_rank,
                                      int(os.environ.get("LOCAL_WORLD_SIZE", self.world_size)), self.backend,
-                                     self.device))
+                                     self.device, host_messages=self.backend == "gloo" and bool(gpus)))
 
     def _check_usable(self) -> None:
         pass

@@ -24,6 +24,9 @@ returns one work for a whole batch. So on NCCL the runtime first checks that a
 schedule receives in the order it sends (`in_order_mismatch`), needs fixed
 shapes, and waits for a batch as a whole; the bound on a wait there is the
 process group's timeout.
+
+Ranks that share a GPU talk over gloo, which moves host memory only: their messages are
+copied to the host and back (`pplab.rank.host_messages`), inside the message's own event.
 """
 
 from __future__ import annotations
@@ -37,6 +40,7 @@ import torch.distributed as dist
 
 from pplab.base.arguments import OP_TIMEOUT
 from pplab.base.machine import busy_note
+from pplab.rank.host_messages import HOST, from_host, messages_through_host, to_host
 from pplab.schedules import Action, Kind, Schedule
 from pplab.trace.timeline import Event
 
@@ -93,6 +97,9 @@ class StageLink:
         self.events: list[Event] = []
         # NCCL matches by order on one stream: a receive posted early would block the sends behind it.
         self.can_prepost = dist.is_initialized() and dist.get_backend(group) == "gloo"
+        # Where messages live while they travel: this rank's device, or the host (gloo with a GPU).
+        self.through_host = messages_through_host(self.device, group)
+        self.wire = HOST if self.through_host else self.device
 
     def peer_rank(self, action: Action) -> int:
         """The rank on the other end of a send or receive."""
@@ -110,15 +117,19 @@ class StageLink:
         early = {a: self.mailbox.preposted.pop(a) for a in receives if a in self.mailbox.preposted}
         fresh = [a for a in receives if a not in early]
         started = clock()
+        if self.through_host:  # the copy to the host is part of the send
+            outgoing = {a: to_host(outgoing[a]) for a in sends}
         shapes = dict(expected)
         if self.handshake:
             shapes.update(self._exchange_headers(sends, fresh, outgoing))
-        buffers = {a: torch.empty(shapes[a][1], dtype=shapes[a][0], device=self.device) for a in fresh}
+        buffers = {a: torch.empty(shapes[a][1], dtype=shapes[a][0], device=self.wire) for a in fresh}
         posted = self._post([(a, outgoing[a], False) for a in sends] +
                             [(a, buffers[a], False) for a in fresh], clock)
         for action, (work, buffer) in early.items():
             self._wait(work, action)
             buffers[action] = buffer
+        if self.through_host:  # and the copy from the host part of the receive
+            buffers = {a: from_host(buffers[a], self.device) for a in receives}
         ended = clock()
         for action in sends:  # a send costs its rank only the posting
             self._record(action, outgoing[action], started, posted)
@@ -134,7 +145,7 @@ class StageLink:
         for action in receives:
             if action in shapes and action not in self.mailbox.preposted:
                 dtype, shape = shapes[action]
-                buffer = torch.empty(shape, dtype=dtype, device=self.device)
+                buffer = torch.empty(shape, dtype=dtype, device=self.wire)
                 try:
                     work = dist.irecv(buffer, self.peer_rank(action), group=self.group,
                                       tag=message_tag(action, self.schedule.n_stages))
@@ -144,8 +155,8 @@ class StageLink:
 
     def _exchange_headers(self, sends, receives, outgoing) -> dict[Action, tuple]:
         """Send a header before each activation and receive the headers of incoming ones."""
-        headers_out = {a: encode_header(outgoing[a]).to(self.device) for a in sends if a.kind == Kind.SEND_F}
-        headers_in = {a: torch.empty(2 + MAX_DIMS, dtype=torch.int64, device=self.device)
+        headers_out = {a: encode_header(outgoing[a]).to(self.wire) for a in sends if a.kind == Kind.SEND_F}
+        headers_in = {a: torch.empty(2 + MAX_DIMS, dtype=torch.int64, device=self.wire)
                       for a in receives if a.kind == Kind.RECV_F}
         if headers_out or headers_in:
             self._post([(a, h, True) for a, h in headers_out.items()] +

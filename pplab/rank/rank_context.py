@@ -25,6 +25,7 @@ class RankContext:
     local_world_size: int
     backend: str
     device: Any  # torch.device (torch is not imported here)
+    host_messages: bool = False  # messages copied through host memory (see pplab.rank.host_messages)
 
 
 class RankError(RuntimeError):

@@ -24,6 +24,7 @@ import torch.distributed as dist
 from torch import nn
 
 from pplab.rank.comm import PipelineTimeoutError
+from pplab.rank.host_messages import from_host, messages_through_host, to_host
 from pplab.trace.timeline import Event
 
 TIED_TAG = 1 << 30  # above every pipeline message's tag (pplab.comm.message_tag)
@@ -69,14 +70,16 @@ class TiedGradients:
             param = next(stage.get_parameter(name) for stage in stages.values()
                          if name in dict(stage.named_parameters()))
             mine = param.grad if param.grad is not None else torch.zeros_like(param)
-            theirs = torch.empty_like(mine)
             started = clock() if clock else 0.0
+            through_host = messages_through_host(mine.device, self.group)
+            outgoing = to_host(mine) if through_host else mine.contiguous()
+            theirs = torch.empty_like(outgoing)
             tag = TIED_TAG + self.tied.index(pair)
-            works = dist.batch_isend_irecv([dist.P2POp(dist.isend, mine.contiguous(), self.peer, self.group, tag),
+            works = dist.batch_isend_irecv([dist.P2POp(dist.isend, outgoing, self.peer, self.group, tag),
                                             dist.P2POp(dist.irecv, theirs, self.peer, self.group, tag)])
             for work in works:
                 self._wait(work, name)
-            param.grad = mine + theirs
+            param.grad = mine + (from_host(theirs, mine.device) if through_host else theirs)
             if clock:
                 events.append(Event(self.rank, "ALL_REDUCE", None, None, started, clock(),
                                     bytes=mine.numel() * mine.element_size()))

@@ -6,7 +6,8 @@ other pplab schedule from its CSV on `_PipelineScheduleRuntime` (as torchtitan d
 subclassing the stage (`RecordingStage`): each forward, backward (full or input-only) and
 weight-gradient pass is timed around torch's own method, padded to its cost in timing mode,
 and kept as an `Event` on the step clock the hand-written runtime uses. Nothing in torch is
-patched; the waits torch does for its receives are recorded too (`_Recorder`).
+patched; the waits torch does for its receives are recorded too (`_Recorder`). Ranks that
+share a GPU get stages whose messages go through host memory (`host_messages_stage_class`).
 `TorchRankRuntime.step` has the hand-written `RankRuntime.step`'s signature and
 result, so a pipeline switches with one argument (`impl="torch"`).
 
@@ -27,6 +28,7 @@ from torch import nn
 
 from pplab.rank.comm import dtype_name, monotonic_clock
 from pplab.rank.gradients import gradient_report
+from pplab.rank.host_messages import HOST, messages_through_host, to_host
 from pplab.rank.memory import ForwardBytes
 from pplab.models.llama import loss_fn
 from pplab.rank.runtime import Boundary, RankStep, reported_once
@@ -109,6 +111,93 @@ def recording_stage_class():
             return ops
 
     return RecordingStage
+
+
+@functools.cache
+def host_messages_stage_class(base):
+    """`base` (torch's `PipelineStage`, or the recording one) with its messages through host memory,
+    for ranks that share a GPU and talk over gloo (see `pplab.rank.host_messages`).
+
+    torch asks a stage for its send and receive ops: the sends get host copies of their tensors,
+    the receives host buffers, which land in the stage's own buffers just before the compute
+    that needs them (torch has waited for them by then). torch's set-up messages (the warm-up
+    vote, the neighbours' first exchange) are made on the host by giving the stage the host as its
+    device meanwhile; the shapes need none: such stages are built with example arguments.
+    """
+
+    class HostMessagesStage(base):
+        def get_fwd_recv_ops(self, fwd_chunk_id):
+            return self._through_host(("F", fwd_chunk_id), super().get_fwd_recv_ops(fwd_chunk_id))
+
+        def get_bwd_recv_ops(self, bwd_chunk_id):
+            return self._through_host(("B", bwd_chunk_id), super().get_bwd_recv_ops(bwd_chunk_id))
+
+        def get_fwd_send_ops(self, fwd_chunk_id):
+            return [_on(op, to_host(op.tensor)) for op in super().get_fwd_send_ops(fwd_chunk_id)]
+
+        def get_bwd_send_ops(self, bwd_chunk_id):
+            return [_on(op, to_host(op.tensor)) for op in super().get_bwd_send_ops(bwd_chunk_id)]
+
+        def forward_one_chunk(self, fwd_chunk_id, *args, **kwargs):
+            self._land(("F", fwd_chunk_id))
+            return super().forward_one_chunk(fwd_chunk_id, *args, **kwargs)
+
+        def backward_one_chunk(self, bwd_chunk_id, *args, **kwargs):
+            self._land(("B", bwd_chunk_id))
+            return super().backward_one_chunk(bwd_chunk_id, *args, **kwargs)
+
+        def _through_host(self, key, ops):
+            landings = self.__dict__.setdefault("_landings", {})
+            staged = []
+            for op in ops:
+                host = torch.empty_like(op.tensor, device=HOST)
+                landings.setdefault(key, []).append((host, op.tensor))
+                staged.append(_on(op, host))
+            return staged
+
+        def _land(self, key) -> None:
+            with torch.no_grad():  # the stage's buffers are leaves that may require grad
+                for host, buffer in self.__dict__.get("_landings", {}).pop(key, []):
+                    buffer.copy_(host)
+
+        # torch's set-up messages, made where the stage's device is: the host, meanwhile.
+        def _send_meta(self, *args, **kwargs):
+            with self._on_host():
+                return super()._send_meta(*args, **kwargs)
+
+        def _recv_meta(self, *args, **kwargs):
+            with self._on_host():
+                return super()._recv_meta(*args, **kwargs)
+
+        def _warmup_forward_vote(self, *args, **kwargs):
+            with self._on_host():
+                return super()._warmup_forward_vote(*args, **kwargs)
+
+        def _warmup_backward_result(self, *args, **kwargs):
+            with self._on_host():
+                return super()._warmup_backward_result(*args, **kwargs)
+
+        def _get_init_p2p_neighbors_ops(self):
+            with self._on_host():
+                return super()._get_init_p2p_neighbors_ops()
+
+        @contextlib.contextmanager
+        def _on_host(self):
+            device, self.device = self.device, HOST
+            try:
+                yield
+            finally:
+                self.device = device
+
+    HostMessagesStage.__name__ = f"HostMessages{base.__name__}"
+    return HostMessagesStage
+
+
+def _on(op, tensor):
+    """The same P2P op on another tensor."""
+    import torch.distributed as dist
+
+    return dist.P2POp(op.op, tensor, op.peer, op.group, op.tag)
 
 
 class _Recorder:
@@ -216,18 +305,26 @@ class TorchRankRuntime:
         self._stage_class = recording_stage_class() if record or timing is not None else PipelineStage
         self._stage_group = place.pp_group if place else group
         self._microbatch_shape = None  # what torch's stages inferred their shapes from
-        self._build_torch_schedule()
+        self._through_host = messages_through_host(self.device, self._stage_group)
+        if self._through_host:
+            # Their stages are given example arguments (torch then sends no shapes, which it would
+            # send from the stage's device): built at the first step, when the shapes are known.
+            self._stage_class = host_messages_stage_class(self._stage_class)
+            self.torch_schedule = None
+        else:
+            self._build_torch_schedule()
         self._clock = StepClock(group, self.device)
 
-    def _build_torch_schedule(self) -> None:
+    def _build_torch_schedule(self, activation_shape=None) -> None:
         """torch's PipelineStage for each of this rank's stages, and torch's schedule over them."""
         from torch.distributed.pipelining import schedules as torch_schedules
 
         schedule = self.schedule
         self.torch_stages = []
         for index in sorted(self.stages):
+            examples = self._example_arguments(index, activation_shape) if self._through_host else {}
             stage = self._stage_class(self.stages[index], index, schedule.n_stages, self.device,
-                                      group=self._stage_group)
+                                      group=self._stage_group, **examples)
             stage.recorder, stage.forward_bytes = self.recorder, ForwardBytes()
             self.torch_stages.append(stage)
         plan = is_torch_plan(schedule)
@@ -243,13 +340,31 @@ class TorchRankRuntime:
             with tempfile.TemporaryDirectory() as folder:
                 self.torch_schedule._load_csv(str(schedule.to_torch_csv(Path(folder) / "schedule.csv")))
 
+    def _example_arguments(self, index: int, activation_shape) -> dict:
+        """A stage's input and output, for torch's `input_args` and `output_args`: zeros of the
+        microbatch's shape, run through the stage (the random streams left as they were)."""
+        if activation_shape is None:
+            raise ValueError("messages through host memory need the microbatches' shapes before torch's "
+                             "schedule runs: give microbatches of one shape (no forced handshake)")
+        module = self.stages[index]
+        if index == 0:
+            example = torch.zeros(activation_shape[:-1], dtype=torch.long, device=self.device)
+        else:  # a received activation: a leaf that asks for its gradient
+            example = torch.zeros(activation_shape, dtype=next(module.parameters()).dtype, device=self.device,
+                                  requires_grad=True)
+        with torch.random.fork_rng(devices=[self.device] if self.device.type == "cuda" else []):
+            output = module(example)  # (with autograd on: torch reads from it that a gradient comes back)
+        return {"input_args": example, "output_args": output.detach().requires_grad_(output.requires_grad)}
+
     def _follow_shape(self, activation_shapes) -> None:
         """torch's stages infer their activations' shapes once, on their first step: when the
         microbatches change shape (a step, then training with other sizes), every rank (each is
         told the same shapes) builds them anew, so that they infer again."""
         shape = tuple(activation_shapes[0]) if activation_shapes else None
-        if shape is not None and self._microbatch_shape is not None and shape != self._microbatch_shape:
-            self._build_torch_schedule()
+        if self.torch_schedule is None:  # stages built with example arguments, at the first step
+            self._build_torch_schedule(shape)
+        elif shape is not None and self._microbatch_shape is not None and shape != self._microbatch_shape:
+            self._build_torch_schedule(shape)
         self._microbatch_shape = shape or self._microbatch_shape
 
     def step(self, inputs, targets, activation_shapes=None, return_grads: bool = False,

@@ -38,6 +38,7 @@ import torch.distributed as dist
 
 from pplab._version import __version__
 from pplab.rank.checkpoint import Checkpointer, rank_module
+from pplab.rank.host_messages import HOST, from_host, messages_through_host, to_host
 from pplab.base.config import TrainOptions
 from pplab.data import HELDOUT_FRACTION, batches
 from pplab.models.llama import loss_fn
@@ -209,6 +210,8 @@ class RankTrainer:
         spec, schedule = self.pipeline.spec, self.pipeline.spec.schedule
         stages, device = self.pipeline.stages, self.pipeline.device
         op_timeout = timedelta(seconds=spec.op_timeout)
+        through_host = messages_through_host(device, self.group)
+        wire = HOST if through_host else device  # where a message lives while it travels
         losses, sends = {}, []
         for mb, (input_ids, target_ids) in enumerate(as_microbatches(batch, schedule.n_microbatches)):
             x = None
@@ -218,14 +221,17 @@ class RankTrainer:
                 if stage == 0:
                     x = input_ids.to(device)
                 elif schedule.stage_to_rank(stage - 1) != self.pp_rank:
-                    x = torch.empty((*input_ids.shape, spec.config.hidden_size), device=device,
+                    x = torch.empty((*input_ids.shape, spec.config.hidden_size), device=wire,
                                     dtype=self._activation_dtype(stages[stage]))
                     self._peer(dist.irecv, x, schedule.stage_to_rank(stage - 1)).wait(op_timeout)
+                    x = from_host(x, device) if through_host else x
                 x = stages[stage](x)
                 if stage == schedule.n_stages - 1:
                     losses[mb] = float(loss_fn(x, target_ids.to(device)))
                 elif schedule.stage_to_rank(stage + 1) != self.pp_rank:
-                    sends.append(self._peer(dist.isend, x, schedule.stage_to_rank(stage + 1)))
+                    # (the sent tensor stays alive in the send's work until it is waited for)
+                    sends.append(self._peer(dist.isend, to_host(x) if through_host else x,
+                                            schedule.stage_to_rank(stage + 1)))
         for send in sends:
             send.wait(op_timeout)
         return self._from_last_stage(losses)

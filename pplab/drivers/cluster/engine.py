@@ -107,7 +107,7 @@ def setup_rank(spec: RankSpec) -> dict:
     dist.barrier(device_ids=[device.index] if spec.backend == "nccl" else None)
 
     context = RankContext(spec.rank, spec.world_size, spec.local_rank, spec.local_world_size,
-                          spec.backend, device)
+                          spec.backend, device, spec.host_messages)
     set_rank_context(context, _publish_event)
     _define_names_for_px_cells(context)
     return describe()

@@ -131,7 +131,7 @@ class Lab:
                  start_timeout: float = 120.0, controller_ip: str = "127.0.0.1",
                  fork: bool | None = None, profile_dir: str | None = None,
                  gpus: Sequence[int] | None = None, cores: Sequence[int] | None = None,
-                 activate: bool = True, verbose: bool = True):
+                 host_messages: bool | None = None, activate: bool = True, verbose: bool = True):
         """Start a local lab: a controller and `n_ranks` engines joined in one process group.
 
         op_timeout: seconds ONE wait between ranks (a rendezvous, a collective, a P2P op) may take
@@ -141,24 +141,30 @@ class Lab:
         controller_ip: the controller listens on loopback only unless you change this.
         fork: start engines by forking one process that imported torch (default on Linux).
         gpus: the CUDA devices of the ranks, one per rank (e.g. [2, 3]: each attendee of a
-            workshop its own; see pplab.cluster.gpus_for_seat); default: 0..n_ranks-1 if there are enough.
+            workshop its own; see pplab.cluster.gpus_for_seat; [0, 0]: two ranks share GPU 0);
+            default: rank r on GPU r % (the host's GPUs).
+        host_messages: copy each message through host memory and send it over gloo. Default
+            (None): where ranks share a GPU (NCCL holds one rank per device), else NCCL between
+            GPUs; True also on CPU, where it runs the same path as ranks that share a GPU.
         cores: one core per rank to keep its threads on (e.g. [0, 1]), where every rank can have a core
             of its own; default: none (see pplab.drivers.cores for when pinning pays).
         """
         check_positive_int("n_ranks", n_ranks, example=2)
         self._configure(n_ranks=n_ranks, backend=backend, device=device, op_timeout=op_timeout,
                         threads=threads, grace=grace, start_timeout=start_timeout,
-                        activate=activate, verbose=verbose)
+                        activate=activate, verbose=verbose, host_messages=host_messages)
+        gpu_count = None
         if gpus is not None:
             import torch
 
             self._gpus = check_gpus(gpus, n_ranks, device, torch.cuda.device_count())
             self._requested["device"] = device = "cuda"
+            gpu_count = len(set(self._gpus))  # a device named twice is shared
         self._cores = check_cores(cores, n_ranks)
         # Reject a forced backend/device this host cannot honour before starting anything.
         here = socket.gethostname()
-        choose_backend_device(backend, device, {here: _local_gpu_count(backend, device)},
-                              {here: n_ranks})
+        choose_backend_device(backend, device, {here: gpu_count or _local_gpu_count(backend, device)},
+                              {here: n_ranks}, host_messages)
         self._launcher = LocalCluster(
             n_ranks, os.path.abspath(profile_dir or records.default_profile_dir()),
             controller_ip=controller_ip, fork=sys.platform == "linux" if fork is None else bool(fork),
@@ -172,7 +178,7 @@ class Lab:
                 profile_dir: str | None = None, n_ranks: int | None = None,
                 backend: str = "auto", device: str = "auto", op_timeout: float = OP_TIMEOUT,
                 threads: int | None = 1, grace: float = 3.0, start_timeout: float = 120.0,
-                gloo_ifname: str | None = None, activate: bool = True,
+                gloo_ifname: str | None = None, host_messages: bool | None = None, activate: bool = True,
                 verbose: bool = True, restart_engines: Callable[[], None] | None = None) -> "Lab":
         """Make ranks of the engines of a cluster you started (ipcluster, any launcher, many hosts).
 
@@ -184,7 +190,7 @@ class Lab:
         lab = cls.__new__(cls)
         lab._configure(n_ranks=n_ranks, backend=backend, device=device, op_timeout=op_timeout,
                        threads=threads, grace=grace, start_timeout=start_timeout,
-                       activate=activate, verbose=verbose)
+                       activate=activate, verbose=verbose, host_messages=host_messages)
         if profile_dir is None:  # where ipcluster keeps the profile (and we a rendezvous file)
             from IPython.paths import get_ipython_dir
 
@@ -196,9 +202,10 @@ class Lab:
         return lab
 
     def _configure(self, *, n_ranks, backend, device, op_timeout, threads, grace, start_timeout,
-                   activate, verbose) -> None:
+                   activate, verbose, host_messages=None) -> None:
         """Check and keep the options shared by Lab() and Lab.connect()."""
-        self._requested = {"n_ranks": n_ranks, "backend": backend, "device": device}
+        self._requested = {"n_ranks": n_ranks, "backend": backend, "device": device,
+                           "host_messages": host_messages}
         self.op_timeout = check_positive_seconds("op_timeout", op_timeout)
         self.grace = check_positive_seconds("grace", grace)
         self.start_timeout = check_positive_seconds("start_timeout", start_timeout)
@@ -207,7 +214,9 @@ class Lab:
         self.threads = check_threads(threads)
         self._activate = activate
         self._verbose = verbose
-        self._gpus: tuple[int, ...] | None = None  # the ranks' CUDA devices, if chosen
+        self._gpus: tuple[int, ...] | None = None  # the ranks' CUDA devices, if named
+        self._rank_gpus: list[int] = []  # each rank's CUDA device once started ([] on CPU)
+        self._host_messages = False  # do the ranks' messages go through host memory?
         self._cores: tuple[int, ...] | None = None  # the ranks' cores, if pinned
         self._view = None
         self._ranks = RankGroup([], {})
@@ -235,7 +244,7 @@ class Lab:
         if self._activate:
             self.activate()
         self._changed("running")
-        progress.finish(f"lab ready: {self.world_size} ranks, {self.backend} on {self.device}")
+        progress.finish(f"lab ready: {self.world_size} ranks, {self.placement}")
 
     def _start_wait(self) -> float:
         """Seconds a start's wait may take: start_timeout at this machine's measured pace."""
@@ -276,9 +285,14 @@ class Lab:
         gpus_per_host = {about[engine_id]["host"]: about[engine_id]["gpus"] for engine_id in order}
         # With the real hosts known, refuse a forced device they cannot honour: still
         # before any rank blocks.
-        backend, device = choose_backend_device(self._requested["backend"],
-                                                self._requested["device"], gpus_per_host,
-                                                ranks_per_host)
+        if self._gpus:  # named GPUs: a device named twice is shared
+            gpus_per_host[socket.gethostname()] = len(set(self._gpus))
+        backend, device, self._host_messages = choose_backend_device(
+            self._requested["backend"], self._requested["device"], gpus_per_host, ranks_per_host,
+            self._requested["host_messages"])
+        # Rank r of a host on its GPU r % (the host's GPUs): ranks share a GPU only when they must.
+        self._rank_gpus = ([] if device != "cuda" else list(self._gpus) if self._gpus else
+                           [local_rank % gpus_per_host[host] for host, (local_rank, _) in zip(hosts, local_ranks(hosts))])
         infos = [RankInfo(rank, engine_id, host, about[engine_id]["pid"], local_rank,
                           device, backend, "idle")
                  for rank, (engine_id, host, (local_rank, _))
@@ -333,8 +347,8 @@ class Lab:
         sys_path = tuple(sys.path)  # engines import what the notebook can (missing dirs are skipped)
         specs = [RankSpec(rank, len(order), local_rank, local_size, self.backend, self.device,
                           rendezvous, self.op_timeout, self._launcher.threads_per_rank(self.threads),
-                          gloo_ifname, sys_path, self._gpus[rank] if self._gpus else None,
-                          self._cores[rank] if self._cores else None)
+                          gloo_ifname, sys_path, self._rank_gpus[rank] if self._rank_gpus else None,
+                          self._cores[rank] if self._cores else None, self._host_messages)
                  for rank, (local_rank, local_size) in enumerate(local_ranks(hosts))]
         joining = ipp.AsyncResult.join(*[self.client[engine_id].apply_async(engine.setup_rank, spec)
                                          for engine_id, spec in zip(order, specs)])
@@ -445,7 +459,28 @@ class Lab:
     @property
     def gpus(self) -> list[int]:
         """The CUDA devices of the ranks ([] on CPU)."""
-        return list(self._gpus) if self._gpus else list(range(self.world_size)) if self.device == "cuda" else []
+        return list(self._rank_gpus)
+
+    @property
+    def host_messages(self) -> bool:
+        """Whether the ranks' messages go through host memory (over gloo): ranks sharing a GPU, or asked for."""
+        return self._host_messages
+
+    @property
+    def placement(self) -> str:
+        """Where the ranks compute and how they talk, in words: 'gloo on cuda (GPU 0 shared by ranks 0-3;
+        messages through host memory)'."""
+        said = f"{self.backend} on {self.device}"
+        if self._rank_gpus:
+            by_gpu: dict[int, list[int]] = {}
+            for rank, gpu in enumerate(self._rank_gpus):
+                by_gpu.setdefault(gpu, []).append(rank)
+            said += " (" + ", ".join(f"GPU {gpu}: rank{'s' if len(ranks) > 1 else ''} {_spans(ranks)}"
+                                     for gpu, ranks in sorted(by_gpu.items()))
+            said += "; messages through host memory)" if self._host_messages else ")"
+        elif self._host_messages:
+            said += " (messages through host memory, as ranks that share a GPU send them)"
+        return said
 
     @property
     def rank_processes(self) -> tuple[tuple[str, int], ...]:
@@ -531,6 +566,13 @@ class Lab:
     def __repr__(self) -> str:
         return (f"<Lab {self.world_size} ranks, {self.backend} on {self.device}, "
                 f"cluster {self.cluster_id!r}: {self.state}>")
+
+
+def _spans(ranks: list[int]) -> str:
+    """'0-3' for [0, 1, 2, 3], '0, 2' for [0, 2]."""
+    if len(ranks) > 2 and ranks == list(range(ranks[0], ranks[-1] + 1)):
+        return f"{ranks[0]}-{ranks[-1]}"
+    return ", ".join(map(str, ranks))
 
 
 def _local_gpu_count(backend: str, device: str) -> int:

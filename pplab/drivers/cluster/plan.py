@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import socket
 from dataclasses import dataclass
+from typing import NamedTuple
 
 from pplab.base.arguments import check_positive_int
 
@@ -32,6 +33,7 @@ class RankSpec:
     sys_path: tuple[str, ...] = ()  # entries of the client's sys.path to add on the engine
     gpu: int | None = None  # the CUDA device of this rank (default: its local rank)
     core: int | None = None  # the core its threads stay on (default: none, the kernel places them)
+    host_messages: bool = False  # copy messages through host memory (gloo between ranks on GPUs)
 
 
 def check_threads(threads: object) -> int | None:
@@ -40,21 +42,22 @@ def check_threads(threads: object) -> int | None:
 
 
 def check_gpus(gpus: object, n_ranks: int, device: str, gpu_count: int) -> tuple[int, ...] | None:
-    """The CUDA devices a local lab's ranks use, one per rank in rank order (None: 0..n_ranks-1).
+    """The CUDA devices a local lab's ranks use, one per rank in rank order (None: chosen for them).
 
     On a server shared by several attendees each lab takes its own GPUs, e.g. seat 2 of
-    a room with two ranks each takes `gpus=[4, 5]` (see `gpus_for_seat`).
+    a room with two ranks each takes `gpus=[4, 5]` (see `gpus_for_seat`); a device named
+    twice is shared by those ranks (their messages then go through host memory).
     """
     if gpus is None:
         return None
     if isinstance(gpus, (str, bytes)) or not hasattr(gpus, "__iter__"):
         raise ValueError(f"gpus={gpus!r}: give the CUDA device numbers of the ranks, e.g. gpus=[0, 1]")
     gpus = tuple(gpus)
-    if not all(isinstance(gpu, int) and not isinstance(gpu, bool) and gpu >= 0 for gpu in gpus) \
-            or len(set(gpus)) != len(gpus):
-        raise ValueError(f"gpus={list(gpus)!r}: give distinct device numbers >= 0, one per rank, e.g. gpus=[0, 1]")
+    if not all(isinstance(gpu, int) and not isinstance(gpu, bool) and gpu >= 0 for gpu in gpus):
+        raise ValueError(f"gpus={list(gpus)!r}: give device numbers >= 0, one per rank, e.g. gpus=[0, 1]")
     if len(gpus) != n_ranks:
-        raise ValueError(f"gpus={list(gpus)!r} names {len(gpus)} GPU(s) for {n_ranks} ranks: give one per rank")
+        raise ValueError(f"gpus={list(gpus)!r} names {len(gpus)} GPU(s) for {n_ranks} ranks: give one per rank "
+                         f"(a number twice where two ranks share a GPU)")
     if device == "cpu":
         raise ValueError(f"gpus={list(gpus)!r} with device='cpu': leave out gpus, or use device='cuda'")
     missing = [gpu for gpu in gpus if gpu >= gpu_count]
@@ -79,36 +82,53 @@ def gpus_for_seat(seat: int, n_ranks: int, gpu_count: int) -> list[int]:
     return list(range(seat * n_ranks, (seat + 1) * n_ranks))
 
 
-def choose_backend_device(backend: str, device: str, gpus_per_host: dict[str, int],
-                          ranks_per_host: dict[str, int]) -> tuple[str, str]:
-    """Pick (backend, device): CUDA + NCCL when every local rank can own a GPU, else CPU + gloo.
+class Placement(NamedTuple):
+    """Where a lab's ranks compute and how their messages travel."""
 
-    `backend` and `device` may be forced; a forced choice the hosts cannot honour
-    raises a ValueError that names the value and the fix.
+    backend: str  # "gloo" or "nccl"
+    device: str  # "cpu" or "cuda"
+    host_messages: bool  # messages copied through host memory (gloo with GPUs, or asked for)
+
+
+def choose_backend_device(backend: str, device: str, gpus_per_host: dict[str, int],
+                          ranks_per_host: dict[str, int], host_messages: bool | None = None) -> Placement:
+    """Pick the placement: CUDA where every host has a GPU, else CPU; NCCL where every local
+    rank owns a GPU, else gloo with messages through host memory (ranks sharing a GPU).
+
+    `backend`, `device` and `host_messages` may be forced (`host_messages=True` also on CPU, so
+    that the path runs in tests); a forced choice the hosts cannot honour raises a ValueError
+    that names the value and the fix.
     """
     if backend not in BACKENDS:
         raise ValueError(f"backend={backend!r} is unknown; use one of {', '.join(map(repr, BACKENDS))}")
     if device not in DEVICES:
         raise ValueError(f"device={device!r} is unknown; use one of {', '.join(map(repr, DEVICES))}")
-    short = {host: (ranks_per_host[host], gpus_per_host.get(host, 0)) for host in ranks_per_host
-             if gpus_per_host.get(host, 0) < ranks_per_host[host]}
-
-    asked_for_gpus = f"device={device!r}" if device == "cuda" else f"backend={backend!r}"
+    if host_messages not in (None, True, False):
+        raise ValueError(f"host_messages={host_messages!r}: use True (messages through host memory, over "
+                         f"gloo), False (NCCL between GPUs) or None (chosen for you)")
+    without_gpu = [host for host in ranks_per_host if gpus_per_host.get(host, 0) == 0]
+    sharing = {host: (ranks_per_host[host], gpus_per_host[host]) for host in ranks_per_host
+               if 0 < gpus_per_host.get(host, 0) < ranks_per_host[host]}
     if device == "auto":
-        if backend == "auto":
-            device = "cpu" if short else "cuda"
-        else:
-            device = "cuda" if backend == "nccl" else "cpu"
-    if device == "cuda" and short:
-        host, (wanted, have) = next(iter(short.items()))
-        raise ValueError(f"{asked_for_gpus} needs one GPU per rank, but host {host!r} would run "
-                         f"{wanted} ranks on {have} GPU(s); use fewer ranks or device='cpu' "
-                         f"(backend='gloo')")
-    if backend == "auto":
-        backend = "nccl" if device == "cuda" else "gloo"
+        device = "cuda" if backend == "nccl" or not (without_gpu or backend == "gloo") else "cpu"
+    if device == "cuda" and without_gpu:
+        asked = f"device={device!r}" if backend != "nccl" else f"backend={backend!r}"
+        raise ValueError(f"{asked} needs a GPU on every host, but host {without_gpu[0]!r} has none; "
+                         f"use device='cpu' (backend='gloo')")
     if backend == "nccl" and device != "cuda":
         raise ValueError("backend='nccl' runs on GPUs only; use backend='gloo' for device='cpu'")
-    return backend, device
+    if sharing and device == "cuda" and (backend == "nccl" or host_messages is False):
+        host, (wanted, have) = next(iter(sharing.items()))
+        asked = "backend='nccl'" if backend == "nccl" else "host_messages=False"
+        raise ValueError(f"{asked} needs one GPU per rank (NCCL cannot hold two ranks of a group on one "
+                         f"device), but host {host!r} would run {wanted} ranks on {have} GPU(s); leave it "
+                         f"out (the ranks then share the GPUs, their messages through host memory over "
+                         f"gloo), or use fewer ranks")
+    if host_messages and backend == "nccl":
+        raise ValueError("host_messages=True sends every message over gloo; leave out backend='nccl'")
+    if backend == "auto":
+        backend = "nccl" if device == "cuda" and not sharing and not host_messages else "gloo"
+    return Placement(backend, device, bool(host_messages) or (backend == "gloo" and device == "cuda"))
 
 
 def assign_ranks(engines: dict[int, str]) -> list[int]:
