@@ -27,7 +27,8 @@ import pplab
 from pplab.machine import LoadWatch, measure_load
 from pplab.drivers.cluster import (LabError, LabNeedsRestartError, LabStartError, RankDiedError, RankFailedError,
                            RankTimeoutError, publish, rank_context, records)
-from pplab.drivers.cluster.plan import assign_ranks, check_gpus, choose_backend_device, gpus_for_seat, local_ranks
+from pplab.drivers.cluster.plan import (assign_ranks, check_gpus, check_memory_fraction, choose_backend_device,
+                                        gpus_for_seat, local_ranks, plan_room)
 from pplab.drivers.cluster.status import RankInfo, RankTable
 
 # -- functions that run on the ranks ------------------------------------------------------
@@ -217,12 +218,48 @@ def test_backend_and_device_follow_the_gpus_of_each_host():
         choose_backend_device("auto", "auto", {"a": 2}, {"a": 2}, "yes")
 
 
+def test_a_room_is_dealt_round_the_gpus_each_rank_capped_and_a_room_that_does_not_fit_is_refused():
+    room = plan_room(20, 2, 4)  # 40 ranks on 4 GPUs
+    assert room.gpus(0) == [0, 1] and room.gpus(1) == [2, 3] and room.gpus(2) == [0, 1]
+    assert all(len(set(room.gpus(seat))) == 2 for seat in range(20))  # a seat's ranks on distinct GPUs
+    held = [sum(gpus.count(gpu) for gpus in room.seats) for gpu in range(4)]
+    assert held == [10, 10, 10, 10] and room.ranks_per_gpu == 10
+    assert room.memory_fraction == pytest.approx(0.09)  # a tenth of 0.9: the caps leave room for contexts
+    assert "GPU 3: seats 1, 3, 5" in room.describe()
+    assert plan_room(3, 4, 2).seats == ((0, 1, 0, 1),) * 3  # more ranks than GPUs: a seat shares them
+    assert plan_room(5, 2, 4).ranks_per_gpu == 3  # uneven: some GPUs hold one rank more
+    with pytest.raises(ValueError, match=r"20 seats of 2 ranks put 10 ranks on a GPU: 10 x 1.5 GiB > 12 GiB\. "
+                                         r"Seat at most 16 on these 4 GPU"):
+        plan_room(20, 2, 4, gpu_memory_gib=12, rank_memory_gib=1.5)
+    with pytest.raises(ValueError, match="gpu_count=0: a room on GPUs needs at least one"):
+        plan_room(20, 2, 0)
+    with pytest.raises(ValueError, match="seat=20: this plan has seats 0..19"):
+        room.gpus(20)
+    for wrong in (0, 1.5, True, "0.1"):
+        with pytest.raises(ValueError, match="gpu_memory_fraction=.*between 0 and 1"):
+            check_memory_fraction(wrong)
+    with pytest.raises(ValueError, match="gpu_memory_fraction=0.1 with device='cpu'"):
+        pplab.Lab(2, device="cpu", gpu_memory_fraction=0.1)
+
+
+def test_pplab_room_plan_prints_each_seats_gpus_and_refuses_a_room_that_does_not_fit(capsys):
+    from pplab.cli import main
+
+    assert main(["room", "--plan", "6", "--gpus", "4", "--n-ranks", "2"]) == 0
+    printed = capsys.readouterr().out
+    assert "6 seat(s) of 2 rank(s) on 4 GPU(s): up to 3 rank(s) per GPU, each rank capped at 30.0%" in printed
+    assert "seat 5: gpus=[2, 3]" in printed and "gpu_memory_fraction=0.3)" in printed
+    assert main(["room", "--plan", "20", "--gpus", "4", "--gpu-memory", "12", "--rank-memory", "1.5"]) == 2
+    assert "Seat at most 16 on these 4 GPU(s)" in capsys.readouterr().err
+
+
 def test_each_attendee_chooses_the_gpus_of_a_lab_and_wrong_choices_are_refused_before_starting():
     assert check_gpus(None, 2, "auto", 0) is None
     assert check_gpus([4, 5], 2, "auto", 8) == (4, 5)
     assert gpus_for_seat(1, 2, 8) == [2, 3] and gpus_for_seat(3, 2, 8) == [6, 7]
-    with pytest.raises(ValueError, match=r"seat=4: 8 GPU\(s\) give 4 seat\(s\) of 2 rank\(s\) \(0..3\)"):
-        gpus_for_seat(4, 2, 8)
+    assert gpus_for_seat(4, 2, 8) == [0, 1]  # round again: seat 4 shares seat 0's GPUs
+    with pytest.raises(ValueError, match=r"seat=-1: give the attendee's seat number"):
+        gpus_for_seat(-1, 2, 8)
     with pytest.raises(ValueError, match=r"gpus=\[4\] names 1 GPU\(s\) for 2 ranks: give one per rank"):
         check_gpus([4], 2, "auto", 8)
     assert check_gpus([1, 1], 2, "auto", 8) == (1, 1)  # two ranks on GPU 1: shared

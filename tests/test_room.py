@@ -51,8 +51,9 @@ def test_what_a_lab_and_a_checker_write_is_read_back(tmp_path, monkeypatch):
     assert seat.verdicts["the 1F1B warm-up"]["reason"] == "rank 0 of 3 with 1 microbatch: you said 2, it runs 1."
     page = room.room_table_html(room.read_room(tmp_path), ["a stage's forward", "the 1F1B warm-up", "clipping"])
     assert "cuda (GPUs 2, 3)" in page and "✔ right" in page and "✘ rank 0 of 3" in page and "not yet" in page
-    room.record_lab("abc", state="running", device="cuda", n_ranks=4, gpus=[5, 5, 5, 5], pids=[os.getpid()])
-    assert "cuda (GPU 5 shared)" in room.room_table_html(room.read_room(tmp_path), [])
+    room.record_lab("abc", state="running", device="cuda", n_ranks=4, gpus=[5, 5, 5, 5], pids=[os.getpid()],
+                    gpu_memory_fraction=0.1125)
+    assert "cuda (GPU 5 shared; each rank up to 11% of a GPU)" in room.room_table_html(room.read_room(tmp_path), [])
     room.record_lab("abc", state="running", device="cpu", n_ranks=2, pids=[2 ** 22 + 12345])  # no such process
     assert room.read_room(tmp_path)[0].state == "dead"
     monkeypatch.delenv(room.ROOM_ENV)

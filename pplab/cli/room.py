@@ -18,6 +18,8 @@ def run(args: argparse.Namespace) -> int:
 
     if args.drill is not None:
         return _drill(args.drill)
+    if args.plan is not None:
+        return _plan(args)
     if args.folder is None:
         raise ValueError("pplab room: give the room's FOLDER to serve, or --drill N to measure the room")
     try:
@@ -66,6 +68,22 @@ def run(args: argparse.Namespace) -> int:
         pass
     finally:
         server.server_close()
+    return 0
+
+
+def _plan(args: argparse.Namespace) -> int:
+    """Print which GPUs each seat takes and each rank's memory cap, and the line each attendee runs."""
+    from pplab.drivers.cluster.plan import plan_room
+
+    if args.gpus is None:
+        raise ValueError("pplab room --plan N: give --gpus G, the server's GPUs (nvidia-smi -L lists them)")
+    room = plan_room(args.plan, args.n_ranks, args.gpus, gpu_memory_gib=args.gpu_memory,
+                     rank_memory_gib=args.rank_memory)
+    print(room.describe())
+    print(f"seat s: pplab.Lab(n_ranks={room.n_ranks}, gpus=pplab.cluster.plan_room({room.n_seats}, "
+          f"{room.n_ranks}, {room.gpu_count}).gpus(s), gpu_memory_fraction={room.memory_fraction:.4g})")
+    for seat in range(room.n_seats):
+        print(f"  seat {seat}: gpus={room.gpus(seat)}")
     return 0
 
 
@@ -130,6 +148,17 @@ def add_to(commands, ranks_run: argparse.ArgumentParser) -> argparse.ArgumentPar
     run_room.add_argument("--drill", type=positive_int, metavar="N",
                           help="instead: measure this machine's room, one seat alone then N seats at once, "
                                "each an attendee's lessons on a 2-rank lab (pplab.course.drill)")
+    run_room.add_argument("--plan", type=positive_int, metavar="N",
+                          help="instead: print a room of N seats dealt round the server's GPUs (--gpus), "
+                               "each seat's GPUs and each rank's memory cap (pplab.cluster.plan_room)")
+    run_room.add_argument("--gpus", type=positive_int, metavar="G", help="with --plan: the server's GPUs")
+    run_room.add_argument("--n-ranks", type=positive_int, default=2, metavar="R",
+                          help="with --plan: ranks per attendee's lab (default 2)")
+    run_room.add_argument("--gpu-memory", type=functools.partial(number, positive=True), metavar="GIB",
+                          help="with --plan: one GPU's memory, to refuse a room that does not fit")
+    run_room.add_argument("--rank-memory", type=functools.partial(number, positive=True), metavar="GIB",
+                          help="with --plan: what one rank needs, its CUDA context included (0.8 GiB for the "
+                               "tiny model on an H200, bench/results/gpu.json)")
     run_room.add_argument("--port", type=int, default=8765, help="loopback port (default 8765; 0: any free one)")
     run_room.add_argument("--refresh", type=functools.partial(number, positive=True), default=3.0,
                           help="seconds between the page's reloads (default 3)")

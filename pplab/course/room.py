@@ -214,7 +214,9 @@ def room_table_html(seats: list[Seat], exercises: list[str] = (), now: float | N
         if lab.get("gpus"):  # one per rank; a GPU named twice is shared by those ranks
             gpus = list(dict.fromkeys(lab["gpus"]))
             shared = " shared" if len(gpus) < len(lab["gpus"]) else ""
-            device += f" (GPU{'s' if len(gpus) > 1 else ''} {', '.join(map(str, gpus))}{shared})"
+            cap = lab.get("gpu_memory_fraction")
+            capped = f"; each rank up to {cap:.0%} of a GPU" if cap else ""
+            device += f" (GPU{'s' if len(gpus) > 1 else ''} {', '.join(map(str, gpus))}{shared}{capped})"
         cells = [f"<td>{html.escape(seat.attendee)}</td>",
                  f"<td style='color:{colours.get(seat.state, '#000')}'>{html.escape(seat.state)}</td>",
                  f"<td>{html.escape(device)}</td>", f"<td>{lab.get('n_ranks', '')}</td>",

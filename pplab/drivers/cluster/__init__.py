@@ -22,13 +22,13 @@ import importlib
 from pplab.drivers.cluster.errors import (LabError, LabNeedsRestartError, LabStartError, RankDiedError,
                                   RankFailedError, RankTimeoutError)
 from pplab.drivers.cluster.namespaces import NamespaceHosts
-from pplab.drivers.cluster.plan import gpus_for_seat
+from pplab.drivers.cluster.plan import RoomPlan, gpus_for_seat, plan_room
 from pplab.drivers.cluster.records import cleanup
 from pplab.drivers.cluster.status import RankInfo, RankTable
 from pplab.rank.rank_context import RankContext, RankEvent, publish, rank_context
 
 __all__ = [
-    "cleanup", "gpus_for_seat", "NamespaceHosts", "publish", "rank_context", "RankContext", "RankCall", "RankEvent",
+    "cleanup", "gpus_for_seat", "plan_room", "RoomPlan", "NamespaceHosts", "publish", "rank_context", "RankContext", "RankCall", "RankEvent",
     "RankInfo", "RankTable", "LabError", "LabStartError", "LabNeedsRestartError",
     "RankFailedError", "RankDiedError", "RankTimeoutError",
 ]

@@ -99,6 +99,8 @@ def setup_rank(spec: RankSpec) -> dict:
         gpu = spec.local_rank if spec.gpu is None else spec.gpu
         torch.cuda.set_device(gpu)
         device = torch.device("cuda", gpu)
+        if spec.memory_fraction is not None:  # this rank's share of a GPU that others use too
+            torch.cuda.set_per_process_memory_fraction(spec.memory_fraction, gpu)
     else:
         device = torch.device("cpu")
     dist.init_process_group(spec.backend, init_method=spec.rendezvous, rank=spec.rank,

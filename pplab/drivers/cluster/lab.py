@@ -31,8 +31,8 @@ from pplab.drivers.cluster.calls import RankCall
 from pplab.drivers.cluster.errors import RESTART_HINT, LabError, LabNeedsRestartError, LabStartError
 from pplab.drivers.cluster.ipyparallel_adapter import catch_up_on_engines
 from pplab.drivers.cluster.launchers import ConnectedCluster, LocalCluster
-from pplab.drivers.cluster.plan import (RankSpec, assign_ranks, check_gpus, check_threads, choose_backend_device,
-                                local_ranks, loopback_interface)
+from pplab.drivers.cluster.plan import (RankSpec, assign_ranks, check_gpus, check_memory_fraction, check_threads,
+                                        choose_backend_device, local_ranks, loopback_interface)
 from pplab.drivers.cluster.status import RankGroup, RankInfo, RankTable
 from pplab.drivers.contract import arguments_by_rank, call_name
 from pplab.drivers.cores import check_cores
@@ -131,7 +131,8 @@ class Lab:
                  start_timeout: float = 120.0, controller_ip: str = "127.0.0.1",
                  fork: bool | None = None, profile_dir: str | None = None,
                  gpus: Sequence[int] | None = None, cores: Sequence[int] | None = None,
-                 host_messages: bool | None = None, activate: bool = True, verbose: bool = True):
+                 host_messages: bool | None = None, gpu_memory_fraction: float | None = None,
+                 activate: bool = True, verbose: bool = True):
         """Start a local lab: a controller and `n_ranks` engines joined in one process group.
 
         op_timeout: seconds ONE wait between ranks (a rendezvous, a collective, a P2P op) may take
@@ -146,6 +147,8 @@ class Lab:
         host_messages: copy each message through host memory and send it over gloo. Default
             (None): where ranks share a GPU (NCCL holds one rank per device), else NCCL between
             GPUs; True also on CPU, where it runs the same path as ranks that share a GPU.
+        gpu_memory_fraction: the share of its GPU's memory each rank may take (on CPU: no effect), so
+            that in a room one attendee cannot take a GPU from the others (see pplab.cluster.plan_room).
         cores: one core per rank to keep its threads on (e.g. [0, 1]), where every rank can have a core
             of its own; default: none (see pplab.drivers.cores for when pinning pays).
         """
@@ -161,6 +164,10 @@ class Lab:
             self._requested["device"] = device = "cuda"
             gpu_count = len(set(self._gpus))  # a device named twice is shared
         self._cores = check_cores(cores, n_ranks)
+        self._memory_fraction = check_memory_fraction(gpu_memory_fraction)
+        if self._memory_fraction is not None and device == "cpu":
+            raise ValueError(f"gpu_memory_fraction={gpu_memory_fraction!r} with device='cpu': it caps GPU memory; "
+                             f"leave it out, or use device='cuda'")
         # Reject a forced backend/device this host cannot honour before starting anything.
         here = socket.gethostname()
         choose_backend_device(backend, device, {here: gpu_count or _local_gpu_count(backend, device)},
@@ -217,6 +224,7 @@ class Lab:
         self._gpus: tuple[int, ...] | None = None  # the ranks' CUDA devices, if named
         self._rank_gpus: list[int] = []  # each rank's CUDA device once started ([] on CPU)
         self._host_messages = False  # do the ranks' messages go through host memory?
+        self._memory_fraction: float | None = None  # each rank's share of its GPU's memory, if capped
         self._cores: tuple[int, ...] | None = None  # the ranks' cores, if pinned
         self._view = None
         self._ranks = RankGroup([], {})
@@ -348,7 +356,8 @@ class Lab:
         specs = [RankSpec(rank, len(order), local_rank, local_size, self.backend, self.device,
                           rendezvous, self.op_timeout, self._launcher.threads_per_rank(self.threads),
                           gloo_ifname, sys_path, self._rank_gpus[rank] if self._rank_gpus else None,
-                          self._cores[rank] if self._cores else None, self._host_messages)
+                          self._cores[rank] if self._cores else None, self._host_messages,
+                          self._memory_fraction if self._rank_gpus else None)
                  for rank, (local_rank, local_size) in enumerate(local_ranks(hosts))]
         joining = ipp.AsyncResult.join(*[self.client[engine_id].apply_async(engine.setup_rank, spec)
                                          for engine_id, spec in zip(order, specs)])
@@ -462,6 +471,11 @@ class Lab:
         return list(self._rank_gpus)
 
     @property
+    def gpu_memory_fraction(self) -> float | None:
+        """The share of its GPU's memory each rank may take (None: not capped, or on CPU)."""
+        return self._memory_fraction if self._rank_gpus else None
+
+    @property
     def host_messages(self) -> bool:
         """Whether the ranks' messages go through host memory (over gloo): ranks sharing a GPU, or asked for."""
         return self._host_messages
@@ -477,6 +491,8 @@ class Lab:
                 by_gpu.setdefault(gpu, []).append(rank)
             said += " (" + ", ".join(f"GPU {gpu}: rank{'s' if len(ranks) > 1 else ''} {_spans(ranks)}"
                                      for gpu, ranks in sorted(by_gpu.items()))
+            if self._memory_fraction is not None:
+                said += f"; each rank capped at {self._memory_fraction:.1%} of its GPU's memory"
             said += "; messages through host memory)" if self._host_messages else ")"
         elif self._host_messages:
             said += " (messages through host memory, as ranks that share a GPU send them)"

@@ -34,6 +34,7 @@ class RankSpec:
     gpu: int | None = None  # the CUDA device of this rank (default: its local rank)
     core: int | None = None  # the core its threads stay on (default: none, the kernel places them)
     host_messages: bool = False  # copy messages through host memory (gloo between ranks on GPUs)
+    memory_fraction: float | None = None  # the share of its GPU's memory this rank may take (None: all)
 
 
 def check_threads(threads: object) -> int | None:
@@ -71,15 +72,81 @@ def check_gpus(gpus: object, n_ranks: int, device: str, gpu_count: int) -> tuple
 
 def gpus_for_seat(seat: int, n_ranks: int, gpu_count: int) -> list[int]:
     """The GPUs of attendee `seat` (0, 1, ...) when each attendee's lab has `n_ranks` ranks: the
-    devices split in consecutive blocks, e.g. seat 1 with 2 ranks on 8 GPUs gets [2, 3]."""
+    ranks of the room dealt round the devices, e.g. seat 1 with 2 ranks on 8 GPUs gets [2, 3] and
+    seat 4 gets [0, 1] again, shared with seat 0 (see `plan_room` for a whole room and its caps)."""
+    if not isinstance(seat, int) or isinstance(seat, bool) or seat < 0:
+        raise ValueError(f"seat={seat!r}: give the attendee's seat number, 0 or more")
+    return plan_room(seat + 1, n_ranks, gpu_count).gpus(seat)
+
+
+# A CUDA context (about 0.8 GiB per process on an H200, bench/results/gpu.json) lies outside the
+# allocator's cap: the caps of a GPU's ranks add up to this much of it, the rest kept for contexts.
+CAPPED_SHARE = 0.9
+
+
+@dataclass(frozen=True)
+class RoomPlan:
+    """Which GPU each rank of each seat uses, and how much of a GPU's memory one rank may take."""
+
+    n_seats: int
+    n_ranks: int
+    gpu_count: int
+    seats: tuple[tuple[int, ...], ...]  # per seat, its ranks' GPUs
+    ranks_per_gpu: int  # the most ranks any one GPU holds
+    memory_fraction: float  # each rank's cap (torch.cuda.set_per_process_memory_fraction)
+
+    def gpus(self, seat: int) -> list[int]:
+        """Seat `seat`'s GPUs, one per rank (give them to `Lab(gpus=...)`)."""
+        if not isinstance(seat, int) or isinstance(seat, bool) or not 0 <= seat < self.n_seats:
+            raise ValueError(f"seat={seat!r}: this plan has seats 0..{self.n_seats - 1}")
+        return list(self.seats[seat])
+
+    def describe(self) -> str:
+        """One line per GPU: the seats on it and each rank's cap."""
+        lines = [f"{self.n_seats} seat(s) of {self.n_ranks} rank(s) on {self.gpu_count} GPU(s): up to "
+                 f"{self.ranks_per_gpu} rank(s) per GPU, each rank capped at {self.memory_fraction:.1%} of its GPU"]
+        for gpu in range(self.gpu_count):
+            on_it = [seat for seat, gpus in enumerate(self.seats) if gpu in gpus]
+            lines.append(f"  GPU {gpu}: seats {', '.join(map(str, on_it)) or '-'}")
+        return "\n".join(lines)
+
+
+def plan_room(n_seats: int, n_ranks: int, gpu_count: int, *, gpu_memory_gib: float | None = None,
+              rank_memory_gib: float | None = None) -> RoomPlan:
+    """Seats of `n_ranks` ranks dealt round `gpu_count` GPUs: rank r of seat s on GPU (s * n_ranks + r)
+    % gpu_count, so that a seat's ranks are on distinct GPUs where there are enough and every GPU
+    holds as many ranks as any other, give or take one. Each rank's cap is an equal share of
+    `CAPPED_SHARE` of its GPU, so that no attendee can take a GPU from the others.
+
+    With `gpu_memory_gib` (one GPU's memory) and `rank_memory_gib` (what one rank needs, its CUDA
+    context included), a room that does not fit is refused, naming how many seats would.
+    """
+    check_positive_int("n_seats", n_seats, example=20)
     check_positive_int("n_ranks", n_ranks, example=2)
-    seats = gpu_count // n_ranks
-    if seats == 0:
-        raise ValueError(f"{gpu_count} GPU(s) cannot seat a lab of {n_ranks} ranks: use device='cpu'")
-    if not isinstance(seat, int) or not 0 <= seat < seats:
-        raise ValueError(f"seat={seat!r}: {gpu_count} GPU(s) give {seats} seat(s) of {n_ranks} rank(s) "
-                         f"(0..{seats - 1}); the others use device='cpu'")
-    return list(range(seat * n_ranks, (seat + 1) * n_ranks))
+    if not isinstance(gpu_count, int) or gpu_count < 1:
+        raise ValueError(f"gpu_count={gpu_count!r}: a room on GPUs needs at least one; without GPUs the "
+                         f"labs run on CPU (device='cpu')")
+    seats = tuple(tuple((seat * n_ranks + rank) % gpu_count for rank in range(n_ranks)) for seat in range(n_seats))
+    ranks_per_gpu = -(-n_seats * n_ranks // gpu_count)
+    fraction = CAPPED_SHARE / ranks_per_gpu
+    if gpu_memory_gib is not None and rank_memory_gib is not None \
+            and ranks_per_gpu * rank_memory_gib > gpu_memory_gib:
+        fitting = int(gpu_memory_gib // rank_memory_gib) * gpu_count // n_ranks
+        raise ValueError(f"{n_seats} seats of {n_ranks} ranks put {ranks_per_gpu} ranks on a GPU: "
+                         f"{ranks_per_gpu} x {rank_memory_gib:g} GiB > {gpu_memory_gib:g} GiB. Seat at most "
+                         f"{fitting} on these {gpu_count} GPU(s) (the others on CPU: device='cpu'), or use "
+                         f"a smaller model or fewer ranks per lab")
+    return RoomPlan(n_seats, n_ranks, gpu_count, seats, ranks_per_gpu, fraction)
+
+
+def check_memory_fraction(fraction: object) -> float | None:
+    """`fraction` if None or a share of a GPU in (0, 1], else raise naming it."""
+    if fraction is None:
+        return None
+    if isinstance(fraction, bool) or not isinstance(fraction, (int, float)) or not 0 < fraction <= 1:
+        raise ValueError(f"gpu_memory_fraction={fraction!r}: give the share of a GPU's memory each rank "
+                         f"may take, between 0 and 1 (e.g. 0.1; pplab.cluster.plan_room computes it for a room)")
+    return float(fraction)
 
 
 class Placement(NamedTuple):
