@@ -241,3 +241,61 @@ def test_the_zero_bubble_heuristic_refuses_costs_for_other_stages():
     """It places one stage per rank: costs for two stages per rank are refused, not half read."""
     with pytest.raises(ValueError, match=r"forward has 8 values but the schedule has 4 stages"):
         best_heuristic(4, 8, Costs(forward=[1.0] * 8, input_grad=1.0, weight_grad=1.0), 4)
+
+
+# The exact search (OR-Tools' CP-SAT, the pplab[solver] extra; the test extras install it).
+ZB_PAPER_GAP = Costs(forward=1.0, input_grad=2.0, weight_grad=1.0, latency=0.1)  # where the search stops 1.7 % short
+
+
+def test_the_exact_search_proves_the_optimum_the_search_misses_and_it_runs_exactly_on_ranks():
+    pytest.importorskip("ortools")
+    found = search(8, 8, ZB_PAPER_GAP, show=False, exact=True)
+    searched = min(c.step_time for c in found.tried if c.fits and c.name != "exact (CP-SAT)")  # the search's own
+    assert found.proved_optimal and found.schedule.name == "exact (CP-SAT)"
+    assert found.step_time == pytest.approx(47.4) and searched > found.step_time * 1.01
+    assert simulate(found.schedule, ZB_PAPER_GAP).step_time() == found.step_time
+    assert "proved optimal: step 47.4" in str(found)
+    # Where a built-in is optimal, the search returns it, and the proof says so.
+    textbook = search(4, 8, Costs(forward=1.0, input_grad=1.0, weight_grad=1.0), memory_limit=4, exact=True,
+                      show=False)
+    assert textbook.schedule.name == "zb-h1" and textbook.proved_optimal and textbook.step_time == 27.0
+    # Under a memory limit: the limit is kept, and it costs what the proof says.
+    held = search(4, 8, ZB_PAPER_GAP, memory_limit=2, exact=True, show=False)
+    assert held.proved_optimal and max(held.peak_memory) <= 2
+    assert held.step_time > search(4, 8, ZB_PAPER_GAP, exact=True, show=False).step_time
+    # The proved-optimal order, irregular as it is, runs on real ranks to one device's gradients.
+    config = pplab.LlamaConfig.tiny()
+    proved = search(4, 8, ZB_PAPER_GAP, memory_limit=3, exact=True, show=False).schedule
+    spec = PipelineSpec.create(config, proved, 4, 8)
+    batch = next(batches(16, 16))
+    result = merge_steps([rank[0] for rank in run_ranks(4, run_jobs_on_rank, [(spec, split_for_ranks(spec, batch))])])
+    assert compare_with_reference(result.loss, result.grads, pplab.reference_step(config, batch, 8)).passed
+
+
+@pytest.mark.quick
+def test_the_exact_search_says_what_it_cannot_do_and_what_it_did_not_prove(monkeypatch, capsys):
+    pytest.importorskip("ortools")
+    from pplab.cli import main
+    from pplab.planning.exact import SolverMissingError, exact_schedule
+
+    assert main(["search", "--n-ranks", "4", "--n-microbatches", "8", "--forward", "1", "--weight", "1",
+                 "--exact", "--quiet"]) == 0
+    assert "proved optimal: step 27" in capsys.readouterr().out
+
+    with pytest.raises(ValueError, match="exact=True solves one stage per rank; these costs give 2 per rank"):
+        search(2, 4, Costs(forward=[1.0] * 4), exact=True, show=False)
+    with pytest.raises(ValueError, match="exact=True models links that never queue"):
+        exact_schedule(2, 4, Costs(latency=1.0, bandwidth=1.0, activation_bytes=1, link_contention=True))
+    with pytest.raises(ValueError, match="no schedule fits memory_limit=0.5"):
+        exact_schedule(2, 4, Costs(), memory_limit=0.5)
+    # Stopped by its time limit (its proof takes seconds here), the solver gives the best schedule it
+    # has, never slower than the search's it started from, and the bound it proved.
+    searched = search(8, 16, ZB_PAPER_GAP, show=False, improve_seconds=0)
+    found = search(8, 16, ZB_PAPER_GAP, show=False, improve_seconds=0, exact=True, exact_seconds=0.2)
+    assert found.proof.bound <= found.step_time <= searched.step_time
+    assert found.proof.step_time == simulate(found.tried[-1].schedule, ZB_PAPER_GAP).step_time()
+    assert ("proved optimal" if found.proved_optimal else "not proved: step") in str(found)
+    # Without OR-Tools: the extra that installs it.
+    monkeypatch.setitem(__import__("sys").modules, "ortools.sat.python", None)
+    with pytest.raises(SolverMissingError, match=r"pip install 'pplab\[solver\]'"):
+        exact_schedule(2, 4, Costs())

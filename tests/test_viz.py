@@ -183,7 +183,9 @@ def imported_modules(module_name: str) -> set[str]:
                    "pplab.trace.timeline"}),  # communication: the runtime's comm-batch rule
     ("views.viz", {"pplab.trace.timeline", "pplab.base.formatting"}),
     ("planning.search", {"pplab.schedules", "pplab.planning.simulator", "pplab.trace.timeline", "pplab.base.formatting",
-                         "pplab.planning.list_scheduling", "pplab.planning.zero_bubble_heuristic"}),
+                         "pplab.planning.list_scheduling", "pplab.planning.zero_bubble_heuristic",
+                         "pplab.planning.exact"}),
+    ("planning.exact", {"pplab.schedules", "pplab.planning.simulator", "pplab.base.formatting"}),  # (OR-Tools on use)
     ("planning.list_scheduling", {"pplab.schedules", "pplab.planning.simulator", "pplab.trace.timeline"}),
     ("planning.zero_bubble_heuristic", {"pplab.schedules", "pplab.planning.simulator", "pplab.trace.timeline", "pplab.planning.list_scheduling"}),
     ("planning.prediction", {"pplab.schedules", "pplab.planning.simulator", "pplab.trace.timeline", "pplab.base.formatting", "pplab.base.machine"}),

@@ -15,7 +15,8 @@ def run(args: argparse.Namespace) -> int:
     from pplab.planning.search import search
 
     found = search(args.n_ranks, args.n_microbatches, costs_from_flags(args), memory_limit=args.memory_limit,
-                   n_virtual=args.n_virtual, show=not args.quiet)
+                   n_virtual=args.n_virtual, show=not args.quiet, exact=args.exact,
+                   exact_seconds=args.exact_seconds)
     print(found)
     if args.csv:
         path = found.schedule.to_torch_csv(Path(args.csv))
@@ -42,6 +43,11 @@ def add_to(commands, ranks_run: argparse.ArgumentParser) -> argparse.ArgumentPar
                             help="per rank, in microbatches of the rank's activations (default: none)")
     run_search.add_argument("--csv", metavar="FILE", default=None,
                             help="write the schedule found as torch's compute-only CSV")
+    run_search.add_argument("--exact", action="store_true",
+                            help="also ask a solver for the fastest schedule and its proof (one stage per "
+                                 "rank; needs OR-Tools: pip install 'pplab[solver]')")
+    run_search.add_argument("--exact-seconds", type=functools.partial(number, positive=True), default=60.0,
+                            metavar="S", help="with --exact: the solver's time limit (default 60)")
     run_search.add_argument("--quiet", action="store_true", help="no progress bar")
     run_search.set_defaults(handler=run)
     return run_search

@@ -21,7 +21,10 @@ last the LM head), and a schedule made for the measured costs can beat the hand-
    four combinations of warm-up depth and skipped forwards, so the search is never slower
    than it;
 4. a local improvement of the fastest few: move one action of a rank a few places, keep what
-   the simulator says is shorter and still fits (`_improve`), within `improve_seconds`.
+   the simulator says is shorter and still fits (`_improve`), within `improve_seconds`;
+5. with `exact=True` (one stage per rank, OR-Tools installed: `pplab[solver]`), the schedule a
+   CP-SAT solver proves fastest on the same cost model (`pplab.planning.exact`); the answer
+   then carries the proof (`Found.proof`).
 
 Each candidate must pass `validate`; the fastest whose simulated peak fits the limit wins.
 Since the built-ins are candidates, the result is never slower than any of them that fits.
@@ -43,6 +46,7 @@ from typing import Sequence
 
 from pplab.base.formatting import ShownAsText, format_bytes, text_table
 from pplab.planning.list_scheduling import empty_pipeline, list_schedule
+from pplab.planning.exact import Proof
 from pplab.schedules import (SCHEDULE_NAMES, TORCH_SCHEDULES, Kind, Schedule, ScheduleError, add_communication, build,
                              from_torch, releases_activations, v_placement, validate)
 from pplab.planning.simulator import Costs, simulate
@@ -73,6 +77,12 @@ class Found(ShownAsText):
     unit: str  # "microbatches" or "bytes"
     tried: tuple[Candidate, ...]
     seconds: float
+    proof: "Proof | None" = None  # with exact=True: what the solver proved (pplab.planning.exact)
+
+    @property
+    def proved_optimal(self) -> bool:
+        """True when the solver proved that no schedule of these costs has a shorter step."""
+        return self.proof is not None and self.proof.optimal and self.step_time <= self.proof.step_time * (1 + 1e-9)
 
     @property
     def best_builtin(self) -> Candidate | None:
@@ -93,6 +103,9 @@ class Found(ShownAsText):
             lines.append("no other schedule the search built was faster than this built-in")
         fitting = sum(c.fits for c in self.tried)
         lines.append(f"tried {len(self.tried)} schedules ({fitting} fit) in {self.seconds:.2f} s")
+        if self.proof is not None:
+            lines.append(str(self.proof) if self.proof.optimal or self.step_time >= self.proof.step_time else
+                         f"{self.proof} (the search's own is shorter still)")
         return "\n".join(lines)
 
     def table(self, top: int = 10) -> str:
@@ -121,7 +134,7 @@ class NothingFitsError(ValueError):
 def search(n_ranks: int, n_microbatches: int, costs: Costs, memory_limit: float | None = None,
            saved_bytes: Sequence[int] | None = None, n_virtual: int | None = None,
            split_backward: bool = True, include_torch: bool = True, show: bool | None = None,
-           improve_seconds: float = 0.5) -> Found:
+           improve_seconds: float = 0.5, exact: bool = False, exact_seconds: float = 60.0) -> Found:
     """The fastest schedule the search finds for these sizes and costs under `memory_limit`.
 
     `costs` are per stage: with sequences of n_ranks * v values the stages are those v per
@@ -134,7 +147,9 @@ def search(n_ranks: int, n_microbatches: int, costs: Costs, memory_limit: float 
     The fastest candidate is then improved locally (see `_improve`) until no move helps or
     `improve_seconds` after the search began have passed (0: not at all). Candidates are
     compared on a buffered link whatever `costs.link` says (`pplab.predict` shows what a
-    rendezvous does to the one found).
+    rendezvous does to the one found). `exact=True` also asks a solver (OR-Tools' CP-SAT, the
+    `pplab[solver]` extra; one stage per rank) for the fastest schedule and a proof, within
+    `exact_seconds`: `found.proof` says whether it is proved optimal, or the best bound.
     """
     started = time.perf_counter()
     _check_sizes(n_ranks, n_microbatches, memory_limit, n_virtual)
@@ -154,6 +169,9 @@ def search(n_ranks: int, n_microbatches: int, costs: Costs, memory_limit: float 
         candidates += list(_heuristic_schedules(n_ranks, n_microbatches, costs, weights, memory_limit))
     if not split_backward:
         candidates = [c for c in candidates if c[1] is None or not _splits(c[1])]
+    if exact and v != 1:
+        raise ValueError(f"exact=True solves one stage per rank; these costs give {v} per rank: "
+                         f"search without exact=True, or give one cost per rank")
     tried = []
     actions = 6 * n_ranks * v * n_microbatches  # about, per candidate, messages included
     progress = _progress(len(candidates), show if show is not None else len(candidates) * actions > 2_000_000)
@@ -179,13 +197,22 @@ def search(n_ranks: int, n_microbatches: int, costs: Costs, memory_limit: float 
             tried.append(improved)
             if improved.step_time < best.step_time * (1 - 1e-9):
                 best = improved
+    proof = None
+    if exact:  # the solver starts from the search's best, and proves what it can
+        from pplab.planning.exact import exact_schedule  # OR-Tools, only on this path
+
+        solved, proof = exact_schedule(n_ranks, n_microbatches, costs, memory_limit, weights, split_backward,
+                                       exact_seconds, hint=best.schedule)
+        tried.append(_evaluate(solved.name, solved, False, str(proof), costs, weights, memory_limit))
+        if tried[-1].fits and tried[-1].step_time < best.step_time * (1 - 1e-9):
+            best = tried[-1]
     schedule = best.schedule if best.schedule.has_communication else add_communication(best.schedule)
     validate(schedule)
     timeline = simulate(schedule, costs)
     if timeline.step_time() != best.step_time:  # the messages must not change the prediction
         raise RuntimeError(f"{best.name}: {timeline.step_time()} with its messages, {best.step_time} without")
     return Found(schedule, best.step_time, _peaks(schedule, weights), memory_limit, unit,
-                 tuple(tried), time.perf_counter() - started)
+                 tuple(tried), time.perf_counter() - started, proof)
 
 
 IMPROVED_STARTS = 4  # how many of the fastest candidates the local improvement starts from
