@@ -152,3 +152,13 @@ pplab.rank.runtime.gradient_stats
         "pplab.schedules.not_a_schedule_name: not in its __all__, public nowhere",
         "pplab.viz.plot_nothing: not in its __all__, public nowhere",
     ]
+
+
+@pytest.mark.quick
+def test_a_checker_whose_inputs_are_gone_says_which_cell_to_run_again(tmp_path):
+    from pplab import exercises
+    from pplab.hf import Layout
+
+    said = str(exercises.check_layout(Layout(embed="model.embed_tokens", blocks="model.layers", norm="model.norm",
+                                             head="lm_head"), tmp_path / "removed"))
+    assert "the model this checks against is gone" in said and "Re-run the notebook's first code cell" in said

@@ -40,10 +40,13 @@ def test_step_busy_and_bubble_of_a_hand_made_pipeline():
 
 def test_summary_reads_step_bubble_and_peak_per_rank():
     assert two_rank_pipeline().summary().splitlines() == [
-        "hand-made: 2 ranks, step 6, bubble 50.0%",
-        "  rank 0: busy 3, bubble 50.0%, peak in-flight 1",
-        "  rank 1: busy 3, bubble 50.0%, peak in-flight 1",
+        "hand-made: 2 ranks, step 6 s, bubble 50.0%",
+        "  rank 0: busy 3 s, bubble 50.0%, peak in-flight 1",
+        "  rank 1: busy 3 s, bubble 50.0%, peak in-flight 1",
     ]
+    simulated = Timeline(two_rank_pipeline().events, 2, label="simulated")  # the simulator's: cost units
+    assert simulated.summary().splitlines()[:2] == ["simulated: 2 ranks, step 6 (cost units), bubble 50.0%",
+                                                    "  rank 0: busy 3, bubble 50.0%, peak in-flight 1"]
 
 
 def test_communication_is_not_busy_time():

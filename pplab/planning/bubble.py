@@ -186,6 +186,7 @@ def explain(measured: Timeline, schedule: Schedule, outside: list[float | None] 
         _check_actions(timeline, schedule)
     costs = costs_from_timeline(measured, schedule.n_stages)  # messages free: the schedule's own idle
     simulated = simulate(schedule, costs)
+    simulated.label = "simulated on the measured costs"  # in seconds, not the simulator's cost units
     latency = _message_latency(measured, schedule)
     waits = _waits(measured, schedule)
     busy = [measured.busy_time(rank) for rank in range(schedule.n_ranks)]

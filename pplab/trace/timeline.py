@@ -332,10 +332,15 @@ class Timeline:
 
     def summary(self) -> str:
         """A few lines of text: step time, bubble and peak in-flight per rank."""
-        lines = [f"{self.label or 'timeline'}: {self.n_ranks} ranks, step {self.step_time():.4g}, "
+        # The simulator's own label means cost units; measured (or seconds-costed) timelines are in seconds.
+        def said(time: float) -> str:
+            return f"{time:.4g}" if self.label == "simulated" else f"{time:.4g} s"
+
+        unit = " (cost units)" if self.label == "simulated" else ""
+        lines = [f"{self.label or 'timeline'}: {self.n_ranks} ranks, step {said(self.step_time())}{unit}, "
                  f"bubble {self.bubble_fraction():.1%}"]
         for r in range(self.n_ranks):
-            lines.append(f"  rank {r}: busy {self.busy_time(r):.4g}, bubble {self.bubble_fraction(r):.1%}, "
+            lines.append(f"  rank {r}: busy {said(self.busy_time(r))}, bubble {self.bubble_fraction(r):.1%}, "
                          f"peak in-flight {self.peak_inflight(r)}")
         return "\n".join(lines)
 

@@ -3,6 +3,8 @@ arithmetic, a stage's forward, a model's layout, packed text, a trace, a mesh's 
 
 from __future__ import annotations
 
+from pathlib import Path
+
 from pplab.course.exercises.verdicts import NOT_WRITTEN, Verdict, as_number, close_to, learner_raised, reported
 
 # --- the 1F1B warm-up (pure) ----------------------------------------------------------------
@@ -176,6 +178,10 @@ def check_layout(layout, directory) -> Verdict:
     if not isinstance(layout, Layout):
         return Verdict(name, False, f"give a pplab.hf.Layout(embed=..., blocks=..., norm=..., head=..., ...), "
                                     f"not a {type(layout).__name__}")
+    if not (Path(directory) / "config.json").is_file():  # the checker's input is gone, not the answer wrong
+        return Verdict(name, False, f"the model this checks against is gone ({directory} holds no config.json: "
+                                    f"the kernel restarted, or a cell removed it). Re-run the notebook's first "
+                                    f"code cell, which saves it, then this check")
     try:
         model = HFModel.of(directory, layout=layout)
     except ValueError as error:
