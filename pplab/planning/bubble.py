@@ -88,6 +88,7 @@ class BubbleReport:
     verdict: StragglerVerdict | None  # who straggles, with the evidence's bounds (None: one rank)
     suggestions: list[Suggestion] = field(default_factory=list)
     message_latency: float = 0.0  # seconds: the median time a message that was waited for took
+    predicted_as_is: float | None = None  # seconds: the run as it is, on the model the suggestions use
     notes: list[str] = field(default_factory=list)
 
     @property
@@ -136,7 +137,9 @@ class BubbleReport:
                          + (f" (which waited on rank {wait.cause})" if wait.cause != wait.peer else ""))
         if self.suggestions:
             lines.append(f"predicted by the simulator on the measured costs, messages taking "
-                         f"{self.message_latency * 1e3:.2f} ms (the median of those waited for):")
+                         f"{self.message_latency * 1e3:.2f} ms (the median of those waited for); the run as it "
+                         f"is predicts {self.predicted_as_is * 1e3:.2f} ms there, and each change is given "
+                         f"against that:")
             for suggestion in sorted(self.suggestions, key=lambda s: -s.gain):
                 lines.append(f"  {suggestion.change}: {suggestion.predicted_step_time * 1e3:.2f} ms "
                              f"({-suggestion.gain:+.0%})")
@@ -157,7 +160,7 @@ class BubbleReport:
                 "waits": [dataclasses.asdict(w) for w in self.waits],
                 "straggler": self.straggler,
                 "straggler_verdict": dataclasses.asdict(self.verdict) if self.verdict else None,
-                "message_latency": self.message_latency,
+                "message_latency": self.message_latency, "predicted_as_is": self.predicted_as_is,
                 "suggestions": [dataclasses.asdict(s) for s in self.suggestions],
                 "best": self.best.change if self.best else None, "notes": self.notes}
 
@@ -199,7 +202,8 @@ def explain(measured: Timeline, schedule: Schedule, outside: list[float | None] 
     report = BubbleReport(schedule, measured, simulated, theory(schedule, costs).bubble_fraction, ranks, waits,
                           straggler_verdict([measured, *steps], schedule.n_ranks))
     with_latency = dataclasses.replace(costs, latency=latency)
-    report.suggestions = _suggestions(schedule, with_latency, simulate(schedule, with_latency).step_time())
+    report.predicted_as_is = simulate(schedule, with_latency).step_time()
+    report.suggestions = _suggestions(schedule, with_latency, report.predicted_as_is)
     report.message_latency = latency
     if report.verdict is not None and report.verdict.load_spread > LOADED_SPREAD:
         report.notes.append(f"the machine's load varied an action's time by {report.verdict.load_spread:.0%} "
