@@ -160,27 +160,6 @@ def host_messages_stage_class(base):
                 for host, buffer in self.__dict__.get("_landings", {}).pop(key, []):
                     buffer.copy_(host)
 
-        # torch's set-up messages, made where the stage's device is: the host, meanwhile.
-        def _send_meta(self, *args, **kwargs):
-            with self._on_host():
-                return super()._send_meta(*args, **kwargs)
-
-        def _recv_meta(self, *args, **kwargs):
-            with self._on_host():
-                return super()._recv_meta(*args, **kwargs)
-
-        def _warmup_forward_vote(self, *args, **kwargs):
-            with self._on_host():
-                return super()._warmup_forward_vote(*args, **kwargs)
-
-        def _warmup_backward_result(self, *args, **kwargs):
-            with self._on_host():
-                return super()._warmup_backward_result(*args, **kwargs)
-
-        def _get_init_p2p_neighbors_ops(self):
-            with self._on_host():
-                return super()._get_init_p2p_neighbors_ops()
-
         @contextlib.contextmanager
         def _on_host(self):
             device, self.device = self.device, HOST
@@ -189,8 +168,24 @@ def host_messages_stage_class(base):
             finally:
                 self.device = device
 
+    # torch's set-up messages (the warm-up vote, the neighbours' first exchange, shapes if it asks) are
+    # made where the stage's device is: the host, meanwhile. (A method this torch lacks is skipped.)
+    for name in ("_send_meta", "_recv_meta", "_warmup_forward_vote", "_warmup_backward_result",
+                 "_get_init_p2p_neighbors_ops"):
+        if hasattr(base, name):
+            setattr(HostMessagesStage, name, _made_on_host(getattr(base, name)))
+
     HostMessagesStage.__name__ = f"HostMessages{base.__name__}"
     return HostMessagesStage
+
+
+def _made_on_host(method):
+    """`method` of a stage, run with the host as the stage's device."""
+    @functools.wraps(method)
+    def on_host(self, *args, **kwargs):
+        with self._on_host():
+            return method(self, *args, **kwargs)
+    return on_host
 
 
 def _on(op, tensor):
