@@ -104,6 +104,26 @@ def test_a_rank_that_raises_is_the_same_error_on_a_pool_and_on_a_lab(lab2):
         assert "rank one refuses" in failure.value.summary
 
 
+def process_groups_held_by_torch_defaults() -> int:
+    """How many of torch.distributed.nn.functional's default arguments hold a process group, after
+    the rank made an optimizer (the first one imports torch._dynamo, which imports that module)."""
+    import torch
+    import torch.distributed as dist
+    import torch.distributed.nn.functional as functional
+
+    torch.optim.AdamW([torch.nn.Parameter(torch.zeros(1))])
+    return sum(isinstance(default, dist.ProcessGroup)
+               for function in vars(functional).values() if callable(function)
+               for default in (getattr(function, "__defaults__", None) or ()))
+
+
+def test_no_rank_lets_torchs_default_arguments_keep_its_process_group_alive(lab2):
+    # A group held there outlives destroy_process_group and was torn down at interpreter exit,
+    # where gloo aborted a torchrun rank now and then ("terminate called without an active exception").
+    for ranks in (pool(2), lab2):
+        assert ranks.run(process_groups_held_by_torch_defaults) == [0, 0], type(ranks)
+
+
 def test_a_pools_rank_that_dies_or_overruns_is_named_with_the_labs_kinds():
     with pytest.raises(RankDiedError) as died:
         pool(2).run(die_on_rank_one, timeout=60)

@@ -44,7 +44,8 @@ from pplab.base.arguments import OP_TIMEOUT, check_positive_int, check_positive_
 from pplab.drivers.contract import arguments_by_rank, call_name
 from pplab.drivers.cores import check_cores, pin_this_process
 from pplab.rank.rank_context import (RankContext, RankDiedError, RankError, RankEvent, RankFailedError,
-                                     RankTimeoutError, StillRunning, rank_context, set_rank_context)
+                                     RankTimeoutError, StillRunning, import_before_joining, rank_context,
+                                     set_rank_context)
 
 
 # What every rank imports: a rank forked from a server that imported these once starts in a
@@ -112,6 +113,7 @@ def _join_group(rank: int, world_size: int, rendezvous: str, backend: str, op_ti
     if backend == "nccl":
         device = torch.device("cuda", rank)
         torch.cuda.set_device(device)
+    import_before_joining()
     dist.init_process_group(backend, init_method=rendezvous, rank=rank, world_size=world_size,
                             timeout=timedelta(seconds=op_timeout))
     return device

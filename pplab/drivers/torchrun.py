@@ -17,7 +17,7 @@ from datetime import timedelta
 from pplab.base.arguments import OP_TIMEOUT, renamed_keywords
 from pplab.drivers.contract import arguments_by_rank
 from pplab.drivers.local import error_report, one_line
-from pplab.rank.rank_context import RankContext, RankEvent, RankFailedError, set_rank_context
+from pplab.rank.rank_context import RankContext, RankEvent, RankFailedError, import_before_joining, set_rank_context
 
 
 def under_torchrun() -> bool:
@@ -56,6 +56,7 @@ class TorchrunRanks:
         else:
             torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", 1)))
         self.backend = "nccl" if gpus >= local_world_size else "gloo"
+        import_before_joining()
         dist.init_process_group(self.backend, timeout=timedelta(seconds=op_timeout))
         self.op_timeout, self.rank, self.world_size = op_timeout, dist.get_rank(), dist.get_world_size()
         set_rank_context(RankContext(self.rank, self.world_size, local_rank,

@@ -83,6 +83,16 @@ _context: RankContext | None = None
 _publisher: Callable[[object], None] | None = None
 
 
+def import_before_joining() -> None:
+    """Import, before this process joins a process group, the torch module whose functions take
+    `group=group.WORLD` as a default argument. Imported later (torch._dynamo imports it when the
+    first optimizer is made), the default holds the group itself: the group then outlives
+    `destroy_process_group`, its gloo threads keep running, and it is torn down while the
+    interpreter shuts down, where gloo was seen to abort a rank at exit ("terminate called
+    without an active exception")."""
+    import torch.distributed.nn.functional  # noqa: F401 - 4 ms once torch is loaded
+
+
 def rank_context() -> RankContext:
     """This process's rank, world size and device (raises outside a rank a pplab driver started)."""
     if _context is None:

@@ -27,7 +27,7 @@ from pplab.drivers.cluster.gloo_adapter import gloo_transport_failed
 from pplab.drivers.cluster.plan import RankSpec
 from pplab.drivers.cores import pin_this_process
 from pplab.drivers.local import free_port
-from pplab.rank.rank_context import RankContext, publish, set_rank_context
+from pplab.rank.rank_context import RankContext, import_before_joining, publish, set_rank_context
 
 EVENT_KEY_PREFIX = "pplab-event-"
 # The data key under which a rank notes that its call broke the process group (with why).
@@ -103,6 +103,7 @@ def setup_rank(spec: RankSpec) -> dict:
             torch.cuda.set_per_process_memory_fraction(spec.memory_fraction, gpu)
     else:
         device = torch.device("cpu")
+    import_before_joining()
     dist.init_process_group(spec.backend, init_method=spec.rendezvous, rank=spec.rank,
                             world_size=spec.world_size,
                             timeout=datetime.timedelta(seconds=spec.op_timeout))
