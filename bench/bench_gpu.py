@@ -32,6 +32,7 @@ import gzip
 import json
 import os
 import platform
+import re
 import shutil
 import subprocess
 import sys
@@ -289,6 +290,35 @@ def eight_seats(device: str, n_seats: int = 8) -> dict:
             lab.stop()
 
 
+def allocate_gib(gib: float) -> str:
+    """Try to hold `gib` GiB on this rank's device: "held", or the allocator's refusal."""
+    import torch
+
+    from pplab.rank.rank_context import rank_context
+
+    try:
+        block = torch.empty(int(gib * 2**30), dtype=torch.uint8, device=rank_context().device)
+        del block
+        return "held"
+    except torch.OutOfMemoryError as error:
+        return f"refused: {str(error).splitlines()[0][:200]}"
+
+
+def memory_cap(device: str) -> dict:
+    """A seat capped at 2 % of the GPU (`Lab(gpu_memory_fraction=0.02)`, 2.8 GiB of an H200): a step
+    runs, 1 GiB is held, 8 GiB is refused on each rank; the seat's memory from nvidia-smi."""
+    if device != "cuda":
+        return {"skipped": "a cap on GPU memory: CUDA only"}
+    lab = pplab.Lab(2, verbose=False, gpu_memory_fraction=0.02)
+    try:
+        pipe = lab.pipeline(LlamaConfig.tiny(), "1f1b", 4)
+        return {"placement": lab.placement, "fraction": lab.gpu_memory_fraction, "parity": parity(pipe),
+                "one_gib": lab.run(allocate_gib, 1.0), "eight_gib": lab.run(allocate_gib, 8.0),
+                "device_memory_mib_by_rank": [process_gpu_memory().get(pid) for pid in lab.run(os.getpid)]}
+    finally:
+        lab.stop()
+
+
 def process_gpu_memory() -> dict[int, float]:
     """MiB of device memory each process holds (its CUDA context included), as nvidia-smi reads it."""
     try:
@@ -415,6 +445,71 @@ def profiler_trace_shared(device: str, work: Path) -> dict:
             "step_time_ms": run.timeline.step_time() * 1e3, "by_kind": by_kind}
 
 
+def device_timed_step_on_rank(rank, world_size, folder, device, impl, batch=(8, 512)):
+    """Two real-mode steps of 1f1b (the small config, 4 microbatches of `batch` / 4), the second
+    under torch.profiler with CUDA activity: that step's events (times on the step's clock) and the
+    device's memory, with the trace written beside the other ranks'."""
+    from torch.profiler import ProfilerActivity, profile, schedule
+
+    from pplab.data import batches
+    from pplab.rank.rank_pipeline import PipelineSpec, RankPipeline, split_for_ranks
+
+    device = torch.device(device, rank % torch.cuda.device_count()) if device == "cuda" else torch.device(device)
+    on_gpu = device.type == "cuda"  # (a dry run on CPU takes the tiny config, 8 x 64 tokens)
+    spec = PipelineSpec.create(LlamaConfig.small() if on_gpu else LlamaConfig.tiny(), "1f1b", world_size, 4, impl=impl)
+    pipeline = RankPipeline(spec, rank, device)
+    data = split_for_ranks(spec, next(batches(batch[0], batch[1] if on_gpu else 64, 0)))[rank]
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    with profile(activities=activities, schedule=schedule(wait=0, warmup=1, active=1),
+                 on_trace_ready=lambda done: done.export_chrome_trace(f"{folder}/rank{rank}.json")) as profiler:
+        for _ in range(2):
+            step = pipeline.step(data)
+            profiler.step()
+    return {"timed_on": step.timed_on, "device_memory": step.device_memory,
+            "events": [(e.kind, e.stage, e.microbatch, e.start, e.end) for e in step.events]}
+
+
+def device_timed_step(device: str, work: Path, impl: str = "pplab", batch=(8, 512)) -> dict:
+    """Issue 42 part 2: a step of 2 ranks sharing the GPU, timed on the step's device clock, against
+    the same step's profiler trace: per compute action, the duration pplab's timeline gives, the
+    kernels' span on the device, and the host's span of its label (the launch)."""
+    from pplab.drivers.local import run_ranks
+    from pplab.trace import read_profiler_traces
+
+    folder = work / f"device-timed-{impl}-{batch[0]}x{batch[1]}"
+    folder.mkdir()
+    by_rank = run_ranks(2, device_timed_step_on_rank, str(folder), device, impl, batch, backend="gloo")
+    paths = sorted(str(path) for path in folder.glob("rank*.json"))
+    traced = {(e.rank, e.kind, e.stage, e.microbatch): (e.end - e.start) * 1e3
+              for e in read_profiler_traces(paths).timeline.events if e.kind in ("F", "B")}
+    host = {}  # the CPU span of each action's label: how long the host took to launch it
+    for rank, path in enumerate(paths):
+        for span in json.loads(Path(path).read_text()).get("traceEvents", []):
+            match = re.fullmatch(r"PP:(\d+)([FB])(\d+)", span.get("name", ""))
+            if match and span.get("cat") == "user_annotation":
+                stage, kind, microbatch = int(match[1]), match[2], int(match[3])
+                host[(rank, kind, stage, microbatch)] = span["dur"] / 1e3
+    rows = []
+    for rank, result in enumerate(by_rank):
+        for kind, stage, microbatch, start, end in result["events"]:
+            key = (rank, kind, stage, microbatch)
+            if kind in ("F", "B") and key in traced:
+                rows.append({"action": f"rank {rank} {stage}{kind}{microbatch}", "pplab_ms": (end - start) * 1e3,
+                             "trace_device_ms": traced[key], "host_label_ms": host.get(key)})
+    median = lambda values: sorted(values)[len(values) // 2] if values else None  # noqa: E731
+    summary = {}
+    for kind in ("F", "B"):
+        mine = [r for r in rows if f"{kind}" in r["action"].split()[-1]]
+        summary[kind] = {"count": len(mine), "pplab_median_ms": median([r["pplab_ms"] for r in mine]),
+                         "trace_device_median_ms": median([r["trace_device_ms"] for r in mine]),
+                         "host_label_median_ms": median([r["host_label_ms"] for r in mine if r["host_label_ms"]]),
+                         "median_relative_difference": median([abs(r["pplab_ms"] - r["trace_device_ms"])
+                                                               / r["trace_device_ms"] for r in mine])}
+    return {"impl": impl, "batch": batch, "timed_on": [r["timed_on"] for r in by_rank],
+            "device_memory_mib": [{k: v / 2**20 for k, v in (r["device_memory"] or {}).items()} for r in by_rank],
+            "by_kind": summary, "actions": rows[:8]}
+
+
 def profiler_trace(device: str, out_dir: Path, work: Path) -> dict:
     from pplab.drivers.local import run_ranks
     from pplab.trace import read_profiler_traces
@@ -475,6 +570,10 @@ def main() -> int:
         "profile": lambda: profile_costs(args.device),
         "bf16_stages": lambda: bf16_stages(args.device),
         "profiler_trace": lambda: profiler_trace(args.device, out_dir, work),
+        "device_timed_step": lambda: device_timed_step(args.device, work),
+        "device_timed_step_torch": lambda: device_timed_step(args.device, work, "torch"),
+        "device_timed_step_long": lambda: device_timed_step(args.device, work, "pplab", (32, 1024)),
+        "memory_cap": lambda: memory_cap(args.device),
     }
     for name, check in checks.items():
         if args.only and name not in args.only:

@@ -311,8 +311,9 @@ class CollectiveLog:
     TP's all-reduces through a dispatch mode (`tensor_parallel_mode`) around the step.
     With gloo (CPU) a recorded collective completes before the rank goes on, so each event's
     length is that collective's whole time (gloo overlaps little anyway). With NCCL a
-    collective runs on a GPU stream and the host only launches it: there the events show
-    when it was issued, not how long the GPU spent on it. A collective's bytes are those of
+    collective runs on a stream of its own: on the step's device clock (real mode) an event
+    runs from when the compute stream reached the collective to when it could go on. A
+    collective's bytes are those of
     its full buffer: the gathered parameters, the gradients before scattering, the
     all-reduced activation.
     """

@@ -29,7 +29,7 @@ from torch import nn
 from torch.profiler import record_function
 
 from pplab.base.arguments import OP_TIMEOUT
-from pplab.rank.comm import PipelineTimeoutError, StageLink, dtype_name, in_order_mismatch, monotonic_clock
+from pplab.rank.comm import PipelineTimeoutError, StageLink, dtype_name, in_order_mismatch
 from pplab.rank.faults import strike
 from pplab.rank.gradients import gradient_report
 from pplab.rank.memory import ForwardBytes
@@ -38,7 +38,7 @@ from pplab.schedules import Action, Dependencies, Kind, Schedule, check_runnable
 from pplab.schedules.communication import comm_batches, receives_to_prepost
 from pplab.planning.simulator import Costs
 from pplab.rank.split_backward import input_gradient, torch_split_backward, weight_gradients
-from pplab.rank.step_clock import StepClock, pad_to_cost
+from pplab.rank.step_clock import DeviceClock, StepClock, on_device, pad_to_cost, step_clock, timed_on
 from pplab.trace.timeline import Event, Now
 
 Key = tuple[int, int]  # (stage, microbatch)
@@ -58,8 +58,9 @@ class Boundary:
 class _Teller:
     """Tells a step's watcher what the rank starts and each event as it ends (nothing without one)."""
 
-    def __init__(self, rank: int, watch, link_events: list[Event], clock):
+    def __init__(self, rank: int, watch, link_events: list[Event], clock, events_live: bool = True):
         self.rank, self.watch, self.link_events, self.clock = rank, watch, link_events, clock
+        self.events_live = events_live  # False: the events are told at the step's end (`reported_once`)
         self.messages_told = 0
 
     def starting(self, actions: list[Action], waits_for: tuple[tuple[int, str], ...] = ()) -> None:
@@ -68,12 +69,12 @@ class _Teller:
             self.watch(Now(self.rank, doing, self.clock(), waits_for))
 
     def event(self, event: Event) -> None:
-        if self.watch is not None:
+        if self.watch is not None and self.events_live:
             self.watch(event)
 
     def messages(self) -> None:
         """The send and receive events the link recorded since the last call."""
-        if self.watch is not None:
+        if self.watch is not None and self.events_live:
             for event in self.link_events[self.messages_told:]:
                 self.watch(event)
             self.messages_told = len(self.link_events)
@@ -90,6 +91,18 @@ class RankStep:
     grad_stats: dict[str, dict]
     grads: dict[str, torch.Tensor] | None = None
     streamed: int = 0  # events a watcher was told while the step ran, and so left out of `events`
+    device_memory: dict[str, int] | None = None  # on a GPU: the step's peak allocated bytes, and reserved
+    timed_on: str = "host"  # "device": the events' times are when the GPU ran them (step_clock.DeviceClock)
+
+
+def device_memory(device: torch.device) -> dict[str, int] | None:
+    """On a GPU, the bytes this process's allocator held at its peak since the last call
+    ("allocated") and holds from the device ("reserved"); None on CPU."""
+    if device.type != "cuda":
+        return None
+    held = {"allocated": torch.cuda.max_memory_allocated(device), "reserved": torch.cuda.memory_reserved(device)}
+    torch.cuda.reset_peak_memory_stats(device)  # the next step's peak is its own
+    return held
 
 
 def reported_once(events: list[Event], watch, untold: Sequence[Event] = ()) -> tuple[list[Event], int]:
@@ -166,8 +179,9 @@ class RankRuntime:
                 f"rank {self.rank} could not start the step with the other ranks: the barrier that "
                 f"gives them one clock failed ({error}).\nA rank has died, or the link between the "
                 f"ranks is cut. This process group cannot be used again: start the ranks afresh.") from error
-        clock = lambda: monotonic_clock() - origin  # noqa: E731 - one clock for the whole step
-        tell = _Teller(self.rank, watch, link.events, clock)
+        clock = step_clock(origin, self.device, self.timing)
+        # On a GPU the events are told once the step has ended, in the device's times.
+        tell = _Teller(self.rank, watch, link.events, clock, events_live=not isinstance(clock, DeviceClock))
         for step, early_receives in zip(self._steps, self._receives_to_prepost):
             if step[0].is_comm:  # adjacent sends/receives travel as one batch
                 batch = list(step)
@@ -192,10 +206,12 @@ class RankRuntime:
         self._check_all_released(state)
         # The tied weights' gradients summed after the last backward, before anything reads them.
         tied = [] if self.tied is None else self.tied.sum(self.stages, clock if self.record else None)
-        kept, streamed = reported_once([*events, *link.events, *tied], watch, untold=tied)
+        every_event = on_device(clock, [*events, *link.events, *tied])
+        kept, streamed = reported_once(every_event, watch, untold=every_event if not tell.events_live else tied)
         tell.starting([])  # done
         return RankStep(self.rank, kept, state.losses, boundary_shapes,
-                        *gradient_report(self.stages.values(), return_grads), streamed=streamed)
+                        *gradient_report(self.stages.values(), return_grads), streamed=streamed,
+                        device_memory=device_memory(self.device), timed_on=timed_on(clock))
 
     def _waits_for(self, batch: list[Action]) -> tuple[tuple[int, str], ...]:
         """(peer rank, the peer's send) for every receive in a batch: whom the rank waits on."""

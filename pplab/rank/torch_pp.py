@@ -26,15 +26,15 @@ import torch
 from torch.profiler import record_function
 from torch import nn
 
-from pplab.rank.comm import dtype_name, monotonic_clock
+from pplab.rank.comm import dtype_name
 from pplab.rank.gradients import gradient_report
 from pplab.rank.host_messages import HOST, messages_through_host, to_host
 from pplab.rank.memory import ForwardBytes
 from pplab.models.llama import loss_fn
-from pplab.rank.runtime import Boundary, RankStep, reported_once
+from pplab.rank.runtime import Boundary, RankStep, device_memory, reported_once
 from pplab.schedules import TORCH_SCHEDULES, Action, Kind, Schedule, build, from_torch, torch_plan
 from pplab.planning.simulator import Costs
-from pplab.rank.step_clock import StepClock, pad_to_cost
+from pplab.rank.step_clock import DeviceClock, StepClock, on_device, pad_to_cost, step_clock, timed_on
 from pplab.trace.timeline import Event, Now
 
 def torch_schedule(name: str, n_ranks: int, n_microbatches: int, n_virtual: int = 1) -> Schedule:
@@ -206,16 +206,22 @@ class _Recorder:
         self.rank, self.timing, self.schedule = rank, timing, schedule
         self.global_rank = global_rank or (lambda pp_rank: pp_rank)  # a peer's rank, from its schedule rank
         self.clock = None
-        self.watch = None
+        self.watch, self.events_live = None, True
         self.events: list[Event] = []
         self.boundary_shapes: list[Boundary] = []
         self.pending: dict[Action, float] = {}  # receive -> when torch posted it
         self.last_end = 0.0  # end of this rank's latest compute
         self.labels = False  # write pplab's profiler labels (where torch's schedule writes none of its own)
 
-    def start(self, origin: float, watch) -> None:
-        self.clock = lambda: monotonic_clock() - origin  # noqa: E731 - one clock for the step
+    def start(self, origin: float, watch, device: torch.device) -> None:
+        self.clock = step_clock(origin, device, self.timing)
+        # On a GPU the events are told once the step has ended, in the device's times.
+        self.events_live = not isinstance(self.clock, DeviceClock)
         self.watch, self.events, self.boundary_shapes, self.pending, self.last_end = watch, [], [], {}, 0.0
+
+    def tell(self, event: Event) -> None:
+        if self.watch is not None and self.events_live:
+            self.watch(event)
 
     def action(self, kind: Kind, stage: int, microbatch: int):
         return _Timed(self, Action(stage, kind, microbatch))
@@ -237,8 +243,7 @@ class _Recorder:
         event = Event(self.rank, kind.value, compute.stage, compute.microbatch,
                       min(max(posted, self.last_end), started), started)
         self.events.append(event)
-        if self.watch is not None:
-            self.watch(event)
+        self.tell(event)
 
 
 class _Timed:
@@ -272,8 +277,7 @@ class _Timed:
                       self.started, ended, **self.extra)
         recorder.events.append(event)
         recorder.last_end = event.end
-        if recorder.watch is not None:
-            recorder.watch(event)
+        recorder.tell(event)
 
 
 class TorchRankRuntime:
@@ -371,10 +375,10 @@ class TorchRankRuntime:
         args = (_whole_batch(inputs, "inputs"),) if first else ()
         target = _whole_batch(targets, "targets") if last else None
         losses: list | None = [] if last else None
-        self.recorder.start(self._clock.origin(), watch)
+        self.recorder.start(self._clock.origin(), watch, self.device)
         tensor_parallel = contextlib.nullcontext()
         if self.collectives is not None:
-            self.collectives.start(self.recorder.clock, watch)
+            self.collectives.start(self.recorder.clock, watch if self.recorder.events_live else None)
             if self.place.mesh.tp > 1:
                 tensor_parallel = self.collectives.tensor_parallel_mode()
         try:
@@ -386,12 +390,15 @@ class TorchRankRuntime:
             collective_events = self.collectives.stop() if self.collectives is not None else []
         tied = [] if self.tied is None else self.tied.sum(  # torch has scaled the gradients: sum the tied ones now
             self.stages, self.recorder.clock if self.recorder.clock else None)
-        kept, streamed = reported_once([*self.recorder.events, *collective_events, *tied], watch, untold=tied)
+        every_event = on_device(self.recorder.clock, [*self.recorder.events, *collective_events, *tied])
+        kept, streamed = reported_once(every_event, watch,
+                                       untold=every_event if not self.recorder.events_live else tied)
         if watch is not None:
             watch(Now(self.rank, "done", self.recorder.clock()))
         losses_by_microbatch = {mb: float(loss.detach()) for mb, loss in enumerate(losses or [])}
         return RankStep(self.rank, kept, losses_by_microbatch, list(self.recorder.boundary_shapes),
-                        *gradient_report(self.stages.values(), return_grads), streamed=streamed)
+                        *gradient_report(self.stages.values(), return_grads), streamed=streamed,
+                        device_memory=device_memory(self.device), timed_on=timed_on(self.recorder.clock))
 
 
 def _whole_batch(microbatches, what: str) -> torch.Tensor:

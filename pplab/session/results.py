@@ -30,6 +30,18 @@ class StepResult:
     grads: dict[str, torch.Tensor] | None = None
     rank_steps: list[RankStep] = field(default_factory=list, repr=False)
 
+    @property
+    def timed_on(self) -> str:
+        """"device" when every rank's events are the GPU's own times (real mode on CUDA), else "host"."""
+        on = {step.timed_on for step in self.rank_steps}
+        return "device" if on == {"device"} else "host"
+
+    @property
+    def device_memory(self) -> dict[int, dict[str, int]] | None:
+        """On GPUs, per rank: the step's peak of allocated bytes and the bytes reserved (None on CPU)."""
+        held = {step.rank: step.device_memory for step in self.rank_steps if step.device_memory is not None}
+        return held or None
+
 
 def merge_steps(rank_steps: Sequence[RankStep], label: str = "measured") -> StepResult:
     """Combine the ranks' reports (ordered by rank) into one StepResult."""
@@ -41,6 +53,8 @@ def merge_steps(rank_steps: Sequence[RankStep], label: str = "measured") -> Step
     for rank_step in rank_steps:
         grad_stats.update(rank_step.grad_stats)
         grads.update(rank_step.grads or {})
+    if rank_steps and all(step.timed_on == "device" for step in rank_steps):
+        label = f"{label} (device times)"
     timeline = Timeline([e for r in rank_steps for e in r.events], n_ranks=len(rank_steps), label=label)
     # On a mesh, the TP ranks of a stage send the same activations: each boundary counts once.
     unique = {(b.source, b.microbatch): b for r in rank_steps for b in r.boundary_shapes}
