@@ -1,6 +1,7 @@
 """The live dashboard on a real 2-rank lab: it updates while steps run, shows stalls, obeys its controls."""
 
 import asyncio
+import re
 import statistics
 
 import pytest
@@ -38,6 +39,20 @@ def test_a_multi_step_run_updates_the_panels_while_it_runs(lab2):
         # The feed is live: an event reaches the panels within a second at a quiet machine's pace.
         assert statistics.median(dashboard.latencies) < 0.5 * pace and max(dashboard.latencies) < 1.0 * pace
         assert dashboard.progress.value == 3 and "3 steps done" in dashboard.status.value
+    finally:
+        pipe.close()
+
+
+def test_the_header_and_the_bubbles_tab_give_one_prediction_and_say_whose_costs(lab2):
+    pipe = lab2.pipeline(CONFIG, schedule="1f1b", n_microbatches=4)  # real mode: costs measured
+    try:
+        dashboard = pipe.dashboard()
+        dashboard.run_steps(2)
+        header = dashboard.timeline.caption.value
+        predicted = re.search(r"predicted \(costs of step 1\): step [\d.]+ s, bubble ([\d.]+%)", header)
+        assert predicted, header  # step 2, predicted from step 1's costs
+        tab = dashboard.bubbles.table.value
+        assert re.search(rf"simulation \(costs of step 1\).*?{re.escape(predicted[1])}", tab, re.DOTALL), tab
     finally:
         pipe.close()
 

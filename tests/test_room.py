@@ -7,6 +7,7 @@ and `pplab room` serves it to a real browser (headless Chromium), which sees it 
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import signal
@@ -50,7 +51,8 @@ def test_what_a_lab_and_a_checker_write_is_read_back(tmp_path, monkeypatch):
     assert seat.attendee == "seat_7" and seat.state == "running" and seat.lab["gpus"] == [2, 3]
     assert seat.verdicts["the 1F1B warm-up"]["reason"] == "rank 0 of 3 with 1 microbatch: you said 2, it runs 1."
     page = room.room_table_html(room.read_room(tmp_path), ["a stage's forward", "the 1F1B warm-up", "clipping"])
-    assert "cuda (GPUs 2, 3)" in page and "✔ right" in page and "✘ rank 0 of 3" in page and "not yet" in page
+    assert "cuda (GPUs 2, 3)" in page and "✔ right" in page and "not yet" in page
+    assert re.search(r"✘ for \d+ s · rank 0 of 3", page), page
     room.record_lab("abc", state="running", device="cuda", n_ranks=4, gpus=[5, 5, 5, 5], pids=[os.getpid()],
                     gpu_memory_fraction=0.1125)
     assert "cuda (GPU 5 shared; each rank up to 11% of a GPU)" in room.room_table_html(room.read_room(tmp_path), [])
@@ -61,6 +63,59 @@ def test_what_a_lab_and_a_checker_write_is_read_back(tmp_path, monkeypatch):
     assert "clipping" not in room.read_room(tmp_path)[0].verdicts
     with pytest.raises(ValueError, match="no such room folder"):
         room.read_room(tmp_path / "nowhere")
+
+
+def twenty_seats(folder, now: float) -> None:
+    """A room of 20 seats as their labs and checkers write it: seat-00 .. seat-19, each with a running
+    lab; every seat right on 01b at its first try; seat-03 wrong on 04b four times over the last 25
+    minutes, two different mistakes; seat-07 right on 04b, then wrong (a later edit broke it); the
+    rest right on 04b; nobody has tried 14b."""
+    room.make_room(folder)
+    hint = "rank 0 of 3 with 1 microbatch: you said 2, it runs 1.\nHint: a rank cannot warm up more microbatches than there are."
+    for seat in range(20):
+        name = f"seat-{seat:02d}"
+        lab = {"attendee": name, "lab": "x", "host": "elsewhere", "client_pid": 1, "state": "running",
+               "device": "cpu", "n_ranks": 2, "last_activity": now - 5}
+        (folder / "labs" / f"{name}--x.json").write_text(json.dumps(lab))
+        verdicts = [("a stage's forward", True, "every stage computes what it should", now - 1800)]
+        if seat == 3:
+            verdicts += [("the 1F1B warm-up", False, hint if i % 2 else "not written yet: replace ...", now - 1500 + i * 300)
+                         for i in range(4)]
+        elif seat == 7:
+            verdicts += [("the 1F1B warm-up", True, "every rank warms up as 1F1B does", now - 900),
+                         ("the 1F1B warm-up", False, hint, now - 120)]
+        else:
+            verdicts += [("the 1F1B warm-up", True, "every rank warms up as 1F1B does", now - 600)]
+        with open(folder / "verdicts" / f"{name}.jsonl", "w") as file:
+            for exercise, right, message, when in verdicts:
+                file.write(json.dumps({"attendee": name, "exercise": exercise, "right": right, "time": when,
+                                       "reason": message.splitlines()[0], "message": message}) + "\n")
+
+
+@pytest.mark.quick
+def test_a_room_of_twenty_shows_who_is_stuck_on_what_for_how_long(tmp_path):
+    from pplab.course.exercises import NOTEBOOK_OF_EXERCISE
+
+    now = time.time()
+    twenty_seats(tmp_path, now)
+    seats = room.read_room(tmp_path, now)
+    by_name = {seat.attendee: seat for seat in seats}
+    assert len(seats) == 20 and len(by_name["seat-03"].attempts["the 1F1B warm-up"]) == 4
+    assert by_name["seat-03"].stuck_since("the 1F1B warm-up") == pytest.approx(now - 1500)
+    assert by_name["seat-07"].stuck_since("the 1F1B warm-up") == pytest.approx(now - 120)
+    assert by_name["seat-00"].stuck_since("the 1F1B warm-up") is None
+    summary = room.room_summary(seats, now, columns=NOTEBOOK_OF_EXERCISE)
+    assert summary.endswith("38 exercises right; 1 stuck over 10 min (longest: seat-03 on 04b, 25 min)"), summary
+    page = room.room_table_html(seats, NOTEBOOK_OF_EXERCISE, now)
+    rows = re.findall(r"<tr>(.*?)</tr>", page, re.DOTALL)
+    header, seat_03, seat_07, tallies = rows[0], rows[4], rows[8], rows[-1]
+    assert "<th title='a layout for your own model'>14b</th>" in header and ">04b</th>" in header
+    assert "✘ 4 tries · for 25 min · rank 0 of 3 with 1 microbatch" in seat_03
+    assert "Hint: a rank cannot warm up more microbatches" in seat_03  # the whole message, on hover
+    assert "✘ (was ✔) 2 tries · for 2 min" in seat_07
+    assert "<td title='right · wrong now · not tried'>18 · 2 · 0</td>" in tallies  # 04b
+    assert "<td title='right · wrong now · not tried'>0 · 0 · 20</td>" in tallies  # 14b: nobody yet
+    assert len(page) < 40_000  # 20 seats x 16 columns stay compact
 
 
 @pytest.mark.timeout(180)
@@ -122,7 +177,7 @@ def _look_in_a_browser(url, attendees, server, tmp_path):
             open_page(page, url)
             text = page.inner_text("table")
             assert re.search(r"ada\s+running", text) and re.search(r"cy\s+dead", text), text
-            assert "✘ rank 0 of 3 with 1 microbatch" in text and "✔ right" in text
+            assert re.search(r"✘ for \d+ s · rank 0 of 3 with 1", text) and "✔ right" in text, text
             page.screenshot(path=str(tmp_path / "room-before.png"))
             attendees["ada"].communicate("\n", timeout=60)  # ada stops her lab and goes home
             page.wait_for_function("document.querySelector('table').innerText.includes('stopped')", timeout=15000)

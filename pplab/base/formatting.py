@@ -31,6 +31,19 @@ def text_table(header: Sequence[str], rows: Iterable[Sequence], right: bool | It
                      for row in table)
 
 
+def wrapped(text: str, width: int = 100) -> str:
+    """`text` with every line longer than `width` broken between words, each continuation indented
+    two spaces more than its line: a notebook's output area would break it anywhere, mid-word too."""
+    import textwrap
+
+    out = []
+    for line in text.splitlines():
+        indent = line[:len(line) - len(line.lstrip())]
+        out += textwrap.wrap(line, width, subsequent_indent=indent + "  ", break_long_words=False,
+                             break_on_hyphens=False) if len(line) > width else [line]
+    return "\n".join(out)
+
+
 # --- HTML -----------------------------------------------------------------------------------
 
 # Widget panels lack the notebook's table style: the compact look brings its own.

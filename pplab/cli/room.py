@@ -14,7 +14,7 @@ def run(args: argparse.Namespace) -> int:
     import json as json_module
 
     from pplab.course import room
-    from pplab.course.exercises import EXERCISES
+    from pplab.course.exercises import NOTEBOOK_OF_EXERCISE
 
     if args.drill is not None:
         return _drill(args.drill)
@@ -36,9 +36,11 @@ def run(args: argparse.Namespace) -> int:
                 self.send_error(500, str(error))
                 return
             if self.path == "/room.json":
-                body, kind = json_module.dumps([vars(seat) for seat in seats]), "application/json"
+                body = json_module.dumps([{**vars(seat), "verdicts": seat.verdicts} for seat in seats])
+                kind = "application/json"
             elif self.path == "/":
-                body, kind = _room_page(seats, EXERCISES, args.folder, args.refresh), "text/html; charset=utf-8"
+                body = _room_page(seats, NOTEBOOK_OF_EXERCISE, args.folder, args.refresh)
+                kind = "text/html; charset=utf-8"
             else:
                 self.send_error(404, "the room is at / (and /room.json)")
                 return
@@ -110,7 +112,7 @@ def _room_page(seats, exercises, folder, refresh: float) -> str:
             f"<noscript><meta http-equiv='refresh' content='{refresh:g}'></noscript>"
             f"<title>pplab room</title><style>body{{font-family:sans-serif;margin:20px}}</style>{room.TABLE_STYLE}"
             f"</head><body><h2>pplab room: {html_module.escape(str(folder))}</h2>"
-            f"<main id='room'><p>{html_module.escape(room.room_summary(seats))} (re-read every {refresh:g} s)</p>"
+            f"<main id='room'><p>{html_module.escape(room.room_summary(seats, columns=exercises))} (re-read every {refresh:g} s)</p>"
             f"{room.room_table_html(seats, exercises)}</main><p id='trouble' style='color:#b00'></p>"
             f"<script>{_ROOM_RELOADER.replace('INTERVAL_MS', str(round(refresh * 1000)))}</script></body></html>")
 

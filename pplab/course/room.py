@@ -18,12 +18,14 @@ from __future__ import annotations
 import contextlib
 import getpass
 import html
+import itertools
 import json
 import os
 import re
 import socket
 import sys
 import time
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -59,14 +61,18 @@ def record_lab(lab_id: str, **facts) -> None:
         _write_atomically(folder / "labs" / f"{attendee()}--{lab_id}.json", json.dumps(record))
 
 
+MESSAGE_CHARACTERS = 2000  # of a checker's message kept in the room (its hints included)
+
+
 def record_verdict(exercise: str, right: bool, message: str) -> None:
-    """Append one checker's verdict to this attendee's file: its first line is the reason."""
+    """Append one checker's verdict to this attendee's file: its first line is the reason, and the
+    whole message (the checker's hints too) is kept for the instructor to read."""
     folder = room_folder()
     if folder is None:
         return
     reason = next((line for line in message.splitlines() if line.strip()), "")
     line = json.dumps({"attendee": attendee(), "exercise": exercise, "right": bool(right), "reason": reason,
-                       "time": time.time()})
+                       "message": message[:MESSAGE_CHARACTERS], "time": time.time()})
     with _never_in_the_way(folder):
         make_room(folder)
         # One short line per write with O_APPEND: lines of several kernels never interleave.
@@ -112,17 +118,35 @@ def _write_atomically(path: Path, text: str) -> None:
 
 @dataclass
 class Seat:
-    """One attendee: their newest lab and their latest verdict per exercise."""
+    """One attendee: their newest lab, and every verdict of theirs per exercise (the latest last)."""
 
     attendee: str
     lab: dict | None = None
     state: str = "no lab"  # running, stopped, dead, no lab
-    verdicts: dict[str, dict] = field(default_factory=dict)  # exercise -> its latest verdict
+    attempts: dict[str, list[dict]] = field(default_factory=dict)  # exercise -> its verdicts, oldest first
+
+    @property
+    def verdicts(self) -> dict[str, dict]:
+        """exercise -> its latest verdict."""
+        return {exercise: tries[-1] for exercise, tries in self.attempts.items()}
 
     @property
     def last_activity(self) -> float | None:
         times = [v["time"] for v in self.verdicts.values()] + ([self.lab["last_activity"]] if self.lab else [])
         return max(times, default=None)
+
+    def stuck_since(self, exercise: str) -> float | None:
+        """When the attendee's run of wrong answers to `exercise` began, while its latest is wrong
+        (None: right, or not tried)."""
+        tries = self.attempts.get(exercise, [])
+        if not tries or tries[-1]["right"]:
+            return None
+        wrong_run = list(itertools.takewhile(lambda verdict: not verdict["right"], reversed(tries)))
+        return wrong_run[-1]["time"]
+
+    def was_right(self, exercise: str) -> bool:
+        """Whether an earlier answer to `exercise` was right (a wrong one may have come since)."""
+        return any(verdict["right"] for verdict in self.attempts.get(exercise, []))
 
 
 def read_room(folder: str | Path, now: float | None = None) -> list[Seat]:
@@ -139,7 +163,10 @@ def read_room(folder: str | Path, now: float | None = None) -> list[Seat]:
             seat.lab, seat.state = lab, _lab_state(lab, now)
     for verdict in _records(sorted((folder / "verdicts").glob("*.jsonl")), ("attendee", "exercise", "right")):
         seat = seats.setdefault(verdict["attendee"], Seat(verdict["attendee"]))
-        seat.verdicts[verdict["exercise"]] = verdict  # in file order: the latest stays
+        seat.attempts.setdefault(verdict["exercise"], []).append(verdict)
+    for seat in seats.values():  # several kernels of one attendee append to one file: order by time
+        for tries in seat.attempts.values():
+            tries.sort(key=lambda verdict: verdict["time"])
     return [seats[name] for name in sorted(seats)]
 
 
@@ -158,6 +185,7 @@ def _records(paths: list[Path], needed: tuple[str, ...]):
             if isinstance(record, dict) and all(key in record for key in needed):
                 record.setdefault("time", record.get("last_activity", 0.0))
                 record.setdefault("reason", "")
+                record.setdefault("message", record["reason"])  # written before messages were kept
                 yield record
 
 
@@ -187,56 +215,109 @@ def _alive(pid: int) -> bool:
         return True
 
 
-def room_summary(seats: list[Seat]) -> str:
-    """'3 attendees: 2 labs running, 1 dead; 2 exercises right'."""
+STUCK_MINUTES = 10.0  # an attendee wrong on an exercise for this long is counted as stuck
+
+
+def room_summary(seats: list[Seat], now: float | None = None, columns: Mapping[str, str] | None = None) -> str:
+    """'3 attendees: 2 labs running, 1 dead; 2 exercises right; 1 stuck over 10 min (longest: bo on 04b,
+    14 min)' (`columns`: an exercise's short name, its notebook's id, as `room_table_html` takes)."""
+    now = time.time() if now is None else now
     running = sum(seat.state == "running" for seat in seats)
     dead = sum(seat.state == "dead" for seat in seats)
     right = sum(verdict["right"] for seat in seats for verdict in seat.verdicts.values())
-    return (f"{len(seats)} attendee{'s' * (len(seats) != 1)}: {running} lab{'s' * (running != 1)} running, "
+    text = (f"{len(seats)} attendee{'s' * (len(seats) != 1)}: {running} lab{'s' * (running != 1)} running, "
             f"{dead} dead; {right} exercise{'s' * (right != 1)} right")
+    stuck = sorted(((now - since, seat.attendee, exercise) for seat in seats for exercise in seat.attempts
+                    if (since := seat.stuck_since(exercise)) is not None and now - since >= STUCK_MINUTES * 60),
+                   reverse=True)
+    if stuck:
+        longest, who, exercise = stuck[0]
+        text += (f"; {len(stuck)} stuck over {STUCK_MINUTES:g} min (longest: {who} on "
+                 f"{(columns or {}).get(exercise, exercise)}, {_ago(now - longest, now, ago=False)})")
+    return text
 
 
-TABLE_STYLE = ("<style>.pplab-room{border-collapse:collapse;font-size:13px}.pplab-room td,.pplab-room th"
-               "{border:1px solid #ddd;padding:3px 8px;text-align:left}</style>")  # for room_table_html's table
+TABLE_STYLE = ("<style>.pplab-room{border-collapse:collapse;font-size:12px;line-height:1.25}"
+               ".pplab-room td,.pplab-room th{border:1px solid #ddd;padding:2px 6px;text-align:left;"
+               "white-space:nowrap}.pplab-room td.verdict{max-width:260px;overflow:hidden;text-overflow:ellipsis;"
+               "cursor:help}.pplab-room tfoot td{background:#f6f6f6;font-size:11px}</style>")  # for room_table_html
 
 
-def room_table_html(seats: list[Seat], exercises: list[str] = (), now: float | None = None) -> str:
-    """The room as one HTML table: a row per attendee, their lab, then a column per exercise."""
+def room_table_html(seats: list[Seat], exercises: Mapping[str, str] | Sequence[str] = (),
+                    now: float | None = None) -> str:
+    """The room as one compact HTML table: a row per attendee (their lab, then a column per exercise),
+    and a last row of tallies per exercise. `exercises`: the columns to show even before anyone tried
+    them, as a list of names or a mapping of each name to its column's heading (the course's:
+    `pplab.course.exercises.NOTEBOOK_OF_EXERCISE`, its notebook's id; the name shows on hover).
+
+    An exercise's cell says right or wrong, how many tries it took, and for a wrong one how long the
+    attendee has been wrong on it and the checker's first line; the whole message (hints included)
+    shows on hover. A wrong answer after a right one is marked as such."""
     now = time.time() if now is None else now
-    names = list(dict.fromkeys([*exercises, *(name for seat in seats for name in seat.verdicts)]))
+    headings = dict(exercises) if isinstance(exercises, Mapping) else {}
+    names = list(dict.fromkeys([*exercises, *(name for seat in seats for name in seat.attempts)]))
     colours = {"running": "#1a7f37", "dead": "#c00000", "stopped": "#777777", "restarting": "#b06000", "silent": "#b06000"}
-    head = "".join(f"<th>{html.escape(text)}</th>" for text in
-                   ["seat", "lab", "device", "ranks", "last activity", *names])
+    head = "".join(f"<th>{html.escape(text)}</th>" for text in ["seat", "lab", "device", "ranks", "last activity"])
+    head += "".join(f"<th title='{html.escape(name, quote=True)}'>{html.escape(headings.get(name, name))}</th>"
+                    for name in names)
     rows = []
     for seat in seats:
         lab = seat.lab or {}
-        device = lab.get("device", "")
-        if lab.get("gpus"):  # one per rank; a GPU named twice is shared by those ranks
-            gpus = list(dict.fromkeys(lab["gpus"]))
-            shared = " shared" if len(gpus) < len(lab["gpus"]) else ""
-            cap = lab.get("gpu_memory_fraction")
-            capped = f"; each rank up to {cap:.0%} of a GPU" if cap else ""
-            device += f" (GPU{'s' if len(gpus) > 1 else ''} {', '.join(map(str, gpus))}{shared}{capped})"
         cells = [f"<td>{html.escape(seat.attendee)}</td>",
                  f"<td style='color:{colours.get(seat.state, '#000')}'>{html.escape(seat.state)}</td>",
-                 f"<td>{html.escape(device)}</td>", f"<td>{lab.get('n_ranks', '')}</td>",
+                 f"<td>{html.escape(_device(lab))}</td>", f"<td>{lab.get('n_ranks', '')}</td>",
                  f"<td>{_ago(seat.last_activity, now)}</td>"]
-        for name in names:
-            verdict = seat.verdicts.get(name)
-            if verdict is None:
-                cells.append("<td style='color:#777'>not yet</td>")
-            elif verdict["right"]:
-                cells.append("<td style='color:#1a7f37'>✔ right</td>")
-            else:
-                cells.append(f"<td style='color:#c00000'>✘ {html.escape(verdict['reason'][:120])}</td>")
+        cells += [_verdict_cell(seat, name, now) for name in names]
         rows.append("<tr>" + "".join(cells) + "</tr>")
-    empty = "" if seats else f"<tr><td colspan='{5 + len(names)}'>nobody yet</td></tr>"
-    return (f"<table class='pplab-room'><thead><tr>{head}</tr></thead><tbody>{''.join(rows)}{empty}"
-            f"</tbody></table>")
+    if not seats:
+        rows.append(f"<tr><td colspan='{5 + len(names)}'>nobody yet</td></tr>")
+    tallies = "".join(f"<td title='right · wrong now · not tried'>{_tally(seats, name)}</td>" for name in names)
+    foot = f"<tfoot><tr><td colspan='5'>{len(seats)} seats: right · wrong · not yet</td>{tallies}</tr></tfoot>"
+    return (f"<table class='pplab-room'><thead><tr>{head}</tr></thead><tbody>{''.join(rows)}</tbody>"
+            f"{foot if seats else ''}</table>")
 
 
-def _ago(when: float | None, now: float) -> str:
+def _device(lab: dict) -> str:
+    """'cuda (GPUs 0, 1; each rank up to 9% of a GPU)': the lab's device, its GPUs (one per rank; a GPU
+    named twice is shared by those ranks) and the cap on each rank's memory."""
+    device = lab.get("device", "")
+    if lab.get("gpus"):
+        gpus = list(dict.fromkeys(lab["gpus"]))
+        shared = " shared" if len(gpus) < len(lab["gpus"]) else ""
+        cap = lab.get("gpu_memory_fraction")
+        capped = f"; each rank up to {cap:.0%} of a GPU" if cap else ""
+        device += f" (GPU{'s' if len(gpus) > 1 else ''} {', '.join(map(str, gpus))}{shared}{capped})"
+    return device
+
+
+def _verdict_cell(seat: Seat, exercise: str, now: float) -> str:
+    """'✔ right · 3 tries', or '✘ 4 tries · for 12 min · the reason'; the checker's whole message on hover."""
+    tries = seat.attempts.get(exercise)
+    if not tries:
+        return "<td style='color:#777'>not yet</td>"
+    latest, count = tries[-1], f"{len(tries)} tries" if len(tries) > 1 else ""
+    hover = html.escape(f"{len(tries)} {'try' if len(tries) == 1 else 'tries'}; the latest says:\n{latest['message']}",
+                        quote=True)
+    if latest["right"]:
+        return f"<td class='verdict' style='color:#1a7f37' title='{hover}'>✔ right{f' · {count}' if count else ''}</td>"
+    mark = "✘ (was ✔)" if seat.was_right(exercise) else "✘"
+    since = seat.stuck_since(exercise)
+    details = [count, f"for {_ago(since, now, ago=False)}", html.escape(latest["reason"])]
+    stuck = ";background:#fde2e2" if now - since >= STUCK_MINUTES * 60 else ""  # who needs help, at a glance
+    return (f"<td class='verdict' style='color:#c00000{stuck}' title='{hover}'>{mark} "
+            f"{' · '.join(part for part in details if part)}</td>")
+
+
+def _tally(seats: list[Seat], exercise: str) -> str:
+    latest = [seat.attempts[exercise][-1] for seat in seats if exercise in seat.attempts]
+    right = sum(verdict["right"] for verdict in latest)
+    return f"{right} · {len(latest) - right} · {len(seats) - len(latest)}"
+
+
+def _ago(when: float | None, now: float, ago: bool = True) -> str:
+    """'12 s ago', '5 min ago' (or without 'ago': '5 min')."""
     if when is None:
         return ""
     seconds = max(0, now - when)
-    return f"{seconds:.0f} s ago" if seconds < 120 else f"{seconds / 60:.0f} min ago"
+    text = f"{seconds:.0f} s" if seconds < 120 else f"{seconds / 60:.0f} min"
+    return f"{text} ago" if ago else text

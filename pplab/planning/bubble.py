@@ -28,6 +28,7 @@ import statistics
 from dataclasses import dataclass, field
 from typing import Sequence
 
+from pplab.base.formatting import wrapped
 from pplab.schedules import Kind, Schedule, build, from_torch, theory, torch_plan
 from pplab.planning.simulator import Costs, costs_from_timeline, simulate
 from pplab.planning.straggler import STRAGGLER_RATIO, StragglerVerdict, straggler_verdict
@@ -147,7 +148,7 @@ class BubbleReport:
             lines.append(f"most helpful single change: {best.change}" if best else
                          "no single change is predicted to help by more than 1 %")
         lines += self.notes
-        return "\n".join(lines)
+        return wrapped("\n".join(lines))
 
     def to_json(self) -> dict:
         """The report as plain data."""

@@ -44,7 +44,7 @@ _KIND_STYLE = {
     "RECV_F": ("#F0E442", "", "receive (waiting on the wire)"),
     "RECV_B": ("#F0E442", "", "receive (waiting on the wire)"),
     "ALL_GATHER": ("#0072B2", "", "all-gather (FSDP)"),
-    "REDUCE_SCATTER": ("#0072B2", "xx", "reduce-scatter (FSDP)"),
+    "REDUCE_SCATTER": ("#999933", "", "reduce-scatter (FSDP)"),  # olive: apart from the gathers at a glance
     "ALL_REDUCE": ("#444444", "", "all-reduce (TP; tied weights)"),
 }
 _SHADING_LABEL = "lighter = later virtual stage"

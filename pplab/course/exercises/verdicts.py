@@ -37,10 +37,14 @@ class Verdict:
                 f"<b style='color:{colour}'>{mark}</b> · {html.escape(self.exercise)}<br>{lines}</div>")
 
 
-# The exercises in the course's order, by the names their verdicts carry (the room's columns).
-EXERCISES = ["a stage's forward", "send and receive, with gradients", "the 1F1B warm-up", "torch's API by hand",
-             "global-norm clipping", "a mesh's groups", "a GPipe step's time", "a schedule by hand",
-             "a layout for your own model", "text packed into sequences", "a rank's idle share from a trace"]
+# The exercises in the course's order, by the names their verdicts carry, with their notebooks' ids
+# (the room's columns).
+NOTEBOOK_OF_EXERCISE = {"a stage's forward": "01b", "send and receive, with gradients": "02b",
+                        "the 1F1B warm-up": "04b", "torch's API by hand": "07b", "global-norm clipping": "08b",
+                        "a mesh's groups": "09b", "a GPipe step's time": "10b", "a schedule by hand": "11b",
+                        "a layout for your own model": "14b", "text packed into sequences": "15b",
+                        "a rank's idle share from a trace": "16b"}
+EXERCISES = list(NOTEBOOK_OF_EXERCISE)
 
 
 def reported(check):

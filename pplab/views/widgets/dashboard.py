@@ -227,7 +227,7 @@ class Dashboard(widgets.VBox):
             return self.pipe.spec.timing, "predicted (timing costs)"
         if self.results:
             return (costs_from_timeline(self.results[-1].timeline, self.pipe.schedule.n_stages),
-                    "predicted (costs of the last step)")
+                    f"predicted (costs of step {len(self.results)})")
         return None, ""
 
     def _labels(self) -> list[str] | None:
@@ -236,18 +236,21 @@ class Dashboard(widgets.VBox):
 
     def _predicted(self) -> Timeline | None:
         costs, label = self._costs()
+        self._predicted_with = costs, label  # the bubbles tab compares with the same prediction
         if costs is None or self.pipe.spec.world_size != self.pipe.schedule.n_ranks:
             return None  # the simulator runs one pipeline; a mesh with dp or tp has more ranks than that
         predicted = simulate(self.pipe.schedule, costs)
         return Timeline(predicted.events, predicted.n_ranks, label=label)
 
     def _set_references(self, picture: bool = True) -> None:
-        costs, _ = self._costs()
+        """Theory and simulation in the bubbles tab, from the costs the last step shown was predicted
+        with (so that its header and the tab give one prediction), else the costs there are now."""
+        costs, label = getattr(self, "_predicted_with", None) or self._costs()
         textbook = theory(self.pipe.schedule, costs)
         simulated = simulate(self.pipe.schedule, costs).bubble_fraction()
         self.bubbles.set_reference(textbook.bubble_fraction, simulated,
                                    "" if textbook.bubble_fraction is not None else textbook.conditions,
-                                   picture=picture)
+                                   picture=picture, simulated_label=label.removeprefix("predicted ") or None)
 
     def _stage_of(self):
         from pplab.models.partition import layer_ranges, stage_of_parameter

@@ -134,8 +134,21 @@ class TimelineView(widgets.VBox):
         """Two lines at most, running or done, so that the panel keeps its height: the step and
         what was measured, then what was predicted."""
         self.shown = timeline
-        lines = [" · ".join(part for part in (note, self._numbers(timeline)) if part), self._numbers(predicted)]
+        lines = [" · ".join(part for part in (note, self._numbers(timeline)) if part),
+                 self._numbers(predicted) + self._gap(timeline, predicted)]
         self.caption.value = "<br>".join(line for line in lines if line)
+
+    @staticmethod
+    def _gap(measured: Timeline | None, predicted: Timeline | None) -> str:
+        """Why a measured step is much longer than its prediction, where it is."""
+        if measured is None or predicted is None or not len(measured) or not len(predicted) \
+                or (measured.label or "").endswith("(running)") or predicted.step_time() <= 0:
+            return ""
+        ratio = measured.step_time() / predicted.step_time()
+        if ratio < 1.5:
+            return ""
+        return (f" · measured {ratio:.1f}x that: the prediction has the compute times only; messages, the "
+                f"gaps between actions and a busy machine's waits make the rest")
 
     @staticmethod
     def _numbers(shown: Timeline | None) -> str:
@@ -164,13 +177,16 @@ class BubblesView(widgets.VBox):
         self.image = _image()
         self.rows: list[dict] = []
         self.theory, self.simulated, self.theory_note = theory, simulated, theory_note
+        self.simulated_label: str | None = None
         super().__init__([self.table, self.image])
         self._render()
 
     def set_reference(self, theory: float | None, simulated: float | None, theory_note: str = "",
-                      picture: bool = True) -> None:
-        """The numbers measured steps are compared with (theory is None where no formula holds)."""
+                      picture: bool = True, simulated_label: str | None = None) -> None:
+        """The numbers measured steps are compared with (theory is None where no formula holds);
+        `simulated_label` says whose costs the simulation ran on ('(costs of step 3)')."""
         self.theory, self.simulated, self.theory_note = theory, simulated, theory_note
+        self.simulated_label = simulated_label
         self._render(picture)
 
     def add(self, timeline: Timeline, picture: bool = True) -> dict:
@@ -197,7 +213,8 @@ class BubblesView(widgets.VBox):
         rows = [([f"step {r['step']}", _percent(r["overall"]), *map(_percent, r["per_rank"])], "")
                 for r in self.rows[-8:]]  # the latest steps; the plot shows them all
         rows.append((["theory", _percent(self.theory)], ""))
-        rows.append((["simulation", _percent(self.simulated)], ""))
+        rows.append(([f"simulation {self.simulated_label}" if self.simulated_label else "simulation",
+                      _percent(self.simulated)], ""))
         note = f"<div style='font-size:11px;color:#555'>theory: {self.theory_note}</div>" if self.theory_note else ""
         self.table.value = table(header, rows, "bubble: idle time / step time") + note
         if self.rows and picture:

@@ -17,12 +17,14 @@ from pplab.course import room
 class RoomView(widgets.VBox):
     """A table of the room (`folder`: the PPLAB_ROOM the attendees have), re-read every `refresh` seconds."""
 
-    def __init__(self, folder, refresh: float = 2.0, exercises: list[str] | None = None):
+    def __init__(self, folder, refresh: float = 2.0, exercises: list[str] | dict[str, str] | None = None):
+        """`exercises`: the columns (names, or names mapped to headings; default: the course's, headed by
+        their notebooks' ids)."""
         from pplab.base.arguments import check_positive_seconds
-        from pplab.course.exercises import EXERCISES
+        from pplab.course.exercises import NOTEBOOK_OF_EXERCISE
 
         self.folder, self.refresh_seconds = folder, check_positive_seconds("refresh", refresh)
-        self.exercises = EXERCISES if exercises is None else exercises
+        self.exercises = NOTEBOOK_OF_EXERCISE if exercises is None else exercises
         self.seats: list[room.Seat] = []
         self.table = widgets.HTML()
         self.summary = widgets.HTML()
@@ -37,7 +39,8 @@ class RoomView(widgets.VBox):
         """Read the room's folder again and redraw."""
         self.seats = room.read_room(self.folder)
         self.table.value = room.TABLE_STYLE + room.room_table_html(self.seats, self.exercises)
-        attendees, rest = room.room_summary(self.seats).split(":", 1)
+        columns = self.exercises if isinstance(self.exercises, dict) else None
+        attendees, rest = room.room_summary(self.seats, columns=columns).split(":", 1)
         self.summary.value = f"<b>{attendees}</b>:{rest}"
 
     def stop(self) -> None:
