@@ -117,6 +117,23 @@ def test_tied_embeddings_need_their_gradients_summed():
                for e in summing)
 
 
+def test_a_model_that_drops_draws_the_masks_one_device_draws():
+    # GPT-2's published dropout (0.1 after the embeddings, in attention and after each block): each
+    # block draws from its own stream, keyed by (seed, step, microbatch, block).
+    dropping = HFModel.of(transformers.GPT2Config(vocab_size=128, n_embd=32, n_layer=4, n_head=4, n_positions=64,
+                                                  bos_token_id=0, eos_token_id=0))
+    assert dropping.hf_config.attn_pdrop == dropping.hf_config.resid_pdrop == 0.1
+    batch = next(batches(8, 16, 0))
+    reference = reference_step(dropping, batch, 4)
+    assert reference_step(dropping, batch, 4).loss == reference.loss  # one device draws them again
+    not_dropping = HFModel.of(FAMILIES["gpt2"]())
+    assert abs(reference_step(not_dropping, batch, 4).loss - reference.loss) > 1e-4  # the masks act
+    for schedule, impl in (("zb-h1", "pplab"), ("1f1b", "torch")):
+        with pool(2).pipeline(dropping, schedule=schedule, n_microbatches=4, impl=impl) as pipe:
+            parity = pipe.check_parity(batch, reference=reference)
+        assert parity.passed and parity.loss_rel_diff == 0.0, (schedule, impl, parity)
+
+
 def test_training_resumes_bitwise_and_exports_to_transformers(tmp_path):
     config = FAMILIES["qwen3"]()  # tied embeddings, so the sum and the clipping are both on the path
     options = dict(batch_size=8, seq_len=32, warmup=5, eval_every=0, clip=1.0, lr=3e-3,

@@ -31,6 +31,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from pplab.models.dropout_streams import draw_alike, has_dropout
 from pplab.models.llama import check_token_ids, parameter_seed
 
 __all__ = ["Layout", "HFModel", "LAYOUTS"]
@@ -250,6 +251,7 @@ class HFModel:
         if self.layout_.rotary:
             _attach(model, self.layout_.rotary, self._rotary(model))
         self._fill(model, seed, model, range(self.num_hidden_layers), embed=True, head=True)
+        self._draw_dropout_alike(model, model, range(self.num_hidden_layers), embed=True)
         return model.to(device)
 
     def build_stage(self, layers: range, embed: bool, head: bool, seed: int = 0, device="cpu") -> "HFStage":
@@ -270,7 +272,16 @@ class HFModel:
         if embed and head and self.tied:
             _submodule(stage, layout.head).weight = _submodule(stage, layout.embed).weight
         self._fill(stage, seed, model, layers, embed, head)
+        self._draw_dropout_alike(stage, model, layers, embed)
         return stage.to(device)
+
+    def _draw_dropout_alike(self, module: nn.Module, model: nn.Module, layers, embed: bool) -> None:
+        """Where the model drops, its units draw their masks from their own streams (see
+        `pplab.models.dropout_streams`): one device and every cut of it drop the same elements."""
+        if has_dropout(model):
+            layout = self.layout_
+            draw_alike(module, [*([layout.dropout] if embed and layout.dropout else []),
+                                *(f"{layout.blocks}.{i}" for i in layers)])
 
     def _rotary(self, model: nn.Module) -> nn.Module:
         """A fresh rotary module on the CPU (its frequencies are computed when it is made, not on meta)."""

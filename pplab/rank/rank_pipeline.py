@@ -21,6 +21,7 @@ from pplab.base.arguments import OP_TIMEOUT, check_positive_int, renamed_keyword
 from pplab.base.config import IMPLEMENTATIONS, PARAM_DTYPES
 from pplab.data import Batch
 from pplab.rank.mesh import CollectiveLog, Mesh, MeshPlace, parallelize_stage
+from pplab.models import dropout_streams
 from pplab.models.llama import IGNORE_INDEX, LlamaConfig
 from pplab.models.partition import as_model, build_stage, layer_ranges
 from pplab.rank.reference import as_microbatches
@@ -196,8 +197,9 @@ class RankPipeline:
         return split_for_ranks(self.spec, batch)[self.rank]
 
     def step(self, data: dict, zero_grad: bool = True, return_grads: bool = False,
-             watch=None) -> RankStep:
-        """One step on this rank with the data `split_for_ranks` prepared for it (`watch`: see RankRuntime.step)."""
+             watch=None, number: int = 0) -> RankStep:
+        """One step on this rank with the data `split_for_ranks` prepared for it (`watch`: see RankRuntime.step);
+        `number`: which step of a run it is (a model that drops draws new masks at each: training's step)."""
         if zero_grad:
             self.zero_grad()
         # On a dp mesh, microbatches are numbered within the whole batch: the events a watcher is
@@ -205,8 +207,9 @@ class RankPipeline:
         first = self.place.first_microbatch(self.spec.schedule.n_microbatches) if self.place else 0
         numbered = watch if watch is None or not first else (
             lambda item: watch(_renumbered(item, first) if isinstance(item, Event) else item))
-        result = self.runtime.step(data.get("inputs"), data.get("targets"),
-                                   data.get("activation_shapes"), return_grads, numbered)
+        with dropout_streams.step(self.spec.seed, number, first):  # as one device draws them
+            result = self.runtime.step(data.get("inputs"), data.get("targets"),
+                                       data.get("activation_shapes"), return_grads, numbered)
         if first:
             result.losses_by_microbatch = {first + mb: loss for mb, loss in result.losses_by_microbatch.items()}
             result.boundary_shapes = [dataclasses.replace(b, microbatch=first + b.microbatch)

@@ -16,6 +16,7 @@ import torch
 from pplab.data import Batch, split_microbatches
 from torch import nn
 
+from pplab.models import dropout_streams
 from pplab.models.llama import LlamaConfig, LlamaModel, loss_fn
 
 
@@ -57,11 +58,13 @@ def reference_step(model: LlamaModel | LlamaConfig, batch: Batch | Sequence[Batc
     device = next(model.parameters()).device
     model.zero_grad(set_to_none=True)
     losses = []
-    for input_ids, target_ids in microbatches:
-        output = model(input_ids.to(device))
-        loss = loss_fn(getattr(output, "logits", output), target_ids.to(device))
-        (loss / len(microbatches)).backward()
-        losses.append(loss.item())
+    with dropout_streams.step(seed):  # a model that drops draws the masks a pipeline draws
+        for index, (input_ids, target_ids) in enumerate(microbatches):
+            with dropout_streams.microbatch(index):
+                output = model(input_ids.to(device))
+                loss = loss_fn(getattr(output, "logits", output), target_ids.to(device))
+                (loss / len(microbatches)).backward()
+            losses.append(loss.item())
     grads = {name: p.grad.detach().clone() for name, p in model.named_parameters(remove_duplicate=False)
              if p.grad is not None}
     return ReferenceResult(sum(losses) / len(losses), losses, grads)

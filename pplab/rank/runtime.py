@@ -33,6 +33,7 @@ from pplab.rank.comm import PipelineTimeoutError, StageLink, dtype_name, in_orde
 from pplab.rank.faults import strike
 from pplab.rank.gradients import gradient_report
 from pplab.rank.memory import ForwardBytes
+from pplab.models import dropout_streams
 from pplab.models.llama import loss_fn
 from pplab.schedules import Action, Dependencies, Kind, Schedule, check_runnable
 from pplab.schedules.communication import comm_batches, receives_to_prepost
@@ -195,7 +196,8 @@ class RankRuntime:
             with record_function(action.profiler_label):  # what a torch.profiler trace will show
                 started = clock()
                 strike(action)  # a fault armed on purpose (pplab.faults) fires inside its action
-                event_extra = self._compute(action, state, inputs, targets, boundary_shapes)
+                with dropout_streams.microbatch(action.microbatch):
+                    event_extra = self._compute(action, state, inputs, targets, boundary_shapes)
                 pad_to_cost(self.timing, action, started, clock)
             if self.record:
                 events.append(Event(self.rank, action.kind.value, action.stage, action.microbatch,

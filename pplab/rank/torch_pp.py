@@ -30,6 +30,7 @@ from pplab.rank.comm import dtype_name
 from pplab.rank.gradients import gradient_report
 from pplab.rank.host_messages import HOST, messages_through_host, to_host
 from pplab.rank.memory import ForwardBytes
+from pplab.models import dropout_streams
 from pplab.models.llama import loss_fn
 from pplab.rank.runtime import Boundary, RankStep, device_memory, reported_once
 from pplab.schedules import TORCH_SCHEDULES, Action, Kind, Schedule, build, from_torch, torch_plan
@@ -259,12 +260,15 @@ class _Timed:
             self.label.__enter__()
         self.started = recorder.clock()
         recorder.waited(self.action, self.started)
+        self.drawing = dropout_streams.microbatch(self.action.microbatch)  # a model that drops draws alike
+        self.drawing.__enter__()
         if recorder.watch is not None:
             recorder.watch(Now(recorder.rank, str(self.action), self.started))
         return self.extra
 
     def __exit__(self, exc_type, *_) -> None:
         recorder = self.recorder
+        self.drawing.__exit__(None, None, None)
         if exc_type is not None:
             if recorder.labels:
                 self.label.__exit__(exc_type, None, None)

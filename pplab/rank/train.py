@@ -139,7 +139,7 @@ class RankTrainer:
         started = time.perf_counter()
         batch = train_batch(self.options, self.data_position)
         lr = self.optimizer.param_groups[0]["lr"]
-        rank_step = self.pipeline.step(self.pipeline.share(batch), watch=watch)
+        rank_step = self.pipeline.step(self.pipeline.share(batch), watch=watch, number=self.step)
         grad_norm = self.clip_gradients()
         self.optimizer.step()
         self.scheduler.step()
