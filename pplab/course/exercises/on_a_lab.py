@@ -220,6 +220,9 @@ def _run_on_lab(lab, name: str, on_rank, learner_code, *args):
     if lab.device != "cpu":
         return Verdict(name, False, f"this exercise's tensors live on the CPU, but the lab runs on "
                                     f"{lab.device}: start it with pplab.Lab(n_ranks=2, device='cpu')")
+    if lab.state == "stopped":  # the notebook's last cell stops it: a check run after Run All finds it so
+        return Verdict(name, False, "this lab is stopped (the notebook's last cell stops it): re-run the cell "
+                                    "that starts it (lab = pplab.Lab(...)), then this check")
     call = None
     try:
         imports, shared = _globals_used(learner_code)
