@@ -127,6 +127,7 @@ def test_changing_a_control_rebuilds_on_the_ranks_and_bad_sizes_are_said(lab2):
         assert {name: getattr(dashboard.pipe.spec, name) for name in built} == built
         assert "rebuilt: gpipe, 4 microbatches, 1 stage per rank, impl=pplab" in dashboard.status.value
         assert dashboard.timeline.history == [] and dashboard.bubbles.rows == []
+        assert "costs of step" not in dashboard.bubbles.table.value  # not the old schedule's prediction
         assert "the new schedule, before its first step" in dashboard.timeline.caption.value
         (result,) = dashboard.run_steps(1)
         assert result.timeline.n_ranks == 2

@@ -43,6 +43,7 @@ class Dashboard(widgets.VBox):
         machine (a busy one's waits are longer: each run stretches it by the slowdown it reads)."""
         self.pipe, self.batch, self.stalled_after = pipe, batch, stalled_after
         self.results = []  # every finished step's StepResult
+        self._predicted_with = None  # (costs, label) the last step shown was predicted with
         self.latencies: list[float] = []  # seconds from a rank's note to its place in the widget state
         self.running = False
         self._stop_requested = False
@@ -245,7 +246,7 @@ class Dashboard(widgets.VBox):
     def _set_references(self, picture: bool = True) -> None:
         """Theory and simulation in the bubbles tab, from the costs the last step shown was predicted
         with (so that its header and the tab give one prediction), else the costs there are now."""
-        costs, label = getattr(self, "_predicted_with", None) or self._costs()
+        costs, label = self._predicted_with or self._costs()
         textbook = theory(self.pipe.schedule, costs)
         simulated = simulate(self.pipe.schedule, costs).bubble_fraction()
         self.bubbles.set_reference(textbook.bubble_fraction, simulated,
@@ -327,7 +328,7 @@ class Dashboard(widgets.VBox):
             return
         self.pipe.close()
         # A fresh history: steps, timelines and bubbles of the old schedule would be read as the new one's.
-        self.pipe, self.results, self._finished = new, [], None
+        self.pipe, self.results, self._finished, self._predicted_with = new, [], None, None
         self.where.reset(new.spec.world_size, self._labels())
         self.timeline.reset(self._labels())
         self.bubbles.reset()
