@@ -18,8 +18,8 @@ CONFIG = pplab.LlamaConfig.tiny()
 
 
 def warm_up(lab) -> None:
-    """A first step on fresh ranks, its waits bounded at this machine's pace: a rank's first backward
-    does one-time work that took more than the fragile lab's 3 s beside two burners."""
+    """A first step on fresh ranks, its waits bounded at this machine's pace now: a rank's first
+    backward does one-time work that took more than 3 s beside two burners."""
     with lab.pipeline(CONFIG, schedule="1f1b", n_microbatches=4, op_timeout=slack(3)) as pipe:
         pipe.step()
 
@@ -44,21 +44,23 @@ def test_a_fault_that_cannot_fire_is_refused_before_any_rank_is_asked(lab2):
 
 
 def test_a_rank_stalled_inside_a_forward_is_named_by_the_rank_that_waits_for_it(fragile_lab):
-    """Rank 1 sleeps 60 s in its forward of microbatch 1: rank 0 gives up after the lab's 3 s on
-    the gradient it needs, and the dashboard shows rank 0 stalled on rank 1, and rank 1 in 1F1."""
+    """Rank 1 sleeps in its forward of microbatch 1 far longer than the lab's timeout: rank 0 gives up
+    after the lab's seconds on the gradient it needs, and the dashboard shows rank 0 stalled on
+    rank 1, and rank 1 in 1F1."""
     warm_up(fragile_lab)
     pipe = fragile_lab.pipeline(CONFIG, schedule="1f1b", n_microbatches=4)
-    assert pipe.spec.op_timeout == fragile_lab.op_timeout == 3  # the lab's bound, not a default of its own
+    timeout = fragile_lab.op_timeout  # 3 s, unless the machine is very busy (see the fixture)
+    assert pipe.spec.op_timeout == timeout  # the lab's bound, not a default of its own
     pipe.step()
     dashboard = pipe.dashboard(stalled_after=1.0)
-    assert faults.stall(pipe, "1F1", seconds=60) == 1
-    with within(SLACK + fragile_lab.grace, plus=3), pytest.raises(
-            RankFailedError, match=r"rank 0 waited 3 s for the gradient of microbatch 1 from rank 1 \(action 0RECV_B1\)"):
+    assert faults.stall(pipe, "1F1", seconds=timeout + 60) == 1
+    with within(SLACK + fragile_lab.grace, plus=timeout), pytest.raises(
+            RankFailedError, match=rf"rank 0 waited {timeout:g} s for the gradient of microbatch 1 from rank 1 \(action 0RECV_B1\)"):
         dashboard.run_steps(1)
     assert dashboard.where.states == {0: "stalled", 1: "running"}
     assert dashboard.where.latest[1].doing == "1F1"
     assert "rank 1: send of the gradient of microbatch 1 on stage 1" in dashboard.where.html.value
-    assert "rank 0 waited 3 s for the gradient of microbatch 1" in dashboard.status.value
+    assert f"rank 0 waited {timeout:g} s for the gradient of microbatch 1" in dashboard.status.value
     assert fragile_lab.state.startswith("needs restart")
     fragile_lab.restart()
     assert fragile_lab.pipeline(CONFIG, schedule="1f1b", n_microbatches=4).check_parity().passed
@@ -66,7 +68,7 @@ def test_a_rank_stalled_inside_a_forward_is_named_by_the_rank_that_waits_for_it(
 
 def test_a_rank_that_dies_at_an_action_is_named_by_its_peer(fragile_lab):
     # The ranks' one-time work first, at this machine's pace (see warm_up); the pipeline then waits the
-    # lab's 3 s, so that rank 0's report of what it lost (or waited for) comes within the lab's grace
+    # lab's own seconds, so that rank 0's report of what it lost (or waited for) comes within the lab's grace
     # after rank 1's death: a wait stretched past it left the death reported alone (a burner run).
     warm_up(fragile_lab)
     pipe = fragile_lab.pipeline(CONFIG, schedule="gpipe", n_microbatches=4)
@@ -79,7 +81,7 @@ def test_a_rank_that_dies_at_an_action_is_named_by_its_peer(fragile_lab):
     message = str(failure.value)
     # The death, then what its peer saw of it: a message it lost (of microbatch 2, or 1 if
     # rank 1 died before its send of the gradient of microbatch 1 was through), or, where the
-    # machine kept rank 0 off a core past its 3 s, the same message it waited for in vain.
+    # machine kept rank 0 off a core past its timeout, the same message it waited for in vain.
     assert message.startswith("rank 1 (engine "), message
     assert f"pid {pid} on " in message
     assert re.search(r"\nThen rank 0 (lost|waited [\d.]+ s for) the (send of the )?gradient of microbatch "

@@ -295,6 +295,15 @@ def test_the_exact_search_says_what_it_cannot_do_and_what_it_did_not_prove(monke
     assert found.proof.bound <= found.step_time <= searched.step_time
     assert found.proof.step_time == simulate(found.tried[-1].schedule, ZB_PAPER_GAP).step_time()
     assert ("proved optimal" if found.proved_optimal else "not proved: step") in str(found)
+    # A limit that runs out before the solver has a schedule of its own (as on a machine many times
+    # slower): the schedule it started from, never a failure; without one to start from, a clear error.
+    hint = searched.schedule
+    schedule, proof = exact_schedule(8, 16, ZB_PAPER_GAP, time_limit=1e-6, hint=hint)
+    assert proof.step_time <= searched.step_time and not proof.optimal and 0 <= proof.bound <= proof.step_time
+    assert schedule is hint or proof.step_time < searched.step_time
+    assert str(proof).startswith("not proved: step")
+    with pytest.raises(TimeoutError, match=r"found no schedule within time_limit=1e-06 s \(p=8, m=16\): give it longer"):
+        exact_schedule(8, 16, ZB_PAPER_GAP, time_limit=1e-6)
     # Without OR-Tools: the extra that installs it.
     monkeypatch.setitem(__import__("sys").modules, "ortools.sat.python", None)
     with pytest.raises(SolverMissingError, match=r"pip install 'pplab\[solver\]'"):

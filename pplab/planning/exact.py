@@ -21,6 +21,7 @@ OR-Tools is an optional dependency (`pip install pplab[solver]`), imported only 
 
 from __future__ import annotations
 
+import math
 import time
 from dataclasses import dataclass
 from typing import Sequence
@@ -53,7 +54,10 @@ class Proof(ShownAsText):
         if self.optimal:
             return (f"proved optimal: step {self.step_time:.6g} (CP-SAT in {self.seconds:.1f} s, "
                     f"costs on a grid of {self.grid:g})")
-        gap = self.step_time / self.bound - 1 if self.bound > 0 else float("inf")
+        if self.bound <= 0:
+            return (f"not proved: step {self.step_time:.6g}, the schedule it started from (the solver stopped "
+                    f"at its time limit after {self.seconds:.1f} s, before it had a schedule or a bound)")
+        gap = self.step_time / self.bound - 1
         return (f"not proved: step {self.step_time:.6g}, and none can be shorter than {self.bound:.6g} "
                 f"({gap:.1%} apart; the solver stopped at its time limit after {self.seconds:.1f} s)")
 
@@ -67,7 +71,8 @@ def exact_schedule(n_ranks: int, n_microbatches: int, costs: Costs, memory_limit
     (default 1 each: the limit is in microbatches). `time_limit`: seconds the solver may take;
     when it stops there, the best schedule found comes with the best bound proved. `hint`: a
     schedule of these sizes to start from (the search's best: the solver then begins where the
-    search ended, and large sizes get its schedule or a better one within the limit).
+    search ended, and large sizes get its schedule or a better one within the limit, also where
+    the limit ran out before the solver found one of its own).
     """
     cp_model = _solver()
     _check(costs, n_ranks, time_limit)
@@ -116,8 +121,7 @@ def exact_schedule(n_ranks: int, n_microbatches: int, costs: Costs, memory_limit
     step = model.NewIntVar(0, horizon, "step")
     model.AddMaxEquality(step, list(ends.values()))
     model.Minimize(step)
-    if hint is not None:
-        _hint(model, hint, costs, starts, ends, ticks)
+    hinted = hint is not None and _hint(model, hint, costs, starts, ends, ticks)
 
     solver = cp_model.CpSolver()
     solver.parameters.max_time_in_seconds = float(time_limit)
@@ -125,9 +129,12 @@ def exact_schedule(n_ranks: int, n_microbatches: int, costs: Costs, memory_limit
     began = time.perf_counter()
     status = solver.Solve(model)
     seconds = time.perf_counter() - began
-    if status not in (cp_model.OPTIMAL, cp_model.FEASIBLE):
-        if status == cp_model.INFEASIBLE:
-            raise ValueError(f"no schedule fits memory_limit={memory_limit:g} per rank: give a larger limit")
+    if status == cp_model.INFEASIBLE:
+        raise ValueError(f"no schedule fits memory_limit={memory_limit:g} per rank: give a larger limit")
+    if status != cp_model.OPTIMAL and status != cp_model.FEASIBLE:
+        if hinted:  # stopped before it had a schedule of its own (a busy machine): the one it was given
+            step_time = simulate(hint, costs).step_time()
+            return hint, Proof(False, _proved_bound(solver, scale, step_time), step_time, seconds, 1 / scale)
         raise TimeoutError(f"the solver found no schedule within time_limit={time_limit:g} s "
                            f"(p={p}, m={m}): give it longer, or use the search without exact=True")
     order = [sorted((key for key in starts if key[0] == stage),
@@ -137,19 +144,26 @@ def exact_schedule(n_ranks: int, n_microbatches: int, costs: Costs, memory_limit
                                           name="exact (CP-SAT)"))
     validate(schedule)
     step_time = simulate(schedule, costs).step_time()
-    bound = min(solver.BestObjectiveBound() / scale, step_time)
-    return schedule, Proof(status == cp_model.OPTIMAL, bound, step_time, seconds, 1 / scale)
+    return schedule, Proof(status == cp_model.OPTIMAL, _proved_bound(solver, scale, step_time), step_time,
+                           seconds, 1 / scale)
 
 
-def _hint(model, hint: Schedule, costs: Costs, starts, ends, ticks) -> None:
-    """Start the solver from `hint`'s simulated times (where its actions are the model's)."""
+def _proved_bound(solver, scale: float, step_time: float) -> float:
+    """The solver's lower bound on the step, in the costs' unit (0 where it proved none)."""
+    bound = solver.BestObjectiveBound() / scale
+    return min(bound, step_time) if math.isfinite(bound) and bound > 0 else 0.0
+
+
+def _hint(model, hint: Schedule, costs: Costs, starts, ends, ticks) -> bool:
+    """Start the solver from `hint`'s simulated times, where its actions are the model's (True)."""
     timeline = simulate(hint, costs)
     timed = {(e.stage, Kind(e.kind), e.microbatch): e for e in timeline.compute_events()}
     if set(timed) != set(starts):  # another split of the backward, or other sizes: no use
-        return
+        return False
     for key, event in timed.items():
         model.AddHint(starts[key], ticks(event.start - timeline.start))
         model.AddHint(ends[key], ticks(event.end - timeline.start))
+    return True
 
 
 def _limit_memory(model, p, m, starts, ends, release, weights, memory_limit, horizon) -> None:

@@ -103,17 +103,34 @@ def setup_rank(spec: RankSpec) -> dict:
             torch.cuda.set_per_process_memory_fraction(spec.memory_fraction, gpu)
     else:
         device = torch.device("cpu")
-    import_before_joining()
-    dist.init_process_group(spec.backend, init_method=spec.rendezvous, rank=spec.rank,
-                            world_size=spec.world_size,
-                            timeout=datetime.timedelta(seconds=spec.op_timeout))
-    dist.barrier(device_ids=[device.index] if spec.backend == "nccl" else None)
+    _join_process_group(spec, device)
 
     context = RankContext(spec.rank, spec.world_size, spec.local_rank, spec.local_world_size,
                           spec.backend, device, spec.host_messages)
     set_rank_context(context, _publish_event)
     _define_names_for_px_cells(context)
     return describe()
+
+
+def _join_process_group(spec: RankSpec, device) -> None:
+    """Join the process group once every rank has reached the rendezvous, then meet at a barrier.
+
+    The group's ops wait `op_timeout`, and so does gloo's connect when the group is made: on a
+    busy machine one rank may come to it seconds after another (beside two burners a lab's 3 s
+    ran out there). So the ranks first check in at the rendezvous's store, which waits the longer
+    `join_timeout`; the group is made when all are there."""
+    import torch.distributed as dist
+
+    joining = datetime.timedelta(seconds=max(spec.op_timeout, spec.join_timeout))
+    store, _, _ = next(dist.rendezvous(spec.rendezvous, spec.rank, spec.world_size, timeout=joining))
+    store.set_timeout(joining)
+    if store.add("pplab-checked-in", 1) == spec.world_size:  # the last rank to come says so
+        store.set("pplab-all-in", "yes")
+    store.wait(["pplab-all-in"], joining)
+    import_before_joining()
+    dist.init_process_group(spec.backend, store=store, rank=spec.rank, world_size=spec.world_size,
+                            timeout=datetime.timedelta(seconds=spec.op_timeout))
+    dist.barrier(device_ids=[device.index] if spec.backend == "nccl" else None)
 
 
 def _define_names_for_px_cells(context: RankContext) -> None:

@@ -41,6 +41,7 @@ from pplab.rank.rank_context import RankEvent
 
 TEARDOWN_SECONDS = 5.0
 DESCRIBE_ASK_AGAIN_SECONDS = 10.0  # see Lab._describe
+JOIN_SECONDS = 30.0  # joining the process group at a quiet pace (ranks come apart on a busy machine)
 ASK_HUB_SECONDS = 1.0  # while engines register, how often the hub is asked which it has (see _wait_for_engines)
 
 _running_labs: weakref.WeakSet = weakref.WeakSet()
@@ -353,18 +354,18 @@ class Lab:
         rendezvous = self._new_rendezvous(order, about, on_one_host)
         gloo_ifname = self._launcher.gloo_ifname or (loopback_interface() if on_one_host else None)
         sys_path = tuple(sys.path)  # engines import what the notebook can (missing dirs are skipped)
+        join_timeout = max(self.op_timeout, self.machine_load.scale(JOIN_SECONDS))
         specs = [RankSpec(rank, len(order), local_rank, local_size, self.backend, self.device,
                           rendezvous, self.op_timeout, self._launcher.threads_per_rank(self.threads),
                           gloo_ifname, sys_path, self._rank_gpus[rank] if self._rank_gpus else None,
                           self._cores[rank] if self._cores else None, self._host_messages,
-                          self._memory_fraction if self._rank_gpus else None)
+                          self._memory_fraction if self._rank_gpus else None, join_timeout)
                  for rank, (local_rank, local_size) in enumerate(local_ranks(hosts))]
         joining = ipp.AsyncResult.join(*[self.client[engine_id].apply_async(engine.setup_rank, spec)
                                          for engine_id, spec in zip(order, specs)])
         self._view = self.client[order]  # a view in rank order: results come back by rank
         self._view.block = True  # what %%px cells use
-        RankCall(self._ranks, joining, "setting up the process group", self.op_timeout + 10,
-                 self.grace).result()
+        RankCall(self._ranks, joining, "setting up the process group", join_timeout + 10, self.grace).result()
 
     def _new_rendezvous(self, order: list[int], about: dict, on_one_host: bool) -> str:
         """A fresh rendezvous for one init: a new file on one host (no listening socket), else TCP."""

@@ -27,7 +27,7 @@ class RankSpec:
     backend: str
     device: str  # "cpu" or "cuda"
     rendezvous: str  # init_method URL: file:///... on one host, tcp://host:port across hosts
-    op_timeout: float  # seconds, for the rendezvous and for every collective or P2P op
+    op_timeout: float  # seconds, for every collective or P2P op
     threads: int | None  # torch threads per rank; None keeps the engine's default
     gloo_ifname: str | None  # network interface for gloo/NCCL sockets; None lets them choose
     sys_path: tuple[str, ...] = ()  # entries of the client's sys.path to add on the engine
@@ -35,6 +35,7 @@ class RankSpec:
     core: int | None = None  # the core its threads stay on (default: none, the kernel places them)
     host_messages: bool = False  # copy messages through host memory (gloo between ranks on GPUs)
     memory_fraction: float | None = None  # the share of its GPU's memory this rank may take (None: all)
+    join_timeout: float = 0.0  # seconds joining the process group may take, where longer than op_timeout
 
 
 def check_threads(threads: object) -> int | None:
