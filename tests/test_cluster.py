@@ -378,7 +378,7 @@ def test_an_error_breaks_the_process_group_by_its_type_or_its_cause():
 # -- a running lab -----------------------------------------------------------------------------
 
 
-@pytest.mark.timeout(180)  # a hang guard: restarts take long on a busy machine
+@pytest.mark.timeout(60)
 def test_results_come_back_ordered_by_rank(lab2):
     results = lab2.run(whoami)
     assert [r["rank"] for r in results] == [0, 1]
@@ -390,13 +390,13 @@ def test_results_come_back_ordered_by_rank(lab2):
     assert {(row.device, row.backend, row.state) for row in status} == {("cpu", "gloo", "idle")}
 
 
-@pytest.mark.timeout(180)  # a hang guard: restarts take long on a busy machine
+@pytest.mark.timeout(60)
 def test_all_reduce_and_p2p_give_the_right_values_on_every_rank(lab2):
     assert lab2.run(all_reduce_sum) == [3.0, 3.0]
     assert lab2.run(ring_exchange) == [10.0, 0.0]
 
 
-@pytest.mark.timeout(180)  # a hang guard: restarts take long on a busy machine
+@pytest.mark.timeout(60)
 def test_px_cells_see_rank_world_size_device_and_dist(lab2):
     from IPython.core.interactiveshell import InteractiveShell
 
@@ -417,7 +417,7 @@ def receive_what_nobody_sends():
         dist.recv(torch.zeros(1), src=0)  # gloo gives up after the lab's timeout
 
 
-@pytest.mark.timeout(180)  # a hang guard: restarts take long on a busy machine
+@pytest.mark.timeout(60)
 def test_a_raw_receive_that_timed_out_leaves_the_lab_asking_for_a_restart(fragile_lab):
     # gloo's own timeout closes the pair: the process group cannot be used again.
     with pytest.raises(RankFailedError, match="Timed out"):
@@ -427,7 +427,7 @@ def test_a_raw_receive_that_timed_out_leaves_the_lab_asking_for_a_restart(fragil
     assert_healthy(fragile_lab)
 
 
-@pytest.mark.timeout(180)  # a hang guard: restarts take long on a busy machine
+@pytest.mark.timeout(60)
 def test_what_px_cells_print_reads_in_rank_order(lab2, capsys):
     from IPython.core.interactiveshell import InteractiveShell
 
@@ -443,7 +443,7 @@ def test_what_px_cells_print_reads_in_rank_order(lab2, capsys):
         InteractiveShell.clear_instance()
 
 
-@pytest.mark.timeout(180)  # a hang guard: restarts take long on a busy machine
+@pytest.mark.timeout(60)
 def test_100_events_stream_complete_and_in_order_while_the_call_runs(lab2, tmp_path):
     release = tmp_path / "release"
     call = lab2.run_async(publish_numbered_events, 100, str(release), timeout=40)
@@ -461,7 +461,7 @@ def test_100_events_stream_complete_and_in_order_while_the_call_runs(lab2, tmp_p
     assert call.poll_events() == [], "no event is delivered twice"
 
 
-@pytest.mark.timeout(180)  # a hang guard: restarts take long on a busy machine
+@pytest.mark.timeout(60)
 def test_published_events_arrive_in_order_with_their_payload_after_a_short_call(lab2):
     events = list(lab2.stream(count_and_publish, 5, timeout=20))  # the call ends before they all arrive
     for rank in (0, 1):
@@ -469,7 +469,7 @@ def test_published_events_arrive_in_order_with_their_payload_after_a_short_call(
             [(number, {"number": number}) for number in range(5)]
 
 
-@pytest.mark.timeout(180)  # a hang guard: restarts take long on a busy machine
+@pytest.mark.timeout(60)
 def test_every_lab_process_listens_on_loopback_only(lab2):
     from conftest import lab_processes
 
@@ -577,7 +577,7 @@ def test_cleanup_stops_the_lab_of_a_killed_kernel(ipython_dir):
 # -- failures: each gives a clear error within its timeout, then restart works ------------------
 
 
-@pytest.mark.timeout(180)  # a hang guard: restarts take long on a busy machine
+@pytest.mark.timeout(60)
 def test_a_rank_that_raises_is_named_with_its_traceback(fragile_lab):
     with within(SLACK + fragile_lab.grace), pytest.raises(RankFailedError) as caught:
         fragile_lab.run(raise_on_rank, 1, False)
@@ -590,7 +590,7 @@ def test_a_rank_that_raises_is_named_with_its_traceback(fragile_lab):
     assert_healthy(fragile_lab)
 
 
-@pytest.mark.timeout(180)  # a hang guard: restarts take long on a busy machine
+@pytest.mark.timeout(60)
 def test_ranks_left_waiting_for_a_failed_rank_get_a_bounded_time_then_restart_works(lab2):
     # On the session's lab: its ranks' own waits (20 s) outlast its grace (1 s) at any load.
     with within(SLACK + lab2.grace), pytest.raises(RankFailedError) as caught:  # the grace at the machine's pace
@@ -605,7 +605,7 @@ def test_ranks_left_waiting_for_a_failed_rank_get_a_bounded_time_then_restart_wo
     assert_healthy(lab2)
 
 
-@pytest.mark.timeout(180)  # a hang guard: restarts take long on a busy machine
+@pytest.mark.timeout(60)
 def test_a_rank_whose_process_dies_is_named_then_restart_works(fragile_lab):
     old_pids = [row.pid for row in fragile_lab.status()]
     started = time.monotonic()
@@ -625,7 +625,7 @@ def test_a_rank_whose_process_dies_is_named_then_restart_works(fragile_lab):
     assert {psutil.Process(row.pid).ppid() for row in fragile_lab.status()} == {fork_server}
 
 
-@pytest.mark.timeout(180)  # a hang guard: restarts take long on a busy machine
+@pytest.mark.timeout(60)
 def test_a_rank_blocked_in_recv_past_the_run_timeout_is_named_then_restart_works(fragile_lab):
     started = time.monotonic()
     with pytest.raises(RankTimeoutError) as caught:
@@ -638,7 +638,7 @@ def test_a_rank_blocked_in_recv_past_the_run_timeout_is_named_then_restart_works
     assert_healthy(fragile_lab)
 
 
-@pytest.mark.timeout(180)  # a hang guard: restarts take long on a busy machine
+@pytest.mark.timeout(60)
 def test_a_rank_error_that_breaks_the_process_group_makes_the_lab_ask_for_a_restart(fragile_lab):
     with pytest.raises(RankFailedError) as caught:
         fragile_lab.run(raise_on_every_rank, "lookalike")
@@ -654,7 +654,7 @@ def test_a_rank_error_that_breaks_the_process_group_makes_the_lab_ask_for_a_rest
     assert_healthy(fragile_lab)
 
 
-@pytest.mark.timeout(180)  # a hang guard: restarts take long on a busy machine
+@pytest.mark.timeout(60)
 def test_the_process_group_timeout_turns_a_blocked_recv_into_an_error(fragile_lab):
     started = time.monotonic()
     with pytest.raises(RankFailedError) as caught:
@@ -812,7 +812,7 @@ def ctrl_c_while_waiting_in(function, until):
         signal.signal(signal.SIGINT, previous)
 
 
-@pytest.mark.timeout(180)  # a hang guard: restarts take long on a busy machine
+@pytest.mark.timeout(60)
 @pytest.mark.parametrize("waiting_in", ["result", "events"])
 def test_an_interrupted_call_makes_the_lab_ask_for_a_restart(fragile_lab, waiting_in):
     from pplab.drivers.cluster import RankCall
