@@ -17,8 +17,9 @@ measured Timeline (pplab's own, or one imported from torch.profiler traces):
   and after its last (the optimizer, data loading), where the traces say how long the step was.
 
 Then the simulator predicts the step with one change at a time (twice the microbatches, stages
-rebalanced, another schedule), so that the report can say which single change would help most.
-Those are predictions on the measured costs, and are stated as such.
+rebalanced, another schedule: `pplab.planning.whatif`, on a model of the run that includes its
+messages and the runtime's own time per action), so that the report can say which single change
+would help most. Those are predictions on the measured costs, and are stated as such.
 """
 
 from __future__ import annotations
@@ -29,8 +30,10 @@ from dataclasses import dataclass, field
 from typing import Sequence
 
 from pplab.base.formatting import wrapped
-from pplab.schedules import Kind, Schedule, build, from_torch, theory, torch_plan
-from pplab.planning.simulator import Costs, costs_from_timeline, simulate
+from pplab.schedules import Schedule, theory
+from pplab.planning.prediction import Profile
+from pplab.planning.simulator import costs_from_timeline, simulate
+from pplab.planning.whatif import RunModel, Suggestion, named_schedule, step_spread, suggestions
 from pplab.planning.straggler import STRAGGLER_RATIO, StragglerVerdict, straggler_verdict
 from pplab.trace.timeline import Event, Timeline
 
@@ -67,15 +70,6 @@ class RankBubble:
     outside: float | None  # profiled step time outside the pipeline's actions (None: not recorded)
 
 
-@dataclass(frozen=True)
-class Suggestion:
-    """One change, and the step time the simulator predicts for it."""
-
-    change: str
-    predicted_step_time: float
-    gain: float  # 1 - predicted / predicted for the run as it is
-
-
 @dataclass
 class BubbleReport:
     """`explain`'s answer: per rank, overall, the waits, the straggler and the predictions."""
@@ -89,6 +83,7 @@ class BubbleReport:
     verdict: StragglerVerdict | None  # who straggles, with the evidence's bounds (None: one rank)
     suggestions: list[Suggestion] = field(default_factory=list)
     message_latency: float = 0.0  # seconds: the median time a message that was waited for took
+    overhead_per_action: float = 0.0  # seconds: the runtime's own time between computes (see explain)
     predicted_as_is: float | None = None  # seconds: the run as it is, on the model the suggestions use
     notes: list[str] = field(default_factory=list)
 
@@ -138,12 +133,14 @@ class BubbleReport:
                          + (f" (which waited on rank {wait.cause})" if wait.cause != wait.peer else ""))
         if self.suggestions:
             lines.append(f"predicted by the simulator on the measured costs, messages taking "
-                         f"{self.message_latency * 1e3:.2f} ms (the median of those waited for); the run as it "
+                         f"{self.message_latency * 1e3:.2f} ms (the median of those waited for) and each compute "
+                         f"{self.overhead_per_action * 1e3:.2f} ms of the runtime's own; the run as it "
                          f"is predicts {self.predicted_as_is * 1e3:.2f} ms there, and each change is given "
-                         f"against that:")
+                         f"against that (± how much the run's own steps varied):")
             for suggestion in sorted(self.suggestions, key=lambda s: -s.gain):
+                either_way = f" ± {suggestion.uncertainty:.0%}" if suggestion.uncertainty >= 0.005 else ""
                 lines.append(f"  {suggestion.change}: {suggestion.predicted_step_time * 1e3:.2f} ms "
-                             f"({-suggestion.gain:+.0%})")
+                             f"({-suggestion.gain:+.0%}{either_way})")
             best = self.best
             lines.append(f"most helpful single change: {best.change}" if best else
                          "no single change is predicted to help by more than 1 %")
@@ -161,31 +158,22 @@ class BubbleReport:
                 "waits": [dataclasses.asdict(w) for w in self.waits],
                 "straggler": self.straggler,
                 "straggler_verdict": dataclasses.asdict(self.verdict) if self.verdict else None,
-                "message_latency": self.message_latency, "predicted_as_is": self.predicted_as_is,
+                "message_latency": self.message_latency, "overhead_per_action": self.overhead_per_action,
+                "predicted_as_is": self.predicted_as_is,
                 "suggestions": [dataclasses.asdict(s) for s in self.suggestions],
                 "best": self.best.change if self.best else None, "notes": self.notes}
 
 
-def named_schedule(name: str, n_ranks: int, n_microbatches: int, n_virtual: int = 1) -> Schedule:
-    """The schedule called `name`: pplab's own, or the plan of one of torch's schedules (from torch's
-    planner: torch's pipelining package is imported for those)."""
-    try:
-        return build(name, n_ranks, n_microbatches, n_virtual)
-    except ValueError as not_pplabs:
-        try:
-            entry = torch_plan(name)
-        except ValueError:
-            raise not_pplabs from None
-        return from_torch(entry.name, n_ranks, n_microbatches, n_virtual)
-
-
 def explain(measured: Timeline, schedule: Schedule, outside: list[float | None] | None = None, *,
-            steps: Sequence[Timeline] = ()) -> BubbleReport:
-    """Split each rank's idle time into the schedule's, waits, straggling and time outside.
+            steps: Sequence[Timeline] = (), profile: Profile | Sequence[Profile] = ()) -> BubbleReport:
+    """Split each rank's idle time into the schedule's, waits, straggling and time outside; predict
+    the step after one change at a time (pplab.planning.whatif).
 
     `measured` must hold the compute actions `schedule` has, rank by rank (raises ValueError
     naming the first that differs); `outside`, per rank, the profiled step's time outside them;
-    `steps`, other steps of the same run, which the straggler's verdict weighs too."""
+    `steps`, other steps of the same run, which the straggler's verdict weighs too; `profile`,
+    one-device profiles of the same stages (`pplab.profile`) at the run's microbatch size and at
+    half of it, for what a split backward and half a microbatch cost (see pplab.planning.whatif)."""
     for timeline in (measured, *steps):
         _check_actions(timeline, schedule)
     costs = costs_from_timeline(measured, schedule.n_stages)  # messages free: the schedule's own idle
@@ -202,10 +190,19 @@ def explain(measured: Timeline, schedule: Schedule, outside: list[float | None] 
              for rank in range(schedule.n_ranks)]
     report = BubbleReport(schedule, measured, simulated, theory(schedule, costs).bubble_fraction, ranks, waits,
                           straggler_verdict([measured, *steps], schedule.n_ranks))
-    with_latency = dataclasses.replace(costs, latency=latency)
-    report.predicted_as_is = simulate(schedule, with_latency).step_time()
-    report.suggestions = _suggestions(schedule, with_latency, report.predicted_as_is)
-    report.message_latency = latency
+    profiles = [profile] if isinstance(profile, Profile) else list(profile)
+    model = RunModel.of(schedule, costs, latency, _overhead_per_action(measured, schedule), profiles)
+    report.predicted_as_is = model.step_time()
+    report.suggestions = suggestions(model, step_spread([measured, *steps]))
+    report.message_latency, report.overhead_per_action = latency, model.overhead
+    if model.split_from == "assumed" and any(s.change == "schedule zb-h1" for s in report.suggestions):
+        report.notes.append("schedule zb-h1's prediction takes a backward split into I and W to cost what the "
+                            "whole one does; on a CPU it costs more: give explain a profile of the same stages "
+                            "(pplab.profile) to take the split's cost from it")
+    if model.halved_from == "assumed":
+        report.notes.append("twice the microbatches at half the size are taken to cost half as much each; a "
+                            "layer has costs that do not shrink with the batch: give explain profiles at the "
+                            "run's microbatch size and at half of it to take them from those")
     if report.verdict is not None and report.verdict.load_spread > LOADED_SPREAD:
         report.notes.append(f"the machine's load varied an action's time by {report.verdict.load_spread:.0%} "
                             f"(typical over best) in this run: the predictions above carry that much "
@@ -218,6 +215,19 @@ def _message_latency(measured: Timeline, schedule: Schedule) -> float:
     the start of the compute on another that consumed its result, over those that waited for it."""
     spans = [max(0.0, event.start - producer.end) for event, producer, _ in _late_inputs(measured, schedule)]
     return statistics.median(spans) if spans else 0.0
+
+
+def _overhead_per_action(measured: Timeline, schedule: Schedule) -> float:
+    """The runtime's own time between two computes of a rank (posting messages, recording): the
+    median gap before a compute whose input was already there when its rank became free. A change
+    that adds actions (more microbatches, split backwards, more stages) adds that much per action."""
+    late = {(event.stage, event.kind, event.microbatch) for event, _, _ in _late_inputs(measured, schedule)}
+    gaps = []
+    for rank in range(schedule.n_ranks):
+        events = sorted(measured.compute_events(rank), key=lambda e: e.start)
+        gaps += [max(0.0, after.start - before.end) for before, after in zip(events, events[1:])
+                 if (after.stage, after.kind, after.microbatch) not in late]
+    return statistics.median(gaps) if gaps else 0.0
 
 
 def _late_inputs(measured: Timeline, schedule: Schedule):
@@ -277,34 +287,3 @@ def _producer(event: Event, compute: dict, schedule: Schedule) -> Event | None:
     if not 0 <= stage < schedule.n_stages:
         return None
     return compute.get((stage, kind, event.microbatch)) or compute.get((stage, "B", event.microbatch))
-
-
-def _suggestions(schedule: Schedule, costs: Costs, now: float) -> list[Suggestion]:
-    """The simulator's step time for one change at a time, against the run as it is."""
-    p, m, v = schedule.n_ranks, schedule.n_microbatches, schedule.n_virtual
-    forward = [costs.compute_time(Kind.F, s) for s in range(schedule.n_stages)]
-    backward = [costs.compute_time(Kind.I, s) + costs.compute_time(Kind.W, s) for s in range(schedule.n_stages)]
-    tried = []
-
-    def attempt(change: str, name: str, microbatches: int, virtual: int, f, b) -> None:
-        try:
-            predicted = simulate(named_schedule(name, p, microbatches, virtual),
-                                 Costs(forward=tuple(f), backward=tuple(b), latency=costs.latency)).step_time()
-        except ValueError:
-            return  # a schedule these sizes do not allow
-        tried.append(Suggestion(change, predicted, 1 - predicted / now))
-
-    attempt(f"{2 * m} microbatches of half the size", schedule.name, 2 * m, v,
-            [x / 2 for x in forward], [x / 2 for x in backward])
-    mean_f, mean_b = statistics.fmean(forward), statistics.fmean(backward)
-    attempt("stages rebalanced to equal work", schedule.name, m, v, [mean_f] * len(forward), [mean_b] * len(backward))
-    per_rank_f = [sum(forward[s * v:(s + 1) * v]) for s in range(p)]  # one stage per rank: v neighbours merged
-    per_rank_b = [sum(backward[s * v:(s + 1) * v]) for s in range(p)]
-    for name in ("gpipe", "1f1b", "zb-h1"):
-        if name != schedule.name:
-            attempt(f"schedule {name}", name, m, 1, per_rank_f, per_rank_b)
-    if schedule.name != "interleaved-1f1b" or v != 2:
-        attempt("schedule interleaved-1f1b with 2 stages per rank", "interleaved-1f1b", m, 2,
-                [x / 2 for x in per_rank_f for _ in range(2)], [x / 2 for x in per_rank_b for _ in range(2)])
-    return tried
-

@@ -1,0 +1,95 @@
+"""What-ifs from one run (pplab.planning.whatif): each change simulated on a model of the run.
+
+The runs here are simulated timelines, so that every number the model reads is known: the
+changes' predictions are checked against the simulator on the costs they must use. How close
+they come to real runs is measured in bench/bench_whatif.py.
+"""
+
+import dataclasses
+
+import pytest
+
+from pplab.bubble import explain, named_schedule
+from pplab.planning.prediction import Profile, StageProfile
+from pplab.simulator import Costs, simulate
+from pplab.trace.timeline import Timeline
+
+pytestmark = pytest.mark.quick
+
+UNEVEN = Costs(forward=[1.0, 3.0], backward=[2.0, 6.0])  # rank 1 has three times rank 0's work
+
+
+def predicted(report, change: str) -> float:
+    return next(s.predicted_step_time for s in report.suggestions if s.change == change)
+
+
+def test_interleaving_keeps_each_ranks_work_on_that_rank():
+    """Interleaved 1F1B puts stages r and r + p on rank r: each rank's work is split between its
+    two stages, it does not move to the other rank (which would be a rebalance)."""
+    run = named_schedule("1f1b", 2, 4)
+    report = explain(simulate(run, UNEVEN), run)
+    interleaved = named_schedule("interleaved-1f1b", 2, 4, 2)
+    halves = Costs(forward=[0.5, 1.5, 0.5, 1.5], backward=[1.0, 3.0, 1.0, 3.0])
+    assert predicted(report, "schedule interleaved-1f1b with 2 stages per rank") == pytest.approx(
+        simulate(interleaved, halves).step_time())
+    rebalanced = predicted(report, "stages rebalanced to equal work")
+    assert rebalanced < predicted(report, "schedule interleaved-1f1b with 2 stages per rank")
+    assert report.best.change == "stages rebalanced to equal work"
+
+
+def test_the_runtimes_own_time_between_computes_is_paid_by_every_action_of_a_change():
+    """A run whose computes leave 0.1 s between them where nothing was awaited: the model reads
+    that 0.1 s, the run as it is comes out at its measured step, and twice the microbatches pay it
+    twice as often (a gain the bubble's arithmetic alone overstates)."""
+    run = named_schedule("1f1b", 2, 4)
+    even = simulate(run, Costs(forward=1.0, backward=2.0))
+    measured = Timeline([dataclasses.replace(e, end=e.end - 0.1) if e.is_compute else e for e in even.events],
+                        label="measured")
+    report = explain(measured, run)
+    assert report.overhead_per_action == pytest.approx(0.1)
+    assert report.predicted_as_is == pytest.approx(measured.step_time(), rel=0.01)
+    halved = simulate(named_schedule("1f1b", 2, 8), Costs(forward=0.45 + 0.1, backward=0.95 + 0.1))
+    assert predicted(report, "8 microbatches of half the size") == pytest.approx(halved.step_time())
+    without = simulate(named_schedule("1f1b", 2, 8), Costs(forward=0.45, backward=0.95)).step_time()
+    assert without / report.predicted_as_is < predicted(report, "8 microbatches of half the size") / measured.step_time()
+
+
+def test_a_split_backward_costs_what_a_profile_of_the_same_stages_says():
+    run = named_schedule("1f1b", 2, 4)
+    measured = simulate(run, UNEVEN)
+    # One device measured I + W at 1.5 B on stage 1 (0.6 of it I), and all of it W on stage 0.
+    profile = Profile((StageProfile(1.0, 2.0, 0.0, 2.0, 0, 0, 0), StageProfile(3.0, 6.0, 5.4, 3.6, 0, 0, 0)), 4, 64)
+    assumed, profiled = explain(measured, run), explain(measured, run, profile=profile)
+    zb = named_schedule("zb-h1", 2, 4)
+    assert predicted(assumed, "schedule zb-h1") == pytest.approx(
+        simulate(zb, Costs(forward=[1.0, 3.0], input_grad=[1.0, 3.0], weight_grad=[1.0, 3.0])).step_time())
+    assert predicted(profiled, "schedule zb-h1") == pytest.approx(
+        simulate(zb, Costs(forward=[1.0, 3.0], input_grad=[0.0, 5.4], weight_grad=[2.0, 3.6])).step_time())
+    assert any("give explain a profile" in note for note in assumed.notes)
+    assert not any("give explain a profile" in note for note in profiled.notes)
+    with pytest.raises(ValueError, match=r"profile has 1 stages and schedule '1f1b' 2: profile the run's stages"):
+        explain(measured, run, profile=dataclasses.replace(profile, stages=profile.stages[:1]))
+
+
+def test_each_gain_carries_the_runs_own_step_to_step_spread():
+    run = named_schedule("1f1b", 2, 4)
+    steps = [simulate(run, Costs(forward=[f, 3 * f], backward=[2 * f, 6 * f])) for f in (1.0, 1.1, 0.9)]
+    report = explain(steps[0], run, steps=steps[1:])
+    spread = (steps[1].step_time() - steps[2].step_time()) / 2 / steps[0].step_time()
+    assert spread == pytest.approx(0.1)
+    assert all(s.uncertainty == pytest.approx(spread) for s in report.suggestions)
+    assert "(-" in report.text() and "± 10%)" in report.text()
+    assert all(s.uncertainty == 0 for s in explain(steps[0], run).suggestions)  # one step: no spread to tell
+
+
+def test_half_a_microbatch_costs_what_profiles_at_both_sizes_say():
+    run = named_schedule("1f1b", 2, 4)
+    measured = simulate(run, UNEVEN)
+    stage = lambda f, b: StageProfile(f, b, b / 2, b / 2, 0, 0, 0)  # noqa: E731
+    whole = Profile((stage(1.0, 2.0), stage(3.0, 6.0)), 4, 64)
+    half = Profile((stage(0.5, 1.0), stage(1.8, 3.9)), 2, 64)  # stage 1: 60 % and 65 % of a whole one
+    report = explain(measured, run, profile=[half, whole])
+    expected = simulate(named_schedule("1f1b", 2, 8), Costs(forward=[0.5, 1.8], backward=[1.0, 3.9])).step_time()
+    assert predicted(report, "8 microbatches of half the size") == pytest.approx(expected)
+    assert not any("half as much each" in note for note in report.notes)
+    assert any("half as much each" in note for note in explain(measured, run, profile=whole).notes)
