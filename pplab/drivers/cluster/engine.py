@@ -128,8 +128,9 @@ def _join_process_group(spec: RankSpec, device) -> None:
         store.set("pplab-all-in", "yes")
     store.wait(["pplab-all-in"], joining)
     import_before_joining()
-    dist.init_process_group(spec.backend, store=store, rank=spec.rank, world_size=spec.world_size,
-                            timeout=datetime.timedelta(seconds=spec.op_timeout))
+    # Under the prefix torch gives the store it makes from an init_method: the same keys as before.
+    dist.init_process_group(spec.backend, store=dist.PrefixStore("default_pg", store), rank=spec.rank,
+                            world_size=spec.world_size, timeout=datetime.timedelta(seconds=spec.op_timeout))
     dist.barrier(device_ids=[device.index] if spec.backend == "nccl" else None)
 
 
