@@ -55,8 +55,8 @@ class Proof(ShownAsText):
             return (f"proved optimal: step {self.step_time:.6g} (CP-SAT in {self.seconds:.1f} s, "
                     f"costs on a grid of {self.grid:g})")
         if self.bound <= 0:
-            return (f"not proved: step {self.step_time:.6g}, the schedule it started from (the solver stopped "
-                    f"at its time limit after {self.seconds:.1f} s, before it had a schedule or a bound)")
+            return (f"not proved: step {self.step_time:.6g} (the solver stopped at its time limit after "
+                    f"{self.seconds:.1f} s with no bound proved)")
         gap = self.step_time / self.bound - 1
         return (f"not proved: step {self.step_time:.6g}, and none can be shorter than {self.bound:.6g} "
                 f"({gap:.1%} apart; the solver stopped at its time limit after {self.seconds:.1f} s)")

@@ -61,6 +61,11 @@ def _is_split(schedule: Schedule) -> bool:
     return any(action.kind == Kind.I for actions in schedule.actions for action in actions)
 
 
+def _per_rank(values: Sequence[float], schedule: Schedule) -> list[float]:
+    """Per-stage `values` summed over each rank's stages."""
+    return [sum(values[s] for s in schedule.stages_of(rank)) for rank in range(schedule.n_ranks)]
+
+
 @dataclass(frozen=True)
 class RunModel:
     """A measured run as the simulator sees it: costs per stage, what a split backward costs per
@@ -94,26 +99,24 @@ class RunModel:
         by_size = {profile.microbatch_size: profile for profile in profiles}
         at_size = by_size[max(by_size)] if by_size else None
         at_half = by_size.get(max(by_size) / 2) if by_size else None
-        stages, ranks = range(schedule.n_stages), range(schedule.n_ranks)
+        stages = range(schedule.n_stages)
         forward = tuple(costs.compute_time(Kind.F, s) for s in stages)
-        halves = [(costs.compute_time(Kind.I, s), costs.compute_time(Kind.W, s)) for s in stages]
-        whole = [i + w for i, w in halves]
+        input_grad = [costs.compute_time(Kind.I, s) for s in stages]
+        whole = [i + costs.compute_time(Kind.W, s) for s, i in zip(stages, input_grad)]
 
-        def per_rank(values: Sequence[float], rank: int) -> float:
-            return sum(values[s] for s in schedule.stages_of(rank))
+        def ratios(top: Sequence[float], bottom: Sequence[float]) -> list[float]:
+            return [t / b for t, b in zip(_per_rank(top, schedule), _per_rank(bottom, schedule))]
 
         if at_size is not None:  # how I and W compare with B, on one device
-            measured = at_size.stages
-            split_cost = [per_rank([p.input_grad + p.weight_grad for p in measured], r)
-                          / per_rank([p.backward for p in measured], r) for r in ranks]
+            one_device_split = [p.input_grad + p.weight_grad for p in at_size.stages]
+            split_cost = ratios(one_device_split, [p.backward for p in at_size.stages])
         else:
             split_cost = [1.0] * schedule.n_ranks
         if _is_split(schedule):  # the run shows I and W, and what B would be only through split_cost
-            input_share = [per_rank([i for i, _ in halves], r) / per_rank(whole, r) for r in ranks]
+            input_share = ratios(input_grad, whole)
             backward = tuple(b / split_cost[schedule.stage_to_rank(s)] for s, b in enumerate(whole))
         else:
-            input_share = ([per_rank([p.input_grad for p in at_size.stages], r)
-                            / per_rank([p.input_grad + p.weight_grad for p in at_size.stages], r) for r in ranks]
+            input_share = (ratios([p.input_grad for p in at_size.stages], one_device_split)
                            if at_size is not None else [0.5] * schedule.n_ranks)
             backward = tuple(whole)
         halved = ([(half.forward / full.forward, half.backward / full.backward)
@@ -178,8 +181,7 @@ def suggestions(model: RunModel, uncertainty: float = 0.0) -> list[Suggestion]:
             lambda _: ([mean_f] * len(forward), [mean_b] * len(backward)))
     # Each rank keeps its work, split evenly among its stages in the changed schedule (which rank
     # runs which stage comes from its placement: interleaved puts stages r and r + p on rank r).
-    per_rank_f = [sum(forward[s] for s in schedule.stages_of(r)) for r in range(p)]
-    per_rank_b = [sum(backward[s] for s in schedule.stages_of(r)) for r in range(p)]
+    per_rank_f, per_rank_b = _per_rank(forward, schedule), _per_rank(backward, schedule)
 
     def each_rank_split(changed: Schedule):
         share = [len(changed.stages_of(r)) for r in range(p)]
@@ -192,4 +194,3 @@ def suggestions(model: RunModel, uncertainty: float = 0.0) -> list[Suggestion]:
     if schedule.name != "interleaved-1f1b" or v != 2:
         attempt("schedule interleaved-1f1b with 2 stages per rank", "interleaved-1f1b", m, 2, each_rank_split)
     return tried
-
