@@ -11,15 +11,16 @@ from pplab.session.pipeline import Pipeline
 class NotebookPipeline(Pipeline):
     """A pipeline on a lab's ranks, with live views: a dashboard, and training shown as it goes."""
 
-    def dashboard(self, batch: Batch | Sequence[Batch] | None = None, stalled_after: float = 2.0):
+    def dashboard(self, batch: Batch | Sequence[Batch] | None = None, stalled_after: float = 2.0, load=None):
         """A live dashboard of this pipeline (pplab.widgets.Dashboard): display it, then run steps.
 
         `batch`: the data of every step (default: the pipeline's); `stalled_after`: seconds a
-        wait lasts before its rank shows red.
+        wait lasts before its rank shows red, on a quiet machine; `load`: the
+        `pplab.machine.measure_load()` reading to stretch it by (default: one taken at each run).
         """
         from pplab.views.widgets import Dashboard
 
-        return Dashboard(self, batch, stalled_after)
+        return Dashboard(self, batch, stalled_after, load=load)
 
     def training_display(self, total_steps: int, first_step: int, show: bool):
         """In a notebook a `TrainingView` (progress, loss curves, the latest step); else the session's."""

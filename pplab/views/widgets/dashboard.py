@@ -37,11 +37,12 @@ TIMING_COSTS = Costs(forward=0.05, backward=0.1)  # timing mode: the shape of a 
 class Dashboard(widgets.VBox):
     """Controls, where each rank is, the timeline, and panels for bubbles, shapes, gradients and memory."""
 
-    def __init__(self, pipe, batch=None, stalled_after: float = 2.0):
+    def __init__(self, pipe, batch=None, stalled_after: float = 2.0, load=None):
         """`pipe` is a lab pipeline (`lab.pipeline(...)`); `batch` the data of every step (default: the
         pipeline's); `stalled_after`: seconds a wait lasts before its rank shows red, on a quiet
-        machine (a busy one's waits are longer: each run stretches it by the slowdown it reads)."""
-        self.pipe, self.batch, self.stalled_after = pipe, batch, stalled_after
+        machine (a busy one's waits are longer: each run stretches it by the slowdown it reads, or by
+        that of `load`, a `measure_load()` reading the caller took, e.g. to size its own waits by)."""
+        self.pipe, self.batch, self.stalled_after, self.load = pipe, batch, stalled_after, load
         self.results = []  # every finished step's StepResult
         self._predicted_with = None  # (costs, label) the last step shown was predicted with
         self.latencies: list[float] = []  # seconds from a rank's note to its place in the widget state
@@ -127,7 +128,7 @@ class Dashboard(widgets.VBox):
         self.running, self._stop_requested = True, False
         self._enable_controls(False)
         self.progress.max, self.progress.value = steps, 0
-        machine = measure_load()  # before the ranks work: what else keeps this machine busy
+        machine = self.load or measure_load()  # before the ranks work: what else keeps this machine busy
         # A busy machine's waits are longer, but a wait that lasts half the timeout is a stall anyway.
         self.where.stalled_after = min(self.stalled_after * machine.slowdown,
                                        max(self.stalled_after, self.pipe.spec.op_timeout / 2))
