@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+from pplab.base.machine import MachineLoad
 from pplab.data import Batch
 from pplab.session.pipeline import Pipeline
 
@@ -11,7 +12,8 @@ from pplab.session.pipeline import Pipeline
 class NotebookPipeline(Pipeline):
     """A pipeline on a lab's ranks, with live views: a dashboard, and training shown as it goes."""
 
-    def dashboard(self, batch: Batch | Sequence[Batch] | None = None, stalled_after: float = 2.0, load=None):
+    def dashboard(self, batch: Batch | Sequence[Batch] | None = None, stalled_after: float = 2.0,
+                  load: MachineLoad | None = None):
         """A live dashboard of this pipeline (pplab.widgets.Dashboard): display it, then run steps.
 
         `batch`: the data of every step (default: the pipeline's); `stalled_after`: seconds a

@@ -21,7 +21,7 @@ import ipywidgets as widgets
 
 from pplab.base.config import IMPLEMENTATIONS
 from pplab.schedules import SCHEDULE_NAMES, TORCH_SCHEDULES, theory
-from pplab.base.machine import crowding_note, measure_load
+from pplab.base.machine import MachineLoad, crowding_note, measure_load
 from pplab.planning.simulator import Costs, costs_from_timeline, simulate
 from pplab.trace.timeline import Timeline
 from pplab.views.widgets.panels import (BubblesView, GradientsView, MemoryView, ShapesView, TimelineView,
@@ -37,7 +37,7 @@ TIMING_COSTS = Costs(forward=0.05, backward=0.1)  # timing mode: the shape of a 
 class Dashboard(widgets.VBox):
     """Controls, where each rank is, the timeline, and panels for bubbles, shapes, gradients and memory."""
 
-    def __init__(self, pipe, batch=None, stalled_after: float = 2.0, load=None):
+    def __init__(self, pipe, batch=None, stalled_after: float = 2.0, load: MachineLoad | None = None):
         """`pipe` is a lab pipeline (`lab.pipeline(...)`); `batch` the data of every step (default: the
         pipeline's); `stalled_after`: seconds a wait lasts before its rank shows red, on a quiet
         machine (a busy one's waits are longer: each run stretches it by the slowdown it reads, or by
@@ -128,7 +128,8 @@ class Dashboard(widgets.VBox):
         self.running, self._stop_requested = True, False
         self._enable_controls(False)
         self.progress.max, self.progress.value = steps, 0
-        machine = self.load or measure_load()  # before the ranks work: what else keeps this machine busy
+        # Before the ranks work: what else keeps this machine busy (or the caller's reading of it).
+        machine = measure_load() if self.load is None else self.load
         # A busy machine's waits are longer, but a wait that lasts half the timeout is a stall anyway.
         self.where.stalled_after = min(self.stalled_after * machine.slowdown,
                                        max(self.stalled_after, self.pipe.spec.op_timeout / 2))
