@@ -141,7 +141,7 @@ def run_train(*arguments: str, cwd) -> subprocess.CompletedProcess:
 
 
 def test_a_bpe_run_learns_the_text_and_its_checkpoint_generates_it(texts, tmp_path, capsys):
-    done = run_train("--data", str(texts), "--tokenizer", "bpe", "--vocab-size", "300", "--steps", "100",
+    done = run_train("--data", str(texts), "--tokenizer", "bpe", "--vocab-size", "300", "--steps", "60",
                      "--batch-size", "8", "--seq-len", "32", "--eval-every", "25", "--warmup", "10",
                      "--min-lr", "0", "--checkpoint-dir", "run", "--report", "report.json", cwd=tmp_path)
     assert done.returncode == 0, done.stderr
