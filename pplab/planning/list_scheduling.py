@@ -122,7 +122,9 @@ def list_schedule(p: int, m: int, v: int, costs: Costs, weights, cap: float, spl
                     filler = forward_cost[min(forwards, key=lambda ts: (ts[0], ts[1]))[1]]
                 else:
                     filler = weight_cost[held_back[rank][0][0]]
-                if soon and min(soon) < now + filler:
+                # A filler that ends as the input arrives delays nothing: the two times may differ by
+                # rounding alone (idling there cost p=8 ranks 0.8 of a 47.4 step).
+                if soon and min(soon) < (now + filler) * (1 - 1e-9):
                     continue  # woken again when that input arrives
             first = backward_first
             if alternate and orders[rank] and next_backward_run[rank]:
