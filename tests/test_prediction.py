@@ -77,6 +77,16 @@ def test_profile_refuses_bad_sizes_before_measuring():
         profile(CONFIG, 2, 512, 2, show=False)
 
 
+@pytest.mark.quick
+def test_a_hop_measurement_refuses_bad_counts_before_any_message():
+    from pplab.rank.profiler import hop_costs_on_rank
+
+    with pytest.raises(ValueError, match=r"warmup=0 must be at least 1, e.g. warmup=10"):
+        hop_costs_on_rank(0, 2, 1024, warmup=0)  # no process group needed: refused first
+    with pytest.raises(ValueError, match=r"repeats=2.5 must be a whole number"):
+        hop_costs_on_rank(0, 2, 1024, repeats=2.5)
+
+
 def test_measured_activation_peaks_land_on_the_prediction(two_stages):
     """Real mode (no padding), 2 ranks: each rank's peak of held activation bytes within 5 %."""
     m = 4

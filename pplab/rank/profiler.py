@@ -133,9 +133,12 @@ def _now(device: torch.device) -> float:
 # --- the cost of a hop ----------------------------------------------------------------------------
 
 
-def hop_costs_on_rank(rank: int, world_size: int, nbytes: int, repeats: int = 200, device="cpu") -> dict:
+def hop_costs_on_rank(rank: int, world_size: int, nbytes: int, repeats: int = 200, device="cpu",
+                      warmup: int = 10) -> dict:
     """One-way seconds of a boundary message between ranks 0 and 1: pplab's StageLink (batching,
-    bounded waits, recording) and a bare isend/irecv ping-pong of the same tensor, interleaved.
+    bounded waits, recording) and a bare isend/irecv ping-pong of the same tensor, interleaved,
+    after `warmup` rounds that are not counted (the first messages set the connection up; on a
+    slow link, where each round takes seconds, a few are enough).
 
     Run it on 2 ranks (e.g. `pplab.drivers.local.run_ranks(2, hop_costs_on_rank, nbytes)`); each
     round trip carries an activation forward and its gradient back, as a pipeline's hops do.
@@ -152,6 +155,7 @@ def hop_costs_on_rank(rank: int, world_size: int, nbytes: int, repeats: int = 20
     if world_size != 2:
         raise ValueError(f"the hop is measured between 2 ranks, not {world_size}")
     check_positive_int("repeats", repeats, example=200)  # both ranks refuse alike: no one left waiting
+    check_positive_int("warmup", warmup, example=10)
     device = torch.device(device)
     tensor = torch.zeros(nbytes // 4, dtype=torch.float32, device=device)
     schedule = build("gpipe", 2, 1)
@@ -207,19 +211,19 @@ def hop_costs_on_rank(rank: int, world_size: int, nbytes: int, repeats: int = 20
         return _now(device) - started
 
     samples = {"pplab": [], "bare": [], "send": [], "late_receive": []}
-    for index in range(repeats + 10):  # the first 10 warm up
+    for index in range(warmup + repeats):
         order = (("pplab", pplab_round_trip), ("bare", bare_round_trip))
         for name, round_trip in order if index % 2 else order[::-1]:
             dist.barrier()
             started = time.perf_counter()
             round_trip()
-            if index >= 10:
+            if index >= warmup:
                 samples[name].append((time.perf_counter() - started) / 2)
         dist.barrier()
         posted = pplab_send()
         dist.barrier()
         waited = late_receive()
-        if index >= 10:
+        if index >= warmup:
             samples["send"].append(posted)
             if waited is not None:
                 samples["late_receive"].append(waited)
