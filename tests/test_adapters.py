@@ -17,7 +17,7 @@ import os
 import pytest
 import torch
 
-from pplab.drivers.cluster import LabError, RankFailedError
+from pplab.drivers.cluster import LabError, RankDiedError, RankFailedError
 from pplab.drivers.cluster.gloo_adapter import gloo_transport_failed
 from pplab.drivers.cluster.ipyparallel_adapter import catch_up_on_engines, engine_died, results_per_engine
 
@@ -28,13 +28,12 @@ def engine_pid():
     return os.getpid()
 
 
-def exit_on_rank_1_while_rank_0_raises():
-    """Rank 1's process ends mid-call; rank 0 raises an ordinary error."""
+def raise_on_rank_0():
+    """Rank 0 raises an ordinary error; rank 1 returns."""
     import torch.distributed as dist
 
-    if dist.get_rank() == 1:
-        os._exit(3)
-    raise ValueError("rank 0 is alive and raising")
+    if dist.get_rank() == 0:
+        raise ValueError("rank 0 is alive and raising")
 
 
 def what_gloo_transport_failed_says_of_a_receive_that_times_out():
@@ -104,21 +103,31 @@ def test_catch_up_on_engines_adds_the_registered_engines_a_client_missed(lab2):
 
 
 @pytest.mark.timeout(90)
-def test_engine_died_recognises_what_ipyparallel_gives_for_an_engine_that_died(fragile_lab):
+def test_engine_died_recognises_what_ipyparallel_gives_for_an_engine_it_gave_up(fragile_lab):
+    """Rank 1's process is stopped (SIGSTOP): alive, but silent. The controller misses its heartbeats
+    (10 s: launchers.CONTROLLER_ARGS) and ipyparallel fails its task as it does a dead engine's,
+    which the adapter recognises. The lab says what happened: the process still runs (beside two
+    CPU burners a running rank was given up so, and was said to have died)."""
+    import signal
+
+    pid = fragile_lab.status()[1].pid
+    os.kill(pid, signal.SIGSTOP)
     try:
-        # Straight to ipyparallel, with no RankCall noticing the dead process first.
-        call = fragile_lab.view.apply_async(exit_on_rank_1_while_rank_0_raises)
-        raised, died = results_per_engine(call)
-        # The controller misses the engine's heartbeats (10 s: launchers.CONTROLLER_ARGS),
-        # then the client puts an error in place of the stranded result.
-        died.wait(40)
-        assert died.ready(), "ipyparallel gave no result for an engine that died"
-        error = died.exception()
-        assert engine_died(error), f"not recognised: {type(error).__name__}: {error}"
-        raised.wait(20)
-        assert not engine_died(raised.exception())  # an ordinary error of a live rank
+        # Only the adapter's verdict on ipyparallel's error makes this a RankDiedError: the process
+        # is there, so without it the call would run into its 60 s timeout.
+        with pytest.raises(RankDiedError) as caught:
+            fragile_lab.run(engine_pid, timeout=60)
+        assert caught.value.ranks == [1]
+        said = str(caught.value)
+        assert said.startswith(f"rank 1 (engine 1, pid {pid} on ") and "died" not in said.splitlines()[0], said
+        assert "stopped answering the controller's heartbeat while running engine_pid(), though its process " \
+               "still runs here, and the controller gave it up." in said, said
     finally:
-        fragile_lab.restart()  # the lab never learned that rank 1 is gone
+        os.kill(pid, signal.SIGCONT)
+        fragile_lab.restart()  # the controller no longer knows rank 1's engine
+    with pytest.raises(RankFailedError):
+        fragile_lab.run(raise_on_rank_0)
+    assert not engine_died(fragile_lab.last_errors[0])  # an ordinary error of a live rank
 
 
 # -- gloo -----------------------------------------------------------------------------------

@@ -150,7 +150,8 @@ ZB_PAPER_GAP = Costs(forward=1.0, input_grad=2.0, weight_grad=1.0, latency=0.1)
 @pytest.mark.parametrize("m, optimum", [(8, 47.4), (12, 59.4), (16, 71.7)])
 def test_a_patient_rank_runs_a_filler_that_ends_as_the_gradient_it_waits_for_arrives(m, optimum):
     orders = list_schedule(8, m, 1, ZB_PAPER_GAP, [1.0] * 8, m, True, True, patient=True)
-    # The optimum is a bound here: the first I's chain to rank 0, then rank 0's work without a gap.
+    # The optimum is a bound here: the first I's chain back to rank 0 (25.4), then rank 0's 4m - 2 units
+    # without a gap; at m=16 the last rank's is larger: its first F at 7.7, then its 4m units.
     assert simulate(Schedule(orders, 8, m, 8, 1), ZB_PAPER_GAP).step_time() == pytest.approx(optimum)
 
 
@@ -302,13 +303,13 @@ def test_the_exact_search_says_what_it_cannot_do_and_what_it_did_not_prove(monke
         exact_schedule(2, 4, Costs(latency=1.0, bandwidth=1.0, activation_bytes=1, link_contention=True))
     with pytest.raises(ValueError, match="no schedule fits memory_limit=0.5"):
         exact_schedule(2, 4, Costs(), memory_limit=0.5)
-    # Stopped by its time limit (its proof takes seconds here), the solver gives the best schedule it
-    # has, never slower than the search's it started from, and the bound it proved.
-    searched = search(8, 16, ZB_PAPER_GAP, show=False, improve_seconds=0)
-    found = search(8, 16, ZB_PAPER_GAP, show=False, improve_seconds=0, exact=True, exact_seconds=0.2)
-    assert found.proof.bound <= found.step_time <= searched.step_time
+    # Stopped by its time limit (under a memory limit of 3 its proof is far off), the solver gives the
+    # best schedule it has, never slower than the search's it started from, and the bound it proved.
+    searched = search(8, 16, ZB_PAPER_GAP, memory_limit=3, show=False, improve_seconds=0)
+    found = search(8, 16, ZB_PAPER_GAP, memory_limit=3, show=False, improve_seconds=0, exact=True, exact_seconds=0.2)
+    assert not found.proved_optimal and found.proof.bound < found.step_time <= searched.step_time
     assert found.proof.step_time == simulate(found.tried[-1].schedule, ZB_PAPER_GAP).step_time()
-    assert ("proved optimal" if found.proved_optimal else "not proved: step") in str(found)
+    assert "not proved: step" in str(found) and "none can be shorter than" in str(found)
     # A limit that runs out before the solver has a schedule of its own (as on a machine many times
     # slower): the schedule it started from, never a failure; without one to start from, a clear error.
     hint = searched.schedule

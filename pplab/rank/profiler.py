@@ -137,8 +137,8 @@ def hop_costs_on_rank(rank: int, world_size: int, nbytes: int, repeats: int = 20
                       warmup: int = 10) -> dict:
     """One-way seconds of a boundary message between ranks 0 and 1: pplab's StageLink (batching,
     bounded waits, recording) and a bare isend/irecv ping-pong of the same tensor, interleaved,
-    after `warmup` rounds that are not counted (the first messages set the connection up; on a
-    slow link, where each round takes seconds, a few are enough).
+    after `warmup` rounds that are not counted (at least 1: the first messages set the connection
+    up; on a slow link, where each round takes most of a second, a few are enough).
 
     Run it on 2 ranks (e.g. `pplab.drivers.local.run_ranks(2, hop_costs_on_rank, nbytes)`); each
     round trip carries an activation forward and its gradient back, as a pipeline's hops do.

@@ -18,7 +18,7 @@ from typing import Iterator
 
 from pplab.drivers.cluster.engine import PROCESS_GROUP_BROKEN_KEY, event_key
 from pplab.drivers.cluster.errors import RESTART_HINT, RankDiedError, RankFailedError, RankTimeoutError
-from pplab.base.machine import measure_load
+from pplab.base.machine import busy_note, measure_load
 from pplab.drivers.cluster.ipyparallel_adapter import engine_died, results_per_engine
 from pplab.drivers.cluster.status import RankGroup
 from pplab.rank.rank_context import RankEvent, StillRunning
@@ -214,13 +214,22 @@ class RankCall:
     def _died(self, died: list[int], failed: list[int]) -> RankDiedError:
         """A rank's death, with what its peers saw of it (e.g. the message to it they lost)."""
         who = ", ".join(self._ranks.describe(rank) for rank in died)
-        how = self._ranks.how_it_ended(died[0])  # the first death's cause (several are one cause)
-        reason = f"{who} died (its process ended{how}) while running {self._name}"
+        # ipyparallel reports an engine dead once its controller misses its heartbeats: on a machine
+        # busy enough, that of a process still running here (seen beside two CPU burners).
+        unheard = set(died) - self._dead - set(self._ranks.dead_ranks(died))
+        note = ""
+        if unheard == set(died):
+            reason = (f"{who} stopped answering the controller's heartbeat while running {self._name}, "
+                      f"though its process still runs here, and the controller gave it up")
+            note = busy_note()
+        else:
+            how = self._ranks.how_it_ended(died[0])  # the first death's cause (several are one cause)
+            reason = f"{who} died (its process ended{how}) while running {self._name}"
         self._ranks.needs_restart(reason)
         seen = [(evalue.splitlines() or [ename])[0] for ename, evalue, _ in
                 (_remote_parts(self._per_rank[rank].exception()) for rank in failed)]
         self._ranks.record_errors({rank: self._per_rank[rank].exception() for rank in failed})
-        lines = [f"{reason}.", *(f"Then {line}" if line.startswith("rank ") else line for line in seen)]
+        lines = [f"{reason}.{note}", *(f"Then {line}" if line.startswith("rank ") else line for line in seen)]
         return RankDiedError("\n".join([*lines, RESTART_HINT]), ranks=died)
 
     def _timed_out(self, running: list[int]) -> RankTimeoutError:
