@@ -18,6 +18,7 @@ import pytest
 import torch
 
 from pplab.bubble import explain, named_schedule
+from pplab.machine import LoadWatch
 from pplab.model import LlamaConfig
 from pplab.trace import TraceImportError, read_profiler_traces
 from pplab.simulator import Costs
@@ -44,6 +45,7 @@ MEDIAN_DIFFERENCE = 0.2e-3  # s: the median over a run's actions
 # bubble may differ by what the labels add to the ranks' busy time beyond pplab's timing, and 2
 # points beyond that.
 OUTLIERS = 0.1
+BUSY_OUTLIERS = 0.2  # where the machine was busy while the ranks ran (LoadWatch's slowdown over 1.2)
 FEWEST_OUTLIERS_ALLOWED = 2
 BUBBLE_POINTS = 0.02
 
@@ -111,11 +113,13 @@ def torch_by_hand_on_rank(rank, world_size, folder):
 
 @pytest.fixture(scope="module")
 def traces(tmp_path_factory):
-    """Every run's traces (a folder each) and pplab's own recording of the same steps."""
+    """Every run's traces (a folder each), pplab's own recording of the same steps, and the machine's
+    slowdown while they ran."""
     folder = tmp_path_factory.mktemp("traces")
-    recorded = run_ranks(2, profile_on_rank, RUNS, str(folder), TIMING, 0.0, timeout=300)
+    with LoadWatch() as load:
+        recorded = run_ranks(2, profile_on_rank, RUNS, str(folder), TIMING, 0.0, timeout=300)
     run_ranks(2, torch_by_hand_on_rank, str(folder), timeout=120)
-    return folder, {key: [e for rank in recorded for e in rank[key]] for key in recorded[0]}
+    return folder, {key: [e for rank in recorded for e in rank[key]] for key in recorded[0]}, load.slowdown
 
 
 def compute_order(events, rank):
@@ -125,7 +129,7 @@ def compute_order(events, rank):
 
 @pytest.mark.parametrize("run", RUNS, ids=folder_of)
 def test_every_schedule_reads_back_as_pplab_recorded_it(traces, run):
-    folder, recorded = traces
+    folder, recorded, slowdown = traces
     name, impl, n_virtual = run
     imported = read_profiler_traces(folder / folder_of(run))
     timeline = imported.timeline
@@ -138,7 +142,9 @@ def test_every_schedule_reads_back_as_pplab_recorded_it(traces, run):
                    for event in timeline.compute_events()]
     outliers = [(event, difference) for event, difference in differences
                 if abs(difference) > DURATION_SLACK + 0.25 * (event.duration - difference)]
-    assert len(outliers) <= max(FEWEST_OUTLIERS_ALLOWED, len(differences) * OUTLIERS), outliers
+    # Beside two CPU burners, 4 of 37 (a fresh-clone run): a busy machine takes ranks off their cores more.
+    allowed = OUTLIERS if slowdown < 1.2 else BUSY_OUTLIERS
+    assert len(outliers) <= max(FEWEST_OUTLIERS_ALLOWED, len(differences) * allowed), (slowdown, outliers)
     assert statistics.median(abs(difference) for _, difference in differences) <= MEDIAN_DIFFERENCE
     from pplab import Timeline
 
@@ -155,7 +161,7 @@ def test_every_schedule_reads_back_as_pplab_recorded_it(traces, run):
 
 
 def test_torchs_gpipe_by_hand_is_read_and_its_1f1b_refused_with_the_reason(traces):
-    folder, _ = traces
+    folder, _, _ = traces
     run = read_profiler_traces(folder / "gpipe-by-hand")
     assert run.labels == "torch GPipe labels"
     for rank in range(2):
@@ -222,7 +228,7 @@ def test_a_slow_rank_is_named_the_straggler_and_the_waits_are_its(tmp_path):
 
 
 def test_damaged_and_foreign_traces_are_refused_naming_the_file(traces, tmp_path):
-    folder, _ = traces
+    folder, _, _ = traces
     good = folder / "1f1b-pplab"
     cut = tmp_path / "cut"
     cut.mkdir()
