@@ -37,13 +37,21 @@ class SuiteBudget:
         self.per_test: dict[str, list[float]] = {}  # node id: the same, all phases
         self._counted: float | None = None  # this worker's CPU-seconds at its last report
 
+    def pytest_runtest_logstart(self, nodeid, location):
+        """Where a worker's first test starts, its count starts."""
+        if self._counted is None:
+            self._counted = tree_cpu_seconds()
+
     @pytest.hookimpl(hookwrapper=True)
     def pytest_runtest_makereport(self, item, call):
-        """On a worker: each phase's report carries the CPU-seconds spent since the previous one."""
+        """On a worker: a test's teardown report carries the CPU-seconds spent since the previous
+        test's. (Once a test, not once a phase: each count reads every process's /proc entry,
+        about 6 ms on a busy 2-core machine, 20 CPU-s over the suite's 3,200 phases.)"""
         outcome = yield
+        if call.when != "teardown":
+            return
         now = tree_cpu_seconds()
-        spent = now - self._counted if self._counted is not None else 0.0
-        self._counted = now
+        spent, self._counted = now - self._counted, now
         outcome.get_result().user_properties.append(("cpu_seconds", spent))
 
     def pytest_runtest_logreport(self, report):

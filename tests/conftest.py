@@ -189,11 +189,13 @@ def pytest_runtest_protocol(item, nextitem):
     (Before pytest-timeout's own wrapper, which reads the mark.)"""
     marker = item.get_closest_marker("timeout")
     if marker is not None and marker.args and marker.args[0]:
-        from timing import slack
+        from pplab.base.machine import recent_load
 
         seconds = marker.args[0]
         every_test = float(item.config.getoption("timeout") or seconds)  # pyproject's --timeout: never past it
-        stretched = min(slack(seconds), max(seconds, every_test))
+        # A reading up to half a minute old: each fresh one spins a core for 0.2 s, and a bound
+        # against a hang need not follow the load to the second.
+        stretched = min(recent_load(max_age=30).scale(seconds), max(seconds, every_test))
         item.add_marker(pytest.mark.timeout(stretched, *marker.args[1:], **marker.kwargs), append=False)
     yield
 

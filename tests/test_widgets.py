@@ -139,6 +139,36 @@ def test_training_view_follows_the_records_and_shows_the_latest_step():
     for step in range(1, 5):
         view.add(TrainRecord(step, 5.0 - step, 1e-3, 1.5, 0.02, eval_loss=4.2 if step == 4 else None), timeline)
     assert view.progress.value == 4 and view.draws == 1
+    assert "step 4/10" in view.status.value  # the numbers follow every step, between pictures
     view.redraw()
     assert view.draws == 2 and "step 4/10" in view.status.value and "held-out 4.200" in view.status.value
     assert view.curves.value and view.steps.shown is timeline
+
+
+def test_a_throttle_with_a_share_waits_until_its_draws_cost_that_share_of_a_core(monkeypatch):
+    from types import SimpleNamespace
+
+    from pplab.views.widgets import render
+
+    clock = SimpleNamespace(wall=100.0, cpu=5.0)
+    monkeypatch.setattr(render, "time", SimpleNamespace(monotonic=lambda: clock.wall, thread_time=lambda: clock.cpu))
+    throttle = render.Throttle(1.0, share=0.1)
+    assert throttle.ready()
+    clock.cpu += 0.3  # a draw of 0.3 CPU-seconds: the next may start 3 s after it started
+    throttle.drawn()
+    clock.wall += 2.9
+    assert not throttle.ready()
+    clock.wall += 0.1
+    assert throttle.ready()
+    clock.cpu += 0.01  # a cheap draw: back to once per `seconds`
+    throttle.drawn()
+    clock.wall += 0.99
+    assert not throttle.ready()
+    clock.wall += 0.01
+    assert throttle.ready()
+    plain = render.Throttle(1.0)  # no share: once per second, whatever a draw costs
+    assert plain.ready()
+    clock.cpu += 5.0
+    plain.drawn()
+    clock.wall += 1.0
+    assert plain.ready()

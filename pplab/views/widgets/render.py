@@ -43,15 +43,27 @@ AMBER = "color:#b06000"
 
 
 class Throttle:
-    """Says yes at most once per `seconds` (the first time always), so redraws keep up with events."""
+    """Says yes at most once per `seconds` (the first time always), so redraws keep up with events.
 
-    def __init__(self, seconds: float):
-        self.seconds = seconds
+    With a `share`, also rarely enough that drawing takes at most that share of a core: a draw that
+    cost d CPU-seconds (`drawn()` is called after it) waits d / share from its start. A training
+    view's two pictures cost 0.3 s on a quiet 2-core machine and twice that on a busy one: once a
+    second, the notebook's kernel took a third to half of a core from the ranks it was showing.
+    """
+
+    def __init__(self, seconds: float, share: float | None = None):
+        self.seconds, self.share = seconds, share
         self._last = float("-inf")
+        self._draw_started = self._cost = 0.0
 
     def ready(self) -> bool:
         now = time.monotonic()
-        if now - self._last >= self.seconds:
-            self._last = now
+        wait = self.seconds if self.share is None else max(self.seconds, self._cost / self.share)
+        if now - self._last >= wait:
+            self._last, self._draw_started = now, time.thread_time()
             return True
         return False
+
+    def drawn(self) -> None:
+        """The draw that `ready()` allowed is done: what it cost sets the next wait (with a share)."""
+        self._cost = time.thread_time() - self._draw_started
