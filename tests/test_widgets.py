@@ -152,19 +152,20 @@ def test_a_throttle_with_a_share_waits_until_its_draws_cost_that_share_of_a_core
 
     clock = SimpleNamespace(wall=100.0, cpu=5.0)
     monkeypatch.setattr(render, "time", SimpleNamespace(monotonic=lambda: clock.wall, thread_time=lambda: clock.cpu))
-    throttle = render.Throttle(1.0, share=0.1)
+    # Times in eighths of a second: exact in binary, so each wait's edge is tested exactly.
+    throttle = render.Throttle(1.0, share=0.25)
     assert throttle.ready()
-    clock.cpu += 0.3  # a draw of 0.3 CPU-seconds: the next may start 3 s after it started
+    clock.cpu += 0.5  # a draw of 0.5 CPU-seconds: the next may start 2 s after it started
     throttle.drawn()
-    clock.wall += 2.9
+    clock.wall += 1.875
     assert not throttle.ready()
-    clock.wall += 0.1
+    clock.wall += 0.125
     assert throttle.ready()
-    clock.cpu += 0.01  # a cheap draw: back to once per `seconds`
+    clock.cpu += 0.125  # a cheap draw (0.5 s at that share): back to once per `seconds`
     throttle.drawn()
-    clock.wall += 0.99
+    clock.wall += 0.875
     assert not throttle.ready()
-    clock.wall += 0.01
+    clock.wall += 0.125
     assert throttle.ready()
     plain = render.Throttle(1.0)  # no share: once per second, whatever a draw costs
     assert plain.ready()
