@@ -481,6 +481,36 @@ def test_every_lab_process_listens_on_loopback_only(lab2):
                 assert connection.laddr.ip.startswith("127."), (process.cmdline(), connection)
 
 
+def heartbeat_patience(arguments: list[str]) -> float:
+    """Seconds of missed beats before a controller started with `arguments` gives an engine up."""
+    options = dict(a.removeprefix("--").split("=", 1) for a in arguments if "=" in a)
+    return int(options["HeartMonitor.max_heartmonitor_misses"]) * int(options["HeartMonitor.period"]) / 1000
+
+
+@pytest.mark.quick
+def test_the_controllers_patience_with_a_silent_engine_grows_with_the_load_it_started_under():
+    from pplab.drivers.cluster.launchers import controller_args
+    from pplab.machine import MachineLoad
+
+    quiet = MachineLoad(cores=2, busy_cores=0.0, share=1.0, ready=1.0)
+    crowded = MachineLoad(cores=2, busy_cores=2.0, share=0.4, ready=5.0)  # a thread gets 40 % of a core
+    swamped = MachineLoad(cores=2, busy_cores=2.0, share=0.05, ready=40.0)
+    assert heartbeat_patience(controller_args(10.0)) == heartbeat_patience(controller_args(10.0, quiet)) == 10.0
+    assert heartbeat_patience(controller_args(10.0, crowded)) == 25.0
+    assert heartbeat_patience(controller_args(10.0, swamped)) == 40.0  # at most 4 times
+
+
+def test_a_labs_controller_waits_for_beats_as_long_as_the_load_it_measured_at_its_start_says(lab2):
+    from pplab.drivers.cluster.launchers import HEARTBEAT_PATIENCE_SECONDS, controller_args
+
+    with open(os.path.join(records.records_dir(lab2.profile_dir), f"{lab2.cluster_id}.json")) as file:
+        entries = json.load(file)["processes"]
+    controllers = [psutil.Process(entry["pid"]).cmdline() for entry in entries if entry["role"] == "controller"]
+    assert len(controllers) == 1, entries
+    wanted = heartbeat_patience(controller_args(HEARTBEAT_PATIENCE_SECONDS, lab2.machine_load))
+    assert heartbeat_patience(controllers[0]) == wanted >= HEARTBEAT_PATIENCE_SECONDS
+
+
 # -- starting and stopping --------------------------------------------------------------------
 
 

@@ -26,6 +26,7 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
+import math
 import os
 import signal
 import subprocess
@@ -38,12 +39,29 @@ from pplab.drivers.cluster.errors import LabError, LabStartError
 from pplab.base.machine import busy_note, recent_load
 
 # The controller accepts an engine only after its heart beats: a 250 ms beat instead of
-# 3 s saves seconds at start; 40 missed beats (10 s) before it declares an engine dead
-# tolerates busy CPUs. (A 100 ms beat started a lab 0.1-0.2 s sooner, but an idle 2-rank lab
-# took 3.5 % of a core, 2.2 % at 250 ms: labs wait idle most of their lives.) Threads instead
+# 3 s saves seconds at start. (A 100 ms beat started a lab 0.1-0.2 s sooner, but an idle 2-rank
+# lab took 3.5 % of a core, 2.2 % at 250 ms: labs wait idle most of their lives.) Threads instead
 # of processes for its schedulers: fewer processes.
-CONTROLLER_ARGS = ["--usethreads", "--HeartMonitor.period=250",
-                   "--HeartMonitor.max_heartmonitor_misses=40", "--log-level=ERROR"]
+HEARTBEAT_SECONDS = 0.25
+# How long the controller goes without an engine's beat before it gives the engine up, on a quiet
+# machine. What falls silent under load is the controller's own loop (an engine's heart is a zmq
+# thread that needs no Python): starved beside two CPU burners, a controller missed 10 s of a live
+# engine's beats and gave it up. So the lab stretches it by the slowdown it measured at its start,
+# up to 4 times. A local rank that dies is seen by its pid at once, so only the silent wait grows.
+HEARTBEAT_PATIENCE_SECONDS = 10.0
+PATIENCE_STRETCH_AT_MOST = 4.0
+
+
+def controller_args(patience: float, load=None) -> list[str]:
+    """The options of every controller pplab starts: a beat every HEARTBEAT_SECONDS, and `patience`
+    seconds of missed beats (stretched by `load`, a MachineLoad, at most PATIENCE_STRETCH_AT_MOST
+    times) before an engine counts as dead."""
+    stretch = 1.0 if load is None else min(PATIENCE_STRETCH_AT_MOST, load.slowdown)
+    misses = math.ceil(patience * stretch / HEARTBEAT_SECONDS)
+    return ["--usethreads", f"--HeartMonitor.period={round(HEARTBEAT_SECONDS * 1000)}",
+            f"--HeartMonitor.max_heartmonitor_misses={misses}", "--log-level=ERROR"]
+
+
 # No nanny process per engine (it costs a Python start-up per rank; the lab watches
 # engine pids itself) and no shared IPython history database (ranks would contend for it).
 ENGINE_ARGS = ["--IPEngine.enable_nanny=False", "--HistoryManager.enabled=False",
@@ -112,7 +130,8 @@ class LocalCluster:
         self._cluster = ipp.Cluster(
             cluster_id=self.cluster_id, profile_dir=self.profile_dir, n=self.n_ranks,
             config=self._engine_launcher_config(), load_profile=False,
-            controller_ip=self.controller_ip, controller_args=CONTROLLER_ARGS,
+            controller_ip=self.controller_ip,
+            controller_args=controller_args(HEARTBEAT_PATIENCE_SECONDS, self.machine_load),
             # Engines read the controller's connection file themselves, so they need
             # not wait for the controller before they start.
             send_engines_connection_env=False, delay=0, log=_ipyparallel_log)

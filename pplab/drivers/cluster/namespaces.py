@@ -36,15 +36,16 @@ import time
 import uuid
 
 from pplab.base.arguments import check_positive_int, renamed_keywords
-from pplab.drivers.cluster.launchers import engine_args  # the same engines a local lab starts
+from pplab.base.machine import recent_load
+from pplab.drivers.cluster.launchers import controller_args, engine_args  # as a local lab's
 
 CONTROL, DATA = "pplab0", "pplab1"  # each host's interfaces, the same names on every host
 INTERFACE = DATA  # what gloo uses (gloo_ifname)
 SUBNET_LOCK = os.path.join(tempfile.gettempdir(), "pplab-namespace-subnets.lock")
-# A 250 ms heartbeat, 20 misses: an engine that died on another host counts as dead 5 s later
-# (a live engine answers from a thread of zmq's that needs no Python, so load does not silence it).
-CONTROLLER_ARGS = ["--usethreads", "--HeartMonitor.period=250", "--HeartMonitor.max_heartmonitor_misses=20",
-                   "--log-level=ERROR"]
+# An engine that died on another host counts as dead once the controller missed 5 s of its
+# beats (launchers.controller_args: stretched by this machine's load, whose starved controller
+# is what falls silent; a live engine answers from a thread of zmq's that needs no Python).
+HEARTBEAT_PATIENCE_SECONDS = 5.0
 
 
 class NamespaceHosts:
@@ -210,7 +211,9 @@ class NamespaceHosts:
         os.makedirs(os.path.join(self.profile_dir, "security"), exist_ok=True)
         self.processes.append(self._spawn(0, [sys.executable, "-m", "ipyparallel.controller",
                                               f"--profile-dir={self.profile_dir}", f"--cluster-id={self.cluster_id}",
-                                              f"--ip={self.addresses[0]}", *CONTROLLER_ARGS], "controller"))
+                                              f"--ip={self.addresses[0]}",
+                                              *controller_args(HEARTBEAT_PATIENCE_SECONDS, recent_load())],
+                                             "controller"))
         engine_file = os.path.join(self.profile_dir, "security", f"ipcontroller-{self.cluster_id}-engine.json")
         deadline = time.monotonic() + self.start_timeout
         while not _written(engine_file):  # whole: the engines read it at once
