@@ -11,6 +11,8 @@
 * Notebook kernels (nbmake's, the exercises') talk to their client over Unix sockets
   (`UnixSocketKernelManager`), not TCP ports: no port for another process to take first.
   (This conftest is loaded when tests/ is collected; `pytest notebooks/` alone uses TCP.)
+  Each is forked from its worker's kernel zygote, which imported torch and pplab once
+  (kernel_zygote.py; as jupyter_client launches it where that cannot be done).
 
 Under pytest-xdist (on by default, see pyproject) each worker is a session of its own: its
 own IPYTHONDIR, session lab and pools.
@@ -90,6 +92,15 @@ class UnixSocketKernelManager(AsyncKernelManager):
         kwargs.setdefault("ip", os.path.join(tempfile.mkdtemp(dir=_KERNEL_SOCKETS[0]), "kernel"))
         super().__init__(**kwargs)
 
+    async def _async_launch_kernel(self, kernel_cmd, **kwargs):
+        """Fork the kernel from this worker's zygote, whose torch is imported (kernel_zygote.py),
+        where it can; else launch it as jupyter_client does."""
+        import kernel_zygote
+
+        if not kernel_zygote.launch_kernel(self.provisioner, kernel_cmd, **kwargs):
+            return await super()._async_launch_kernel(kernel_cmd, **kwargs)
+        self._reconcile_connection_info(self.provisioner.connection_info)
+
 
 def pytest_addoption(parser):
     parser.addoption("--budget-json", metavar="PATH", help="write each file's and each test's worker-seconds "
@@ -122,6 +133,10 @@ def pytest_configure(config):
 
 def pytest_unconfigure(config):
     import shutil
+
+    import kernel_zygote
+
+    kernel_zygote.stop()
 
     for folder in _KERNEL_SOCKETS:
         shutil.rmtree(folder, ignore_errors=True)
