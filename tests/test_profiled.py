@@ -36,14 +36,15 @@ RUNS = [("gpipe", "torch", 1), ("1f1b", "torch", 1), ("interleaved-1f1b", "torch
 # loss on the last stage, torch's bookkeeping) are then small beside them.
 TIMING = Costs(forward=0.004, backward=0.008)
 DURATION_SLACK = 0.5e-3  # s: an action's duration read from its label, against pplab's own timing
-MEDIAN_DIFFERENCE = 0.2e-3  # s: the median over a run's actions
+MEDIAN_DIFFERENCE = 0.2e-3  # s: the median over a run's actions, on a quiet machine (CPU work: it
+# stretches with the slowdown; 0.21 ms at a slowdown of 4.8, in a fresh-clone run of the suite)
 # torch's multi-stage labels begin before pplab's timing inside them does: a rank taken off a busy
 # CPU in between (the other test worker) makes that label longer, rarely (once in 600 actions in a
 # CI run, by 15 ms; twice in 32 in a full run here, by 3 ms: one scheduler slice; three in 37, by
 # up to 2.8 ms, in a CI run with four ranks of another file beside it). Up to one action in 10, and
-# never fewer than two, may be such an outlier (the median must still agree within 0.2 ms); the
-# bubble may differ by what the labels add to the ranks' busy time beyond pplab's timing, and 2
-# points beyond that.
+# never fewer than two, may be such an outlier (the median must still agree, within 0.2 ms stretched
+# by the slowdown); the bubble may differ by what the labels add to the ranks' busy time beyond
+# pplab's timing, and 2 points beyond that.
 OUTLIERS = 0.1
 BUSY_OUTLIERS = 0.2  # where the machine was busy while the ranks ran (LoadWatch's slowdown over 1.2)
 FEWEST_OUTLIERS_ALLOWED = 2
@@ -145,7 +146,8 @@ def test_every_schedule_reads_back_as_pplab_recorded_it(traces, run):
     # Beside two CPU burners, 4 of 37 (a fresh-clone run): a busy machine takes ranks off their cores more.
     allowed = OUTLIERS if slowdown < 1.2 else BUSY_OUTLIERS
     assert len(outliers) <= max(FEWEST_OUTLIERS_ALLOWED, len(differences) * allowed), (slowdown, outliers)
-    assert statistics.median(abs(difference) for _, difference in differences) <= MEDIAN_DIFFERENCE
+    median = statistics.median(abs(difference) for _, difference in differences)
+    assert median <= MEDIAN_DIFFERENCE * max(1.0, slowdown), (slowdown, median)
     from pplab import Timeline
 
     pplabs = Timeline(recorded[folder_of(run)], n_ranks=2)
