@@ -252,15 +252,20 @@ def _session_lab(ipython_dir):
     yield from _reusable_lab(op_timeout=20, grace=1)
 
 
-@pytest.fixture(scope="module")
-def _fragile_lab(ipython_dir):
-    # Waits of 3 s, so that the tests that break this lab end soon; longer where the machine is so
-    # busy that a plain step's waits (under 0.6 s at a quiet pace) come near it: beside two burners
-    # (19x) one outlasted 3 s. A peer's report of a failure (its own timeout, a lost message) can
-    # take more than a second to arrive on a loaded machine: the tests that break this lab read those.
+def _fragile_op_timeout() -> int:
+    """Waits of 3 s, so that the tests that break the fragile lab end soon; longer where the machine
+    is so busy that a plain step's waits (under 0.6 s at a quiet pace) come near it: beside two
+    burners (19x) one outlasted 3 s."""
     from timing import slack
 
-    yield from _reusable_lab(op_timeout=max(3, math.ceil(slack(0.6))), grace=3)
+    return max(3, math.ceil(slack(0.6)))
+
+
+@pytest.fixture(scope="module")
+def _fragile_lab(ipython_dir):
+    # A peer's report of a failure (its own timeout, a lost message) can take more than a second to
+    # arrive on a loaded machine: the tests that break this lab read those (grace 3 s).
+    yield from _reusable_lab(op_timeout=_fragile_op_timeout(), grace=3)
 
 
 @pytest.fixture
@@ -272,8 +277,11 @@ def lab2(_session_lab):
 @pytest.fixture
 def fragile_lab(_fragile_lab):
     """A 2-rank lab with short timeouts (3 s per op, more on a very busy machine; 3 s grace) that
-    tests may break, running."""
-    return _ready(_fragile_lab)
+    tests may break, running. Its pipelines wait as long as the load at each test's start says: a
+    file's later test ran at 20x, where a plain step outlasted the 3 s read at the file's start."""
+    lab = _ready(_fragile_lab)
+    lab.op_timeout = _fragile_op_timeout()
+    return lab
 
 
 @pytest.fixture
