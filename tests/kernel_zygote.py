@@ -15,7 +15,8 @@ to jupyter_client: it returns False.
 
 The zygote runs as `python kernel_zygote.py REPLY_FD`. Each line on its stdin is a launch, as
 JSON {"argv", "env", "cwd"}; on REPLY_FD it writes each kernel's pid, and "exit PID CODE" when
-a kernel it forked ends. It exits when its stdin closes (its worker ended or stopped it).
+a kernel it forked ends. It exits when its stdin closes (its worker ended or stopped it). In `ps`
+a forked kernel shows the zygote's command line (`kernel_zygote.py N`), not ipykernel_launcher's.
 """
 
 from __future__ import annotations
