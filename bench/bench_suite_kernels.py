@@ -33,15 +33,9 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")  # as the suite sets it
 
 import conftest  # noqa: E402  (the suite's kernel manager)
 import kernel_zygote  # noqa: E402
+from pplab.base.machine import _machine_busy_seconds as machine_busy_seconds  # noqa: E402
 
 CELL = "import torch, pplab; assert torch.ones(2).sum().item() == 2"
-
-
-def machine_busy_seconds() -> float:
-    """CPU-seconds the whole machine has spent busy since boot (/proc/stat, all but idle and iowait)."""
-    with open("/proc/stat") as stat:
-        ticks = [int(x) for x in stat.readline().split()[1:9]]
-    return (sum(ticks) - ticks[3] - ticks[4]) / os.sysconf("SC_CLK_TCK")
 
 
 async def one_kernel() -> None:
