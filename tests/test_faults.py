@@ -7,7 +7,7 @@ the dashboard shows who waited on whom; a restart gives a lab that matches one d
 import re
 
 import pytest
-from timing import SLACK, slack, within
+from timing import SLACK, within
 
 import pplab
 from pplab import faults
@@ -15,13 +15,6 @@ from pplab.drivers.cluster import RankDiedError, RankFailedError
 
 
 CONFIG = pplab.LlamaConfig.tiny()
-
-
-def warm_up(lab) -> None:
-    """A first step on fresh ranks, its waits bounded at this machine's pace now: a rank's first
-    backward does one-time work that took more than 3 s beside two burners."""
-    with lab.pipeline(CONFIG, schedule="1f1b", n_microbatches=4, op_timeout=slack(3)) as pipe:
-        pipe.step()
 
 
 def test_a_fault_that_cannot_fire_is_refused_before_any_rank_is_asked(lab2):
@@ -50,7 +43,6 @@ def test_a_rank_stalled_inside_a_forward_is_named_by_the_rank_that_waits_for_it(
     # Rank 1 says nothing until it wakes, so the lab waits its whole grace (stretched by the load)
     # for it: a short one, as nothing here reads what a second rank reports.
     monkeypatch.setattr(fragile_lab, "grace", 1.0)
-    warm_up(fragile_lab)
     pipe = fragile_lab.pipeline(CONFIG, schedule="1f1b", n_microbatches=4)
     timeout = fragile_lab.op_timeout  # 3 s, unless the machine is very busy (see the fixture)
     assert pipe.spec.op_timeout == timeout  # the lab's bound, not a default of its own
@@ -70,13 +62,12 @@ def test_a_rank_stalled_inside_a_forward_is_named_by_the_rank_that_waits_for_it(
 
 
 def test_a_rank_that_dies_at_an_action_is_named_by_its_peer(fragile_lab):
-    # The ranks' one-time work first, at this machine's pace (see warm_up); the pipeline then waits the
-    # lab's own seconds, so that rank 0's report of what it lost (or waited for) comes within the lab's grace
-    # after rank 1's death: a wait stretched past it left the death reported alone (a burner run).
-    warm_up(fragile_lab)
+    # The pipeline waits the lab's own seconds, so that rank 0's report of what it lost (or waited for)
+    # comes within the lab's grace after rank 1's death: a wait stretched past it left the death reported
+    # alone (a burner run).
     pipe = fragile_lab.pipeline(CONFIG, schedule="gpipe", n_microbatches=4)
     pid = fragile_lab.status()[1].pid
-    # A first step on the pipeline before the fault (its own first-step work done before the fault).
+    # A first step on the pipeline before the fault.
     pipe.step()
     assert faults.die(pipe, "1B2") == 1
     with pytest.raises(RankDiedError) as failure:

@@ -135,6 +135,24 @@ def test_a_broken_process_group_makes_the_lab_ask_for_a_restart(fragile_lab):
     assert fragile_lab.run(my_rank) == [0, 1]
 
 
+def loaded_modules() -> set[str]:
+    import sys
+
+    return set(sys.modules)
+
+
+def test_no_step_imports_a_module_on_a_rank_not_even_the_first(fragile_lab):
+    """What a stage's first backward imports (torch's symbolic shapes and sympy: 0.7 s of CPU) is
+    imported while the pipeline is built, when no peer waits. Imported inside the first step, it
+    kept the next rank waiting past a 20 s op timeout beside two CPU burners."""
+    fragile_lab.restart()  # fresh ranks: no earlier pipeline's step imported anything on them
+    pipe = fragile_lab.pipeline(CONFIG, schedule="1f1b", n_microbatches=4)
+    built = fragile_lab.run(loaded_modules)
+    pipe.step()
+    stepped = fragile_lab.run(loaded_modules)
+    assert [sorted(after - before) for before, after in zip(built, stepped)] == [[], []]
+
+
 def test_a_pipeline_stepped_after_a_restart_says_to_build_it_again(lab2):
     pipe = lab2.pipeline(CONFIG, schedule="gpipe", n_microbatches=2)
     lab2.restart()

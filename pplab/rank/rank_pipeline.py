@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 import dataclasses
+import io
 from dataclasses import dataclass
 
 import torch
@@ -32,6 +33,26 @@ from pplab.planning.simulator import Costs
 from pplab.trace.timeline import Event
 
 
+def make_first_calls() -> None:
+    """Make now, while the pipeline is built and no peer waits, the calls a step would otherwise be
+    the first to make in this process, and that import modules then.
+
+    The costly one: given an output's gradient, `torch.autograd.backward` (and `.grad`) import
+    torch's symbolic shapes, and with them sympy, on their first call: 0.7 s of CPU on a quiet
+    2-core machine. Inside a step, that made the first B 5 times longer than the next ones in the
+    first step's timeline, and kept the next rank waiting for it under the op timeout: beside two
+    CPU burners, 20 s ran out on it. The last stage's backward starts from the scalar loss, but it
+    makes the call here too: a trainer's optimizer imports the same modules, and ranks that did
+    unequal one-time work would wait for each other in their first training step. The other calls
+    cost milliseconds: a step's profiler labels, and unpickling the tensors a step is sent.
+    """
+    (torch.zeros(1, requires_grad=True) * 1).backward(torch.ones(1))
+    with torch.autograd.profiler.record_function("pplab: first calls"):
+        pass
+    buffer = io.BytesIO()
+    torch.save(torch.zeros(1), buffer)
+    buffer.seek(0)
+    torch.load(buffer)
 
 
 @dataclass
@@ -178,6 +199,7 @@ class RankPipeline:
         else:  # (a mesh here has pp only: Mesh.check refuses dp and tp without torch's schedules)
             self.runtime = RankRuntime(schedule, rank, self.stages, self.device, spec.op_timeout,
                                        spec.record, spec.timing, group, tied)
+        make_first_calls()
 
     def parameters(self):
         """All parameters of this rank's stages (a weight two of them tie, once)."""
