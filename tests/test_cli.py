@@ -302,8 +302,11 @@ def test_cleanup_command_stops_the_lab_a_killed_kernel_left(own_ipython_dir):
     profile_dir = os.path.join(own_ipython_dir, f"profile_{records.PROFILE_NAME}")
     [record] = records.read_records(profile_dir)
     assert record["cluster_id"] == cluster_id
-    orphans = records.with_descendants(record["processes"])  # controller, fork server, ranks
-    assert len(orphans) >= 4, "the lab should still be running after its kernel was killed"
+    orphans = records.with_descendants(record["processes"])
+    # The fork server stops its engines, and itself, once it sees its kernel gone (a busy machine's
+    # run got here after they had): what nothing but cleanup stops is the controller.
+    left = {entry["role"] for entry in record["processes"] if records.find_process(entry) is not None}
+    assert "controller" in left, f"the lab's controller should outlive its killed kernel: {left or 'nothing'} left"
 
     done = subprocess.run([sys.executable, "-m", "pplab", "cleanup"], capture_output=True, text=True,
                           timeout=60, env=env)

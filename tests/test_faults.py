@@ -7,7 +7,7 @@ the dashboard shows who waited on whom; a restart gives a lab that matches one d
 import re
 
 import pytest
-from timing import SLACK, within
+from timing import SLACK, slack, within
 
 import pplab
 from pplab import faults
@@ -15,6 +15,15 @@ from pplab.drivers.cluster import RankDiedError, RankFailedError
 
 
 CONFIG = pplab.LlamaConfig.tiny()
+
+
+def matches_one_device_after_a_restart(lab, schedule: str) -> bool:
+    """A restart gives ranks that match one device. Not a fault's wait, so bounded at this machine's
+    pace now: the lab's short one was read at the test's start, and a run beside two burners met a
+    23x slowdown later in the same test."""
+    lab.restart()
+    with lab.pipeline(CONFIG, schedule=schedule, n_microbatches=4, op_timeout=slack(3)) as pipe:
+        return pipe.check_parity().passed
 
 
 def test_a_fault_that_cannot_fire_is_refused_before_any_rank_is_asked(lab2):
@@ -57,8 +66,7 @@ def test_a_rank_stalled_inside_a_forward_is_named_by_the_rank_that_waits_for_it(
     assert "rank 1: send of the gradient of microbatch 1 on stage 1" in dashboard.where.html.value
     assert f"rank 0 waited {timeout:g} s for the gradient of microbatch 1" in dashboard.status.value
     assert fragile_lab.state.startswith("needs restart")
-    fragile_lab.restart()
-    assert fragile_lab.pipeline(CONFIG, schedule="1f1b", n_microbatches=4).check_parity().passed
+    assert matches_one_device_after_a_restart(fragile_lab, "1f1b")
 
 
 def test_a_rank_that_dies_at_an_action_is_named_by_its_peer(fragile_lab):
@@ -81,8 +89,7 @@ def test_a_rank_that_dies_at_an_action_is_named_by_its_peer(fragile_lab):
     assert re.search(r"\nThen rank 0 (lost|waited [\d.]+ s for) the (send of the )?gradient of microbatch "
                      r"(?P<mb>[12]) (to|from) rank 1 \(action 0(SEND|RECV)_B(?P=mb)\)", message), message
     assert fragile_lab.status()[1].state == "dead"
-    fragile_lab.restart()
-    assert fragile_lab.pipeline(CONFIG, schedule="gpipe", n_microbatches=4).check_parity().passed
+    assert matches_one_device_after_a_restart(fragile_lab, "gpipe")
 
 
 def test_a_fault_fires_only_in_its_own_run_and_closing_the_run_forgets_it(lab2):
