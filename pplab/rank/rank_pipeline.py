@@ -17,6 +17,7 @@ import io
 from dataclasses import dataclass
 
 import torch
+from torch.profiler import record_function
 
 from pplab.base.arguments import OP_TIMEOUT, check_positive_int, renamed_keywords
 from pplab.base.config import IMPLEMENTATIONS, PARAM_DTYPES
@@ -47,7 +48,7 @@ def make_first_calls() -> None:
     cost milliseconds: a step's profiler labels, and unpickling the tensors a step is sent.
     """
     (torch.zeros(1, requires_grad=True) * 1).backward(torch.ones(1))
-    with torch.autograd.profiler.record_function("pplab: first calls"):
+    with record_function("pplab: first calls"):
         pass
     buffer = io.BytesIO()
     torch.save(torch.zeros(1), buffer)
