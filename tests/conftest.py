@@ -255,10 +255,12 @@ def _session_lab(ipython_dir):
 def _fragile_op_timeout() -> int:
     """Waits of 3 s, so that the tests that break the fragile lab end soon; longer where the machine
     is so busy that a plain step's waits (under 0.6 s at a quiet pace) come near it: beside two
-    burners (19x) one outlasted 3 s."""
+    burners (19x) one outlasted 3 s. The stretch allows 2 s at a quiet pace, not 0.6: the reading is
+    of a moment, and beside two burners a fresh lab's first step met a load that kept rank 0 more
+    than 3 s from its first send although the reading had not stretched the 3 s."""
     from timing import slack
 
-    return max(3, math.ceil(slack(0.6)))
+    return max(3, math.ceil(slack(2.0)))
 
 
 @pytest.fixture(scope="module")

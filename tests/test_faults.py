@@ -53,7 +53,7 @@ def test_a_rank_stalled_inside_a_forward_is_named_by_the_rank_that_waits_for_it(
     # for it: a short one, as nothing here reads what a second rank reports.
     monkeypatch.setattr(fragile_lab, "grace", 1.0)
     pipe = fragile_lab.pipeline(CONFIG, schedule="1f1b", n_microbatches=4)
-    timeout = fragile_lab.op_timeout  # 3 s, unless the machine is very busy (see the fixture)
+    timeout = fragile_lab.op_timeout  # 3 s, unless the machine is busy (see the fixture)
     assert pipe.spec.op_timeout == timeout  # the lab's bound, not a default of its own
     pipe.step()
     dashboard = pipe.dashboard(stalled_after=1.0)
