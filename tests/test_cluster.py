@@ -242,6 +242,27 @@ def test_a_room_is_dealt_round_the_gpus_each_rank_capped_and_a_room_that_does_no
         pplab.Lab(2, device="cpu", gpu_memory_fraction=0.1)
 
 
+@pytest.mark.quick
+def test_a_seat_s_gpus_and_cap_from_its_environment_are_named_as_the_host_numbers_them(monkeypatch):
+    from pplab.drivers.cluster.plan import MEMORY_FRACTION_ENV, describe_placement, seat_memory_fraction
+
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    monkeypatch.delenv(MEMORY_FRACTION_ENV, raising=False)
+    assert seat_memory_fraction() is None
+    assert describe_placement("gloo", "cuda", [0, 0, 0, 0], None, True) == (
+        "gloo on cuda (GPU 0: ranks 0-3; messages through host memory)")
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "4,5")  # what the workshop's hub gives seat 2 of 2-rank seats
+    monkeypatch.setenv(MEMORY_FRACTION_ENV, "0.45")
+    assert seat_memory_fraction() == 0.45
+    assert describe_placement("nccl", "cuda", [0, 1], 0.45, False) == (
+        "nccl on cuda (GPU 4: rank 0, GPU 5: rank 1; each rank capped at 45.0% of its GPU's memory); this "
+        "seat's, from CUDA_VISIBLE_DEVICES=4,5 and PPLAB_GPU_MEMORY_FRACTION=0.45")
+    assert describe_placement("gloo", "cpu", [], 0.45, False) == "gloo on cpu"  # a CPU lab: no cap to apply
+    monkeypatch.setenv(MEMORY_FRACTION_ENV, "half")
+    with pytest.raises(ValueError, match="PPLAB_GPU_MEMORY_FRACTION='half': give the share .* or unset it"):
+        pplab.Lab(2)  # refused before anything starts
+
+
 def test_pplab_room_plan_prints_each_seats_gpus_and_refuses_a_room_that_does_not_fit(capsys):
     from pplab.cli import main
 

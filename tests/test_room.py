@@ -7,6 +7,7 @@ and `pplab room` serves it to a real browser (headless Chromium), which sees it 
 
 from __future__ import annotations
 
+import html
 import json
 import os
 import re
@@ -67,8 +68,8 @@ def test_what_a_lab_and_a_checker_write_is_read_back(tmp_path, monkeypatch):
 
 def twenty_seats(folder, now: float) -> None:
     """A room of 20 seats as their labs and checkers write it: seat-00 .. seat-19, each with a running
-    lab; every seat right on 01b at its first try; seat-03 wrong on 04b four times over the last 25
-    minutes, two different mistakes; seat-07 right on 04b, then wrong (a later edit broke it); the
+    lab; every seat right on 01b at its first try; seat-03 ran 04b four times over the last 25
+    minutes: twice the cell as it came (a placeholder, no try), twice wrong; seat-07 right on 04b, then wrong (a later edit broke it); the
     rest right on 04b; nobody has tried 14b."""
     room.make_room(folder)
     hint = "rank 0 of 3 with 1 microbatch: you said 2, it runs 1.\nHint: a rank cannot warm up more microbatches than there are."
@@ -100,17 +101,17 @@ def test_a_room_of_twenty_shows_who_is_stuck_on_what_for_how_long(tmp_path):
     twenty_seats(tmp_path, now)
     seats = room.read_room(tmp_path, now)
     by_name = {seat.attendee: seat for seat in seats}
-    assert len(seats) == 20 and len(by_name["seat-03"].attempts["the 1F1B warm-up"]) == 4
-    assert by_name["seat-03"].stuck_since("the 1F1B warm-up") == pytest.approx(now - 1500)
+    assert len(seats) == 20 and len(by_name["seat-03"].attempts["the 1F1B warm-up"]) == 2  # placeholders: no try
+    assert by_name["seat-03"].stuck_since("the 1F1B warm-up") == pytest.approx(now - 1200)
     assert by_name["seat-07"].stuck_since("the 1F1B warm-up") == pytest.approx(now - 120)
     assert by_name["seat-00"].stuck_since("the 1F1B warm-up") is None
     summary = room.room_summary(seats, now, columns=NOTEBOOK_OF_EXERCISE)
-    assert summary.endswith("38 exercises right; 1 stuck over 10 min (longest: seat-03 on 04b, 25 min)"), summary
+    assert summary.endswith("38 exercises right; 1 stuck over 10 min (longest: seat-03 on 04b, 20 min)"), summary
     page = room.room_table_html(seats, NOTEBOOK_OF_EXERCISE, now)
     rows = re.findall(r"<tr>(.*?)</tr>", page, re.DOTALL)
     header, seat_03, seat_07, tallies = rows[0], rows[4], rows[8], rows[-1]
     assert "<th title='a layout for your own model'>14b</th>" in header and ">04b</th>" in header
-    assert "✘ 4 tries · for 25 min · rank 0 of 3 with 1 microbatch" in seat_03
+    assert "✘ 2 tries · for 20 min · rank 0 of 3 with 1 microbatch" in seat_03
     assert "Hint: a rank cannot warm up more microbatches" in seat_03  # the whole message, on hover
     assert "✘ (was ✔) 2 tries · for 2 min" in seat_07
     assert "<td title='right · wrong now · not tried'>18 · 2 · 0</td>" in tallies  # 04b
@@ -191,3 +192,102 @@ def _look_in_a_browser(url, attendees, server, tmp_path):
             page.screenshot(path=str(tmp_path / "room-server-gone.png"))
         finally:
             browser.close()
+
+
+SEATS = ("daemon", "bin", "nobody")  # accounts every Debian has: a room with seats needs no new ones here
+
+
+def write_as(seat: str, path, records) -> None:
+    """Write `records` (JSON lines) to `path` as if account `seat` had: the file is then `seat`'s."""
+    import pwd
+
+    path.parent.mkdir(exist_ok=True)
+    path.write_text("".join(json.dumps(record) + "\n" for record in records))
+    os.chown(path, pwd.getpwnam(seat).pw_uid, pwd.getpwnam(seat).pw_gid)
+
+
+def verdict(seat: str, exercise: str, right: bool, when: float, message: str = "") -> dict:
+    return {"attendee": seat, "exercise": exercise, "right": right, "time": when,
+            "reason": message or ("right" if right else "wrong"), "message": message}
+
+
+@pytest.mark.quick
+@pytest.mark.skipif(os.geteuid() != 0, reason="a room with seats gives each seat's folder to its account: needs root")
+def test_a_room_with_seats_counts_a_verdict_for_the_account_whose_folder_holds_it(tmp_path):
+    from pplab.cli import main
+    from pplab.course.exercises import NOTEBOOK_OF_EXERCISE
+    from pplab.course.exercises.verdicts import NOT_WRITTEN
+    from pplab.course.grades import grade_rows
+    from pplab.course.room_page import room_notes_html
+
+    folder = room.make_room(tmp_path / "room", seats=SEATS)
+    assert room.seats_of(folder) == list(SEATS)
+    assert (folder / "verdicts").stat().st_mode & 0o7777 == 0o755  # nobody makes a seat's folder but root
+    for seat in SEATS:
+        own = (folder / "verdicts" / seat).stat()
+        assert own.st_mode & 0o7777 == 0o700 and own.st_uid == __import__("pwd").getpwnam(seat).pw_uid
+    now = time.time()
+    write_as("daemon", folder / "verdicts" / "daemon" / "verdicts.jsonl", [
+        verdict("daemon", "a stage's forward", False, now - 60, NOT_WRITTEN),  # Run All on the cell as it came
+        verdict("daemon", "a stage's forward", False, now - 50, "your stage detached its input"),
+        verdict("daemon", "a stage's forward", True, now - 20)])
+    # bin forges: a right answer for daemon in its own file, a file in nobody's folder, a stray file
+    write_as("bin", folder / "verdicts" / "bin" / "verdicts.jsonl", [
+        verdict("daemon", "the 1F1B warm-up", True, now - 10), verdict("bin", "the 1F1B warm-up", False, now - 5)])
+    write_as("bin", folder / "verdicts" / "nobody" / "verdicts.jsonl", [verdict("nobody", "the 1F1B warm-up", True, now)])
+    write_as("bin", folder / "verdicts" / "nobody.jsonl", [verdict("nobody", "a stage's forward", True, now)])
+
+    reading = room.inspect_room(folder, now)
+    seats = {seat.attendee: seat for seat in reading.seats}
+    assert reading.checked and list(seats) == sorted(SEATS)  # every seat has its row, tried or not
+    assert [v["right"] for v in seats["daemon"].attempts["a stage's forward"]] == [False, True]  # no placeholder
+    assert "the 1F1B warm-up" not in seats["daemon"].attempts  # bin's claim counts for nobody
+    assert [v["right"] for v in seats["bin"].attempts["the 1F1B warm-up"]] == [False]  # bin stays on the page
+    assert seats["nobody"].attempts == {}
+    refused = {refusal.where: refusal.reason for refusal in reading.refusals}
+    assert refused == {
+        "verdicts/bin/verdicts.jsonl": "1 record naming 'daemon' in bin's file: a record counts for the seat that wrote it",
+        "verdicts/nobody.jsonl": "not in a seat's folder (made by bin): only a seat's own folder counts",
+        "verdicts/nobody/verdicts.jsonl": "written by bin, not by nobody"}, refused
+    notes = room_notes_html(reading)
+    assert "Seats are accounts" in notes and "3 files with records refused" in notes
+
+    rows = {(row["student_id"], row["assignment"]): row for row in grade_rows(reading.seats, NOTEBOOK_OF_EXERCISE)}
+    assert len(rows) == 3 * len(NOTEBOOK_OF_EXERCISE)
+    assert rows[("daemon", "01b")] | {"timestamp": "", "first_right": ""} == {
+        "assignment": "01b", "exercise": "a stage's forward", "student_id": "daemon", "timestamp": "",
+        "raw_score": 1, "score": 1, "max_score": 1, "tries": 2, "first_right": "", "seconds_to_right": 30.0,
+        "last_message": "right"}
+    assert rows[("bin", "04b")]["score"] == 0 and rows[("bin", "04b")]["tries"] == 1
+    assert rows[("nobody", "04b")]["tries"] == 0 and rows[("nobody", "04b")]["seconds_to_right"] == ""
+    assert main(["room", str(folder), "--export", str(tmp_path / "grades.csv")]) == 0
+    exported = (tmp_path / "grades.csv").read_text().splitlines()
+    assert exported[0].startswith("assignment,exercise,student_id,timestamp,raw_score,score,max_score,tries")
+    assert len(exported) == 1 + 3 * len(NOTEBOOK_OF_EXERCISE) and exported[1].startswith("01b,a stage's forward,bin,")
+
+    (folder / room.SEATS_FILE).chmod(0o666)  # a seats file anyone could rewrite makes no room with seats
+    assert room.seats_of(folder) is None
+    with pytest.raises(ValueError, match="seat 'no-such-seat-x': this host has no such account; make it first"):
+        room.make_room(folder, seats=["no-such-seat-x"])
+
+
+@pytest.mark.quick
+def test_a_trusted_room_says_so_and_counts_neither_placeholders_nor_records_naming_others(tmp_path, monkeypatch):
+    from pplab.course.exercises.verdicts import NOT_WRITTEN
+    from pplab.course.room_page import room_page
+
+    assert NOT_WRITTEN.startswith(room.PLACEHOLDER)
+    monkeypatch.setenv(room.ROOM_ENV, str(tmp_path))
+    monkeypatch.setenv(room.SEAT_ENV, "ada")
+    room.record_verdict("a stage's forward", False, NOT_WRITTEN)
+    room.record_verdict("a stage's forward", False, "wrong")
+    room.record_verdict("a stage's forward", True, "right")
+    with open(tmp_path / "verdicts" / "ada.jsonl", "a") as file:  # ada claims a verdict for bo
+        file.write(json.dumps(verdict("bo", "the 1F1B warm-up", True, time.time())) + "\n")
+    reading = room.inspect_room(tmp_path)
+    [ada] = reading.seats
+    assert not reading.checked and len(ada.attempts["a stage's forward"]) == 2 and "the 1F1B warm-up" not in ada.attempts
+    page = html.unescape(room_page(reading, {"a stage's forward": "01b"}, 3, "loopback only, no login"))
+    assert "Verdicts here are trusted, not checked" in page and "1 record naming 'bo' in ada's file" in page
+    assert "✔ right · 2 tries" in page and "1 seat: right · wrong · not yet" in page
+    assert "<a href='grades.csv' download>" in page

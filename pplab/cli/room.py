@@ -10,11 +10,7 @@ from pplab.cli.options import number, positive_int
 
 def run(args: argparse.Namespace) -> int:
     """Serve the room (every attendee's lab and exercise verdicts, pplab.course.room) as a page on loopback."""
-    import http.server
-    import json as json_module
-
     from pplab.course import room
-    from pplab.course.exercises import NOTEBOOK_OF_EXERCISE
 
     if args.drill is not None:
         return _drill(args.drill)
@@ -22,30 +18,37 @@ def run(args: argparse.Namespace) -> int:
         return _plan(args)
     if args.folder is None:
         raise ValueError("pplab room: give the room's FOLDER to serve, or --drill N to measure the room")
+    seats = [seat for seat in (args.seats or "").split(",") if seat] or None
     try:
-        room.make_room(args.folder)  # writable by every attendee, sticky (pplab.course.room.make_room)
+        room.make_room(args.folder, seats)  # pplab.course.room.make_room: a trusted room, or one with seats
     except OSError as error:
         raise ValueError(f"{args.folder}: cannot make the room there ({error.strerror}); give a folder "
                          f"you may create") from None
+    if args.export is not None:
+        return _export(args.folder, args.export)
+    if args.seats and args.port is None:
+        print(f"pplab room: {args.folder} has seats {', '.join(room.seats_of(args.folder) or [])}")
+        return 0
+    return _serve(args.folder, 8765 if args.port is None else args.port, args.refresh)
+
+
+def _serve(folder: str, port: int, refresh: float) -> int:
+    """The room's page on loopback, until Ctrl-C."""
+    import http.server
+
+    from pplab.course.room import seats_of
+
+    if not 0 <= port <= 65535:
+        raise ValueError(f"--port {port}: give a port between 1 and 65535 (0: any free one)")
+    access = ("loopback only, no login: anyone with a terminal on this machine can open it "
+              "(a workshop's hub serves it to its instructors alone: pplab workshop)")
+    from pplab.course.room_page import room_response
 
     class RoomPage(http.server.BaseHTTPRequestHandler):
         def do_GET(self):  # noqa: N802 - http.server's name
-            try:
-                seats = room.read_room(args.folder)
-            except ValueError as error:  # the folder went away: say so on the page
-                self.send_error(500, str(error))
-                return
-            if self.path == "/room.json":
-                body = json_module.dumps([{**vars(seat), "verdicts": seat.verdicts} for seat in seats])
-                kind = "application/json"
-            elif self.path == "/":
-                body = _room_page(seats, NOTEBOOK_OF_EXERCISE, args.folder, args.refresh)
-                kind = "text/html; charset=utf-8"
-            else:
-                self.send_error(404, "the room is at / (and /room.json)")
-                return
+            status, kind, body = room_response(folder, self.path.split("?")[0], refresh, access)
             data = body.encode()
-            self.send_response(200)
+            self.send_response(status)
             self.send_header("Content-Type", kind)
             self.send_header("Content-Length", str(len(data)))
             self.end_headers()
@@ -54,22 +57,44 @@ def run(args: argparse.Namespace) -> int:
         def log_message(self, *_):  # one line per reload would drown the terminal
             pass
 
-    if not 0 <= args.port <= 65535:
-        raise ValueError(f"--port {args.port}: give a port between 1 and 65535 (0: any free one)")
     try:
-        server = http.server.ThreadingHTTPServer(("127.0.0.1", args.port), RoomPage)
+        server = http.server.ThreadingHTTPServer(("127.0.0.1", port), RoomPage)
     except OSError as error:
-        raise ValueError(f"--port {args.port}: cannot listen there ({error.strerror}); give another "
+        raise ValueError(f"--port {port}: cannot listen there ({error.strerror}); give another "
                          f"port, or 0 for any free one") from None
-    print(f"pplab room: {args.folder} at http://127.0.0.1:{server.server_address[1]}/ (loopback only; "
-          f"from a laptop: ssh -L {server.server_address[1]}:127.0.0.1:{server.server_address[1]} this server). "
-          f"Ctrl-C stops it.", flush=True)
+    port = server.server_address[1]
+    kind = "seats checked by their accounts" if seats_of(folder) is not None else "verdicts trusted, not checked"
+    print(f"pplab room: {folder} at http://127.0.0.1:{port}/ ({kind}; {access}; from a laptop: "
+          f"ssh -L {port}:127.0.0.1:{port} this server). Ctrl-C stops it.", flush=True)
     try:
         server.serve_forever()
     except KeyboardInterrupt:
         pass
     finally:
         server.server_close()
+    return 0
+
+
+def _export(folder: str, path: str) -> int:
+    """Write the room's grades (pplab.course.grades) to `path`, '-' for standard output."""
+    import sys
+
+    from pplab.course.exercises import NOTEBOOK_OF_EXERCISE
+    from pplab.course.grades import grades_csv
+    from pplab.course.room import inspect_room
+
+    reading = inspect_room(folder)
+    text = grades_csv(reading.seats, NOTEBOOK_OF_EXERCISE)
+    if path == "-":
+        sys.stdout.write(text)
+    else:
+        with open(path, "w") as file:
+            file.write(text)
+        rows = text.count("\n") - 1
+        print(f"pplab room: {rows} row{'s' * (rows != 1)} ({len(reading.seats)} seat"
+              f"{'s' * (len(reading.seats) != 1)} x exercises) written to {path}")
+    for refusal in reading.refusals:
+        print(f"pplab room: refused {refusal.where}: {refusal.reason}", file=sys.stderr)
     return 0
 
 
@@ -103,42 +128,6 @@ def _drill(seats: int) -> int:
     return 0 if all(result.all_right for result in results) else 1
 
 
-def _room_page(seats, exercises, folder, refresh: float) -> str:
-    import html as html_module
-
-    from pplab.course import room
-
-    return (f"<!doctype html><html><head><meta charset='utf-8'>"
-            f"<noscript><meta http-equiv='refresh' content='{refresh:g}'></noscript>"
-            f"<title>pplab room</title><style>body{{font-family:sans-serif;margin:20px}}</style>{room.TABLE_STYLE}"
-            f"</head><body><h2>pplab room: {html_module.escape(str(folder))}</h2>"
-            f"<main id='room'><p>{html_module.escape(room.room_summary(seats, columns=exercises))} (re-read every {refresh:g} s)</p>"
-            f"{room.room_table_html(seats, exercises)}</main><p id='trouble' style='color:#b00'></p>"
-            f"<script>{_ROOM_RELOADER.replace('INTERVAL_MS', str(round(refresh * 1000)))}</script></body></html>")
-
-
-# The page re-reads itself in place rather than by a meta refresh: a reload that fails (the server
-# restarting, the network changing under the browser) would leave an error page that never reloads,
-# where this keeps the last table, says what went wrong, and tries again.
-_ROOM_RELOADER = """
-async function reread() {
-  const trouble = document.getElementById('trouble');
-  try {
-    const answer = await fetch(location.pathname, {cache: 'no-store'});
-    if (!answer.ok) throw new Error('the server answered ' + answer.status);
-    const page = new DOMParser().parseFromString(await answer.text(), 'text/html');
-    document.getElementById('room').innerHTML = page.getElementById('room').innerHTML;
-    trouble.textContent = '';
-  } catch (error) {
-    trouble.textContent = 'could not re-read the room at ' + new Date().toLocaleTimeString()
-      + ' (' + error.message + '); the table above is the last one read; trying again';
-  }
-  setTimeout(reread, INTERVAL_MS);
-}
-setTimeout(reread, INTERVAL_MS);
-"""
-
-
 def add_to(commands, ranks_run: argparse.ArgumentParser) -> argparse.ArgumentParser:
     """This command's flags, on the `pplab` parser's subcommands."""
     run_room = commands.add_parser(
@@ -161,7 +150,13 @@ def add_to(commands, ranks_run: argparse.ArgumentParser) -> argparse.ArgumentPar
     run_room.add_argument("--rank-memory", type=functools.partial(number, positive=True), metavar="GIB",
                           help="with --plan: what one rank needs, its CUDA context included (0.8 GiB for the "
                                "tiny model on an H200, bench/results/gpu.json)")
-    run_room.add_argument("--port", type=int, default=8765, help="loopback port (default 8765; 0: any free one)")
+    run_room.add_argument("--seats", metavar="A,B,...",
+                          help="make the room one with seats, these Unix accounts (as root): each seat's folder "
+                               "owned by its account, so a verdict counts for whoever wrote it; serves it with --port")
+    run_room.add_argument("--export", metavar="CSV",
+                          help="instead: write one row per seat and exercise (tries, first right, time to right, "
+                               "last message; nbgrader's columns where they fit) to CSV ('-': standard output)")
+    run_room.add_argument("--port", type=int, help="loopback port (default 8765; 0: any free one)")
     run_room.add_argument("--refresh", type=functools.partial(number, positive=True), default=3.0,
                           help="seconds between the page's reloads (default 3)")
     run_room.set_defaults(handler=run)

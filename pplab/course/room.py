@@ -1,13 +1,21 @@
 """The room: what every attendee's lab and exercise checks write to a folder the instructor names.
 
 An instructor running a workshop on one server sets `PPLAB_ROOM=/some/shared/folder` for every
-attendee (in JupyterHub's spawner environment, say) and, optionally, `PPLAB_SEAT` to each one's
-seat or name (default: their login name). From then on, each attendee's lab writes one small
-JSON file there when it starts, runs, restarts and stops (`labs/<attendee>--<lab>.json`: seat,
-device, GPUs, ranks, its processes, last activity), and each exercise checker appends its verdict
-to `verdicts/<attendee>.jsonl`. Nothing is sent anywhere: the attendees only write files, and
-the instructor reads them (`pplab room FOLDER`, a page on loopback; or `pplab.widgets.RoomView`
-in a notebook). Without `PPLAB_ROOM` nothing is written.
+attendee (the workshop's hub does, `pplab.hub`). From then on, each attendee's lab writes one small
+JSON file there when it starts, runs, restarts and stops (device, GPUs, ranks, its processes, last
+activity), and each exercise checker appends its verdict. Nothing is sent anywhere: the attendees
+only write files, and the instructor reads them (`pplab room FOLDER`, the hub's room service, or
+`pplab.widgets.RoomView` in a notebook). Without `PPLAB_ROOM` nothing is written.
+
+A room is one of two kinds:
+
+- **with seats** (`make_room(folder, seats=[...])`, as root; the hub makes it): each seat is a Unix
+  account with a folder of its own (`verdicts/<seat>/`, `labs/<seat>/`) that it owns and no one
+  else can write. A record counts for the seat whose folder holds it, written by that account
+  (the file's owner); a record naming another seat is refused, and nobody can take a seat.
+- **trusted** (one account for everyone, or a room made without seats): every attendee writes to
+  shared sticky folders (`verdicts/<seat>.jsonl`), the seat named by `PPLAB_SEAT` (default: the
+  login name). The page says that its verdicts are trusted, not checked.
 
 A lab counts as dead when its record says it runs but one of its processes is gone (on this
 host); a lab on another host not heard of for `SILENT_SECONDS` is shown as silent.
@@ -15,23 +23,28 @@ host); a lab on another host not heard of for `SILENT_SECONDS` is shown as silen
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import getpass
 import html
 import itertools
 import json
 import os
+import pwd
 import re
 import socket
+import stat
 import sys
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
 ROOM_ENV, SEAT_ENV = "PPLAB_ROOM", "PPLAB_SEAT"
+SEATS_FILE = "room.json"  # in a room with seats: {"seats": [account, ...]}, written by whoever made the room
 SILENT_SECONDS = 600.0  # a lab on another host not heard of for this long is shown as silent
 ACTIVITY_EVERY = 2.0  # seconds: a lab's "last activity" is written at most this often
+PLACEHOLDER = "not written yet"  # a checker's answer to an exercise cell left as it came: not a try
 
 
 def room_folder() -> Path | None:
@@ -40,13 +53,49 @@ def room_folder() -> Path | None:
     return Path(folder) if folder else None
 
 
+def account() -> str:
+    """This process's Unix account (its uid's name: no variable can change it)."""
+    try:
+        return pwd.getpwuid(os.getuid()).pw_name
+    except KeyError:  # a uid without a name (a container's): the login name is all there is
+        return getpass.getuser()
+
+
 def attendee() -> str:
-    """Who this is: PPLAB_SEAT, else the login name (a file name's worth of it)."""
+    """Who this is: in a room with seats, the account; else PPLAB_SEAT, else the login name (a file
+    name's worth of it)."""
+    folder = room_folder()
+    if folder is not None and seats_of(folder) is not None:
+        return account()
     name = os.environ.get(SEAT_ENV) or getpass.getuser()
     return re.sub(r"[^A-Za-z0-9_.-]+", "_", name) or "anonymous"
 
 
+def seats_of(folder: str | Path) -> list[str] | None:
+    """The seats (accounts) of a room with seats; None for a trusted room. Only a seats file that the
+    room folder's owner wrote, in a folder no one else can write, makes a room one with seats."""
+    folder = Path(folder)
+    try:
+        room, listed = folder.stat(), (folder / SEATS_FILE).stat()
+        if listed.st_uid != room.st_uid or (room.st_mode | listed.st_mode) & (stat.S_IWGRP | stat.S_IWOTH):
+            return None
+        seats = json.loads((folder / SEATS_FILE).read_text())["seats"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+    return [str(seat) for seat in seats] if isinstance(seats, list) else None
+
+
 # ---------------------------------------------------------------- writing (attendees)
+
+
+def _own_file(folder: Path, lab_id: str | None = None) -> Path:
+    """Where this attendee's record of lab `lab_id`, or else their verdicts, goes: their seat's folder
+    in a room with seats (made by the instructor), else the shared folder, under their name."""
+    kind = "labs" if lab_id else "verdicts"
+    if seats_of(folder) is None:
+        make_room(folder)
+        return folder / kind / (f"{attendee()}--{lab_id}.json" if lab_id else f"{attendee()}.jsonl")
+    return folder / kind / account() / (f"{lab_id}.json" if lab_id else "verdicts.jsonl")
 
 
 def record_lab(lab_id: str, **facts) -> None:
@@ -58,7 +107,7 @@ def record_lab(lab_id: str, **facts) -> None:
     record = {"attendee": attendee(), "lab": lab_id, "host": socket.gethostname(), "client_pid": os.getpid(),
               "last_activity": time.time(), **facts}
     with _never_in_the_way(folder):
-        _write_atomically(folder / "labs" / f"{attendee()}--{lab_id}.json", json.dumps(record))
+        _write_atomically(_own_file(folder, lab_id), json.dumps(record))
 
 
 MESSAGE_CHARACTERS = 2000  # of a checker's message kept in the room (its hints included)
@@ -74,9 +123,9 @@ def record_verdict(exercise: str, right: bool, message: str) -> None:
     line = json.dumps({"attendee": attendee(), "exercise": exercise, "right": bool(right), "reason": reason,
                        "message": message[:MESSAGE_CHARACTERS], "time": time.time()})
     with _never_in_the_way(folder):
-        make_room(folder)
+        path = _own_file(folder)
         # One short line per write with O_APPEND: lines of several kernels never interleave.
-        with open(folder / "verdicts" / f"{attendee()}.jsonl", "a") as file:
+        with open(path, "a") as file:
             file.write(line + "\n")
 
 
@@ -91,23 +140,55 @@ def _never_in_the_way(folder: Path):
     except OSError as error:
         if str(folder) not in _warned:
             _warned.add(str(folder))
-            print(f"pplab: cannot write to the room {folder} ({error}); the instructor will not see this lab",
+            seats = seats_of(folder)
+            why = (f"; {account()} is not one of its seats (pplab room {folder} --seats ... adds one)"
+                   if seats is not None and account() not in seats else "")
+            print(f"pplab: cannot write to the room {folder} ({error}){why}; the instructor will not see this",
                   file=sys.stderr)
 
 
-def make_room(folder: str | Path) -> Path:
-    """The room's folder and its two subfolders, writable by every attendee (each a Unix user of
-    their own, say) and sticky, so that nobody can remove or replace another's files."""
+def make_room(folder: str | Path, seats: Sequence[str] | None = None) -> Path:
+    """The room's folder and its two subfolders.
+
+    Without `seats`: a trusted room, its folders writable by every attendee and sticky, so that nobody
+    can remove or replace another's files. With `seats` (Unix accounts; needs root): a room with
+    seats, each seat's folder owned by its account and closed to everyone else, made before the
+    attendees come so that no seat can be taken by another; seats of an earlier call are kept."""
     folder = Path(folder)
-    for part in (folder, folder / "labs", folder / "verdicts"):
-        if not part.is_dir():
+    if seats is None:
+        for part in (folder, folder / "labs", folder / "verdicts"):
+            if not part.is_dir():
+                part.mkdir(parents=True, exist_ok=True)
+                part.chmod(0o1777)
+        return folder
+    accounts = {}
+    for seat in seats:
+        try:
+            accounts[seat] = pwd.getpwnam(seat)
+        except KeyError:
+            raise ValueError(f"seat {seat!r}: this host has no such account; make it first (useradd -m "
+                             f"{seat}, or pplab workshop init --make-users), or leave it out") from None
+    everyone = list(dict.fromkeys([*(seats_of(folder) or []), *seats]))
+    try:
+        for part in (folder, folder / "labs", folder / "verdicts"):
             part.mkdir(parents=True, exist_ok=True)
-            part.chmod(0o1777)
+            part.chmod(0o755)  # readable, writable by its maker alone (a trusted room's 1777 closed)
+        for seat, entry in accounts.items():
+            for kind in ("labs", "verdicts"):
+                own = folder / kind / seat
+                own.mkdir(exist_ok=True)
+                os.chown(own, entry.pw_uid, entry.pw_gid)  # re-owned if someone else made it first
+                own.chmod(0o700)  # the seat's records are for the seat and the instructor alone
+        _write_atomically(folder / SEATS_FILE, json.dumps({"seats": everyone}, indent=1))
+        (folder / SEATS_FILE).chmod(0o644)
+    except PermissionError as error:
+        raise ValueError(f"{folder}: a room with seats needs root, to give each seat's folder to its "
+                         f"account ({error.strerror}); run this as root, or leave out the seats for a "
+                         f"trusted room") from None
     return folder
 
 
 def _write_atomically(path: Path, text: str) -> None:
-    make_room(path.parent.parent)
     partial = path.with_name(f".{path.name}.{os.getpid()}.partial")
     partial.write_text(text)
     os.replace(partial, path)  # a reader sees the old record or the new one, never half of one
@@ -149,25 +230,120 @@ class Seat:
         return any(verdict["right"] for verdict in self.attempts.get(exercise, []))
 
 
+@dataclass(frozen=True)
+class Refusal:
+    """Records the room did not count, and why: where they are (relative to the room) and the seat
+    whose file holds them, if any (that seat's row stays as it is)."""
+
+    where: str
+    reason: str
+    seat: str | None = None
+
+
+@dataclass
+class RoomReading:
+    """What a look at the room's folder found: the seats, the records refused, and whether the seats
+    are accounts whose files were checked (a room with seats) or names trusted as written."""
+
+    folder: Path
+    seats: list[Seat]
+    refusals: list[Refusal]
+    checked: bool
+
+
 def read_room(folder: str | Path, now: float | None = None) -> list[Seat]:
-    """Every attendee the room's folder knows, by name: their newest lab (alive or dead) and verdicts."""
+    """Every seat the room's folder knows, by name: their newest lab (alive or dead) and verdicts."""
+    return inspect_room(folder, now).seats
+
+
+def inspect_room(folder: str | Path, now: float | None = None) -> RoomReading:
+    """The room's seats with their newest lab and verdicts, and every record refused with its reason.
+
+    A record counts for the seat whose file holds it (the place; in a room with seats also the
+    file's owner), never for the seat a field inside it names; a placeholder answer is no try."""
     folder, now = Path(folder), time.time() if now is None else now
     if not folder.is_dir():
         raise ValueError(f"{folder}: no such room folder; give the folder set as {ROOM_ENV} for the "
                          f"attendees (make it before the workshop: the attendees' labs write into it)")
-    seats: dict[str, Seat] = {}
+    listed, refusals = seats_of(folder), []
+    seats: dict[str, Seat] = {name: Seat(name) for name in listed or []}
     # A file being replaced, a line being written, one nobody may read: skipped, the next look reads it.
-    for lab in _records(sorted((folder / "labs").glob("*.json")), ("attendee", "last_activity", "client_pid")):
-        seat = seats.setdefault(lab["attendee"], Seat(lab["attendee"]))
+    for seat_name, lab in _seat_records(folder, "labs", listed, ("last_activity", "client_pid"), refusals):
+        seat = seats.setdefault(seat_name, Seat(seat_name))
         if seat.lab is None or lab["last_activity"] > seat.lab["last_activity"]:
             seat.lab, seat.state = lab, _lab_state(lab, now)
-    for verdict in _records(sorted((folder / "verdicts").glob("*.jsonl")), ("attendee", "exercise", "right")):
-        seat = seats.setdefault(verdict["attendee"], Seat(verdict["attendee"]))
-        seat.attempts.setdefault(verdict["exercise"], []).append(verdict)
+    for seat_name, verdict in _seat_records(folder, "verdicts", listed, ("exercise", "right"), refusals):
+        if not verdict["reason"].startswith(PLACEHOLDER):
+            seats.setdefault(seat_name, Seat(seat_name)).attempts.setdefault(verdict["exercise"], []).append(verdict)
     for seat in seats.values():  # several kernels of one attendee append to one file: order by time
         for tries in seat.attempts.values():
             tries.sort(key=lambda verdict: verdict["time"])
-    return [seats[name] for name in sorted(seats)]
+    return RoomReading(folder, [seats[name] for name in sorted(seats)], refusals, listed is not None)
+
+
+def _seat_records(folder: Path, kind: str, listed: list[str] | None, needed: tuple[str, ...],
+                  refusals: list[Refusal]) -> Iterator[tuple[str, dict]]:
+    """(seat, record) of every record of `kind` the room counts; what it does not count goes to
+    `refusals`, one line per file and reason."""
+    refused: collections.Counter = collections.Counter()
+    for seat, path in _seat_files(folder / kind, "*.json" if kind == "labs" else "*.jsonl", listed, refusals):
+        where = str(path.relative_to(folder))
+        for record in _records([path], ("attendee", *needed)):
+            if record["attendee"] != seat:
+                refused[(where, seat, str(record["attendee"]))] += 1
+                continue
+            yield seat, record
+    for (where, seat, named), count in refused.items():
+        records = f"{count} record{'s' * (count != 1)}"
+        refusals.append(Refusal(where, f"{records} naming {named!r} in {seat}'s file: a record counts for the "
+                                       f"seat that wrote it", seat))
+
+
+def _seat_files(place: Path, pattern: str, listed: list[str] | None,
+                refusals: list[Refusal]) -> Iterator[tuple[str, Path]]:
+    """(seat, file) of every file in `place` (the room's labs/ or verdicts/): in a trusted room the seat
+    is the file's name; in a room with seats, the seat folder it is in, where the folder and the file
+    belong to that seat's account."""
+    if listed is None:
+        for path in sorted(place.glob(pattern)):
+            yield path.name.rpartition("--")[0] if "--" in path.name else path.stem, path
+        return
+    room = place.parent
+    for entry in sorted(place.iterdir()) if place.is_dir() else ():
+        where = str(entry.relative_to(room))
+        if entry.name.startswith("."):  # a record being written
+            continue
+        if not entry.is_dir() or entry.name not in listed:
+            refusals.append(Refusal(where, f"not in a seat's folder (made by {_owner(entry)}): only a seat's own "
+                                           f"folder counts"))
+            continue
+        uid = _uid(entry.name)
+        if entry.stat().st_uid != uid:
+            refusals.append(Refusal(where, f"owned by {_owner(entry)}, not by {entry.name}: run pplab room "
+                                           f"{room} --seats {entry.name} as root to give it back", entry.name))
+            continue
+        for path in sorted(entry.glob(pattern)):
+            if path.stat().st_uid != uid:
+                refusals.append(Refusal(str(path.relative_to(room)), f"written by {_owner(path)}, not by "
+                                                                    f"{entry.name}", entry.name))
+            else:
+                yield entry.name, path
+
+
+def _uid(name: str) -> int | None:
+    try:
+        return pwd.getpwnam(name).pw_uid
+    except KeyError:
+        return None
+
+
+def _owner(path: Path) -> str:
+    """The account that owns `path` ('uid 1234' where it has no name)."""
+    uid = path.stat().st_uid
+    try:
+        return pwd.getpwuid(uid).pw_name
+    except KeyError:
+        return f"uid {uid}"
 
 
 def _records(paths: list[Path], needed: tuple[str, ...]):
@@ -272,7 +448,7 @@ def room_table_html(seats: list[Seat], exercises: Mapping[str, str] | Sequence[s
     if not seats:
         rows.append(f"<tr><td colspan='{5 + len(names)}'>nobody yet</td></tr>")
     tallies = "".join(f"<td title='right · wrong now · not tried'>{_tally(seats, name)}</td>" for name in names)
-    foot = f"<tfoot><tr><td colspan='5'>{len(seats)} seats: right · wrong · not yet</td>{tallies}</tr></tfoot>"
+    foot = f"<tfoot><tr><td colspan='5'>{len(seats)} seat{'s' * (len(seats) != 1)}: right · wrong · not yet</td>{tallies}</tr></tfoot>"
     return (f"<table class='pplab-room'><thead><tr>{head}</tr></thead><tbody>{''.join(rows)}</tbody>"
             f"{foot if seats else ''}</table>")
 

@@ -32,6 +32,7 @@ from pplab.drivers.cluster.errors import RESTART_HINT, LabError, LabNeedsRestart
 from pplab.drivers.cluster.ipyparallel_adapter import catch_up_on_engines
 from pplab.drivers.cluster.launchers import ConnectedCluster, LocalCluster
 from pplab.drivers.cluster.plan import (RankSpec, assign_ranks, check_gpus, check_memory_fraction, check_threads,
+                                        describe_placement, seat_memory_fraction,
                                         choose_backend_device, local_ranks, loopback_interface)
 from pplab.drivers.cluster.status import RankGroup, RankInfo, RankTable
 from pplab.drivers.contract import arguments_by_rank, call_name
@@ -166,7 +167,9 @@ class Lab:
             gpu_count = len(set(self._gpus))  # a device named twice is shared
         self._cores = check_cores(cores, n_ranks)
         self._memory_fraction = check_memory_fraction(gpu_memory_fraction)
-        if self._memory_fraction is not None and device == "cpu":
+        if self._memory_fraction is None and device != "cpu":  # a workshop seat's cap, where its hub set one
+            self._memory_fraction = seat_memory_fraction()
+        elif self._memory_fraction is not None and device == "cpu":
             raise ValueError(f"gpu_memory_fraction={gpu_memory_fraction!r} with device='cpu': it caps GPU memory; "
                              f"leave it out, or use device='cuda'")
         # Reject a forced backend/device this host cannot honour before starting anything.
@@ -485,19 +488,8 @@ class Lab:
     def placement(self) -> str:
         """Where the ranks compute and how they talk, in words: 'gloo on cuda (GPU 0 shared by ranks 0-3;
         messages through host memory)'."""
-        said = f"{self.backend} on {self.device}"
-        if self._rank_gpus:
-            by_gpu: dict[int, list[int]] = {}
-            for rank, gpu in enumerate(self._rank_gpus):
-                by_gpu.setdefault(gpu, []).append(rank)
-            said += " (" + ", ".join(f"GPU {gpu}: rank{'s' if len(ranks) > 1 else ''} {_spans(ranks)}"
-                                     for gpu, ranks in sorted(by_gpu.items()))
-            if self._memory_fraction is not None:
-                said += f"; each rank capped at {self._memory_fraction:.1%} of its GPU's memory"
-            said += "; messages through host memory)" if self._host_messages else ")"
-        elif self._host_messages:
-            said += " (messages through host memory, as ranks that share a GPU send them)"
-        return said
+        return describe_placement(self.backend, self.device, self._rank_gpus, self._memory_fraction,
+                                  self._host_messages)
 
     @property
     def rank_processes(self) -> tuple[tuple[str, int], ...]:
@@ -583,13 +575,6 @@ class Lab:
     def __repr__(self) -> str:
         return (f"<Lab {self.world_size} ranks, {self.backend} on {self.device}, "
                 f"cluster {self.cluster_id!r}: {self.state}>")
-
-
-def _spans(ranks: list[int]) -> str:
-    """'0-3' for [0, 1, 2, 3], '0, 2' for [0, 2]."""
-    if len(ranks) > 2 and ranks == list(range(ranks[0], ranks[-1] + 1)):
-        return f"{ranks[0]}-{ranks[-1]}"
-    return ", ".join(map(str, ranks))
 
 
 def _local_gpu_count(backend: str, device: str) -> int:

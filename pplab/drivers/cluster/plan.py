@@ -6,6 +6,7 @@ test and every bad argument is rejected before the lab spends a second starting.
 
 from __future__ import annotations
 
+import os
 import socket
 from dataclasses import dataclass
 from typing import NamedTuple
@@ -148,6 +149,64 @@ def check_memory_fraction(fraction: object) -> float | None:
         raise ValueError(f"gpu_memory_fraction={fraction!r}: give the share of a GPU's memory each rank "
                          f"may take, between 0 and 1 (e.g. 0.1; pplab.cluster.plan_room computes it for a room)")
     return float(fraction)
+
+
+# A workshop's hub gives each seat its GPUs (CUDA_VISIBLE_DEVICES) and this cap for every rank of
+# its labs (pplab.hub), so that a lesson's unchanged `pplab.Lab(n_ranks=2)` stays within its seat.
+MEMORY_FRACTION_ENV = "PPLAB_GPU_MEMORY_FRACTION"
+
+
+def seat_memory_fraction() -> float | None:
+    """The cap on each rank's share of its GPU that this seat's environment sets, or None."""
+    value = os.environ.get(MEMORY_FRACTION_ENV, "").strip()
+    if not value:
+        return None
+    try:
+        return check_memory_fraction(float(value))
+    except ValueError:
+        raise ValueError(f"{MEMORY_FRACTION_ENV}={value!r}: give the share of a GPU's memory each rank may take, "
+                         f"between 0 and 1 (a workshop's hub sets it per seat), or unset it") from None
+
+
+def visible_gpus() -> list[str] | None:
+    """The host's GPUs this process sees, in CUDA's order, as CUDA_VISIBLE_DEVICES names them (None:
+    not set, every GPU by its own number)."""
+    listed = os.environ.get("CUDA_VISIBLE_DEVICES")
+    return None if listed is None else [name.strip() for name in listed.split(",") if name.strip()]
+
+
+def describe_placement(backend: str, device: str, rank_gpus: list[int], memory_fraction: float | None,
+                       host_messages: bool) -> str:
+    """Where the ranks compute and how they talk, in words: 'gloo on cuda (GPU 0: ranks 0-3; messages
+    through host memory)'. GPUs are named as the host numbers them: under CUDA_VISIBLE_DEVICES=4,5 the
+    lab's device 0 is GPU 4, and the line says where the GPUs and the cap came from."""
+    said = f"{backend} on {device}"
+    if rank_gpus:
+        visible = visible_gpus()
+        by_gpu: dict[int, list[int]] = {}
+        for rank, gpu in enumerate(rank_gpus):
+            by_gpu.setdefault(gpu, []).append(rank)
+        said += " (" + ", ".join(f"GPU {visible[gpu] if visible and gpu < len(visible) else gpu}: "
+                                 f"rank{'s' if len(ranks) > 1 else ''} {_spans(ranks)}"
+                                 for gpu, ranks in sorted(by_gpu.items()))
+        if memory_fraction is not None:
+            said += f"; each rank capped at {memory_fraction:.1%} of its GPU's memory"
+        said += "; messages through host memory)" if host_messages else ")"
+        given = [f"CUDA_VISIBLE_DEVICES={','.join(visible)}"] if visible is not None else []
+        if memory_fraction is not None and os.environ.get(MEMORY_FRACTION_ENV, "").strip():
+            given.append(f"{MEMORY_FRACTION_ENV}={os.environ[MEMORY_FRACTION_ENV].strip()}")
+        if given:
+            said += f"; this seat's, from {' and '.join(given)}"
+    elif host_messages:
+        said += " (messages through host memory, as ranks that share a GPU send them)"
+    return said
+
+
+def _spans(ranks: list[int]) -> str:
+    """'0-3' for [0, 1, 2, 3], '0, 2' for [0, 2]."""
+    if len(ranks) > 2 and ranks == list(range(ranks[0], ranks[-1] + 1)):
+        return f"{ranks[0]}-{ranks[-1]}"
+    return ", ".join(map(str, ranks))
 
 
 class Placement(NamedTuple):

@@ -37,8 +37,12 @@ class RoomView(widgets.VBox):
 
     def refresh(self) -> None:
         """Read the room's folder again and redraw."""
-        self.seats = room.read_room(self.folder)
-        self.table.value = room.TABLE_STYLE + room.room_table_html(self.seats, self.exercises)
+        from pplab.course.room_page import room_notes_html
+
+        reading = room.inspect_room(self.folder)
+        self.seats = reading.seats
+        self.table.value = (room.TABLE_STYLE + room.room_table_html(self.seats, self.exercises)
+                            + room_notes_html(reading))
         columns = self.exercises if isinstance(self.exercises, dict) else None
         attendees, rest = room.room_summary(self.seats, columns=columns).split(":", 1)
         self.summary.value = f"<b>{attendees}</b>:{rest}"
