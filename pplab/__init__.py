@@ -73,6 +73,7 @@ _MODULES = {
     "run": "pplab.session.run",  # one training run from one configuration: run.train(...), RunConfig
     "bubble": "pplab.planning.bubble",  # where a measured step's bubble went, and what would shrink it
     "machine": "pplab.base.machine",  # how busy this machine is: what waits and predictions scale with
+    "hub": "pplab.course.hub",  # a workshop on JupyterHub (pip install 'pplab[hub]')
 }
 
 __all__ = [*_EXPORTS, *_MODULES]
@@ -87,7 +88,7 @@ if _TYPE_CHECKING:  # what static checkers and editors see
     from pplab.planning import bubble, simulator
     from pplab.session import run
     from pplab.rank import checkpoint, checks, comm, faults, mesh, train
-    from pplab.course import exercises
+    from pplab.course import exercises, hub
     from pplab.views import viz, widgets
     from pplab.rank.checkpoint import load_model
     from pplab.drivers.cluster import cleanup

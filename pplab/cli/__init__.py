@@ -7,10 +7,10 @@ import argparse
 import sys
 import warnings
 
-from pplab.cli import analyze, cleanup, demo, room, search, simulate, train
+from pplab.cli import analyze, cleanup, demo, room, search, simulate, train, workshop
 
 
-COMMANDS = (demo, simulate, search, train, analyze, room, cleanup)  # in the order `pplab --help` lists them
+COMMANDS = (demo, simulate, search, train, analyze, room, workshop, cleanup)  # in the order `pplab --help` lists them
 
 
 def build_parser() -> argparse.ArgumentParser:
