@@ -136,7 +136,7 @@ def workshop_hub(n_seats: int, extra_config: str = "", start_seconds: float = 12
             _stop(process)
             if hub is not None:
                 hub.final_log = hub.log()
-                hub.left_behind = [f"{p.pid} {' '.join(p.cmdline())[:120]}" for p in processes_of(made)]
+                hub.left_behind = [_described(process) for process in processes_of(made)]
                 hub.left_behind += [f"port {port} still listening" for port in ports if _listening(port)]
         if made:
             workshop.remove_users(folder) if (folder / workshop.SEATS).exists() else None
@@ -171,8 +171,15 @@ def processes_of(accounts: list[str]) -> list[psutil.Process]:
         with contextlib.suppress(KeyError):
             uids.add(pwd.getpwnam(account).pw_uid)
     found = []
-    for process in psutil.process_iter(["uids"]):
-        with contextlib.suppress(psutil.Error):
-            if process.info["uids"] and process.info["uids"].real in uids:
+    for process in psutil.process_iter(["uids", "status"]):
+        with contextlib.suppress(psutil.Error):  # a zombie has ended: only its parent's wait is left
+            if process.info["uids"] and process.info["uids"].real in uids and process.info["status"] != psutil.STATUS_ZOMBIE:
                 found.append(process)
     return found
+
+
+def _described(process: psutil.Process) -> str:
+    try:
+        return f"{process.pid} {' '.join(process.cmdline())[:120]}"
+    except psutil.Error:
+        return f"{process.pid} (ended while looked at)"

@@ -87,7 +87,7 @@ def _check_seats_can_reach(paths: list[Path]) -> None:
     for path in paths:
         path = path.resolve()
         for folder in [*reversed(path.parents), *([path] if path.is_dir() else [])]:
-            if not os.stat(folder).st_mode & stat.S_IXOTH:
+            if folder.exists() and not os.stat(folder).st_mode & stat.S_IXOTH:  # one made later is open
                 closed.append(f"{folder} (mode {stat.S_IMODE(os.stat(folder).st_mode):o}, on the way to {path})")
                 break
     if closed:

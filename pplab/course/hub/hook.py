@@ -33,7 +33,7 @@ def prepare_seat(workshop: Workshop, spawner) -> None:
     spawner.environment = {**spawner.environment, **workshop.environment(account, cluster=not local)}
     if not local:
         for name, value in gpu_request(set(spawner.trait_names()), workshop.gpus_per_seat).items():
-            setattr(spawner, name, value)
+            setattr(spawner, name, {**getattr(spawner, name), **value} if isinstance(value, dict) else value)
         return
     make_room(workshop.room, [account])  # made at the hub's start too; again for a seat added since
     if workshop.notebooks is not None:
