@@ -260,6 +260,8 @@ def test_a_room_with_seats_counts_a_verdict_for_the_account_whose_folder_holds_i
         "last_message": "right"}
     assert rows[("bin", "04b")]["score"] == 0 and rows[("bin", "04b")]["tries"] == 1
     assert rows[("nobody", "04b")]["tries"] == 0 and rows[("nobody", "04b")]["seconds_to_right"] == ""
+    assert main(["room", str(folder), "--seats", "daemon,bin"]) == 0  # again: nothing changes, nothing served
+    assert room.seats_of(folder) == list(SEATS) and len(room.inspect_room(folder, now).refusals) == 3
     assert main(["room", str(folder), "--export", str(tmp_path / "grades.csv")]) == 0
     exported = (tmp_path / "grades.csv").read_text().splitlines()
     assert exported[0].startswith("assignment,exercise,student_id,timestamp,raw_score,score,max_score,tries")
