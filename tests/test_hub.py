@@ -278,6 +278,7 @@ def test_a_workshop_on_a_real_hub_three_seats_their_verdicts_the_room_and_no_for
                 grades = list(csv.DictReader(io.StringIO(open(download.value.path()).read())))
             finally:
                 browser.close()
+                print(hub.log()[-6000:])  # shown where the test fails: what the hub and the seats' servers said
         if os.environ.get("PPLAB_SCREENSHOTS"):
             for shot in shots.glob("*.png"):
                 os.replace(shot, os.path.join(os.environ["PPLAB_SCREENSHOTS"], f"hub-{shot.name}"))

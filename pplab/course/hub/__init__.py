@@ -25,12 +25,11 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
-from pplab.course.hub.hook import copy_course, prepare_seat
-from pplab.course.hub.seats import Workshop, count_gpus, gpu_request, seat_names
+from pplab.course.hub.hook import prepare_seat
+from pplab.course.hub.seats import Workshop, count_gpus, seat_names
 from pplab.course.room import make_room
 
-__all__ = ["configure", "Workshop", "prepare_seat", "copy_course", "gpu_request", "seat_names", "count_gpus",
-           "ROOM_SERVICE", "INSTRUCTORS_ROLE"]
+__all__ = ["configure", "Workshop", "prepare_seat", "ROOM_SERVICE", "INSTRUCTORS_ROLE"]
 
 ROOM_SERVICE = "pplab-room"  # the room's page, at /services/pplab-room/
 INSTRUCTORS_ROLE = "pplab-instructors"  # who may open it
