@@ -36,8 +36,8 @@ from jupyter_client.manager import AsyncKernelManager
 from budget import SuiteBudget
 
 # This process, and the notebook kernels nbmake starts, share the cores with the ranks: one
-# torch thread each, as every rank has (DESIGN.md). Two OpenMP threads spinning against busy
-# ranks made a one-device reference step 6-17 times slower. (Read by torch when it loads.)
+# torch thread each, as every rank has (pplab.Lab's threads=1). Two OpenMP threads spinning
+# against busy ranks made a one-device reference step several times slower. (Read by torch when it loads.)
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 LAB_PROCESS_MARKERS = ("ipyparallel.controller", "ipyparallel.engine", "ipcontroller",

@@ -212,5 +212,5 @@ def test_run_configs_last_release_names_still_work_and_files_keep_seed_003s():
     assert (config.n_microbatches, config.n_virtual) == (8, 2)
     with pytest.warns(DeprecationWarning, match="RunConfig.virtual_stages is now RunConfig.n_virtual"):
         assert config.virtual_stages == 2
-    read = RunConfig.of({"parallel": {"microbatches": 8, "virtual-stages": 2}})  # seed 003's, quietly
+    read = RunConfig.of({"parallel": {"microbatches": 8, "virtual-stages": 2}})  # the older names, quietly
     assert (read.n_microbatches, read.n_virtual) == (8, 2) and "n_microbatches = 8" in read.to_toml()

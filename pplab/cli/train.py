@@ -135,7 +135,7 @@ def add_to(commands, ranks_run: argparse.ArgumentParser) -> argparse.ArgumentPar
     run_train.add_argument("--report", default=None, help="write every step's record as JSON to this file")
     run_train.add_argument("--config", default=None,
                            help="a TOML file of the options below (their names, with _ for -; in tables or not; "
-                                "seed 003's virtual_stages and microbatches read too); flags win")
+                                "the older virtual_stages and microbatches read too); flags win")
     run_train.add_argument("--print-config", action="store_true",
                            help="print the resolved options as TOML and start nothing")
     from pplab.session.run import RunConfig  # its fields are the options: each one's flag, help, default, check

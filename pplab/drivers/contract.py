@@ -78,7 +78,7 @@ class RankCall(Protocol):
 
     def result(self, timeout: float | None = None) -> list:
         """Every rank's result, by rank; a RankError naming the ranks when the call failed;
-        `StillRunning` when `timeout` passed first (the call goes on)."""
+        `StillRunningError` when `timeout` passed first (the call goes on)."""
 
 
 @runtime_checkable

@@ -44,7 +44,7 @@ from pplab.base.arguments import OP_TIMEOUT, check_positive_int, check_positive_
 from pplab.drivers.contract import arguments_by_rank, call_name
 from pplab.drivers.cores import check_cores, pin_this_process
 from pplab.rank.rank_context import (RankContext, RankDiedError, RankError, RankEvent, RankFailedError,
-                                     RankTimeoutError, StillRunning, import_before_joining, rank_context,
+                                     RankTimeoutError, StillRunningError, import_before_joining, rank_context,
                                      set_rank_context)
 
 
@@ -531,7 +531,7 @@ class PoolCall:
             if self._over:
                 break
             if wait_until is not None and time.monotonic() >= wait_until:
-                raise StillRunning(f"{self.name} still running after result(timeout={timeout}); "
+                raise StillRunningError(f"{self.name} still running after result(timeout={timeout}); "
                                    "the call goes on, ask again later")
             self.pool._drain(0.1 if wait_until is None else max(0.0, min(0.1, wait_until - time.monotonic())))
         if self._error is not None:

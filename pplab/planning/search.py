@@ -26,12 +26,10 @@ last the LM head), and a schedule made for the measured costs can beat the hand-
    CP-SAT solver proves fastest on the same cost model (`pplab.planning.exact`); the answer
    then carries the proof (`Found.proof`).
 
-Each candidate must pass `validate`; the fastest whose simulated peak fits the limit wins.
-Since the built-ins are candidates, the result is never slower than any of them that fits.
-
-Memory is the activations a rank holds (a forward's, until its B, or its W, ends): counted
-in microbatches of the rank's share of the model (a stage of a rank with v stages counts
-1/v), or in bytes when `saved_bytes` gives each stage's bytes per microbatch.
+Each candidate must pass `validate`; the fastest whose simulated peak fits the limit wins: never
+slower than a built-in that fits. Memory is the activations a rank holds (a forward's, until its
+B, or its W, ends), in microbatches of its share of the model (a stage of a rank with v stages
+counts 1/v), or in bytes where `saved_bytes` gives each stage's bytes per microbatch.
 
 `search_balance` chooses, from per-layer costs, how many layers each stage gets.
 """

@@ -67,7 +67,7 @@ class RankTimeoutError(RankError, TimeoutError):
     """A call, or the start of the ranks, ran past its bound; `ranks` were still running."""
 
 
-class StillRunning(TimeoutError):
+class StillRunningError(TimeoutError):
     """`call.result(timeout=...)` returned before the ranks finished; the call goes on."""
 
 

@@ -24,7 +24,7 @@ from pplab.data import Batch, batches
 from pplab.drivers.contract import PerRank
 from pplab.rank.mesh import Mesh
 from pplab.models.llama import LlamaConfig
-from pplab.rank.rank_context import RankError, StillRunning
+from pplab.rank.rank_context import RankError, StillRunningError
 from pplab.rank.rank_pipeline import PipelineSpec, split_for_ranks
 from pplab.schedules import TORCH_SCHEDULES
 from pplab.rank.reference import ReferenceResult, reference_step
@@ -190,7 +190,7 @@ class Pipeline:
                 try:  # raises at once when a rank failed or died
                     history = call.result(timeout=0.1)[0]
                     break
-                except StillRunning:
+                except StillRunningError:
                     continue
             call.wait_for_events()  # a rank's last records may trail its result
             show_arrived()
@@ -316,14 +316,14 @@ class LiveStep:
         """Block until every rank has finished, or `timeout` seconds (errors are left to `finished`)."""
         try:
             self.call.result(timeout=timeout)
-        except (RankError, StillRunning):  # a failure is kept by the call; finished() raises it
+        except (RankError, StillRunningError):  # a failure is kept by the call; finished() raises it
             pass
 
     def finished(self) -> bool:
         """True once every rank has finished; raises the call's error if a rank failed."""
         try:
             self.call.result(timeout=0)
-        except StillRunning:
+        except StillRunningError:
             return False
         return True
 

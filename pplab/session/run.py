@@ -2,7 +2,7 @@
 
 `RunConfig` holds every option of a run: the model, the parallel layout (`pp`, `dp`, `tp`, the
 mesh's names; `schedule`, `n_microbatches`, `n_virtual`, `balance`, the names `lab.pipeline`
-uses; seed 003's `microbatches` and `virtual_stages` are read too), the stages' dtype, and
+uses; the older spellings `microbatches` and `virtual_stages` are read too), the stages' dtype, and
 every field of `TrainOptions` (the optimizer, the schedule of the learning rate, the data,
 the checkpoints). Each field is written once, with its help, section and kind
 (`pplab.base.config.option`): the `pplab train` flags are made from them. `train(config, **keywords)` starts the ranks (local processes, or
@@ -34,8 +34,8 @@ SCHEDULE = Kind("a schedule's name, or a Schedule", str, lambda v: isinstance(v,
 
 __all__ = ["RunConfig", "train"]
 
-# Seed 003's names for two of them, read in files and dicts and shown as the canonical name (a
-# schedule's name may be spelled as seed 003 does, "interleaved_1f1b": schedule_name reads every spelling).
+# Older names for two of them, read in files and dicts and shown as the canonical name (a schedule's
+# name may be spelled the older way too, "interleaved_1f1b": schedule_name reads every spelling).
 ALIASES = {"microbatches": "n_microbatches", "virtual_stages": "n_virtual"}
 
 
@@ -83,7 +83,7 @@ class RunConfig(TrainOptions):
 
     @classmethod
     def of(cls, values: dict, where: str = "the configuration") -> "RunConfig":
-        """A configuration from a dict of options (tables flattened, seed 003's spellings taken);
+        """A configuration from a dict of options (tables flattened, the older spellings taken);
         an unknown key is a ValueError that lists the known ones."""
         options = {}
         for key, value in flattened(values).items():

@@ -21,7 +21,7 @@ from pplab.drivers.cluster.errors import RESTART_HINT, RankDiedError, RankFailed
 from pplab.base.machine import busy_note, measure_load
 from pplab.drivers.cluster.ipyparallel_adapter import engine_died, results_per_engine
 from pplab.drivers.cluster.status import RankGroup
-from pplab.rank.rank_context import RankEvent, StillRunning
+from pplab.rank.rank_context import RankEvent, StillRunningError
 
 POLL_SECONDS = 0.1  # how often a waiting client looks for dead ranks and new events
 GRACE_STRETCH_AT_MOST = 3.0  # how far a busy machine stretches the grace after a rank's failure
@@ -71,7 +71,7 @@ class RankCall:
         with self._interruptible():
             while not self._finished():
                 if wait_until is not None and time.monotonic() >= wait_until:
-                    raise StillRunning(f"{self._name} still running after result(timeout={timeout})"
+                    raise StillRunningError(f"{self._name} still running after result(timeout={timeout})"
                                        "; the call goes on, ask again later")
                 self._wait_a_little(wait_until)
             return [result.get() for result in self._per_rank]
