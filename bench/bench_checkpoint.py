@@ -63,9 +63,9 @@ import torch.distributed as dist
 
 import pplab
 from measuring import load
-from pplab.rank.checkpoint import Checkpointer
 from pplab.base.checkpoint_files import data_files, share
 from pplab.drivers.local import run_ranks
+from pplab.rank.checkpoint import Checkpointer
 from pplab.rank.rank_pipeline import PipelineSpec, RankPipeline
 from pplab.rank.train import RankTrainer, TrainOptions
 from pplab.session.on_rank import built_pipeline

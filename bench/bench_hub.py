@@ -130,7 +130,6 @@ def main() -> None:
     parser.add_argument("--out", default=str(RESULT_PATH))
     args = parser.parse_args()
     from hub_harness import missing_for_a_hub, workshop_hub
-
     from pplab.machine import measure_load
 
     missing = missing_for_a_hub()

@@ -34,11 +34,16 @@ import torch
 
 import pplab
 from pplab.data import batches
-from pplab.planning.search import search, search_balance, stage_costs
+from pplab.planning.balance import search_balance, stage_costs
+from pplab.planning.search import search
 from pplab.schedules import build, validate
 from pplab.schedules.compiled import no_cyclic_gc
-from pplab.schedules.validation import (_check_each_action, _check_every_pass_present, _check_runs_to_the_end,
-                                        _check_sends_meet_receives)
+from pplab.schedules.validation import (
+    _check_each_action,
+    _check_every_pass_present,
+    _check_runs_to_the_end,
+    _check_sends_meet_receives,
+)
 from pplab.simulator import Costs, _Simulation, simulate
 
 RESULTS = Path(__file__).parent / "results" / "schedules.json"

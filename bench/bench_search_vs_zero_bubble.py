@@ -26,9 +26,8 @@ import time
 from pathlib import Path
 
 from measuring import load
-from pplab.planning.zero_bubble_heuristic import best_heuristic
-
 from pplab.planning.search import search
+from pplab.planning.zero_bubble_heuristic import best_heuristic
 from pplab.simulator import Costs
 
 RESULTS = Path(__file__).parent / "results" / "search_vs_zero_bubble.json"

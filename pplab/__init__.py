@@ -52,8 +52,8 @@ _EXPORTS = {
     "hop_costs_on_rank": "pplab.rank.profiler",  # run on two ranks: the time of one hop between them
     "predict": "pplab.planning.prediction",
     "search": "pplab.planning.search",  # floor 2: it runs the simulator
-    "search_balance": "pplab.planning.search",
-    "stage_costs": "pplab.planning.search",  # a balance's per-stage costs, from per-layer ones
+    "search_balance": "pplab.planning.balance",
+    "stage_costs": "pplab.planning.balance",  # a balance's per-stage costs, from per-layer ones
     "Lab": "pplab.views.lab",  # engines as ranks, from Jupyter: pipelines with live views
     "RankPool": "pplab.session",  # the same on local processes: command line, tests, scripts
     "TorchrunRanks": "pplab.session",  # in a torchrun script: this process is one rank
@@ -81,29 +81,29 @@ __all__ = [*_EXPORTS, *_MODULES]
 if _TYPE_CHECKING:  # what static checkers and editors see
     from pplab import data, schedules, session, trace
     from pplab.base import machine
+    from pplab.base.config import TrainOptions
+    from pplab.course import exercises, hub
     from pplab.data import text
     from pplab.drivers import cluster
+    from pplab.drivers.cluster import cleanup
     from pplab.models import hf, traced
     from pplab.models import llama as model
-    from pplab.planning import bubble, simulator
-    from pplab.session import run
-    from pplab.rank import checkpoint, checks, comm, faults, mesh, train
-    from pplab.course import exercises, hub
-    from pplab.views import viz, widgets
-    from pplab.rank.checkpoint import load_model
-    from pplab.drivers.cluster import cleanup
-    from pplab.rank.mesh import Mesh
     from pplab.models.llama import LlamaConfig, LlamaModel, build_model, generate
     from pplab.models.partition import build_stage, layer_ranges
+    from pplab.planning import bubble, simulator
+    from pplab.planning.balance import search_balance, stage_costs
     from pplab.planning.prediction import predict
+    from pplab.planning.search import search
+    from pplab.planning.simulator import Costs, simulate
+    from pplab.rank import checkpoint, checks, comm, faults, mesh, train
+    from pplab.rank.checkpoint import load_model
+    from pplab.rank.mesh import Mesh
     from pplab.rank.profiler import hop_costs_on_rank, profile
     from pplab.rank.reference import reference_step
-    from pplab.planning.search import search, search_balance, stage_costs
-    from pplab.session import Pipeline, RankPool, TorchrunRanks
-    from pplab.views.lab import Lab
-    from pplab.planning.simulator import Costs, simulate
+    from pplab.session import Pipeline, RankPool, TorchrunRanks, run
     from pplab.trace.timeline import Event, Timeline
-    from pplab.base.config import TrainOptions
+    from pplab.views import viz, widgets
+    from pplab.views.lab import Lab
 
 
 class _PublicModules:

@@ -8,15 +8,15 @@ import pytest
 import torch
 
 from pplab import checkpoint
-from pplab.rank.checkpoint import CheckpointError, Checkpointer, rank_module
 from pplab.data import batches
-from pplab.session import RankError
-from ranks import run_ranks
 from pplab.model import LlamaConfig, build_model
 from pplab.models.partition import build_stage
+from pplab.rank.checkpoint import Checkpointer, CheckpointError, rank_module
 from pplab.rank.rank_pipeline import PipelineSpec, RankPipeline
 from pplab.rank.reference import reference_step
 from pplab.rank.train import RankTrainer, TrainOptions, build_and_train_on_rank, make_optimizer
+from pplab.session import RankError
+from ranks import run_ranks
 
 CONFIG = LlamaConfig.tiny()
 BASE = dict(steps=6, batch_size=8, seq_len=32, warmup=2, eval_every=0)

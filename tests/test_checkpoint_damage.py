@@ -20,13 +20,12 @@ import torch
 import torch.distributed as dist
 
 from pplab import checkpoint
-from pplab.rank.checkpoint import CheckpointError, Checkpointer, rank_module
-from ranks import run_ranks
 from pplab.model import LlamaConfig
 from pplab.models.partition import build_stage
+from pplab.rank.checkpoint import Checkpointer, CheckpointError, rank_module
 from pplab.rank.rank_pipeline import PipelineSpec, RankPipeline
 from pplab.rank.train import RankTrainer, TrainOptions, build_and_train_on_rank, make_optimizer
-
+from ranks import run_ranks
 
 CONFIG = LlamaConfig.tiny()
 BASE = TrainOptions(steps=6, batch_size=8, seq_len=32, warmup=2, eval_every=0)

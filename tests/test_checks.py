@@ -1,7 +1,8 @@
 """Check reports read well: short plain-text lines for terminals, a table for notebooks."""
 
-from pplab.rank.checks import GradientFlowReport, ParityReport
 import pytest
+
+from pplab.rank.checks import GradientFlowReport, ParityReport
 
 pytestmark = pytest.mark.quick  # starts no process (conftest makes sure)
 

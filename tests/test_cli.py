@@ -12,10 +12,10 @@ import pytest
 import torch
 
 import pplab
+from pplab import Timeline
 from pplab.drivers.cluster import records
 from pplab.schedules import build
 from pplab.simulator import Costs, simulate
-from pplab import Timeline
 
 
 @pytest.fixture(scope="module")

@@ -10,8 +10,8 @@ import _thread
 import asyncio
 import contextlib
 import json
-import re
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -20,16 +20,32 @@ import time
 
 import psutil
 import pytest
-from timing import SLACK, slack, within
 import torch
 
 import pplab
-from pplab.machine import LoadWatch, measure_load
-from pplab.drivers.cluster import (LabError, LabNeedsRestartError, LabStartError, RankDiedError, RankFailedError,
-                           RankTimeoutError, publish, rank_context, records)
-from pplab.drivers.cluster.plan import (assign_ranks, check_gpus, check_memory_fraction, choose_backend_device,
-                                        gpus_for_seat, local_ranks, plan_room)
+from pplab.drivers.cluster import (
+    LabError,
+    LabNeedsRestartError,
+    LabStartError,
+    RankDiedError,
+    RankFailedError,
+    RankTimeoutError,
+    publish,
+    rank_context,
+    records,
+)
+from pplab.drivers.cluster.plan import (
+    assign_ranks,
+    check_gpus,
+    check_memory_fraction,
+    choose_backend_device,
+    gpus_for_seat,
+    local_ranks,
+    plan_room,
+)
 from pplab.drivers.cluster.status import RankInfo, RankTable
+from pplab.machine import LoadWatch, measure_load
+from timing import SLACK, slack, within
 
 # -- functions that run on the ranks ------------------------------------------------------
 
@@ -376,8 +392,8 @@ def test_an_engine_whose_first_describe_request_was_lost_is_asked_again(monkeypa
 
 
 def test_an_error_breaks_the_process_group_by_its_type_or_its_cause():
-    from pplab.drivers.cluster.engine import breaks_process_group
     from pplab.comm import PipelineTimeoutError
+    from pplab.drivers.cluster.engine import breaks_process_group
 
     class LookalikeError(Exception):
         pass
@@ -809,6 +825,7 @@ def test_connect_uses_engines_of_a_cluster_started_elsewhere(tmp_path):
 @pytest.mark.timeout(120)
 def test_a_start_that_fails_midway_leaves_nothing_running(ipython_dir, monkeypatch):
     import ipyparallel as ipp
+
     from conftest import lab_processes
 
     async def controller_fails(self, **kwargs):
@@ -901,6 +918,7 @@ def test_an_engine_that_dies_at_start_fails_the_start_at_once(ipython_dir, monke
 @pytest.mark.timeout(120)
 def test_a_controller_that_does_not_answer_fails_the_start_after_start_timeout(ipython_dir, monkeypatch):
     import ipyparallel as ipp
+
     from conftest import lab_processes
 
     start_controller = ipp.Cluster.start_controller

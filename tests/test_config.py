@@ -6,12 +6,12 @@ import dataclasses
 import inspect
 import json
 import re
-import tomllib
 
 import pytest
+import tomllib
 
-from pplab.cli import main
 from pplab.base.config import TrainOptions
+from pplab.cli import main
 from pplab.session.drivers import Lab, RankPool
 from pplab.session.run import RunConfig
 

@@ -5,6 +5,7 @@ import re
 import statistics
 
 import pytest
+
 from timing import slack
 
 pytest.importorskip("ipywidgets")

@@ -7,10 +7,16 @@ import pytest
 import torch
 
 import pplab
-from pplab.data import (CharTokenizer, batches, default_corpus, hf_batches, packed_batches, pad_sequences,
-                        split_microbatches)
+from pplab.data import (
+    CharTokenizer,
+    batches,
+    default_corpus,
+    hf_batches,
+    packed_batches,
+    pad_sequences,
+    split_microbatches,
+)
 from pplab.model import IGNORE_INDEX, loss_fn
-
 
 
 @pytest.mark.quick

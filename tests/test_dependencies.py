@@ -11,12 +11,24 @@ import dataclasses
 
 import pytest
 
-from pplab.rank.rank_pipeline import PipelineSpec
-from pplab.model import LlamaConfig
-from pplab.schedules import (SCHEDULE_NAMES, from_text, Action, DeadlockError, Dependencies, Kind, Schedule,
-                             ScheduleError, build, check_runnable, from_torch, validate)
-from pplab.schedules.compiled import KINDS, boundaries, compile_schedule, peer_stages
 from pplab import simulator
+from pplab.model import LlamaConfig
+from pplab.rank.rank_pipeline import PipelineSpec
+from pplab.schedules import (
+    SCHEDULE_NAMES,
+    Action,
+    DeadlockError,
+    Dependencies,
+    Kind,
+    Schedule,
+    ScheduleError,
+    build,
+    check_runnable,
+    from_text,
+    from_torch,
+    validate,
+)
+from pplab.schedules.compiled import KINDS, boundaries, compile_schedule, peer_stages
 
 pytestmark = pytest.mark.quick  # starts no process (conftest makes sure)
 

@@ -7,12 +7,11 @@ the dashboard shows who waited on whom; a restart gives a lab that matches one d
 import re
 
 import pytest
-from timing import SLACK, slack, within
 
 import pplab
 from pplab import faults
 from pplab.drivers.cluster import RankDiedError, RankFailedError
-
+from timing import SLACK, slack, within
 
 CONFIG = pplab.LlamaConfig.tiny()
 

@@ -15,8 +15,8 @@ from pplab.data import batches  # noqa: E402
 from pplab.hf import HFModel, Layout  # noqa: E402
 from pplab.model import loss_fn  # noqa: E402
 from pplab.rank.checkpoint import step_directory  # noqa: E402
-from pplab.rank.reference import reference_step  # noqa: E402
 from pplab.rank.rank_pipeline import PipelineSpec  # noqa: E402
+from pplab.rank.reference import reference_step  # noqa: E402
 from ranks import pool  # noqa: E402
 
 SIZES = dict(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=4,

@@ -16,9 +16,9 @@ import time
 import pytest
 
 import pplab
+from pplab.drivers.cluster.namespaces import INTERFACE, NamespaceHosts
 from pplab.machine import LoadWatch
 from timing import slack, within
-from pplab.drivers.cluster.namespaces import INTERFACE, NamespaceHosts
 
 WHY_NOT = NamespaceHosts.why_not()
 pytestmark = pytest.mark.skipif(WHY_NOT is not None, reason=f"namespace hosts: {WHY_NOT}")

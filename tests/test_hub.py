@@ -12,9 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import csv
-import html
 import io
-import json
 import os
 import pwd
 import re

@@ -163,9 +163,9 @@ def test_a_pipeline_stepped_after_a_restart_says_to_build_it_again(lab2):
 
 
 def test_training_on_a_lab_is_the_training_of_plain_processes_and_reshards(lab2, tmp_path):
-    from ranks import run_ranks
     from pplab.rank.rank_pipeline import PipelineSpec
     from pplab.rank.train import TrainOptions, build_and_train_on_rank
+    from ranks import run_ranks
 
     options = dict(steps=6, batch_size=8, seq_len=32, warmup=2, eval_every=3)
     spec = PipelineSpec.create(CONFIG, "interleaved-1f1b", 2, 4, 2)

@@ -12,14 +12,13 @@ import pytest
 
 import pplab
 from pplab.data import batches
-from ranks import run_ranks
+from pplab.rank.checks import compare_with_reference
 from pplab.rank.mesh import Mesh, all_gathers_per_unit, communicated_bytes, memory_held, optimizer_state_bytes
 from pplab.rank.rank_pipeline import PipelineSpec, RankPipeline, run_jobs_on_rank, split_for_ranks
-from pplab.session.results import merge_steps
 from pplab.rank.reference import reference_step
-from pplab.rank.checks import compare_with_reference
 from pplab.schedules import build
-
+from pplab.session.results import merge_steps
+from ranks import run_ranks
 
 CONFIG = pplab.LlamaConfig.tiny()
 MICROBATCHES = 4

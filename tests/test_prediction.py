@@ -6,12 +6,11 @@ import pplab
 from pplab.data import batches
 from pplab.planning.prediction import Profile, StageProfile, predict
 from pplab.rank.profiler import profile
-from ranks import run_ranks
 from pplab.rank.rank_pipeline import PipelineSpec, run_jobs_on_rank, split_for_ranks
-from pplab.session.results import merge_steps
 from pplab.schedules import build, theory
+from pplab.session.results import merge_steps
 from pplab.simulator import Costs
-
+from ranks import run_ranks
 
 CONFIG = pplab.LlamaConfig.tiny()
 MICROBATCH_SIZE, SEQ_LEN = 2, 32

@@ -20,9 +20,8 @@ import torch
 from pplab.bubble import explain, named_schedule
 from pplab.machine import LoadWatch
 from pplab.model import LlamaConfig
-from pplab.trace import TraceImportError, read_profiler_traces
 from pplab.simulator import Costs
-from pplab.trace import from_profiler
+from pplab.trace import TraceImportError, from_profiler, read_profiler_traces
 from ranks import run_ranks
 
 CONFIG = LlamaConfig.tiny()

@@ -4,9 +4,9 @@ sequences epoch by epoch, and `pplab train` on them, configured by flags or by a
 import json
 import subprocess
 import sys
-import tomllib
 
 import pytest
+import tomllib
 import torch
 
 import pplab

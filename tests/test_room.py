@@ -169,6 +169,7 @@ def test_three_attendees_labs_and_verdicts_are_seen_live_in_a_browser(tmp_path, 
 
 def _look_in_a_browser(url, attendees, server, tmp_path):
     from playwright.sync_api import sync_playwright
+
     from test_browser import CHROMIUM, open_page
 
     with sync_playwright() as playwright:

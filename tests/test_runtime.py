@@ -8,15 +8,14 @@ import pytest
 import torch
 
 import pplab
-from pplab.rank.checks import check_gradient_flow, compare_with_reference
 from pplab.comm import PipelineTimeoutError
 from pplab.data import batches
-from pplab.session import RankFailedError
-from ranks import run_ranks
+from pplab.rank.checks import check_gradient_flow, compare_with_reference
 from pplab.rank.rank_pipeline import PipelineSpec, run_jobs_on_rank, split_for_ranks
-from pplab.session.results import merge_steps
 from pplab.schedules import Action, Schedule, build, from_text
-
+from pplab.session import RankFailedError
+from pplab.session.results import merge_steps
+from ranks import run_ranks
 
 CONFIG = pplab.LlamaConfig.tiny()
 FULL_NAMES = [name for name, _ in pplab.build_model(CONFIG).named_parameters()]
@@ -179,9 +178,9 @@ def test_a_ready_schedule_must_agree_with_the_arguments():
 def test_a_step_lists_its_microbatch_losses_and_boundary_shapes_by_microbatch_as_the_reference_does():
     import typing
 
-    from pplab.session.results import StepResult
     from pplab.rank.reference import ReferenceResult
     from pplab.rank.runtime import Boundary, RankStep
+    from pplab.session.results import StepResult
 
     def crossed(microbatch):
         return Boundary(0, microbatch, (2, 4, 8), "float32", 256)
@@ -256,8 +255,8 @@ def _watched_step(rank, world_size, spec, data):
 
 
 def test_a_watcher_is_told_each_start_and_each_event_as_the_step_goes():
-    from pplab.trace import Now
     from pplab import Event
+    from pplab.trace import Now
 
     spec = PipelineSpec.create(CONFIG, "1f1b", 2, 3)
     data = split_for_ranks(spec, next(batches(MICROBATCH_SIZE * 3, SEQ_LEN)))

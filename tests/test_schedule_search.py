@@ -6,17 +6,17 @@ import random
 import pytest
 
 import pplab
-from pplab.rank.checks import compare_with_reference
 from pplab.data import batches
+from pplab.planning.balance import search_balance, stage_costs
+from pplab.planning.search import NothingFitsError, list_schedule, search
+from pplab.planning.zero_bubble_heuristic import best_heuristic
+from pplab.rank.checks import compare_with_reference
+from pplab.rank.rank_pipeline import PipelineSpec, run_jobs_on_rank, split_for_ranks
+from pplab.schedules import Schedule, add_communication, v_placement, validate
+from pplab.session.results import merge_steps
+from pplab.simulator import Costs, simulate
 from ranks import run_ranks
 from timing import slack
-from pplab.rank.rank_pipeline import PipelineSpec, run_jobs_on_rank, split_for_ranks
-from pplab.session.results import merge_steps
-from pplab.planning.search import NothingFitsError, list_schedule, search, search_balance, stage_costs
-from pplab.schedules import Schedule, add_communication, v_placement, validate
-from pplab.simulator import Costs, simulate
-from pplab.planning.zero_bubble_heuristic import best_heuristic
-
 
 SLOW_LINK = Costs(forward=1.0, input_grad=1.0, weight_grad=1.0, latency=1.5)
 # Per layer: layer 0 carries the embedding, layer 7 the final norm, LM head and loss.

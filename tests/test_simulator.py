@@ -5,9 +5,9 @@ import math
 
 import pytest
 
+from pplab import Event, Timeline
 from pplab.schedules import Schedule, ScheduleError, build, from_text, theory
 from pplab.simulator import Costs, DeadlockError, simulate
-from pplab import Event, Timeline
 
 pytestmark = pytest.mark.quick  # starts no process (conftest makes sure)
 

@@ -13,7 +13,16 @@ import sys
 import pytest
 
 from pplab.planning.search import search
-from pplab.schedules import Action, Kind, Schedule, ScheduleError, build, check_torch_runs, from_text, from_torch
+from pplab.schedules import (
+    Action,
+    Kind,
+    Schedule,
+    ScheduleError,
+    build,
+    check_torch_runs,
+    from_text,
+    from_torch,
+)
 from pplab.simulator import Costs
 
 

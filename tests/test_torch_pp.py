@@ -10,14 +10,13 @@ from collections import Counter
 import pytest
 
 import pplab
-from pplab.rank.checks import check_gradient_flow, compare_with_reference
 from pplab.data import batches
-from ranks import run_ranks
+from pplab.rank.checks import check_gradient_flow, compare_with_reference
 from pplab.rank.rank_pipeline import PipelineSpec, run_jobs_on_rank, split_for_ranks
-from pplab.session.results import merge_steps
-from pplab.schedules import from_torch
 from pplab.rank.torch_pp import torch_schedule
-
+from pplab.schedules import from_torch
+from pplab.session.results import merge_steps
+from ranks import run_ranks
 
 CONFIG = pplab.LlamaConfig.tiny()
 FULL_NAMES = [name for name, _ in pplab.build_model(CONFIG).named_parameters()]

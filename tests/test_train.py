@@ -2,13 +2,12 @@
 
 import pytest
 
-from pplab.data import CharTokenizer, batches
 from one_device import single_device_training
-from ranks import pool, run_ranks
+from pplab.data import CharTokenizer, batches
 from pplab.model import LlamaConfig, generate
 from pplab.rank.rank_pipeline import PipelineSpec
 from pplab.rank.train import TrainOptions, build_and_train_on_rank, lr_factor
-
+from ranks import pool, run_ranks
 
 CONFIG = LlamaConfig.tiny()
 OPTIONS = TrainOptions(steps=6, batch_size=8, seq_len=32, warmup=2, eval_every=3, clip=0.5)

@@ -11,10 +11,13 @@ import pytest  # noqa: E402
 from matplotlib.figure import Figure  # noqa: E402
 
 import pplab  # noqa: E402
-from pplab import viz  # noqa: E402
+from pplab import (  # noqa: E402
+    Event,
+    Timeline,
+    viz,  # noqa: E402
+)
 from pplab.schedules import build, theory  # noqa: E402
 from pplab.simulator import Costs, simulate  # noqa: E402
-from pplab import Event, Timeline  # noqa: E402
 
 pytestmark = pytest.mark.quick  # starts no process (conftest makes sure)
 

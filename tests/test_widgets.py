@@ -5,11 +5,18 @@ import pytest
 pytest.importorskip("ipywidgets")
 
 from pplab.rank.runtime import Boundary  # noqa: E402
-from pplab.trace import Now  # noqa: E402
 from pplab.schedules import build, theory  # noqa: E402
 from pplab.simulator import Costs, costs_from_timeline, simulate  # noqa: E402
-from pplab.views.widgets import (BubblesView, GradientsView, MemoryView, ShapesView,  # noqa: E402
-                           TimelineView, WhatIf, WhereView)
+from pplab.trace import Now  # noqa: E402
+from pplab.views.widgets import (  # noqa: E402
+    BubblesView,
+    GradientsView,
+    MemoryView,
+    ShapesView,
+    TimelineView,
+    WhatIf,
+    WhereView,
+)
 
 pytestmark = pytest.mark.quick  # starts no process (conftest makes sure)
 

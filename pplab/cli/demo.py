@@ -9,10 +9,9 @@ import time
 from pathlib import Path
 
 from pplab._version import __version__
-from pplab.schedules import theory
-from pplab.planning.simulator import Costs, simulate
 from pplab.cli.options import add_run_flag, arguments_as_json, bubble_figure, number, positive_int
-
+from pplab.planning.simulator import Costs, simulate
+from pplab.schedules import theory
 
 DEMO_SCHEDULES = {  # per runtime: (schedule, stages per rank)
     "pplab": (("gpipe", 1), ("1f1b", 1), ("interleaved-1f1b", 2), ("zb-h1", 1)),
@@ -25,13 +24,13 @@ def run(args: argparse.Namespace) -> int:
     # torch and matplotlib only here: `pplab simulate` starts without them.
     import torch
 
-    from pplab.views import viz
     from pplab.data import batches
     from pplab.drivers.torchrun import TorchrunRanks, under_torchrun
     from pplab.models.llama import LlamaConfig, build_model
     from pplab.rank.rank_pipeline import PipelineSpec
     from pplab.rank.reference import reference_step
     from pplab.session import Pipeline, RankPool
+    from pplab.views import viz
 
     config = LlamaConfig.tiny()
     if under_torchrun():  # torchrun decides the ranks; only rank 0 speaks

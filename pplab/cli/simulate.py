@@ -9,9 +9,9 @@ import json
 from pathlib import Path
 
 from pplab._version import __version__
-from pplab.schedules import SCHEDULE_NAMES, Kind, Schedule, build, schedule_name, theory, validate
-from pplab.planning.simulator import Costs, simulate
 from pplab.cli.options import add_run_flag, arguments_as_json, bubble_figure, number, per_stage, positive_int
+from pplab.planning.simulator import Costs, simulate
+from pplab.schedules import SCHEDULE_NAMES, Kind, Schedule, build, schedule_name, theory, validate
 
 
 def run(args: argparse.Namespace) -> int:

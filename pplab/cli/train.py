@@ -138,7 +138,9 @@ def add_to(commands, ranks_run: argparse.ArgumentParser) -> argparse.ArgumentPar
                                 "the older virtual_stages and microbatches read too); flags win")
     run_train.add_argument("--print-config", action="store_true",
                            help="print the resolved options as TOML and start nothing")
-    from pplab.session.run import RunConfig  # its fields are the options: each one's flag, help, default, check
+    from pplab.session.run import (
+        RunConfig,  # its fields are the options: each one's flag, help, default, check
+    )
 
     add_field_flags(run_train, RunConfig, skip=("pp",))  # pp follows from --n-ranks, --dp and --tp
     run_train.set_defaults(handler=run)

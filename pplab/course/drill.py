@@ -53,10 +53,10 @@ class DrillResult:
 def seat(out: str) -> None:
     """One attendee's lessons on a lab of their own (run in a process of its own); writes JSON to `out`.
     (The session's lab: a drill's seats write no records in an instructor's room.)"""
-    from pplab.planning.bubble import explain
     from pplab.models.llama import LlamaConfig
-    from pplab.session.drivers import Lab
+    from pplab.planning.bubble import explain
     from pplab.planning.simulator import Costs
+    from pplab.session.drivers import Lab
 
     times, verdicts, started = {}, {}, time.monotonic()
 

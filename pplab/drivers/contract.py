@@ -18,6 +18,7 @@ process ended), `RankTimeoutError` (past its bound), each a `RankError` with `.r
 
 from __future__ import annotations
 
+import traceback
 from collections.abc import Callable, Sequence
 from typing import Protocol, runtime_checkable
 
@@ -105,3 +106,13 @@ class Ranks(Protocol):
 
     def stop(self) -> None:
         """End the ranks; nothing is left running."""
+
+
+def error_report(error: BaseException) -> tuple[str, str, str]:
+    """(exception type, message, traceback text) of an error raised on a rank: what every driver sends back."""
+    return type(error).__name__, str(error), traceback.format_exc()
+
+
+def one_line(ename: str, evalue: str) -> str:
+    """An error as one line: its type and the first line of its message."""
+    return f"{ename}: {evalue}".splitlines()[0]

@@ -34,19 +34,26 @@ import sys
 import tempfile
 import threading
 import time
-import traceback
 import weakref
-from datetime import timedelta
 from collections.abc import Sequence
+from datetime import timedelta
 from multiprocessing import connection
 
 from pplab.base.arguments import OP_TIMEOUT, check_positive_int, check_positive_seconds, renamed_keywords
-from pplab.drivers.contract import arguments_by_rank, call_name
+from pplab.drivers.contract import arguments_by_rank, call_name, error_report, one_line
 from pplab.drivers.cores import check_cores, pin_this_process
-from pplab.rank.rank_context import (RankContext, RankDiedError, RankError, RankEvent, RankFailedError,
-                                     RankTimeoutError, StillRunningError, import_before_joining, rank_context,
-                                     set_rank_context)
-
+from pplab.rank.rank_context import (
+    RankContext,
+    RankDiedError,
+    RankError,
+    RankEvent,
+    RankFailedError,
+    RankTimeoutError,
+    StillRunningError,
+    import_before_joining,
+    rank_context,
+    set_rank_context,
+)
 
 # What every rank imports: a rank forked from a server that imported these once starts in a
 # tenth of a second, where a spawned one spends about 2 s of CPU importing torch. torch._dynamo
@@ -117,11 +124,6 @@ def _join_group(rank: int, world_size: int, rendezvous: str, backend: str, op_ti
     dist.init_process_group(backend, init_method=rendezvous, rank=rank, world_size=world_size,
                             timeout=timedelta(seconds=op_timeout))
     return device
-
-
-def error_report(error: BaseException) -> tuple[str, str, str]:
-    """(exception type, message, traceback text) of an error raised on this rank."""
-    return type(error).__name__, str(error), traceback.format_exc()
 
 
 def _rank_main(rank, world_size, rendezvous, backend, op_timeout, fn, args, results):
@@ -222,11 +224,6 @@ def _collect(processes, results, timeout: float, grace: float) -> list:
         kind = RankFailedError if raised else RankDiedError
         raise kind("\n".join(f"rank {rank} {what}" for rank, what in failures.items()), causes, raised)
     return [collected[rank] for rank in range(len(processes))]
-
-
-def one_line(ename: str, evalue: str) -> str:
-    """An error as one line: its type and the first line of its message."""
-    return f"{ename}: {evalue}".splitlines()[0]
 
 
 # --- a pool of ranks kept between calls ------------------------------------------------------

@@ -15,9 +15,14 @@ import socket
 from datetime import timedelta
 
 from pplab.base.arguments import OP_TIMEOUT, renamed_keywords
-from pplab.drivers.contract import arguments_by_rank
-from pplab.drivers.local import error_report, one_line
-from pplab.rank.rank_context import RankContext, RankEvent, RankFailedError, import_before_joining, set_rank_context
+from pplab.drivers.contract import arguments_by_rank, error_report, one_line
+from pplab.rank.rank_context import (
+    RankContext,
+    RankEvent,
+    RankFailedError,
+    import_before_joining,
+    set_rank_context,
+)
 
 
 def under_torchrun() -> bool:

@@ -30,11 +30,11 @@ from dataclasses import dataclass, field
 from typing import Sequence
 
 from pplab.base.formatting import wrapped
-from pplab.schedules import Schedule, theory
 from pplab.planning.prediction import Profile
 from pplab.planning.simulator import costs_from_timeline, simulate
-from pplab.planning.whatif import RunModel, Suggestion, named_schedule, step_spread, suggestions
 from pplab.planning.straggler import STRAGGLER_RATIO, StragglerVerdict, straggler_verdict
+from pplab.planning.whatif import RunModel, Suggestion, named_schedule, step_spread, suggestions
+from pplab.schedules import Schedule, theory
 from pplab.trace.timeline import Event, Timeline
 
 __all__ = ["STRAGGLER_RATIO", "BubbleReport", "RankBubble", "Wait", "Suggestion", "explain", "named_schedule"]

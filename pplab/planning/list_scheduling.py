@@ -12,8 +12,8 @@ from __future__ import annotations
 import heapq
 from collections import defaultdict
 
-from pplab.schedules import Action, Dependencies, Kind, Schedule, releases_activations
 from pplab.planning.simulator import Costs
+from pplab.schedules import Action, Dependencies, Kind, Schedule, releases_activations
 
 
 def list_schedule(p: int, m: int, v: int, costs: Costs, weights, cap: float, split: bool,

@@ -24,12 +24,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
-from pplab.base.machine import MachineLoad, recent_load
 from pplab.base.formatting import ShownAsText, format_bytes, html_table, text_table
-from pplab.schedules import Schedule, add_communication
+from pplab.base.machine import MachineLoad, recent_load
 from pplab.planning.simulator import Costs, simulate
+from pplab.schedules import Schedule, add_communication
 from pplab.trace.timeline import Timeline
-
 
 # --- what was measured ----------------------------------------------------------------------------
 

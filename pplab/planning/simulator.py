@@ -42,10 +42,26 @@ from collections import defaultdict
 from dataclasses import dataclass, replace
 from typing import Sequence, Union
 
-from pplab.schedules import (COMPUTE_KINDS, SEND_KINDS, Action, DeadlockError, Dependencies, Kind, Schedule,
-                             ScheduleError)
+from pplab.schedules import (
+    COMPUTE_KINDS,
+    SEND_KINDS,
+    Action,
+    DeadlockError,
+    Dependencies,
+    Kind,
+    Schedule,
+    ScheduleError,
+)
 from pplab.schedules.communication import comm_batches
-from pplab.schedules.compiled import KINDS, SEND_B, SEND_F, Compiled, boundaries, compile_schedule, no_cyclic_gc
+from pplab.schedules.compiled import (
+    KINDS,
+    SEND_B,
+    SEND_F,
+    Compiled,
+    boundaries,
+    compile_schedule,
+    no_cyclic_gc,
+)
 from pplab.trace.timeline import Event, Timeline
 
 __all__ = ["Costs", "simulate", "costs_from_timeline"]

@@ -29,8 +29,8 @@ import itertools
 from typing import Sequence
 
 from pplab.planning.list_scheduling import empty_pipeline, inputs_of_passes, outputs_reach
-from pplab.schedules import Action, Kind, Schedule, ScheduleError, add_communication, validate
 from pplab.planning.simulator import Costs, simulate
+from pplab.schedules import Action, Kind, Schedule, ScheduleError, add_communication, validate
 
 HYPERPARAMETERS = tuple(itertools.product((False, True), repeat=2))  # (extra_warmup, skip_forward)
 

@@ -45,10 +45,23 @@ import torch.distributed as dist
 from torch import nn
 from torch.export.unflatten import InterpreterModule
 
-from pplab.base.checkpoint_files import (FORMAT, MANIFEST, PREFIX, CheckpointError, check_config,
-                                    complete_checkpoints, data_files, file_record, latest,
-                                    read_manifest, resolve, sealed, share, step_directory,
-                                    unverifiable, verify)  # noqa: F401 (PREFIX: importable here as before)
+from pplab.base.checkpoint_files import (
+    FORMAT,
+    MANIFEST,
+    CheckpointError,
+    check_config,
+    complete_checkpoints,
+    data_files,
+    file_record,
+    latest,
+    read_manifest,
+    resolve,
+    sealed,
+    share,
+    step_directory,
+    unverifiable,
+    verify,
+)
 from pplab.models.llama import LlamaConfig, LlamaModel
 
 __all__ = ["CheckpointError", "export_model", "export_pretrained", "latest", "load_model", "read_manifest",

@@ -32,8 +32,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from pplab.base.arguments import check_positive_int, moved_up
 from pplab.base.formatting import html_table, text_table
-from pplab.rank.memory import SavedBytes
 from pplab.models.llama import LlamaConfig, LlamaModel
+from pplab.rank.memory import SavedBytes
 from pplab.rank.shards import local_tensor
 from pplab.trace.timeline import Event
 

@@ -22,11 +22,11 @@ from collections.abc import Sequence
 import torch
 
 from pplab.base.arguments import check_positive_int
-from pplab.rank.memory import SavedBytes
 from pplab.base.machine import measure_load
 from pplab.models.llama import LlamaConfig, loss_fn
 from pplab.models.partition import as_model, build_stage, layer_ranges
 from pplab.planning.prediction import Profile, StageProfile
+from pplab.rank.memory import SavedBytes
 from pplab.rank.split_backward import input_gradient, weight_gradients
 
 

@@ -11,9 +11,9 @@ reports into one step (`pplab.session.results`).
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 import dataclasses
 import io
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -22,15 +22,15 @@ from torch.profiler import record_function
 from pplab.base.arguments import OP_TIMEOUT, check_positive_int, renamed_keywords
 from pplab.base.config import IMPLEMENTATIONS, PARAM_DTYPES
 from pplab.data import Batch
-from pplab.rank.mesh import CollectiveLog, Mesh, MeshPlace, parallelize_stage
 from pplab.models import dropout_streams
 from pplab.models.llama import IGNORE_INDEX, LlamaConfig
 from pplab.models.partition import as_model, build_stage, layer_ranges
+from pplab.planning.simulator import Costs
+from pplab.rank.mesh import CollectiveLog, Mesh, MeshPlace, parallelize_stage
 from pplab.rank.reference import as_microbatches
 from pplab.rank.runtime import RankRuntime, RankStep
 from pplab.rank.tied import TiedGradients, tie_on_rank
 from pplab.schedules import Schedule, build, check_runnable, check_torch_runs, validate
-from pplab.planning.simulator import Costs
 from pplab.trace.timeline import Event
 
 

@@ -12,10 +12,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
-
-from pplab.data import Batch, split_microbatches
 from torch import nn
 
+from pplab.data import Batch, split_microbatches
 from pplab.models import dropout_streams
 from pplab.models.llama import LlamaConfig, LlamaModel, loss_fn
 

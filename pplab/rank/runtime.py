@@ -19,8 +19,8 @@ of a backward in `pplab.rank.split_backward`, the gradients' report in `pplab.ra
 from __future__ import annotations
 
 import contextlib
-from dataclasses import dataclass, field
 from collections.abc import Sequence
+from dataclasses import dataclass, field
 from typing import Callable
 
 import torch
@@ -29,17 +29,17 @@ from torch import nn
 from torch.profiler import record_function
 
 from pplab.base.arguments import OP_TIMEOUT
+from pplab.models import dropout_streams
+from pplab.models.llama import loss_fn
+from pplab.planning.simulator import Costs
 from pplab.rank.comm import PipelineTimeoutError, StageLink, dtype_name, in_order_mismatch
 from pplab.rank.faults import strike
 from pplab.rank.gradients import gradient_report
 from pplab.rank.memory import ForwardBytes
-from pplab.models import dropout_streams
-from pplab.models.llama import loss_fn
-from pplab.schedules import Action, Dependencies, Kind, Schedule, check_runnable
-from pplab.schedules.communication import comm_batches, receives_to_prepost
-from pplab.planning.simulator import Costs
 from pplab.rank.split_backward import input_gradient, torch_split_backward, weight_gradients
 from pplab.rank.step_clock import DeviceClock, StepClock, on_device, pad_to_cost, step_clock, timed_on
+from pplab.schedules import Action, Dependencies, Kind, Schedule, check_runnable
+from pplab.schedules.communication import comm_batches, receives_to_prepost
 from pplab.trace.timeline import Event, Now
 
 Key = tuple[int, int]  # (stage, microbatch)

@@ -16,9 +16,9 @@ import torch
 import torch.distributed as dist
 from torch.profiler import record_function
 
+from pplab.planning.simulator import Costs
 from pplab.rank.comm import monotonic_clock
 from pplab.schedules import Action
-from pplab.planning.simulator import Costs
 from pplab.trace.timeline import Event
 
 

@@ -23,20 +23,21 @@ import tempfile
 from pathlib import Path
 
 import torch
-from torch.profiler import record_function
 from torch import nn
+from torch.profiler import record_function
 
+from pplab.models import dropout_streams
+from pplab.models.llama import loss_fn
+from pplab.planning.simulator import Costs
 from pplab.rank.comm import dtype_name
 from pplab.rank.gradients import gradient_report
 from pplab.rank.host_messages import HOST, messages_through_host, to_host
 from pplab.rank.memory import ForwardBytes
-from pplab.models import dropout_streams
-from pplab.models.llama import loss_fn
 from pplab.rank.runtime import Boundary, RankStep, device_memory, reported_once
-from pplab.schedules import TORCH_SCHEDULES, Action, Kind, Schedule, build, from_torch, torch_plan
-from pplab.planning.simulator import Costs
 from pplab.rank.step_clock import DeviceClock, StepClock, on_device, pad_to_cost, step_clock, timed_on
+from pplab.schedules import TORCH_SCHEDULES, Action, Kind, Schedule, build, from_torch, torch_plan
 from pplab.trace.timeline import Event, Now
+
 
 def torch_schedule(name: str, n_ranks: int, n_microbatches: int, n_virtual: int = 1) -> Schedule:
     """The pplab schedule torch will run for `name`, any spelling (checked on the client, torch's

@@ -37,12 +37,12 @@ import torch
 import torch.distributed as dist
 
 from pplab._version import __version__
-from pplab.rank.checkpoint import Checkpointer, rank_module
-from pplab.rank.host_messages import HOST, from_host, messages_through_host, to_host
 from pplab.base.config import TrainOptions
 from pplab.data import HELDOUT_FRACTION, batches
 from pplab.models.llama import loss_fn
 from pplab.models.partition import layer_ranges
+from pplab.rank.checkpoint import Checkpointer, rank_module
+from pplab.rank.host_messages import HOST, from_host, messages_through_host, to_host
 from pplab.rank.rank_pipeline import PipelineSpec, RankPipeline
 from pplab.rank.reference import as_microbatches
 from pplab.trace.timeline import Event, Now

@@ -6,7 +6,7 @@
 from __future__ import annotations
 
 from pplab.schedules.actions import Action, Kind
-from pplab.schedules.compiled import B, F, I, SEND_F, W, Compiled, compile_schedule, no_cyclic_gc, peer_stages
+from pplab.schedules.compiled import SEND_F, B, Compiled, F, I, W, compile_schedule, no_cyclic_gc, peer_stages
 from pplab.schedules.dependencies import Dependencies, Need
 from pplab.schedules.schedule import DeadlockError, Schedule, ScheduleError
 

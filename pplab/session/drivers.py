@@ -23,10 +23,10 @@ from pplab.session.run import RunConfig
 if TYPE_CHECKING:  # imported when a pipeline is built: they import torch (1-2 s in a fresh kernel),
     # which a lab's start needs no more than a pool's (the engines import their own)
     from pplab.models.llama import LlamaConfig
+    from pplab.planning.simulator import Costs
     from pplab.rank.mesh import Mesh
     from pplab.schedules import Schedule
     from pplab.session.pipeline import Pipeline
-    from pplab.planning.simulator import Costs
 
 
 class ImportedOnUse:

@@ -14,27 +14,36 @@ import time
 import uuid
 from collections.abc import Sequence
 
-
 from pplab._version import __version__
 from pplab.base.arguments import check_positive_seconds
 from pplab.base.checkpoint_files import CheckpointError, read_manifest, resume_path
-from pplab.rank.checks import (BoundaryTable, GradientFlowReport, ParityReport, check_gradient_flow,
-                          compare_with_reference)
 from pplab.data import Batch, batches
 from pplab.drivers.contract import PerRank
-from pplab.rank.mesh import Mesh
 from pplab.models.llama import LlamaConfig
+from pplab.planning.simulator import Costs, simulate
+from pplab.rank.checks import (
+    BoundaryTable,
+    GradientFlowReport,
+    ParityReport,
+    check_gradient_flow,
+    compare_with_reference,
+)
+from pplab.rank.mesh import Mesh
 from pplab.rank.rank_context import RankError, StillRunningError
 from pplab.rank.rank_pipeline import PipelineSpec, split_for_ranks
-from pplab.schedules import TORCH_SCHEDULES
 from pplab.rank.reference import ReferenceResult, reference_step
-from pplab.schedules import Schedule
-from pplab.session.on_rank import (RANK_ITEMS, build_on_rank, drop_on_rank, memory_on_rank, step_on_rank,
-                                   train_on_rank)
-from pplab.session.results import MemoryTable, StepResult, merge_steps
-from pplab.planning.simulator import Costs, simulate
-from pplab.trace.timeline import Event, Now, Timeline
 from pplab.rank.train import ProgressBar, TrainHistory, TrainOptions, TrainRecord, prepare_data
+from pplab.schedules import TORCH_SCHEDULES, Schedule
+from pplab.session.on_rank import (
+    RANK_ITEMS,
+    build_on_rank,
+    drop_on_rank,
+    memory_on_rank,
+    step_on_rank,
+    train_on_rank,
+)
+from pplab.session.results import MemoryTable, StepResult, merge_steps
+from pplab.trace.timeline import Event, Now, Timeline
 
 STREAM_DRAIN_SECONDS = 10.0  # how long a live step's result waits for events trailing it
 

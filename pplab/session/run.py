@@ -21,8 +21,18 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from pplab.base.arguments import renamed_keywords, warn_renamed
-from pplab.base.config import (IMPLEMENTATIONS, INTEGER, LAYERS, PARAM_DTYPES, PATH, Kind, TrainOptions, choice, option,
-                               sections_of)
+from pplab.base.config import (
+    IMPLEMENTATIONS,
+    INTEGER,
+    LAYERS,
+    PARAM_DTYPES,
+    PATH,
+    Kind,
+    TrainOptions,
+    choice,
+    option,
+    sections_of,
+)
 from pplab.schedules import Schedule
 from pplab.schedules.names import SCHEDULE_NAMES, TORCH_ONLY_NAMES
 

@@ -13,9 +13,10 @@ the model's sizes (`model`), from Meta's published Llama 3 configurations.
 from __future__ import annotations
 
 import math
-import tomllib
 from dataclasses import dataclass, field
 from pathlib import Path
+
+import tomllib
 
 from pplab.models.llama import LlamaConfig
 from pplab.planning.bubble import named_schedule

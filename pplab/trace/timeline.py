@@ -31,7 +31,8 @@ from dataclasses import dataclass, replace
 from os import PathLike
 from typing import Callable, Iterable, Sequence
 
-from pplab.schedules.actions import COMM_KINDS as ACTION_COMM_KINDS, releases_activations
+from pplab.schedules.actions import COMM_KINDS as ACTION_COMM_KINDS
+from pplab.schedules.actions import releases_activations
 
 __all__ = ["Event", "Now", "Timeline", "COMM_EVENT_KINDS", "COLLECTIVE_KINDS"]
 

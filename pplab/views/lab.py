@@ -11,7 +11,8 @@ import socket
 import time
 
 from pplab.course import room
-from pplab.session.drivers import ImportedOnUse, Lab as _SessionLab
+from pplab.session.drivers import ImportedOnUse
+from pplab.session.drivers import Lab as _SessionLab
 
 
 class Lab(_SessionLab):

@@ -82,8 +82,8 @@ class _WatchedWork:
 
 
 def _forward_backward_on_rank(forward_backward, config, batch) -> dict:
-    from pplab.rank.rank_context import rank_context
     from pplab.models.partition import build_stage
+    from pplab.rank.rank_context import rank_context
 
     rank = rank_context().rank
     stage = build_stage(config, rank, 2)
@@ -387,8 +387,8 @@ def check_schedule(lab, lines, n_microbatches: int = 4, max_in_flight: int | Non
 # --- global-norm clipping (a 2-rank lab) ----------------------------------------------------------
 
 def _clip_on_rank(clip_global_norm, config, batch, max_norm: float) -> dict:
-    from pplab.rank.rank_context import rank_context
     from pplab.models.partition import build_stage
+    from pplab.rank.rank_context import rank_context
     from pplab.rank.reference import reference_step
 
     context = rank_context()

@@ -5,7 +5,14 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from pplab.course.exercises.verdicts import NOT_WRITTEN, Verdict, as_number, close_to, learner_raised, reported
+from pplab.course.exercises.verdicts import (
+    NOT_WRITTEN,
+    Verdict,
+    as_number,
+    close_to,
+    learner_raised,
+    reported,
+)
 
 # --- the 1F1B warm-up (pure) ----------------------------------------------------------------
 
@@ -58,8 +65,8 @@ def check_gpipe_time(gpipe_step_time, max_ranks: int = 5, max_microbatches: int 
     the seconds of each hop. Judged against pplab's simulator on uneven stages, with and without latency."""
     import random
 
-    from pplab.schedules import build
     from pplab.planning.simulator import Costs, simulate
+    from pplab.schedules import build
 
     name = "a GPipe step's time"
     rng = random.Random(0)
@@ -372,8 +379,8 @@ def check_idle_share(idle_share, *timelines) -> Verdict:
     that `rank` spent not computing, a receive's wait counting as idle. Judged against
     `Timeline.bubble_fraction(rank)` on the timelines given (read from traces) and on simulated ones
     (uneven stages, message latency, split backwards)."""
-    from pplab.schedules import build
     from pplab.planning.simulator import Costs, simulate
+    from pplab.schedules import build
 
     name = "a rank's idle share from a trace"
     given_ones = [(timeline, f"your timeline {i + 1}") for i, timeline in enumerate(timelines)]

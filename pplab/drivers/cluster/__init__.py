@@ -19,8 +19,14 @@ rendezvous and lifecycle only: pipelines on a lab are the session's
 
 import importlib
 
-from pplab.drivers.cluster.errors import (LabError, LabNeedsRestartError, LabStartError, RankDiedError,
-                                  RankFailedError, RankTimeoutError)
+from pplab.drivers.cluster.errors import (
+    LabError,
+    LabNeedsRestartError,
+    LabStartError,
+    RankDiedError,
+    RankFailedError,
+    RankTimeoutError,
+)
 from pplab.drivers.cluster.namespaces import NamespaceHosts
 from pplab.drivers.cluster.plan import RoomPlan, gpus_for_seat, plan_room
 from pplab.drivers.cluster.records import cleanup

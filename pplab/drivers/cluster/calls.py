@@ -16,9 +16,9 @@ import re
 import time
 from typing import Iterator
 
+from pplab.base.machine import busy_note, measure_load
 from pplab.drivers.cluster.engine import PROCESS_GROUP_BROKEN_KEY, event_key
 from pplab.drivers.cluster.errors import RESTART_HINT, RankDiedError, RankFailedError, RankTimeoutError
-from pplab.base.machine import busy_note, measure_load
 from pplab.drivers.cluster.ipyparallel_adapter import engine_died, results_per_engine
 from pplab.drivers.cluster.status import RankGroup
 from pplab.rank.rank_context import RankEvent, StillRunningError

@@ -21,23 +21,33 @@ import sys
 import time
 import uuid
 import weakref
-from dataclasses import replace
 from collections.abc import Sequence
+from dataclasses import replace
 from typing import Callable, Iterator
 
 from pplab.base.arguments import OP_TIMEOUT, check_positive_int, check_positive_seconds, renamed_keywords
+from pplab.base.machine import busy_note, measure_load
 from pplab.drivers.cluster import engine, records
 from pplab.drivers.cluster.calls import RankCall
 from pplab.drivers.cluster.errors import RESTART_HINT, LabError, LabNeedsRestartError, LabStartError
 from pplab.drivers.cluster.ipyparallel_adapter import catch_up_on_engines
 from pplab.drivers.cluster.launchers import ConnectedCluster, LocalCluster
-from pplab.drivers.cluster.plan import (RankSpec, assign_ranks, check_gpus, check_memory_fraction, check_threads,
-                                        describe_placement, seat_memory_fraction,
-                                        choose_backend_device, local_ranks, loopback_interface)
+from pplab.drivers.cluster.plan import (
+    RankSpec,
+    assign_ranks,
+    check_gpus,
+    check_memory_fraction,
+    check_threads,
+    choose_backend_device,
+    describe_placement,
+    local_ranks,
+    loopback_interface,
+    seat_memory_fraction,
+)
+from pplab.drivers.cluster.progress import Progress
 from pplab.drivers.cluster.status import RankGroup, RankInfo, RankTable
 from pplab.drivers.contract import arguments_by_rank, call_name
 from pplab.drivers.cores import check_cores
-from pplab.base.machine import busy_note, measure_load
 from pplab.rank.rank_context import RankEvent
 
 TEARDOWN_SECONDS = 5.0
@@ -58,68 +68,6 @@ def _stop_running_labs() -> None:
 
 
 atexit.register(_stop_running_labs)
-
-
-class _Progress:
-    """The start's progress: a bar with a status line in a notebook, one line updated in place elsewhere.
-
-    Either way the final line ("lab ready: ...") stays, once: in a notebook it replaces
-    the bar, as plain text, so saved notebooks keep it too.
-    """
-
-    def __init__(self, verbose: bool, phases: int = 0):
-        self.verbose = verbose
-        self.started = time.perf_counter()
-        self._width = 0
-        self._last_text = None
-        # The bar advances one notch per distinct status (starting, each engine up, ranks,
-        # process group), so `phases` is roughly how many of those a start goes through.
-        self._bar, self._display = _notebook_progress_bar(phases) if verbose and phases else (None, None)
-
-    def elapsed(self) -> float:
-        return time.perf_counter() - self.started
-
-    def update(self, text: str) -> None:
-        if text != self._last_text:  # called in polling loops: show changes only
-            self._last_text = text
-            line = f"pplab: {text} ({self.elapsed():.1f} s)"
-            if self._bar is not None:
-                bar, label = self._bar.children
-                bar.value = min(bar.value + 1, bar.max - 1)
-                label.value = line
-            else:
-                self._print(line, end="")
-
-    def finish(self, text: str) -> None:
-        line = f"pplab: {text} in {self.elapsed():.1f} s"
-        if self._bar is not None:  # the bar's place takes the final line, as plain text
-            from IPython.display import Pretty
-
-            self._display.update(Pretty(line))
-            self._bar.close()
-        else:
-            self._print(line, end="\n")
-
-    def _print(self, line: str, end: str) -> None:
-        if self.verbose:
-            print("\r" + line.ljust(self._width), end=end, flush=True)
-            self._width = 0 if end == "\n" else len(line)
-
-
-def _notebook_progress_bar(phases: int):
-    """(progress bar and label, their display handle) when running in a Jupyter kernel, else (None, None)."""
-    if "ipykernel" not in sys.modules:  # not in a kernel: no widget front end to show it
-        return None, None
-    from ipykernel.zmqshell import ZMQInteractiveShell
-    from IPython import get_ipython
-
-    if not isinstance(get_ipython(), ZMQInteractiveShell):
-        return None, None
-    import ipywidgets as widgets
-    from IPython.display import display
-
-    box = widgets.HBox([widgets.IntProgress(0, min=0, max=phases), widgets.Label()])
-    return box, display(box, display_id=True)
 
 
 class Lab:
@@ -240,7 +188,7 @@ class Lab:
         """Get engines from the launcher, then make them ranks; on failure stop what started."""
         self._last_call = None  # a call of engines that are gone says nothing about new ones
         expected_ranks = self._requested["n_ranks"] or self.world_size or 1
-        progress = _Progress(self._verbose, phases=expected_ranks + 5)
+        progress = Progress(self._verbose, phases=expected_ranks + 5)
         self._stopped = False
         _running_labs.add(self)
         try:
@@ -268,7 +216,7 @@ class Lab:
                 f"start_timeout={self.start_timeout:g} s, {wait:.0f} s at this machine's pace "
                 f"({self.machine_load.describe()})")
 
-    def _wait_for_engines(self, count: int, progress: _Progress, exclude=()) -> list[int]:
+    def _wait_for_engines(self, count: int, progress: Progress, exclude=()) -> list[int]:
         """Wait until `count` engines (other than `exclude`) have registered; fail fast if one died."""
         deadline = time.monotonic() + self._start_wait()
         ask_hub_at = time.monotonic() + ASK_HUB_SECONDS
@@ -287,7 +235,7 @@ class Lab:
                                     f"{self._launcher.launch_logs()}")
             time.sleep(0.02)
 
-    def _make_ranks(self, engine_ids: list[int], progress: _Progress) -> None:
+    def _make_ranks(self, engine_ids: list[int], progress: Progress) -> None:
         """Describe the engines, assign ranks, then join all of them to a fresh process group."""
         progress.update("assigning ranks")
         about = self._describe(engine_ids)
@@ -503,8 +451,8 @@ class Lab:
 
     def activate(self, suffix: str = "") -> None:
         """Make %%px cells run on this lab's ranks (done at start inside IPython)."""
-        from IPython import get_ipython
         from ipyparallel.client.magics import ParallelMagics
+        from IPython import get_ipython
 
         shell = get_ipython()
         if shell is None or self._view is None:

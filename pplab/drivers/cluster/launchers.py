@@ -34,9 +34,9 @@ import sys
 import time
 import uuid
 
+from pplab.base.machine import busy_note, recent_load
 from pplab.drivers.cluster import records
 from pplab.drivers.cluster.errors import LabError, LabStartError
-from pplab.base.machine import busy_note, recent_load
 
 # The controller accepts an engine only after its heart beats: a 250 ms beat instead of
 # 3 s saves seconds at start. (A 100 ms beat started a lab 0.1-0.2 s sooner, but an idle 2-rank

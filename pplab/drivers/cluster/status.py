@@ -13,8 +13,8 @@ import time
 from dataclasses import astuple, dataclass, fields
 from typing import Callable, Iterable
 
-from pplab.drivers.cluster import records
 from pplab.base.formatting import ShownAsText, html_table, text_table
+from pplab.drivers.cluster import records
 
 
 @dataclass(frozen=True)

@@ -8,12 +8,18 @@ progress, loss curves and latest step. `RoomView(folder)` is an instructor's: ev
 lab and exercise verdicts (pplab.course.room).
 """
 
-from pplab.views.widgets.panels import (BubblesView, GradientsView, MemoryView, ShapesView, TimelineView,
-                                  WhereView)
-from pplab.views.widgets.whatif import WhatIf
-from pplab.views.widgets.training import TrainingView
 from pplab.views.widgets.dashboard import Dashboard
+from pplab.views.widgets.panels import (
+                                  BubblesView,
+                                  GradientsView,
+                                  MemoryView,
+                                  ShapesView,
+                                  TimelineView,
+                                  WhereView,
+)
 from pplab.views.widgets.room import RoomView
+from pplab.views.widgets.training import TrainingView
+from pplab.views.widgets.whatif import WhatIf
 
 __all__ = ["Dashboard", "TimelineView", "BubblesView", "ShapesView", "GradientsView", "MemoryView", "WhereView", "WhatIf",
            "TrainingView", "RoomView"]

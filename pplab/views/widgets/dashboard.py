@@ -20,12 +20,18 @@ import time
 import ipywidgets as widgets
 
 from pplab.base.config import IMPLEMENTATIONS
-from pplab.schedules import SCHEDULE_NAMES, TORCH_SCHEDULES, theory
 from pplab.base.machine import MachineLoad, crowding_note, measure_load
 from pplab.planning.simulator import Costs, costs_from_timeline, simulate
+from pplab.schedules import SCHEDULE_NAMES, TORCH_SCHEDULES, theory
 from pplab.trace.timeline import Timeline
-from pplab.views.widgets.panels import (BubblesView, GradientsView, MemoryView, ShapesView, TimelineView,
-                                  WhereView)
+from pplab.views.widgets.panels import (
+    BubblesView,
+    GradientsView,
+    MemoryView,
+    ShapesView,
+    TimelineView,
+    WhereView,
+)
 from pplab.views.widgets.render import RED, Throttle
 
 POLL_SECONDS = 0.05  # how often the dashboard looks for what the ranks published

@@ -57,7 +57,9 @@ class TimelineView(widgets.VBox):
         self.shown: Timeline | None = None
         self.draws = 0  # finished steps drawn (PNG pictures, or SVG where pictures=False)
         self.live_draws = 0  # live (SVG) redraws
-        from pplab.views import viz  # matplotlib's import takes a second: pay it now, not in the first live redraw
+        from pplab.views import (
+            viz,  # matplotlib's import takes a second: pay it now, not in the first live redraw
+        )
 
         self._colours, self._labels = viz.kind_colours(), viz.kind_labels()
         super().__init__([self.picker, self.caption, self.live, self.image])

@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import ipywidgets as widgets
 
-from pplab.schedules import SCHEDULE_NAMES, Kind, Schedule, build, schedule_name, theory
 from pplab.planning.simulator import Costs, costs_from_timeline, simulate
+from pplab.schedules import SCHEDULE_NAMES, Kind, Schedule, build, schedule_name, theory
 from pplab.trace.timeline import Timeline
 from pplab.views.widgets.render import RED, show_png, table
 
