@@ -126,7 +126,8 @@ def rank_steady(rank, world_size, pipeline_id, options, roots, warmup, repeats):
     between barriers: a save, a load or a step that overlaps a background write are operations
     of a training loop on the rank, which no call from the client can bracket.
     """
-    async_group = dist.new_group(backend="gloo")  # the background writer's own group (as RankTrainer makes it)
+    # the background writer's own group (as RankTrainer makes it)
+    async_group = dist.new_group(backend="gloo")
     trainer = RankTrainer(built_pipeline(pipeline_id), options)
     sync = Checkpointer(roots["sync"], rank, options.keep)
     async_commit = Checkpointer(roots["async_commit"], rank, options.keep, async_save=True, group=async_group)
@@ -389,65 +390,71 @@ def notes(row: dict, loadavg_before: float) -> list[str]:
                    f"on {os.cpu_count()} cores): absolute times drift; the paired per-repeat ratios "
                    f"(each quantity over the plain steps of its own repeat) are the ones to read")
     mb = row["checkpoint_bytes"] / 1e6
-    out.append(f"checkpoint {mb:.1f} MB (model + AdamW moments + scheduler/RNG) on {row['checkpoint_filesystem']}; "
-               f"a sync save is {p['sync_save_over_step']:.2f}x a step and writes {mb / med['sync_save']:.0f} MB/s "
-               f"end to end (state dict, DCP planning collectives, files, barriers, rename, keep-{row['keep']} "
-               f"pruning)")
+    out.append(f"checkpoint {mb:.1f} MB (model + AdamW moments + scheduler/RNG) on "
+               f"{row['checkpoint_filesystem']}; a sync save is {p['sync_save_over_step']:.2f}x a step and "
+               f"writes {mb / med['sync_save']:.0f} MB/s end to end (state dict, DCP planning collectives, "
+               f"files, barriers, rename, keep-{row['keep']} pruning)")
     if p["async_blocking_over_sync_save"] < 1:
-        out.append(f"async save blocks the loop for {p['async_blocking_over_sync_save']:.2f}x the sync save time "
-                   f"({p['async_blocking_over_step']:.2f}x a step): save() only builds the state dict and copies "
-                   f"it (staging), the write and the commit happen later")
+        out.append(f"async save blocks the loop for {p['async_blocking_over_sync_save']:.2f}x the sync save "
+                   f"time ({p['async_blocking_over_step']:.2f}x a step): save() only builds the state dict "
+                   "and copies it (staging), the write and the commit happen later")
     else:
-        out.append(f"async save's blocking time is NOT below sync save's ({p['async_blocking_over_sync_save']:.2f}x): "
-                   f"on CPU, async_save still builds the state dict and copies every tensor (staging) in the "
-                   f"caller, and writing a few MB to the page cache costs about as much as that copy, so "
-                   f"there is little left to hide")
+        out.append("async save's blocking time is NOT below sync save's "
+                   f"({p['async_blocking_over_sync_save']:.2f}x): on CPU, async_save still builds the state "
+                   "dict and copies every tensor (staging) in the caller, and writing a few MB to the page "
+                   "cache costs about as much as that copy, so there is little left to hide")
     if p["async_commit_over_sync_save"] > 1:
-        out.append(f"with no step beside it, an async save takes {p['async_commit_over_sync_save']:.2f}x a sync "
-                   f"save to be committed (the staging copy and a new writer thread on top of the same write)")
+        out.append("with no step beside it, an async save takes "
+                   f"{p['async_commit_over_sync_save']:.2f}x a sync save to be committed (the "
+                   "staging copy and a new writer thread on top of the same write)")
     else:
-        out.append(f"with no step beside it, an async save is committed in {p['async_commit_over_sync_save']:.2f}x "
-                   f"a sync save's time")
+        out.append("with no step beside it, an async save is committed in "
+                   f"{p['async_commit_over_sync_save']:.2f}x a sync save's time")
     overlap = p["overlapped_over_one_after_another"]
-    out.append(f"a step that runs while an async save is written takes {p['async_step_slowdown']:.2f}x a plain "
-               f"step (paired; ratio of medians {r['async_step_slowdown']:.2f}x); that step plus the wait left "
-               f"at finish is {overlap:.2f}x a plain step followed by the write alone, i.e. "
+    out.append(f"a step that runs while an async save is written takes {p['async_step_slowdown']:.2f}x a "
+               f"plain step (paired; ratio of medians {r['async_step_slowdown']:.2f}x); that step plus the "
+               f"wait left at finish is {overlap:.2f}x a plain step followed by the write alone, i.e. "
                + ("the write partly overlaps the step" if overlap < 0.9 else
-                  "the write hardly overlaps the step: together they take about as long as one after the other"
+                  "the write hardly overlaps the step: together they take about as long "
+                  "as one after the other"
                   if overlap <= 1.1 else
                   "the write does not overlap the step: they take turns, and the turns cost extra")
                + ". DCP's writer is a Python thread in each rank (the GIL, serialisation, file writes, its "
                "own collectives) and the 2 ranks' main threads already keep both cores busy, so the write "
                "competes with the step; a pipeline step also waits for its slowest rank at every hop")
     verdict = ("an async save saves the loop time here" if p["async_loop_cost_over_sync_save"] < 0.85 else
-               "about the same as a sync save, no gain here" if p["async_loop_cost_over_sync_save"] <= 1.15 else
+               "about the same as a sync save, no gain "
+               "here" if p["async_loop_cost_over_sync_save"] <= 1.15 else
                "an async save costs the loop MORE than a sync one here")
-    out.append(f"everything an async save costs the loop (blocking + the overlapped step's slowdown + the wait "
-               f"left at finish) is {p['async_loop_cost_over_sync_save']:.2f}x a sync save: {verdict}. Where "
-               f"the ranks leave CPU cores idle (GPU training) the background write can overlap; that is "
-               f"not measured on this machine")
-    out.append(f"load is {p['load_over_step']:.2f}x a step; it reads a checkpoint just written, from the page "
-               f"cache (a cold read from disk would be slower)")
+    out.append("everything an async save costs the loop (blocking + the overlapped step's slowdown + the "
+               f"wait left at finish) is {p['async_loop_cost_over_sync_save']:.2f}x a sync save: {verdict}. "
+               "Where the ranks leave CPU cores idle (GPU training) the background write can overlap; that "
+               "is not measured on this machine")
+    out.append(f"load is {p['load_over_step']:.2f}x a step; it reads a checkpoint just written, from the "
+               "page cache (a cold read from disk would be slower)")
     share_mb = row["checkpoint_bytes"] / 1e6 / RANKS
     speeds = ", ".join(f"{h} {share_mb / med[f'hash_{h}']:.0f} MB/s" for h in HASHES)
-    out.append(f"hashing a rank's share of the files (about {share_mb:.1f} MB, from the page cache): {speeds}. "
-               f"xxh3-128, which pplab uses, is {p['hash_xxh3_128_over_sync_save']:.1%} of a sync save and "
-               f"{p['hash_xxh3_128_over_load']:.1%} of a load (both include it); sha256 would be "
-               f"{p['hash_sha256_over_sync_save']:.1%} of a save, crc32 {p['hash_crc32_over_sync_save']:.1%}. "
-               f"Reading the file back dominates xxh3's time; sha256's is mostly the hash itself")
+    out.append(f"hashing a rank's share of the files (about {share_mb:.1f} MB, from the page cache): "
+               f"{speeds}. xxh3-128, which pplab uses, is {p['hash_xxh3_128_over_sync_save']:.1%} of a sync "
+               f"save and {p['hash_xxh3_128_over_load']:.1%} of a load (both include it); sha256 would be "
+               f"{p['hash_sha256_over_sync_save']:.1%} of a save, crc32 "
+               f"{p['hash_crc32_over_sync_save']:.1%}. Reading the file back dominates xxh3's time; sha256's "
+               "is mostly the hash itself")
     resume = row["resume_to_first_step"]
     f, s = resume["fresh_median_s"], resume["resume_median_s"]
     spread = max(x["processes_and_group_s"] for x in resume["fresh_runs"] + resume["resume_runs"]) - \
         min(x["processes_and_group_s"] for x in resume["fresh_runs"] + resume["resume_runs"])
-    out.append(f"resume to first step, whole launch: {s['total_s']:.2f} s vs fresh {f['total_s']:.2f} s (median of "
-               f"paired differences {resume['resume_minus_fresh_paired_median_s']:+.2f} s). Process start (spawn, "
-               f"imports, process group, the same for both) dominates and varied by {spread:.1f} s across "
-               f"launches, more than resuming adds, so the sign of the whole-launch difference is noise")
-    out.append(f"what resume adds, in process (process group up -> first step done): {s['in_process_s']:.2f} s vs "
-               f"{f['in_process_s']:.2f} s (paired {resume['in_process_resume_minus_fresh_paired_median_s']:+.2f} s); "
-               f"the load itself takes {resume['load_in_resume_median_s']:.2f} s in a fresh process. The resumed "
-               f"first loss {'equals' if resume['resume_loss_matches'] else 'DIFFERS from'} the uninterrupted "
-               f"run's at the same step")
+    out.append(f"resume to first step, whole launch: {s['total_s']:.2f} s vs fresh {f['total_s']:.2f} s "
+               f"(median of paired differences {resume['resume_minus_fresh_paired_median_s']:+.2f} s). "
+               "Process start (spawn, imports, process group, the same for both) dominates and varied "
+               f"by {spread:.1f} s across launches, more than resuming adds, so the sign of the "
+               "whole-launch difference is noise")
+    out.append("what resume adds, in process (process group up -> first step done): "
+               f"{s['in_process_s']:.2f} s vs {f['in_process_s']:.2f} s (paired "
+               f"{resume['in_process_resume_minus_fresh_paired_median_s']:+.2f} s); the load itself "
+               f"takes {resume['load_in_resume_median_s']:.2f} s in a fresh process. The resumed first "
+               f"loss {'equals' if resume['resume_loss_matches'] else 'DIFFERS from'} the uninterrupted "
+               "run's at the same step")
     return out
 
 
@@ -488,9 +495,9 @@ def main() -> None:
     results["notes"] = notes(row, load_before[0])
 
     med, r, p = row["median_s"], row["ratios"], row["ratios_paired_per_repeat"]
-    print(f"model hidden={args.hidden_size} layers={args.layers} ({row['parameters'] / 1e6:.2f} M parameters), "
-          f"checkpoint {row['checkpoint_bytes'] / 1e6:.1f} MB, {RANKS} ranks, {SCHEDULE} x {MICROBATCHES} "
-          f"microbatches, {row['repeats']} repeats (slowest rank)")
+    print(f"model hidden={args.hidden_size} layers={args.layers} ({row['parameters'] / 1e6:.2f} M "
+          f"parameters), checkpoint {row['checkpoint_bytes'] / 1e6:.1f} MB, {RANKS} ranks, {SCHEDULE} x "
+          f"{MICROBATCHES} microbatches, {row['repeats']} repeats (slowest rank)")
     wait = [w / s for w, s in zip(row["samples_s"]["async_finish_wait_after_step"],
                                   row["samples_s"]["step_plain"][0::2])]
     table = [("plain step", med["step_plain"], 1.0, 1.0),
@@ -522,11 +529,12 @@ def main() -> None:
         for h in HASHES))
     print(f"resume to first step ({args.launches} launches each, alternated, after 1 uncounted; from the "
           f"run_ranks call to the slowest rank's first step end, medians):")
-    print(f"  {'':8s} {'total':>8s} {'procs+pg':>9s} {'in process':>11s} {'build(+load)':>13s} {'of it load':>11s} "
-          f"{'1st step':>9s}")
+    print(f"  {'':8s} {'total':>8s} {'procs+pg':>9s} {'in process':>11s} {'build(+load)':>13s} "
+          f"{'of it load':>11s} {'1st step':>9s}")
     for name, m in (("fresh", f), ("resume", s)):
-        print(f"  {name:8s} {m['total_s']:7.2f}s {m['processes_and_group_s']:8.2f}s {m['in_process_s']:10.2f}s "
-              f"{m['build_and_load_s']:12.2f}s {m['load_s']:10.2f}s {m['first_step_s']:8.2f}s")
+        print(f"  {name:8s} {m['total_s']:7.2f}s {m['processes_and_group_s']:8.2f}s "
+              f"{m['in_process_s']:10.2f}s {m['build_and_load_s']:12.2f}s {m['load_s']:10.2f}s "
+              f"{m['first_step_s']:8.2f}s")
     print(f"  resume - fresh: whole launch {resume['resume_minus_fresh_s']:+.2f} s (medians), "
           f"{resume['resume_minus_fresh_paired_median_s']:+.2f} s (paired); in process "
           f"{resume['in_process_resume_minus_fresh_s']:+.2f} s (medians), "

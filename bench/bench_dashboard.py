@@ -299,10 +299,11 @@ def main() -> int:
         medians = row["median_per_step_s"]
         parts = ", ".join(f"{name} {1000 * seconds:.1f}"
                           for name, seconds in row["dashboard_client_seconds_per_step"].items())
-        print(f"  {mode:6s}: plain {1000 * medians['plain']:.1f} ms | dashboard {1000 * medians['dashboard']:.1f} ms"
-              f" -> ratio {row['ratio_dashboard_over_plain']:.2f} ({'met' if row['met'] else 'MISSED'}); "
-              f"without the final draw ({1000 * row['median_final_draw_s']:.0f} ms per run of {row['steps_per_round']})"
-              f" {1000 * row['dashboard_median_per_step_without_final_draw_s']:.1f} ms -> ratio "
+        print(f"  {mode:6s}: plain {1000 * medians['plain']:.1f} ms | dashboard "
+              f"{1000 * medians['dashboard']:.1f} ms -> ratio {row['ratio_dashboard_over_plain']:.2f} "
+              f"({'met' if row['met'] else 'MISSED'}); without the final draw "
+              f"({1000 * row['median_final_draw_s']:.0f} ms per run of {row['steps_per_round']}) "
+              f"{1000 * row['dashboard_median_per_step_without_final_draw_s']:.1f} ms -> ratio "
               f"{row['ratio_dashboard_over_plain_without_final_draw']:.2f}")
         print(f"          ranks publishing only: ratio {row['ratio_feed_only_over_plain']:.2f}; plus the "
               f"dashboard's poll loop: ratio {row['ratio_feed_and_poll_over_plain']:.2f}")

@@ -82,8 +82,9 @@ def main() -> None:
                     measured_bubble=bubble, predicted_bubble=predicted.bubble_fraction())
                 row = rows[label]
                 print(f"{label:10s}: link {latency * 1e3:6.2f} ms + bytes / {bandwidth / 1e6:7.1f} MB/s; "
-                      f"step measured {measured * 1e3:6.1f} ms, predicted {row['predicted_step_s'] * 1e3:6.1f} ms "
-                      f"({row['error']:+.1%}); bubble {bubble:.0%} vs {row['predicted_bubble']:.0%}")
+                      f"step measured {measured * 1e3:6.1f} ms, predicted "
+                      f"{row['predicted_step_s'] * 1e3:6.1f} ms ({row['error']:+.1%}); bubble {bubble:.0%} "
+                      f"vs {row['predicted_bubble']:.0%}")
             pipe.close()
         finally:
             lab.stop()
@@ -91,7 +92,8 @@ def main() -> None:
               "machine": platform.platform(), "torch": torch.__version__, "schedule": "1f1b",
               "microbatches": MICROBATCHES, "microbatch": [MICROBATCH_SIZE, SEQ_LEN], "rows": rows,
               "netem": hosts.has_netem(),
-              "goal": "measured step within 10 % of the prediction where the link sets the pace (the two slowest)",
+              "goal": "measured step within 10 % of the prediction where the link sets the "
+                      "pace (the two slowest)",
               "met": all(abs(rows[label]["error"]) <= 0.10 for label, _ in links[-2:]),
               "seconds": round(time.perf_counter() - started, 1)}
     RESULTS.parent.mkdir(exist_ok=True)

@@ -147,17 +147,20 @@ def main() -> None:
         for count in sorted(set([1, *args.seats])):
             result = asyncio.run(one_round(hub, hub.seats[:count], code))
             rounds.append(result)
-            print(f"{count} seat(s) at once: every server ready after {result['all_ready']:.1f} s, every verdict "
-                  f"after {result['all_verdicts']:.1f} s (right: {result['every_verdict_right']}); median lab "
-                  f"start {result['median_lab_start']:.1f} s; {result['machine_cpu_seconds']} CPU-s", flush=True)
+            print(f"{count} seat(s) at once: every server ready after {result['all_ready']:.1f} s, every "
+                  f"verdict after {result['all_verdicts']:.1f} s (right: "
+                  f"{result['every_verdict_right']}); median lab start {result['median_lab_start']:.1f} "
+                  f"s; {result['machine_cpu_seconds']} CPU-s", flush=True)
     alone = rounds[0]["all_verdicts"]
     for result in rounds:
         result["vs_one_seat"] = round(result["all_verdicts"] / alone, 2)
-    print("\n| seats at once | every server ready | every verdict | vs one seat | all right | median lab start | CPU-s |")
+    print("\n| seats at once | every server ready | every verdict | vs one seat | all right | "
+          "median lab start | CPU-s |")
     print("|---|---|---|---|---|---|---|")
     for r in rounds:
-        print(f"| {r['seats']} | {r['all_ready']:.1f} s | {r['all_verdicts']:.1f} s | {r['vs_one_seat']:.2f}x | "
-              f"{'yes' if r['every_verdict_right'] else 'NO'} | {r['median_lab_start']:.1f} s | {r['machine_cpu_seconds']} |")
+        print(f"| {r['seats']} | {r['all_ready']:.1f} s | {r['all_verdicts']:.1f} s | "
+              f"{r['vs_one_seat']:.2f}x | {'yes' if r['every_verdict_right'] else 'NO'} | "
+              f"{r['median_lab_start']:.1f} s | {r['machine_cpu_seconds']} |")
     print(f"left behind after the hub stopped: {hub.left_behind or 'nothing'}")
     result = {"bench": "hub", "machine": {"cores": os.cpu_count(), "python": platform.python_version(),
                                           "load_at_start": machine.describe(), "uptime": load()},

@@ -58,7 +58,8 @@ MESHES = {
 }
 COLUMN_PARALLEL = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj")
 ROW_PARALLEL = ("o_proj", "down_proj")
-TP_ALL_REDUCES_PER_BLOCK = 2 + 5  # forward: after attention, after the MLP; backward: one per column-parallel input
+# forward: after attention, after the MLP; backward: one per column-parallel input
+TP_ALL_REDUCES_PER_BLOCK = 2 + 5
 
 
 def measure(pipes: dict[str, pplab.Pipeline], steps: int) -> dict:
@@ -166,8 +167,9 @@ def main() -> None:
                                         and row["bytes"] == row["predicted_bytes"]
                                         for entry in report["meshes"].values() for row in entry["ranks"])
     print(f"largest rank memory, pp=2 x dp=2 vs pp=4: {report['memory_ratio_pp2_dp2_vs_pp4']:.2f}")
-    print(f"activation checkpointing: peak activation bytes x{report['activation_checkpointing']['peak_bytes_ratio']:.2f}, "
-          f"step time x{report['activation_checkpointing']['step_time_ratio']:.2f}")
+    print("activation checkpointing: peak activation bytes "
+          f"x{report['activation_checkpointing']['peak_bytes_ratio']:.2f}, step time "
+          f"x{report['activation_checkpointing']['step_time_ratio']:.2f}")
     print(f"every measured memory and byte count equals its prediction: {report['all_predictions_met']}")
     RESULTS.parent.mkdir(exist_ok=True)
     RESULTS.write_text(json.dumps(report, indent=2) + "\n")

@@ -47,7 +47,8 @@ RESULTS = Path(__file__).parent / "results" / "predict.json"
 CONFIG = pplab.LlamaConfig.tiny()
 WIDE = pplab.LlamaConfig.tiny(hidden_size=256, intermediate_size=704)
 MICROBATCH_SIZE, SEQ_LEN, MICROBATCHES, STEPS, WARMUP, ROUNDS = 4, 64, 8, 12, 2, 5
-TIMING = pplab.Costs(forward=0.012, input_grad=0.012, weight_grad=0.012)  # padded: above what the tiny stages take
+# padded: above what the tiny stages take
+TIMING = pplab.Costs(forward=0.012, input_grad=0.012, weight_grad=0.012)
 SCHEDULES = [("gpipe", 1), ("1f1b", 1), ("zb-h1", 1), ("interleaved-1f1b", 2)]
 
 
@@ -145,12 +146,13 @@ def main() -> None:
     placements = {"free": None, "pinned": sorted(os.sched_getaffinity(0))[:2]}
     for placement in args.placements:
         cores = placements[placement]
-        with pplab.RankPool(2, cores=cores) as pool:  # the ranks of the hop and of the real runs, started once
+        # the ranks of the hop and of the real runs, started once
+        with pplab.RankPool(2, cores=cores) as pool:
             hop_report = hop(pool)
             for nbytes, row in hop_report["rows"].items():
-                print(f"{placement}: hop of {int(nbytes) / 1024:.0f} KiB: pplab {row['pplab_s'] * 1e6:.0f} us, bare "
-                      f"{row['bare_s'] * 1e6:.0f} us, ratio {row['ratio']:.2f} (goal <= 1.3); posting a send "
-                      f"{row['send_s'] * 1e6:.0f} us")
+                print(f"{placement}: hop of {int(nbytes) / 1024:.0f} KiB: pplab {row['pplab_s'] * 1e6:.0f} "
+                      f"us, bare {row['bare_s'] * 1e6:.0f} us, ratio {row['ratio']:.2f} (goal <= 1.3); "
+                      f"posting a send {row['send_s'] * 1e6:.0f} us")
             link = hop_report["rows"][str(hop_report["activation_bytes"])]
             runs = real_runs(pool, {"pplab": link["pplab_s"], "send": link["send_s"],
                                     "late_receive": link["late_receive_s"]}, args.modes, args.rounds)
@@ -159,8 +161,9 @@ def main() -> None:
         for mode in args.modes:
             for name, row in runs[mode]["schedules"].items():
                 error = row["time_error"]
-                print(f"{placement} {mode:6s} {name:17s} step measured {statistics.median(row['measured_step_s']) * 1e3:6.1f}"
-                      f" ms, predicted {row['predicted_step_s'] * 1e3:6.1f} ms: {error['median']:+.1%} "
+                print(f"{placement} {mode:6s} {name:17s} step measured "
+                      f"{statistics.median(row['measured_step_s']) * 1e3:6.1f} ms, predicted "
+                      f"{row['predicted_step_s'] * 1e3:6.1f} ms: {error['median']:+.1%} "
                       f"[{error['low']:+.1%}, {error['high']:+.1%}] over {args.rounds} runs (buffered link: "
                       f"{row['time_error_buffered']:+.1%})" + (f"; activations {row['memory_error']:.1%} off"
                                                                if "memory_error" in row else ""))

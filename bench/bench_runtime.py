@@ -138,7 +138,8 @@ def main() -> None:
               f"simulated {row['simulated']:.3f}  diff {row['diff_points']:+.2f} pp  "
               f"(step {row['measured_step_s']:.3f} s vs {row['simulated_step_s']:.3f} s simulated)")
     memory = results["inflight_memory"]
-    print(f"peak in-flight bytes rank 0: 1F1B/GPipe = {memory['ratio']:.4f} (expected {memory['expected']:.4f})")
+    print(f"peak in-flight bytes rank 0: 1F1B/GPipe = {memory['ratio']:.4f} (expected "
+          f"{memory['expected']:.4f})")
     RESULTS.parent.mkdir(parents=True, exist_ok=True)
     RESULTS.write_text(json.dumps(results, indent=2) + "\n")
     print(f"wrote {RESULTS}")

@@ -95,10 +95,11 @@ def machinery() -> dict:
         rows[f"p{p}_m{m}"] = dict(actions=actions, seconds=timed,
                                   actions_per_second={k: actions / v for k, v in timed.items()})
         speed = rows[f"p{p}_m{m}"]["actions_per_second"]
-        print(f"p={p:3d} m={m:3d} ({actions:,} actions): validate {speed['validate']:,.0f}/s "
-              f"(readable {speed['validate_readable_path']:,.0f}/s), simulate {speed['simulate']:,.0f}/s "
-              f"(readable {speed['simulate_readable_path']:,.0f}/s, same schedule "
-              f"{speed['simulate_same_schedule_other_costs']:,.0f}/s, events {speed['reading_the_events']:,.0f}/s)")
+        print(f"p={p:3d} m={m:3d} ({actions:,} actions): validate {speed['validate']:,.0f}/s (readable "
+              f"{speed['validate_readable_path']:,.0f}/s), simulate {speed['simulate']:,.0f}/s (readable "
+              f"{speed['simulate_readable_path']:,.0f}/s, same schedule "
+              f"{speed['simulate_same_schedule_other_costs']:,.0f}/s, events "
+              f"{speed['reading_the_events']:,.0f}/s)")
     met = all(row["actions_per_second"][k] >= GOAL for row in rows.values() for k in ("validate", "simulate"))
     return dict(rows=rows, goal=f"validate and simulate >= {GOAL:,} actions/s on a fresh schedule", met=met)
 
@@ -132,10 +133,11 @@ def search_grid() -> dict:
     no_builtin = sum(1 for r in rows if r["best_builtin"] is None)
     slowest = max(r["search_seconds"] for r in rows if r["p"] <= 8)
     print(f"search grid: {len(rows)} cases; found beats the best fitting built-in in {beaten}, ties in "
-          f"{len(rows) - beaten - no_builtin}, no built-in fits in {no_builtin}; never slower: {never_slower}; "
-          f"slowest search {slowest:.2f} s")
+          f"{len(rows) - beaten - no_builtin}, no built-in fits in {no_builtin}; never slower: "
+          f"{never_slower}; slowest search {slowest:.2f} s")
     return dict(rows=rows, never_slower=never_slower, beaten=beaten, no_builtin_fits=no_builtin,
-                slowest_search_seconds=slowest, goal="never slower than a fitting built-in; a few seconds at p <= 8")
+                slowest_search_seconds=slowest, goal="never slower than a fitting built-in; a "
+                                                     "few seconds at p <= 8")
 
 
 def run_found(steps: int = 5) -> dict:

@@ -51,7 +51,8 @@ def main() -> int:
                                   "gap": gap})
                     mark = "" if gap < 1e-9 else f"  <- search {gap:.1%} above"
                     print(f"{name:6} latency {latency:g} p={p} m={m:2}: search {searched.step_time:.4g}, "
-                          f"exact {found.step_time:.4g} ({'proved' if found.proved_optimal else 'not proved'}){mark}",
+                          f"exact {found.step_time:.4g} "
+                          f"({'proved' if found.proved_optimal else 'not proved'}){mark}",
                           flush=True)
     at_optimum = sum(1 for c in cases if c["gap"] < 1e-9 and c["proved_optimal"])
     proved = sum(1 for c in cases if c["proved_optimal"])

@@ -64,8 +64,9 @@ def main() -> None:
                           best_builtin=builtin, verdict=verdict,
                           gain_over_reference=round(1 - found.step_time / reference, 4)))
         if verdict != "equal":
-            print(f"p={p} m={m} {shape:11s} latency {latency:3.1f} limit {limit}: search {found.step_time:6.2f}, "
-                  f"paper's heuristic {paper[0] if paper else float('nan'):6.2f}, built-ins {builtin:6.2f}: {verdict}")
+            print(f"p={p} m={m} {shape:11s} latency {latency:3.1f} limit {limit}: search "
+                  f"{found.step_time:6.2f}, paper's heuristic {paper[0] if paper else float('nan'):6.2f}, "
+                  f"built-ins {builtin:6.2f}: {verdict}")
     gains = sorted(c["gain_over_reference"] for c in cases if c["verdict"] == "faster")
     print(counts, f"faster by {gains[0]:.1%} to {gains[-1]:.1%}" if gains else "")
     v_shaped = _two_stages_per_rank()

@@ -98,9 +98,9 @@ def main() -> None:
     os.makedirs(os.path.dirname(RESULT_PATH), exist_ok=True)
     with open(RESULT_PATH, "w") as file:
         json.dump(result, file, indent=1)
-    print(f"median per kernel: plain {medians['plain']['cpu_s']:.2f} CPU-s, {medians['plain']['wall_s']:.2f} s; "
-          f"forked {medians['forked']['cpu_s']:.2f} CPU-s, {medians['forked']['wall_s']:.2f} s "
-          f"(the zygote's own start, once a worker: {zygote['cpu_s']:.2f} CPU-s)")
+    print(f"median per kernel: plain {medians['plain']['cpu_s']:.2f} CPU-s, {medians['plain']['wall_s']:.2f} "
+          f"s; forked {medians['forked']['cpu_s']:.2f} CPU-s, {medians['forked']['wall_s']:.2f} s (the "
+          f"zygote's own start, once a worker: {zygote['cpu_s']:.2f} CPU-s)")
     print(f"wrote {RESULT_PATH}")
 
 

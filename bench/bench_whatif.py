@@ -14,7 +14,8 @@ after one change at a time:
 
 Each change is then run, the as-is pipeline and every change interleaved in each round, each first
 in turn (a machine getting busier, or a run slowed by the one before it, slows all alike), and the
-measured change is the ratio of medians: the changed step over the as-is step. The predicted change is the analyzer's step over its own as-is step.
+measured change is the ratio of medians: the changed step over the as-is step. The predicted change is the
+analyzer's step over its own as-is step.
 Goal (issue 41): every predicted change within 10 % of the measured one on a quiet machine.
 
 Run: python bench/bench_whatif.py [--rounds N] [--output PATH]   (about five minutes on 2 cores)
@@ -72,7 +73,8 @@ def measure(pool: pplab.RankPool, batch, rounds: int) -> tuple[dict[str, list[fl
                     as_is_steps.append(steps)
                     schedule = pipe.schedule
             steps_by_run[name].append(statistics.median(step.timeline.step_time() for step in steps))
-            print(f"round {round_index + 1}/{rounds} {name}: {steps_by_run[name][-1] * 1e3:.1f} ms", flush=True)
+            print(f"round {round_index + 1}/{rounds} {name}: "
+                  f"{steps_by_run[name][-1] * 1e3:.1f} ms", flush=True)
     typical = sorted(range(rounds), key=lambda i: steps_by_run["as is"][i])[rounds // 2]
     return steps_by_run, as_is_steps[typical], schedule
 
@@ -106,12 +108,13 @@ def main() -> None:
                             measured_ratio_per_round=per_round,
                             error=None if change not in predicted else predicted[change] / ratio - 1)
         said = "not predicted" if change not in predicted else f"predicted x{predicted[change]:.2f}"
-        print(f"{change:50s} {said}, measured x{ratio:.2f} (rounds x{min(per_round):.2f}-x{max(per_round):.2f})"
+        print(f"{change:50s} {said}, measured x{ratio:.2f} (rounds "
+              f"x{min(per_round):.2f}-x{max(per_round):.2f})"
               + ("" if change not in predicted else f": {rows[change]['error']:+.1%}"))
     errors = [abs(row["error"]) for row in rows.values() if row["error"] is not None]
     met = len(errors) == len(CHANGES) and max(errors) <= GOAL
-    print(f"as is: measured {as_is * 1e3:.1f} ms, the analyzer's model {report.predicted_as_is * 1e3:.1f} ms; "
-          f"worst error {max(errors):.1%}, mean {statistics.fmean(errors):.1%}: goal {GOAL:.0%} "
+    print(f"as is: measured {as_is * 1e3:.1f} ms, the analyzer's model {report.predicted_as_is * 1e3:.1f} "
+          f"ms; worst error {max(errors):.1%}, mean {statistics.fmean(errors):.1%}: goal {GOAL:.0%} "
           f"{'met' if met else 'NOT met'}")
     result = {"when": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
               "machine": platform.platform(), "torch": torch.__version__, "load_before": before, "load_after": load(),

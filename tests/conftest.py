@@ -169,7 +169,8 @@ def pytest_collection_modifyitems(config, items):
     # Then the other notebooks (a lab, a kernel and half a minute each), then the other test files:
     # a worker that ends on a short file leaves no long tail for the others to wait out.
     first = {name: index for index, name in enumerate(LONGEST_FIRST)}
-    items.sort(key=lambda item: first.get(item.path.name, len(first) + (item.path.suffix != ".ipynb")))  # stable
+    # stable
+    items.sort(key=lambda item: first.get(item.path.name, len(first) + (item.path.suffix != ".ipynb")))
 
 
 @pytest.fixture(scope="session", autouse=True)
@@ -207,7 +208,8 @@ def pytest_runtest_protocol(item, nextitem):
         from pplab.base.machine import recent_load
 
         seconds = marker.args[0]
-        every_test = float(item.config.getoption("timeout") or seconds)  # pyproject's --timeout: never past it
+        # pyproject's --timeout: never past it
+        every_test = float(item.config.getoption("timeout") or seconds)
         # A reading up to half a minute old: each fresh one spins a core for 0.2 s, and a bound
         # against a hang need not follow the load to the second.
         stretched = min(recent_load(max_age=30).scale(seconds), max(seconds, every_test))

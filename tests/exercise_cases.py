@@ -32,8 +32,8 @@ def mistaken(stem: str, right: str, wrong: str) -> str:
 
 
 DETACHED_EMBEDDING = mistaken("01b_exercise_stage_forward", "stage.embed_tokens(x)", "stage.embed_tokens(x).detach()")
-DETACHED_INPUT = mistaken("01b_exercise_stage_forward", "    if stage.is_first:", "    if not stage.is_first:\n"
-                         "        x = x.detach()\n    if stage.is_first:")
+DETACHED_INPUT = mistaken("01b_exercise_stage_forward", "    if stage.is_first:", "    if not "
+                         "stage.is_first:\n        x = x.detach()\n    if stage.is_first:")
 NO_FINAL_NORM = mistaken("01b_exercise_stage_forward", "stage.lm_head(stage.norm(x))", "stage.lm_head(x)")
 BOTH_RECEIVE_FIRST = """
 def forward_backward(stage, rank, tokens, targets):
@@ -41,7 +41,8 @@ def forward_backward(stage, rank, tokens, targets):
     dist.recv(buffer, src=1 - rank)  # each waits for the other: nobody sends
     return None
 """
-RECEIVED_WITHOUT_GRAD = mistaken("02b_exercise_send_recv", "    x.requires_grad_()\n", "")  # x.grad stays None
+# x.grad stays None
+RECEIVED_WITHOUT_GRAD = mistaken("02b_exercise_send_recv", "    x.requires_grad_()\n", "")
 WARMUP_IGNORES_MICROBATCHES = """
 def warmup_forwards(rank, n_ranks, n_microbatches):
     return n_ranks - 1 - rank
@@ -79,8 +80,10 @@ ROTARY_AS_POSITIONS = mistaken("14b_exercise_layout_of_your_model", 'rotary="mod
                                'positions="model.rotary_emb",')
 TARGETS_NOT_SHIFTED = mistaken("15b_exercise_pack_text", "[w[1:] for w in windows]", "[w[:-1] for w in windows]")
 NO_MARKERS = mistaken("15b_exercise_pack_text", "for token in (bos, *ids, eos)", "for token in ids")
-WINDOWS_APART = mistaken("15b_exercise_pack_text", "stream[i * seq_len:i * seq_len + seq_len + 1] for i in range(rows)",
-                         "stream[i * (seq_len + 1):(i + 1) * (seq_len + 1)] for i in range(len(stream) // (seq_len + 1))")
+WINDOWS_APART = mistaken("15b_exercise_pack_text", "stream[i * seq_len:i * seq_len + seq_len + "
+                                                   "1] for i in range(rows)",
+                         "stream[i * (seq_len + 1):(i + 1) * (seq_len + 1)] for i in "
+                         "range(len(stream) // (seq_len + 1))")
 KEEPS_THE_TAIL = mistaken("15b_exercise_pack_text", "rows = (len(stream) - 1) // seq_len", "rows = len(stream) // seq_len")
 WAITS_COUNTED_BUSY = mistaken("16b_exercise_idle_from_a_trace", "if e.rank == rank and e.is_compute", "if e.rank == rank")
 OWN_SPAN = mistaken("16b_exercise_idle_from_a_trace", "for event in timeline.events)  # over every rank",

@@ -29,7 +29,8 @@ def missing_for_a_hub() -> list[str]:
     if os.geteuid() != 0:
         missing.append("root (the hub runs each seat's server as the seat's account)")
     if shutil.which("configurable-http-proxy") is None:
-        missing.append("configurable-http-proxy (apt-get install nodejs npm; npm install -g configurable-http-proxy)")
+        missing.append("configurable-http-proxy (apt-get install nodejs npm; npm install -g "
+                       "configurable-http-proxy)")
     if shutil.which("useradd") is None:
         missing.append("useradd (Debian's passwd package)")
     try:

@@ -105,7 +105,8 @@ def test_catch_up_on_engines_adds_the_registered_engines_a_client_missed(lab2):
 @pytest.mark.timeout(90)
 def test_engine_died_recognises_what_ipyparallel_gives_for_an_engine_it_gave_up(fragile_lab):
     """Rank 1's process is stopped (SIGSTOP): alive, but silent. The controller misses its heartbeats
-    (10 s on a quiet machine, more on a busy one: launchers.controller_args) and ipyparallel fails its task as it does a dead engine's,
+    (10 s on a quiet machine, more on a busy one: launchers.controller_args) and ipyparallel fails its task as
+    it does a dead engine's,
     which the adapter recognises. The lab says what happened: the process still runs (beside two
     CPU burners a running rank was given up so, and was said to have died)."""
     import signal

@@ -159,7 +159,8 @@ def resume_after_training(rank, world_size, specs, options, roots):
         step_two = str(checkpoint.step_directory(root, 2))
         trainer = RankTrainer(RankPipeline(spec, rank), replace(options, checkpoint_dir=root, checkpoint_every=2))
         uninterrupted = trainer.train(until=4).losses
-        again = RankTrainer(trainer.pipeline, replace(options, resume=step_two))  # a lab's run.train(resume=...)
+        # a lab's run.train(resume=...)
+        again = RankTrainer(trainer.pipeline, replace(options, resume=step_two))
         on_pipeline = again.train(until=5).losses
         trainer.load(step_two)  # the same trainer, told to go back
         on_trainer = trainer.train(until=5).losses

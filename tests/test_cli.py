@@ -138,7 +138,8 @@ def test_simulate_maps_weight_and_latency_onto_the_cost_model(tmp_path):
 @pytest.mark.parametrize("arguments, message", [
     (("zb-h2", "--n-ranks", "4", "--n-microbatches", "8"),
      "unknown schedule 'zb-h2': known schedules are gpipe, 1f1b, interleaved-1f1b, zb-h1, looped-bfs"),
-    (("1f1b", "--n-ranks", "0", "--n-microbatches", "8"), "argument --n-ranks: '0' is not a whole number >= 1"),
+    (("1f1b", "--n-ranks", "0", "--n-microbatches", "8"), "argument --n-ranks: '0' is "
+                                                          "not a whole number >= 1"),
     (("1f1b", "--n-ranks", "2", "--n-microbatches", "-3"), "argument --n-microbatches: '-3'"),
     (("interleaved-1f1b", "--n-ranks", "2", "--n-microbatches", "4", "--n-virtual", "1"),
      "--n-virtual 1: interleaved-1f1b runs 2 or more stages per rank"),
@@ -159,7 +160,8 @@ def test_simulate_refuses_bad_arguments_with_one_clear_line(tmp_path, capsys, ar
 
 @pytest.mark.parametrize("arguments, message", [
     (("--steps", "0"), "argument --steps: '0' is not a whole number >= 1"),
-    (("--n-ranks", "9"), "n_stages=9 is more than n_layers=8"),  # the tiny model has 8 layers: refused before any rank starts
+    # the tiny model has 8 layers: refused before any rank starts
+    (("--n-ranks", "9"), "n_stages=9 is more than n_layers=8"),
 ])
 def test_demo_refuses_bad_arguments_with_one_clear_line(tmp_path, capsys, arguments, message):
     code, err, out = refused(capsys, "demo", *arguments, "--out", str(tmp_path / "out"))

@@ -219,8 +219,8 @@ def test_backend_and_device_follow_the_gpus_of_each_host():
     # Asked for: through the host with a GPU per rank, or on CPU (the path tests run).
     assert choose_backend_device("auto", "cuda", {"a": 2}, {"a": 2}, True) == ("gloo", "cuda", True)
     assert choose_backend_device("auto", "auto", {"a": 0}, {"a": 2}, True) == ("gloo", "cpu", True)
-    with pytest.raises(ValueError, match="backend='nccl' needs one GPU per rank .* host 'b' would run 2 ranks "
-                                         "on 1 GPU.*leave it out .*share the GPUs"):
+    with pytest.raises(ValueError, match="backend='nccl' needs one GPU per rank .* host 'b' would run 2 "
+                                         "ranks on 1 GPU.*leave it out .*share the GPUs"):
         choose_backend_device("nccl", "cuda", {"a": 2, "b": 1}, two_hosts)
     with pytest.raises(ValueError, match="host_messages=False needs one GPU per rank"):
         choose_backend_device("auto", "auto", {"a": 1}, {"a": 2}, False)
@@ -472,7 +472,8 @@ def test_what_px_cells_print_reads_in_rank_order(lab2, capsys):
     try:
         lab2.activate()
         # Rank 0 prints last, but its output is shown first.
-        shell.run_cell_magic("px", "", "import time\nif rank == 0:\n    time.sleep(0.5)\nprint(f'hello from {rank}')")
+        shell.run_cell_magic("px", "", "import time\nif rank == 0:\n    "
+                                       "time.sleep(0.5)\nprint(f'hello from {rank}')")
         shown = capsys.readouterr().out
         assert shown.index("[stdout:0]") < shown.index("[stdout:1]"), shown
         assert shown.index("hello from 0") < shown.index("hello from 1"), shown
@@ -613,7 +614,8 @@ def test_a_pools_ranks_keep_their_cores_and_bad_cores_are_refused_before_startin
     allowed = sorted(os.sched_getaffinity(0))
     for bad, said in ((cores[:1], r"names 1 core\(s\) for 2 ranks: give one per rank"),
                       ([cores[0]] * 2, "give distinct core numbers"),
-                      ([allowed[0], 4096], re.escape(f"this process may run on cores {allowed}, not on [4096]")),
+                      ([allowed[0], 4096], re.escape("this process may run on cores "
+                                                     f"{allowed}, not on [4096]")),
                       ("0,1", "give one core number per rank")):
         with pytest.raises(ValueError, match=said):
             pplab.RankPool(2, cores=bad)
@@ -652,7 +654,8 @@ def test_a_rank_that_raises_is_named_with_its_traceback(fragile_lab):
     assert error.rank == 1 and error.ename == "ValueError" and error.still_running == []
     assert "rank 1 raised ValueError in raise_on_rank():\nboom from rank 1\n" in str(error)
     assert "Remote traceback (rank 1)" in str(error) and "raise_on_rank" in str(error)
-    assert error.summary == "rank 1 raised ValueError in raise_on_rank():\nboom from rank 1"  # for status lines
+    # for status lines
+    assert error.summary == "rank 1 raised ValueError in raise_on_rank():\nboom from rank 1"
     assert fragile_lab.state == "running"  # the other rank finished: nothing to restart
     assert_healthy(fragile_lab)
 
@@ -660,7 +663,8 @@ def test_a_rank_that_raises_is_named_with_its_traceback(fragile_lab):
 @pytest.mark.timeout(60)
 def test_ranks_left_waiting_for_a_failed_rank_get_a_bounded_time_then_restart_works(lab2):
     # On the session's lab: its ranks' own waits (20 s) outlast its grace (1 s) at any load.
-    with within(SLACK + lab2.grace), pytest.raises(RankFailedError) as caught:  # the grace at the machine's pace
+    # the grace at the machine's pace
+    with within(SLACK + lab2.grace), pytest.raises(RankFailedError) as caught:
         lab2.run(raise_on_rank, 1, True)
     assert caught.value.rank == 1 and caught.value.still_running == [0]
     said = re.search(r"Ranks \[0\] had not finished ([\d.]+) s later: waiting for rank 1", str(caught.value))

@@ -56,7 +56,8 @@ def test_the_last_releases_local_rank_error_still_catches_a_pools_failures_and_s
     with pytest.warns(DeprecationWarning, match=r"LocalRankError is now pplab.session.RankError"):
         renamed = local.LocalRankError
     assert renamed is RankError
-    old_style = renamed("rank 1 failed", {1: "failed: ValueError: no"}, {1: ("ValueError", "no")})  # its order
+    # its order
+    old_style = renamed("rank 1 failed", {1: "failed: ValueError: no"}, {1: ("ValueError", "no")})
     assert old_style.first_raised() == ("ValueError", "no") and old_style.ranks == [1]
 
 
@@ -90,7 +91,8 @@ def test_a_per_rank_argument_gives_each_rank_its_own_item_on_a_pool_and_on_a_lab
         with pytest.raises(ValueError, match=r"what_this_rank_was_given\(\): argument 0 is a PerRank of 3 "
                                              r"values for 2 ranks: give exactly one value per rank"):
             ranks.run_async(what_this_rank_was_given, contract.PerRank([1, 2, 3]), "both", extra=None)
-        assert ranks.run(what_this_rank_was_given, 1, 2, extra=3) == [(0, 1, 2, 3), (1, 1, 2, 3)]  # still usable
+        # still usable
+        assert ranks.run(what_this_rank_was_given, 1, 2, extra=3) == [(0, 1, 2, 3), (1, 1, 2, 3)]
 
 
 def test_a_rank_that_raises_is_the_same_error_on_a_pool_and_on_a_lab(lab2):

@@ -89,7 +89,8 @@ def non_public_uses(source: str, modules: dict[str, str] | None = None) -> list[
                 if node.module not in IMPORTABLE:
                     found.append(f"from {node.module} import {alias.name}: {where_public(alias.name)}")
                 elif alias.name not in api[node.module]:
-                    found.append(f"{node.module}.{alias.name}: not in its __all__, {where_public(alias.name)}")
+                    found.append(f"{node.module}.{alias.name}: not in its __all__, "
+                                 f"{where_public(alias.name)}")
                 elif f"{node.module}.{alias.name}" in api:  # a public module, used by its name
                     modules[alias.asname or alias.name] = f"{node.module}.{alias.name}"
     for node in ast.walk(tree):  # attribute paths: pplab.data.batches, viz.plot_timeline, ...
@@ -100,7 +101,8 @@ def non_public_uses(source: str, modules: dict[str, str] | None = None) -> list[
         elif (isinstance(node, ast.Attribute) and isinstance(node.value, ast.Attribute)
               and isinstance(node.value.value, ast.Name) and modules.get(node.value.value.id) == "pplab"
               and f"pplab.{node.value.attr}" in api and node.attr not in api[f"pplab.{node.value.attr}"]):
-            found.append(f"pplab.{node.value.attr}.{node.attr}: not in its __all__, {where_public(node.attr)}")
+            found.append(f"pplab.{node.value.attr}.{node.attr}: not in its __all__, "
+                         f"{where_public(node.attr)}")
     return found
 
 
@@ -114,7 +116,8 @@ def documents():
         yield [(f"solutions/{path.name}", path.read_text())]
     for path in [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]:
         blocks = re.findall(r"```python\n(.*?)```", path.read_text(), re.S)
-        yield [(f"{path.relative_to(ROOT)} python block {number}", textwrap.dedent(block))  # some sit in a list
+        # some sit in a list
+        yield [(f"{path.relative_to(ROOT)} python block {number}", textwrap.dedent(block))
                for number, block in enumerate(blocks)]
 
 

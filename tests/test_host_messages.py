@@ -43,7 +43,8 @@ def host_pool():
 def test_both_runtimes_stay_exact_with_messages_through_host_memory(host_pool, schedule, options):
     with host_pool.pipeline(LlamaConfig.tiny(), schedule, 4, **options) as pipe:
         parity, flow = pipe.check_parity(), pipe.check_gradient_flow()
-        through_host = host_pool.run(_messages_go_through_host, pipe.pipeline_id)  # (torch's stages: built by now)
+        # (torch's stages: built by now)
+        through_host = host_pool.run(_messages_go_through_host, pipe.pipeline_id)
     assert parity.passed and parity.loss_rel_diff == 0.0 and parity.max_abs_diff == 0.0, parity
     assert flow.passed, flow
     expected_class = ["HostMessagesRecordingStage"] if options.get("impl") == "torch" else []

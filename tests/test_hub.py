@@ -36,7 +36,8 @@ def spawner_of(cls, account: str, **options):
 
 
 @pytest.mark.quick
-@pytest.mark.skipif(os.geteuid() != 0, reason="a room with seats gives each seat's folder to its account: needs root")
+@pytest.mark.skipif(os.geteuid() != 0, reason="a room with seats gives each seat's folder to "
+                                              "its account: needs root")
 def test_each_seat_gets_its_room_gpus_and_cap_and_a_cluster_spawner_asks_for_whole_gpus(tmp_path, monkeypatch):
     pytest.importorskip("jupyterhub", reason="the workshop's hub: pip install 'pplab[hub]'")
     from jupyterhub.spawner import LocalProcessSpawner
@@ -86,9 +87,9 @@ def test_each_seat_gets_its_room_gpus_and_cap_and_a_cluster_spawner_asks_for_who
     assert "PPLAB_ROOM" in re.search(r"--export=(\S+)", script).group(1).split(",")
 
     kube_config = tmp_path / "kubeconfig"  # KubeSpawner reads one when made; no cluster is reached
-    kube_config.write_text("apiVersion: v1\nkind: Config\nclusters: [{name: c, cluster: {server: 'https://127.0.0.1:9'}}]\n"
-                           "users: [{name: u, user: {token: t}}]\ncontexts: [{name: x, context: {cluster: c, user: u}}]\n"
-                           "current-context: x\n")
+    kube_config.write_text("apiVersion: v1\nkind: Config\nclusters: [{name: c, cluster: {server: "
+                           "'https://127.0.0.1:9'}}]\nusers: [{name: u, user: {token: t}}]\ncontexts: "
+                           "[{name: x, context: {cluster: c, user: u}}]\ncurrent-context: x\n")
     monkeypatch.setenv("KUBECONFIG", str(kube_config))
 
     async def pod():
@@ -242,7 +243,8 @@ def test_a_workshop_on_a_real_hub_three_seats_their_verdicts_the_room_and_no_for
                 assert "not written yet" in said[0] and "not yet" in said[1] and "right" in said[2], said
                 assert open(f"{home}/pplab-course/README.md").read() == "my notes\n"  # never copied over
                 assert os.path.exists(f"{home}/pplab-course/04b_exercise_1f1b_warmup.ipynb")
-                assert page.goto(hub.url + "/services/pplab-room/").status == 403  # the room is not an attendee's
+                # the room is not an attendee's
+                assert page.goto(hub.url + "/services/pplab-room/").status == 403
                 page.screenshot(path=str(shots / "room-as-attendee-403.png"))
 
                 page, said = attend(browser, hub, bo, timeout_ms, shots)
@@ -276,7 +278,8 @@ def test_a_workshop_on_a_real_hub_three_seats_their_verdicts_the_room_and_no_for
                 grades = list(csv.DictReader(io.StringIO(open(download.value.path()).read())))
             finally:
                 browser.close()
-                print(hub.log()[-6000:])  # shown where the test fails: what the hub and the seats' servers said
+                # shown where the test fails: what the hub and the seats' servers said
+                print(hub.log()[-6000:])
         if os.environ.get("PPLAB_SCREENSHOTS"):
             for shot in shots.glob("*.png"):
                 os.replace(shot, os.path.join(os.environ["PPLAB_SCREENSHOTS"], f"hub-{shot.name}"))

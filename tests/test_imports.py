@@ -27,11 +27,13 @@ CORE = ["pplab.base.arguments", "pplab.model", "pplab.data", "pplab.schedules", 
         "pplab.session.on_rank"]  # train and the session's rank side run under torchrun: no Jupyter either
 UPPER_FLOORS = ["ipyparallel", "IPython", "ipywidgets", "matplotlib", "pplab.drivers.cluster", "pplab.course",
                 "pplab.views",
-                "transformers", "safetensors", "tokenizers", "datasets"]  # the hf extra: loaded on its path only, even by pplab.hf
+                # the hf extra: loaded on its path only, even by pplab.hf
+                "transformers", "safetensors", "tokenizers", "datasets"]
 PURE_PYTHON = ["pplab", "pplab.schedules", "pplab.trace.timeline", "pplab.trace", "pplab.trace.profiled", "pplab.base.formatting",
                "pplab.simulator",
                "pplab.planning.prediction", "pplab.base.checkpoint_files", "pplab.rank.rank_context",
-               "pplab.base.config", "pplab.session.run", "pplab.cli"]  # not even torch (the CLI builds its flags from run's fields)
+               # not even torch (the CLI builds its flags from run's fields)
+               "pplab.base.config", "pplab.session.run", "pplab.cli"]
 
 
 

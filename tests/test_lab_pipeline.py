@@ -30,7 +30,8 @@ def test_lab_pipeline_writes_out_every_keyword_of_a_pipeline_spec_with_its_defau
     assert set(create) - {"cls", "n_ranks"} == set(pipeline) - {"self"}
     for name in fields.keys() - {"config", "schedule"}:
         assert create[name].default == fields[name], name
-        assert pipeline[name].default == (None if name == "op_timeout" else fields[name]), name  # None: the driver's
+        # None: the driver's
+        assert pipeline[name].default == (None if name == "op_timeout" else fields[name]), name
         assert create[name].kind == pipeline[name].kind == inspect.Parameter.KEYWORD_ONLY, name
     for name in ("n_microbatches", "n_virtual"):
         assert pipeline[name].default == create[name].default, name
@@ -45,9 +46,11 @@ def test_stages_a_rank_built_are_checked_against_the_clients_spec():
     built = [{"rank": 0, "pplab": "0.1.0", "stages": [0, 2], "coordinates": None},
              {"rank": 1, "pplab": "0.1.0", "stages": [1, 3], "coordinates": None}]
     assert wrong_placement(spec, built) is None
-    built[1] = {**built[1], "pplab": "0.0.9", "stages": [1]}  # another pplab, on another host, built another cut
+    # another pplab, on another host, built another cut
+    built[1] = {**built[1], "pplab": "0.0.9", "stages": [1]}
     said = wrong_placement(spec, built)
-    assert said.startswith("rank 1 built stages [1] at None, not [1, 3] at None") and "runs pplab 0.0.9" in said
+    assert said.startswith("rank 1 built stages [1] at None, not [1, 3] at "
+                           "None") and "runs pplab 0.0.9" in said
     mesh = PipelineSpec.create(pplab.LlamaConfig.tiny(), "1f1b", 4, 4, impl="torch", mesh={"pp": 2, "dp": 2})
     built = [{"stages": [mesh.schedule.stages_of(mesh.pp_rank(r))[0]], "coordinates": mesh.mesh.coordinates(r)}
              for r in range(4)]
@@ -59,7 +62,8 @@ def test_stages_a_rank_built_are_checked_against_the_clients_spec():
 @pytest.mark.quick
 def test_a_misspelt_keyword_of_lab_pipeline_is_pythons_own_type_error():
     with pytest.raises(TypeError, match="unexpected keyword argument 'n_microbatch'"):
-        pplab.RankPool.pipeline(None, CONFIG, "1f1b", n_microbatch=4)  # Python refuses it before the body runs
+        # Python refuses it before the body runs
+        pplab.RankPool.pipeline(None, CONFIG, "1f1b", n_microbatch=4)
     with pytest.raises(TypeError, match="unexpected keyword argument 'timout'"):
         pplab.Lab.pipeline(None, CONFIG, "1f1b", 4, timout=3)
 

@@ -219,8 +219,9 @@ def test_a_slow_rank_is_named_the_straggler_and_the_waits_are_its(tmp_path):
     assert numbers["straggler"] == 1 and numbers["steps_in_trace"] == 2
     # The same from the torchtitan job the run would be: its schedule and microbatches read from the TOML.
     job = tmp_path / "job.toml"
-    job.write_text(f"[parallelism]\npipeline_parallel_degree = 2\npipeline_parallel_schedule = 'Schedule1F1B'\n"
-                   f"pipeline_parallel_microbatch_size = 2\n[training]\nlocal_batch_size = {2 * M}\n")
+    job.write_text("[parallelism]\npipeline_parallel_degree = 2\npipeline_parallel_schedule = "
+                   "'Schedule1F1B'\npipeline_parallel_microbatch_size = "
+                   f"2\n[training]\nlocal_batch_size = {2 * M}\n")
     assert main(["analyze", str(folder), "--torchtitan-config", str(job), "--out", str(tmp_path / "titan")]) == 0
     from_job = json.loads((tmp_path / "titan" / "report.json").read_text())
     assert from_job["straggler"] == 1 and from_job["step_time"] == numbers["step_time"]

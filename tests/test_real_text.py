@@ -111,7 +111,8 @@ def test_a_config_file_reads_seed_003s_names_and_refuses_unknown_keys(capsys, tm
 
     assert main(["train", "--config", str(config), "--print-config"]) == 0
     printed = capsys.readouterr().out
-    for line in ('pp = 2', 'schedule = "interleaved_1f1b"', 'n_virtual = 2', 'n_microbatches = 4',  # canonical names
+    # canonical names
+    for line in ('pp = 2', 'schedule = "interleaved_1f1b"', 'n_virtual = 2', 'n_microbatches = 4',
                  'lr = 0.001', 'min_lr = 0.0', 'betas = [0.9, 0.99]'):
         assert line in printed.splitlines(), line
     # What it prints is a config file that reads back the same; a flag wins over the file.
@@ -158,8 +159,9 @@ def test_a_bpe_run_learns_the_text_and_its_checkpoint_generates_it(texts, tmp_pa
     # (test_config walks every field through each path; a configuration trains alike wherever given).
     short = ["--data", str(texts), "--tokenizer", str(tmp_path / "run" / "tokenizer.json"), "--model", "tiny",
              "--steps", "3", "--batch-size", "8", "--seq-len", "32", "--eval-every", "0"]
-    (tmp_path / "run.toml").write_text(f'data = "{texts}"\ntokenizer = "{tmp_path / "run" / "tokenizer.json"}"\n'
-                                       f'[training]\nsteps = 3\nbatch_size = 8\nseq_len = 32\neval_every = 0\n')
+    (tmp_path / "run.toml").write_text(f'data = "{texts}"\ntokenizer = '
+                                       f'"{tmp_path / "run" / "tokenizer.json"}"\n[training]\nsteps = '
+                                       '3\nbatch_size = 8\nseq_len = 32\neval_every = 0\n')
     by_flags, by_file = printed(capsys, *short), printed(capsys, "--config", str(tmp_path / "run.toml"))
     assert by_flags == by_file == pplab.run.RunConfig.from_toml(tmp_path / "run.toml"), (by_flags, by_file)
     assert by_file.steps == 3 and by_file.tokenizer == str(tmp_path / "run" / "tokenizer.json")

@@ -15,7 +15,8 @@ from pplab.rank.rank_pipeline import PipelineSpec
 from pplab.session.drivers import Lab as SessionLab
 
 CONFIG = pplab.LlamaConfig.tiny()
-RANKS = SimpleNamespace(world_size=2, op_timeout=5.0, _check_usable=lambda: None)  # what pipeline() reads first
+# what pipeline() reads first
+RANKS = SimpleNamespace(world_size=2, op_timeout=5.0, _check_usable=lambda: None)
 
 pytestmark = pytest.mark.quick
 

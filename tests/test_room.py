@@ -42,7 +42,8 @@ def test_what_a_lab_and_a_checker_write_is_read_back(tmp_path, monkeypatch):
     monkeypatch.setenv(room.ROOM_ENV, str(tmp_path))
     monkeypatch.setenv(room.SEAT_ENV, "seat 7")  # made a file name: seat_7
     room.record_lab("abc", state="running", device="cuda", n_ranks=2, gpus=[2, 3], pids=[os.getpid()])
-    room.record_verdict("the 1F1B warm-up", False, "rank 0 of 3 with 1 microbatch: you said 2, it runs 1.\nwhy")
+    room.record_verdict("the 1F1B warm-up", False, "rank 0 of 3 with 1 microbatch: you "
+                                                   "said 2, it runs 1.\nwhy")
     room.record_verdict("a stage's forward", True, "every stage computes what it should")
     (tmp_path / "verdicts" / "seat_7.jsonl").open("a").write('{"attendee": "seat_7", "exerc')  # being written
     for made in ("labs", "verdicts"):  # every attendee (a Unix user of their own) may write there
@@ -57,7 +58,8 @@ def test_what_a_lab_and_a_checker_write_is_read_back(tmp_path, monkeypatch):
     room.record_lab("abc", state="running", device="cuda", n_ranks=4, gpus=[5, 5, 5, 5], pids=[os.getpid()],
                     gpu_memory_fraction=0.1125)
     assert "cuda (GPU 5 shared; each rank up to 11% of a GPU)" in room.room_table_html(room.read_room(tmp_path), [])
-    room.record_lab("abc", state="running", device="cpu", n_ranks=2, pids=[2 ** 22 + 12345])  # no such process
+    # no such process
+    room.record_lab("abc", state="running", device="cpu", n_ranks=2, pids=[2 ** 22 + 12345])
     assert room.read_room(tmp_path)[0].state == "dead"
     monkeypatch.delenv(room.ROOM_ENV)
     room.record_verdict("clipping", True, "right")  # outside a room: nothing written
@@ -69,7 +71,8 @@ def test_what_a_lab_and_a_checker_write_is_read_back(tmp_path, monkeypatch):
 def twenty_seats(folder, now: float) -> None:
     """A room of 20 seats as their labs and checkers write it: seat-00 .. seat-19, each with a running
     lab; every seat right on 01b at its first try; seat-03 ran 04b four times over the last 25
-    minutes: twice the cell as it came (a placeholder, no try), twice wrong; seat-07 right on 04b, then wrong (a later edit broke it); the
+    minutes: twice the cell as it came (a placeholder, no try), twice wrong; seat-07 right on 04b, then wrong
+    (a later edit broke it); the
     rest right on 04b; nobody has tried 14b."""
     room.make_room(folder)
     hint = "rank 0 of 3 with 1 microbatch: you said 2, it runs 1.\nHint: a rank cannot warm up more microbatches than there are."
@@ -101,12 +104,14 @@ def test_a_room_of_twenty_shows_who_is_stuck_on_what_for_how_long(tmp_path):
     twenty_seats(tmp_path, now)
     seats = room.read_room(tmp_path, now)
     by_name = {seat.attendee: seat for seat in seats}
-    assert len(seats) == 20 and len(by_name["seat-03"].attempts["the 1F1B warm-up"]) == 2  # placeholders: no try
+    # placeholders: no try
+    assert len(seats) == 20 and len(by_name["seat-03"].attempts["the 1F1B warm-up"]) == 2
     assert by_name["seat-03"].stuck_since("the 1F1B warm-up") == pytest.approx(now - 1200)
     assert by_name["seat-07"].stuck_since("the 1F1B warm-up") == pytest.approx(now - 120)
     assert by_name["seat-00"].stuck_since("the 1F1B warm-up") is None
     summary = room.room_summary(seats, now, columns=NOTEBOOK_OF_EXERCISE)
-    assert summary.endswith("38 exercises right; 1 stuck over 10 min (longest: seat-03 on 04b, 20 min)"), summary
+    assert summary.endswith("38 exercises right; 1 stuck over 10 min (longest: seat-03 on "
+                            "04b, 20 min)"), summary
     page = room.room_table_html(seats, NOTEBOOK_OF_EXERCISE, now)
     rows = re.findall(r"<tr>(.*?)</tr>", page, re.DOTALL)
     header, seat_03, seat_07, tallies = rows[0], rows[4], rows[8], rows[-1]
@@ -187,7 +192,8 @@ def _look_in_a_browser(url, attendees, server, tmp_path):
             if os.environ.get("PPLAB_SCREENSHOTS"):
                 page.screenshot(path=os.path.join(os.environ["PPLAB_SCREENSHOTS"], "room.png"))
             server.terminate()  # the server goes away: the page keeps its last table and says so
-            page.wait_for_function("document.getElementById('trouble').innerText.includes('could not re-read')",
+            page.wait_for_function("document.getElementById('trouble').innerText.includes('could "
+                                   "not re-read')",
                                    timeout=15000)
             assert re.search(r"ada\s+stopped", page.inner_text("table"))
             page.screenshot(path=str(tmp_path / "room-server-gone.png"))
@@ -213,7 +219,8 @@ def verdict(seat: str, exercise: str, right: bool, when: float, message: str = "
 
 
 @pytest.mark.quick
-@pytest.mark.skipif(os.geteuid() != 0, reason="a room with seats gives each seat's folder to its account: needs root")
+@pytest.mark.skipif(os.geteuid() != 0, reason="a room with seats gives each seat's folder to "
+                                              "its account: needs root")
 def test_a_room_with_seats_counts_a_verdict_for_the_account_whose_folder_holds_it(tmp_path):
     from pplab.cli import main
     from pplab.course.exercises import NOTEBOOK_OF_EXERCISE
@@ -229,7 +236,8 @@ def test_a_room_with_seats_counts_a_verdict_for_the_account_whose_folder_holds_i
         assert own.st_mode & 0o7777 == 0o700 and own.st_uid == __import__("pwd").getpwnam(seat).pw_uid
     now = time.time()
     write_as("daemon", folder / "verdicts" / "daemon" / "verdicts.jsonl", [
-        verdict("daemon", "a stage's forward", False, now - 60, NOT_WRITTEN),  # Run All on the cell as it came
+        # Run All on the cell as it came
+        verdict("daemon", "a stage's forward", False, now - 60, NOT_WRITTEN),
         verdict("daemon", "a stage's forward", False, now - 50, "your stage detached its input"),
         verdict("daemon", "a stage's forward", True, now - 20)])
     # bin forges: a right answer for daemon in its own file, a file in nobody's folder, a stray file
@@ -241,13 +249,15 @@ def test_a_room_with_seats_counts_a_verdict_for_the_account_whose_folder_holds_i
     reading = room.inspect_room(folder, now)
     seats = {seat.attendee: seat for seat in reading.seats}
     assert reading.checked and list(seats) == sorted(SEATS)  # every seat has its row, tried or not
-    assert [v["right"] for v in seats["daemon"].attempts["a stage's forward"]] == [False, True]  # no placeholder
+    # no placeholder
+    assert [v["right"] for v in seats["daemon"].attempts["a stage's forward"]] == [False, True]
     assert "the 1F1B warm-up" not in seats["daemon"].attempts  # bin's claim counts for nobody
     assert [v["right"] for v in seats["bin"].attempts["the 1F1B warm-up"]] == [False]  # bin stays on the page
     assert seats["nobody"].attempts == {}
     refused = {refusal.where: refusal.reason for refusal in reading.refusals}
     assert refused == {
-        "verdicts/bin/verdicts.jsonl": "1 record naming 'daemon' in bin's file: a record counts for the seat that wrote it",
+        "verdicts/bin/verdicts.jsonl": "1 record naming 'daemon' in bin's file: a record counts for "
+                                       "the seat that wrote it",
         "verdicts/nobody.jsonl": "not in a seat's folder (made by bin): only a seat's own folder counts",
         "verdicts/nobody/verdicts.jsonl": "written by bin, not by nobody"}, refused
     notes = room_notes_html(reading)
@@ -270,7 +280,8 @@ def test_a_room_with_seats_counts_a_verdict_for_the_account_whose_folder_holds_i
 
     (folder / room.SEATS_FILE).chmod(0o666)  # a seats file anyone could rewrite makes no room with seats
     assert room.seats_of(folder) is None
-    with pytest.raises(ValueError, match="seat 'no-such-seat-x': this host has no such account; make it first"):
+    with pytest.raises(ValueError, match="seat 'no-such-seat-x': this host has no such "
+                                         "account; make it first"):
         room.make_room(folder, seats=["no-such-seat-x"])
 
 

@@ -167,7 +167,8 @@ def test_a_bad_microbatch_count_is_named_as_the_caller_typed_it():
 @pytest.mark.quick
 def test_a_ready_schedule_must_agree_with_the_arguments():
     schedule = build("1f1b", 2, 4)
-    with pytest.raises(ValueError, match="the schedule is for n_microbatches=4 but n_microbatches=8 was asked for"):
+    with pytest.raises(ValueError, match="the schedule is for n_microbatches=4 but "
+                                         "n_microbatches=8 was asked for"):
         PipelineSpec.create(CONFIG, schedule, 2, n_microbatches=8)
     with pytest.raises(ValueError, match="^op_timeout=0"):
         PipelineSpec.create(CONFIG, schedule, 2, op_timeout=0)

@@ -45,7 +45,8 @@ def test_a_slow_link_yields_a_schedule_faster_than_every_builtin_that_fits():
     found = search(4, 8, SLOW_LINK, memory_limit=4)
     builtins = [c for c in found.tried if c.builtin and c.fits]
     assert {"pplab 1f1b", "pplab zb-h1"} <= {c.name for c in builtins}
-    assert {"pplab gpipe", "torch gpipe", "torch 1f1b"} <= {c.name for c in found.tried}  # tried, too big or invalid
+    # tried, too big or invalid
+    assert {"pplab gpipe", "torch gpipe", "torch 1f1b"} <= {c.name for c in found.tried}
     assert all(found.step_time < c.step_time for c in builtins), found.table()
     assert simulate(found.schedule, SLOW_LINK).step_time() == found.step_time
     validate(found.schedule)
@@ -204,7 +205,8 @@ FOUND_KINDS = [
     ("a patient list schedule", WAITS_PAY, 4, 4, 1, "list I+W backward-first patient"),
     ("an alternating list schedule", _grid_costs("uniform", 0.5), 8, 6, 1, "list I+W alternating"),
     ("the zero-bubble heuristic", _grid_costs("heavy first", 0.1), 8, 6, 1, "zero-bubble heuristic"),
-    ("a locally improved schedule", _grid_costs("uniform", 0.5), 8, 4, 1, "zero-bubble heuristic warm-up+0 skip-F 0, improved"),
+    ("a locally improved schedule", _grid_costs("uniform", 0.5), 8, 4, 1, "zero-bubble heuristic "
+                                                                          "warm-up+0 skip-F 0, improved"),
     ("a V-shaped list schedule", Costs(forward=1.0, input_grad=1.0, weight_grad=1.0, latency=2.0), 8, 8, 2, "list V"),
 ]
 

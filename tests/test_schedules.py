@@ -248,15 +248,18 @@ def test_an_unknown_name_is_named_with_every_canonical_one(bad):
 @pytest.mark.parametrize(
     "args, message",
     [
-        (("pipedream", 2, 4), "unknown schedule 'pipedream': known schedules are gpipe, 1f1b, interleaved-1f1b, zb-h1, looped-bfs, interleaved-zero-bubble, zbv-zero-bubble, dualpipev"),
-        (("ZBVZeroBubble", 2, 4, 2), "pplab does not build zbv-zero-bubble: it builds gpipe, 1f1b, interleaved-1f1b, "
-                                     "zb-h1; torch runs zbv-zero-bubble (impl='torch')"),
+        (("pipedream", 2, 4), "unknown schedule 'pipedream': known schedules are gpipe, 1f1b, "
+                              "interleaved-1f1b, zb-h1, looped-bfs, interleaved-zero-bubble, "
+                              "zbv-zero-bubble, dualpipev"),
+        (("ZBVZeroBubble", 2, 4, 2), "pplab does not build zbv-zero-bubble: it builds gpipe, 1f1b, "
+                                     "interleaved-1f1b, zb-h1; torch runs zbv-zero-bubble (impl='torch')"),
         (("1f1b", 2, 0), "n_microbatches=0 must be at least 1"),
         (("1f1b", 0, 4), "n_ranks=0 must be at least 1"),
         (("1f1b", 2.0, 4), "n_ranks=2.0 must be a whole number"),
         (("1f1b", 2, "4"), "n_microbatches='4' must be a whole number"),
         (("1f1b", True, 4), "n_ranks=True must be a whole number"),
-        (("interleaved-1f1b", 2, 4, 1), "interleaved-1f1b needs n_virtual >= 2 stages per rank, got n_virtual=1"),
+        (("interleaved-1f1b", 2, 4, 1), "interleaved-1f1b needs n_virtual >= 2 stages per "
+                                        "rank, got n_virtual=1"),
         (("gpipe", 2, 4, 2), "gpipe runs one stage per rank, got n_virtual=2; use n_virtual=1"),
         (("interleaved-1f1b", 4, 9, 2), "n_microbatches must be a multiple of 2; nearby values that work"),
     ],
@@ -647,7 +650,8 @@ def test_the_table_of_torch_schedules_agrees_with_torch():
         torch_class = torch_schedules.get_schedule_class(entry.torch_name)
         assert entry.name == name and schedule_name(torch_class.__name__) == name
         assert entry.multi_stage == issubclass(torch_class, torch_schedules.PipelineScheduleMulti), name
-        plan = from_torch(entry.torch_name, 2, 4, entry.fewest_stages_per_rank)  # torch's class name works too
+        # torch's class name works too
+        plan = from_torch(entry.torch_name, 2, 4, entry.fewest_stages_per_rank)
         assert plan.name == name
         assert (plan.placement == v_placement(2)) == entry.v_shaped, name
         assert plan.n_virtual == entry.fewest_stages_per_rank
@@ -656,13 +660,16 @@ def test_the_table_of_torch_schedules_agrees_with_torch():
 @pytest.mark.parametrize(
     "args, message",
     [
-        (("Nope", 2, 4), "unknown schedule 'Nope': known schedules are gpipe, 1f1b, interleaved-1f1b, zb-h1, looped-bfs, interleaved-zero-bubble, zbv-zero-bubble, dualpipev"),
-        (("Interleaved1F1B", 2, 4, 1), "torch's interleaved-1f1b runs several stages per rank: use n_virtual=2 or more"),
+        (("Nope", 2, 4), "unknown schedule 'Nope': known schedules are gpipe, 1f1b, interleaved-1f1b, "
+                         "zb-h1, looped-bfs, interleaved-zero-bubble, zbv-zero-bubble, dualpipev"),
+        (("Interleaved1F1B", 2, 4, 1), "torch's interleaved-1f1b runs several stages per rank: "
+                                       "use n_virtual=2 or more"),
         (("GPipe", 2, 4, 2), "torch's gpipe runs one stage per rank: use n_virtual=1"),
         (("DualPipeV", 4, 4, 2), "torch cannot plan dualpipev for n_ranks=4, n_microbatches=4, n_virtual=2"),
-        (("ZBVZeroBubble", 2, 4, 3), "torch's zbv-zero-bubble places exactly 2 stages per rank (a V): use n_virtual=2, "
-                                     "got n_virtual=3"),
-        (("zb-h1", 2, 4), "torch has no zb-h1 schedule: torch runs gpipe, 1f1b, interleaved-1f1b, looped-bfs"),
+        (("ZBVZeroBubble", 2, 4, 3), "torch's zbv-zero-bubble places exactly 2 stages per rank (a V): use "
+                                     "n_virtual=2, got n_virtual=3"),
+        (("zb-h1", 2, 4), "torch has no zb-h1 schedule: torch runs gpipe, 1f1b, "
+                          "interleaved-1f1b, looped-bfs"),
         (("PipelineScheduleMulti", 2, 4, 2), "unknown schedule 'PipelineScheduleMulti'"),
         (("GPipe", 2, 0), "n_microbatches=0 must be at least 1"),
     ],
@@ -690,7 +697,8 @@ def test_positions_in_errors_are_those_of_the_hand_written_compute_order():
                                             r"only\): backward of microbatch 0 on stage 1 comes before its "
                                             r"forward 1F0, which comes later, at position 1"):
         validate(from_text(["0F0 0B0", "1B0 1F0"]))
-    with pytest.raises(ScheduleError, match="already ran as 0B0 at position 1: use either B or the pair I and W"):
+    with pytest.raises(ScheduleError, match="already ran as 0B0 at position 1: use "
+                                            "either B or the pair I and W"):
         validate(from_text(["0F0 0B0 0I0 0W0", "1F0 1B0"]))
 
 

@@ -40,7 +40,8 @@ def stretched_steps(costs: Costs, rng: random.Random, n_steps: int, stretch) -> 
     return steps
 
 
-SLOW_STAGE = Costs(forward=(0.015, 0.06), backward=(0.03, 0.12))  # the drill's timing mode: stage 1 four times slower
+# the drill's timing mode: stage 1 four times slower
+SLOW_STAGE = Costs(forward=(0.015, 0.06), backward=(0.03, 0.12))
 
 
 def test_a_padded_slow_rank_is_named_when_its_peers_every_action_is_stretched():

@@ -169,11 +169,13 @@ def test_the_command_line_searches_writes_the_csv_and_simulates_it(tmp_path, cap
     assert main(["search", "--n-ranks", "4", "--n-microbatches", "8", *costs, "--memory-limit", "4",
                  "--csv", str(csv_path), "--quiet"]) == 0
     said = capsys.readouterr().out
-    name, step = re.search(r"found (.+?): step ([\d.]+)", said).groups()  # (how far it improved: the machine's pace)
+    # (how far it improved: the machine's pace)
+    name, step = re.search(r"found (.+?): step ([\d.]+)", said).groups()
     assert f"wrote {csv_path}: torch's compute-only CSV of {name!r}" in said
     assert main(["simulate", str(csv_path), *costs, "--out", str(out)]) == 0
     numbers = json.loads((out / "found.json").read_text())
-    assert numbers["step_time"] == pytest.approx(float(step), rel=5e-4)  # printed to 4 digits: the schedule found
+    # printed to 4 digits: the schedule found
+    assert numbers["step_time"] == pytest.approx(float(step), rel=5e-4)
     assert (numbers["n_ranks"], numbers["n_microbatches"]) == (4, 8)
     # Sizes come from the file: a flag that disagrees is refused, and a named schedule needs them.
     assert main(["simulate", str(csv_path), "--n-ranks", "2", "--out", str(out)]) == 2
@@ -196,6 +198,7 @@ def test_a_lab_runs_a_searched_schedule_on_torchs_runtime_exactly(lab2):
         assert parity.passed and parity.max_abs_diff == 0.0, str(parity)
         order = [[str(Action(e.stage, Kind(e.kind), e.microbatch)) for e in sorted(
             pipe.last.timeline.of_rank(rank), key=lambda e: e.start) if e.is_compute] for rank in range(2)]
-        assert order == [[str(a) for a in acts if a.is_compute] for acts in listed.actions]  # torch ran this order
+        # torch ran this order
+        assert order == [[str(a) for a in acts if a.is_compute] for acts in listed.actions]
     finally:
         pipe.close()

@@ -71,7 +71,8 @@ def test_torch_schedules_match_one_device_and_record_every_action_once(p):
 @pytest.mark.parametrize("args, message", [
     (("pipedream", 2, 4, 1), "unknown schedule 'pipedream': known schedules are gpipe, 1f1b"),
     (("zb-h1", 2, 4, 1), "torch has no zb-h1 schedule: torch runs gpipe, 1f1b, interleaved-1f1b, looped-bfs"),
-    (("1f1b", 4, 2, 1), "Number of microbatches (2) must be greater than or equal to the number of stages (4)"),
+    (("1f1b", 4, 2, 1), "Number of microbatches (2) must be greater than or equal to the "
+                        "number of stages (4)"),
     (("ZBVZeroBubble", 2, 4, 3), "places exactly 2 stages per rank (a V): use n_virtual=2"),
     (("interleaved-1f1b", 2, 4, 1), "runs several stages per rank: use n_virtual=2 or more"),
     (("gpipe", 2, 4, 2), "runs one stage per rank: use n_virtual=1"),
@@ -118,7 +119,8 @@ def test_a_lab_pipeline_switches_to_torch_with_one_argument(lab2):
         assert [row[:3] for row in pipe.boundary_shapes().rows()] == \
             [["0 -> 1", mb, (MICROBATCH_SIZE, 32, CONFIG.hidden_size)] for mb in range(4)]
         timeline = pipe.last.timeline
-        assert all(e.duration >= 0.02 for e in timeline.events if e.kind == "F")  # timing mode pads torch's passes
+        # timing mode pads torch's passes
+        assert all(e.duration >= 0.02 for e in timeline.events if e.kind == "F")
         assert pipe.simulate().n_ranks == 2
     finally:
         pipe.close()

@@ -81,13 +81,14 @@ def test_a_jobs_schedule_csv_is_the_schedule_and_what_does_not_fit_is_refused(tm
     found = from_torch("zbv-zero-bubble", 2, 4, 2)
     found.to_torch_csv(tmp_path / "found.csv")
     job = tmp_path / "job.toml"
-    job.write_text('[parallelism]\npipeline_parallel_degree = 2\npipeline_parallel_schedule = "_PipelineScheduleRuntime"\n'
-                   'pipeline_parallel_schedule_csv = "found.csv"\n[training]\nlocal_batch_size = 4\n')
+    job.write_text('[parallelism]\npipeline_parallel_degree = 2\npipeline_parallel_schedule = '
+                   '"_PipelineScheduleRuntime"\npipeline_parallel_schedule_csv = '
+                   '"found.csv"\n[training]\nlocal_batch_size = 4\n')
     c = read_torchtitan(job).config
     assert isinstance(c.schedule, Schedule) and c.schedule.compute_only().actions == found.compute_only().actions
     assert c.n_virtual == 2
-    job.write_text('[parallelism]\npipeline_parallel_degree = 2\npipeline_parallel_schedule_csv = "found.csv"\n'
-                   '[training]\nlocal_batch_size = 8\n')
+    job.write_text('[parallelism]\npipeline_parallel_degree = 2\npipeline_parallel_schedule_csv = '
+                   '"found.csv"\n[training]\nlocal_batch_size = 8\n')
     with pytest.raises(ValueError, match=r"found.csv is for 2 ranks and 4 microbatches, the job for .* and 8"):
         read_torchtitan(job)
     job.write_text('[parallelism]\npipeline_parallel_schedule = "PipelineScheduleMulti"\n')

@@ -178,7 +178,8 @@ def imported_modules(module_name: str) -> set[str]:
 
 @pytest.mark.parametrize("module, allowed_pplab", [
     ("trace.timeline", {"pplab.schedules.actions"}),  # which pass frees a forward's activations
-    ("trace.__init__", {"pplab.trace", "pplab.trace.timeline", "pplab.trace.profiled",  # the event model, the reader
+    # the event model, the reader
+    ("trace.__init__", {"pplab.trace", "pplab.trace.timeline", "pplab.trace.profiled",
                         "pplab.base.arguments"}),  # (the moved names' warning)
     ("trace.profiled", {"pplab.trace.timeline"}),
     ("base.formatting", set()),
@@ -188,7 +189,8 @@ def imported_modules(module_name: str) -> set[str]:
     ("planning.search", {"pplab.schedules", "pplab.planning.simulator", "pplab.trace.timeline", "pplab.base.formatting",
                          "pplab.planning.list_scheduling", "pplab.planning.zero_bubble_heuristic",
                          "pplab.planning.exact"}),
-    ("planning.exact", {"pplab.schedules", "pplab.planning.simulator", "pplab.base.formatting"}),  # (OR-Tools on use)
+    # (OR-Tools on use)
+    ("planning.exact", {"pplab.schedules", "pplab.planning.simulator", "pplab.base.formatting"}),
     ("planning.list_scheduling", {"pplab.schedules", "pplab.planning.simulator", "pplab.trace.timeline"}),
     ("planning.zero_bubble_heuristic", {"pplab.schedules", "pplab.planning.simulator", "pplab.trace.timeline", "pplab.planning.list_scheduling"}),
     ("planning.prediction", {"pplab.schedules", "pplab.planning.simulator", "pplab.trace.timeline", "pplab.base.formatting", "pplab.base.machine"}),

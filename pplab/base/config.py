@@ -125,8 +125,8 @@ def keywords_help(function, config_class, own: dict[str, str], indent: int = 8, 
     missing = [name for name in names if name not in own and name not in helps]
     twice = [name for name in own if name in helps]
     if missing or twice:
-        raise ValueError(f"{function.__qualname__}: no help for {missing}, and help written twice for {twice}: "
-                         f"give a keyword's help in `own` only when it is not a field")
+        raise ValueError(f"{function.__qualname__}: no help for {missing}, and help written twice for "
+                         f"{twice}: give a keyword's help in `own` only when it is not a field")
     column = max(map(len, names)) + 2
     lines = []
     for name in names:
@@ -153,29 +153,34 @@ class TrainOptions:
     batch_size: int = option(8, "sequences per step, cut into the schedule's microbatches", "data")
     seq_len: int = option(64, "tokens per sequence", "data")
     lr: float = option(3e-3, "AdamW's learning rate after the warm-up", "optimizer")
-    min_lr: float = option(3e-4, "the LR at the end of the cosine (0 decays to zero)", "optimizer", NUMBER_OR_ZERO)
+    min_lr: float = option(3e-4, "the LR at the end of the cosine (0 decays to "
+                                 "zero)", "optimizer", NUMBER_OR_ZERO)
     warmup: int = option(20, "steps of linear warm-up", "optimizer", COUNT_OR_ZERO)
-    weight_decay: float = option(0.1, "AdamW's, on matrices only (not norms), as LLaMA recipes do", "optimizer",
+    weight_decay: float = option(0.1, "AdamW's, on matrices only (not norms), as LLaMA "
+                                      "recipes do", "optimizer",
                                  NUMBER_OR_ZERO)
     betas: tuple[float, float] = option((0.9, 0.95), "AdamW's two betas", "optimizer", BETAS, "B1,B2")
     eps: float = option(1e-8, "AdamW's epsilon", "optimizer")
-    clip: float | None = option(1.0, "the largest global gradient norm (None, or 0 in a file or flag: no clipping)",
+    clip: float | None = option(1.0, "the largest global gradient norm (None, or 0 in a "
+                                     "file or flag: no clipping)",
                                 "optimizer", CLIP_NORM, optional=True)
     data_seed: int = option(0, "the seed of the batches drawn", "data", COUNT_OR_ZERO)
-    data: str | None = option(None, "a text file, a directory of .txt files or a dataset saved with the datasets "
-                                    "library (default: the embedded corpus)", "data", PATH, "PATH",
+    data: str | None = option(None, "a text file, a directory of .txt files or a dataset saved with the "
+                                    "datasets library (default: the embedded corpus)", "data", PATH, "PATH",
                                 example="'notes.txt'")
-    tokenizer: str = option("char", "char, bpe (byte-level, learned from data and saved beside the checkpoints), "
-                                    "or a tokenizer.json", "data", PATH, example="'bpe'")
+    tokenizer: str = option("char", "char, bpe (byte-level, learned from data and saved beside the "
+                                    "checkpoints), or a tokenizer.json", "data", PATH, example="'bpe'")
     vocab_size: int = option(512, "the BPE's vocabulary (the model's vocab_size must hold it)", "data")
-    epochs: int | None = option(None, "passes over data's training sequences (instead of steps)", "data", COUNT)
+    epochs: int | None = option(None, "passes over data's training sequences (instead of "
+                                      "steps)", "data", COUNT)
     eval_every: int = option(50, "steps between held-out evaluations (0: never)", "run", COUNT_OR_ZERO)
     eval_batches: int = option(2, "held-out batches per evaluation", "run")
     checkpoint_dir: str | None = option(None, "where checkpoints go", "run", PATH, "DIR", example="'run'")
     checkpoint_every: int = option(0, "steps between checkpoints (0: only at the end)", "run", COUNT_OR_ZERO)
     keep: int = option(3, "complete checkpoints kept, newest first", "run")
     async_save: bool = option(False, "write checkpoints in the background", "run")
-    resume: str | None = option(None, "'latest' (in checkpoint_dir) or a checkpoint's path", "run", PATH, "PATH",
+    resume: str | None = option(None, "'latest' (in checkpoint_dir) or a checkpoint's "
+                                      "path", "run", PATH, "PATH",
                                 example="'latest'")
 
     def __post_init__(self):
@@ -199,9 +204,9 @@ class TrainOptions:
         if not self.min_lr <= self.lr:
             raise ValueError(f"lr={self.lr}, min_lr={self.min_lr}: need min_lr <= lr")
         if self.tokenizer != "char" and self.data is None:
-            raise ValueError(f"tokenizer={self.tokenizer!r} tokenises (and 'bpe' learns from) the training text: "
-                             f"give data=<a text file, a directory of .txt files or a saved dataset>, or "
-                             f"tokenizer='char' for the embedded corpus")
+            raise ValueError(f"tokenizer={self.tokenizer!r} tokenises (and 'bpe' learns from) the training "
+                             "text: give data=<a text file, a directory of .txt files or a saved dataset>, "
+                             "or tokenizer='char' for the embedded corpus")
         if self.epochs is not None and self.data is None:
             raise ValueError("epochs count passes over data=...: the embedded corpus is drawn at random "
                              "without end; give data=<text>, or steps=<count>")

@@ -9,7 +9,8 @@ import warnings
 
 from pplab.cli import analyze, cleanup, demo, room, search, simulate, train, workshop
 
-COMMANDS = (demo, simulate, search, train, analyze, room, workshop, cleanup)  # in the order `pplab --help` lists them
+# in the order `pplab --help` lists them
+COMMANDS = (demo, simulate, search, train, analyze, room, workshop, cleanup)
 
 
 def build_parser() -> argparse.ArgumentParser:

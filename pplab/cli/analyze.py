@@ -67,20 +67,23 @@ def _schedule(args: argparse.Namespace, n_ranks: int):
 def add_to(commands, ranks_run: argparse.ArgumentParser) -> argparse.ArgumentParser:
     """This command's flags, on the `pplab` parser's subcommands."""
     run_analyze = commands.add_parser(
-        "analyze", help="explain a torch.profiler run's bubble: which rank, which microbatch, waiting on whom",
-        description="Read one step of a pipeline run recorded with torch.profiler (one Kineto JSON per rank, "
-                    "or their folder), and explain each rank's bubble: the schedule's own, waits for messages, "
-                    "a straggler, time outside the pipeline; then predict what one change would gain.")
+        "analyze", help="explain a torch.profiler run's bubble: which rank, which "
+                        "microbatch, waiting on whom",
+        description="Read one step of a pipeline run recorded with torch.profiler (one Kineto JSON "
+                    "per rank, or their folder), and explain each rank's bubble: the schedule's "
+                    "own, waits for messages, a straggler, time outside the pipeline; then predict "
+                    "what one change would gain.")
     run_analyze.add_argument("traces", metavar="TRACES", nargs="+", help="the ranks' trace files, or their folder")
     add_run_flag(run_analyze, "schedule", default=None,
                  help="the schedule the run used (pplab's or torch's name, any spelling)")
     add_run_flag(run_analyze, "n_microbatches", default=None, help="microbatches per step of the run")
     add_run_flag(run_analyze, "n_virtual")
     run_analyze.add_argument("--torchtitan-config", metavar="JOB.toml", default=None,
-                             help="the torchtitan job's TOML the run came from: its schedule (or schedule CSV) "
-                                  "and microbatches, instead of --schedule and --n-microbatches")
+                             help="the torchtitan job's TOML the run came from: its schedule (or schedule "
+                                  "CSV) and microbatches, instead of --schedule and --n-microbatches")
     run_analyze.add_argument("--step", type=int, default=-1,
                              help="which of the traces' steps (0 = the first; default -1, the last)")
-    run_analyze.add_argument("--out", default="pplab-analysis", help="folder for the picture, trace and report")
+    run_analyze.add_argument("--out", default="pplab-analysis", help="folder for the picture, "
+                                                                     "trace and report")
     run_analyze.set_defaults(handler=run)
     return run_analyze

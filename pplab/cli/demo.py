@@ -82,11 +82,11 @@ def run(args: argparse.Namespace) -> int:
         parity_ok, flow_ok = all(p.passed for p in parities), all(f.passed for f in flows)
         failures += not (parity_ok and flow_ok and repeatable)
         first, textbook = results[0], theory(spec.schedule, costs)
-        print(f"  {name:23s} loss {first.loss:.5f}  parity {'ok' if parity_ok else 'FAILED'} "
-              f"(max |grad diff| {max(p.max_abs_diff for p in parities):.1e})  "
-              f"gradient flow {'ok' if flow_ok else 'FAILED'}  "
-              f"bubble {first.timeline.bubble_fraction():.3f} (theory {bubble_figure(textbook.bubble_fraction)})  "
-              f"peak in-flight rank 0: {first.timeline.peak_inflight(0)}")
+        print(f"  {name:23s} loss {first.loss:.5f}  parity {'ok' if parity_ok else 'FAILED'} (max |grad "
+              f"diff| {max(p.max_abs_diff for p in parities):.1e})  gradient flow "
+              f"{'ok' if flow_ok else 'FAILED'}  bubble {first.timeline.bubble_fraction():.3f} (theory "
+              f"{bubble_figure(textbook.bubble_fraction)})  peak in-flight rank 0: "
+              f"{first.timeline.peak_inflight(0)}")
         if textbook.bubble_fraction is None:  # say why there is no textbook number
             print(f"  {'':23s} theory n/a: {textbook.conditions}")
         if args.steps > 1:

@@ -42,7 +42,8 @@ def bubble_figure(value: float | None) -> str:
 
 
 def add_field_flags(parser: argparse.ArgumentParser, config_class, skip=(), **changed) -> None:
-    """A flag for each field of the dataclass `config_class` (pplab.base.config.option's fields; those in `skip`
+    """A flag for each field of the dataclass `config_class` (pplab.base.config.option's fields; those in
+    `skip`
     left out), grouped by section as `--help` shows them: `--batch-size` for `batch_size`, with the
     field's help, default and check. `changed` gives a field's flag other argparse settings
     (`n_microbatches={"default": 8}`)."""

@@ -135,7 +135,8 @@ def add_to(commands, ranks_run: argparse.ArgumentParser) -> argparse.ArgumentPar
         description="Serve, on loopback, a page listing every attendee's lab (seat, device, GPUs, ranks, "
                     "running or dead, last activity) and exercise verdicts, from what the labs and checkers "
                     "write to the folder the attendees have as PPLAB_ROOM (docs/instructor.md).")
-    run_room.add_argument("folder", nargs="?", help="the room's folder (the attendees' PPLAB_ROOM; made if missing)")
+    run_room.add_argument("folder", nargs="?", help="the room's folder (the attendees' "
+                                                    "PPLAB_ROOM; made if missing)")
     run_room.add_argument("--drill", type=positive_int, metavar="N",
                           help="instead: measure this machine's room, one seat alone then N seats at once, "
                                "each an attendee's lessons on a 2-rank lab (pplab.course.drill)")
@@ -151,11 +152,13 @@ def add_to(commands, ranks_run: argparse.ArgumentParser) -> argparse.ArgumentPar
                           help="with --plan: what one rank needs, its CUDA context included (0.8 GiB for the "
                                "tiny model on an H200, bench/results/gpu.json)")
     run_room.add_argument("--seats", metavar="A,B,...",
-                          help="make the room one with seats, these Unix accounts (as root): each seat's folder "
-                               "owned by its account, so a verdict counts for whoever wrote it; serves it with --port")
+                          help="make the room one with seats, these Unix accounts (as root): each seat's "
+                               "folder owned by its account, so a verdict counts for whoever wrote it; "
+                               "serves it with --port")
     run_room.add_argument("--export", metavar="CSV",
-                          help="instead: write one row per seat and exercise (tries, first right, time to right, "
-                               "last message; nbgrader's columns where they fit) to CSV ('-': standard output)")
+                          help="instead: write one row per seat and exercise (tries, first right, "
+                               "time to right, last message; nbgrader's columns where they fit) to "
+                               "CSV ('-': standard output)")
     run_room.add_argument("--port", type=int, help="loopback port (default 8765; 0: any free one)")
     run_room.add_argument("--refresh", type=functools.partial(number, positive=True), default=3.0,
                           help="seconds between the page's reloads (default 3)")

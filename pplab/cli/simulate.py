@@ -70,8 +70,8 @@ def _built(args: argparse.Namespace) -> Schedule:
     name = schedule_name(args.schedule)
     for flag in ("n_ranks", "n_microbatches"):
         if getattr(args, flag) is None:
-            raise ValueError(f"--{flag.replace('_', '-')} is needed for a named schedule ({name}); a schedule "
-                             f"read from torch's CSV (FILE.csv) brings its own sizes")
+            raise ValueError(f"--{flag.replace('_', '-')} is needed for a named schedule ({name}); a "
+                             "schedule read from torch's CSV (FILE.csv) brings its own sizes")
     interleaved = name == "interleaved-1f1b"
     n_virtual = args.n_virtual if args.n_virtual is not None else (2 if interleaved else 1)
     if interleaved and n_virtual < 2:
@@ -87,7 +87,8 @@ def _from_csv(args: argparse.Namespace) -> Schedule:
     """The schedule of a torch compute-only CSV; sizes given as flags must be the file's."""
     path = Path(args.schedule)
     if not path.is_file():
-        raise ValueError(f"{args.schedule}: no such file (a schedule ending in .csv is read from torch's CSV)")
+        raise ValueError(f"{args.schedule}: no such file (a schedule ending in .csv is "
+                         "read from torch's CSV)")
     schedule = Schedule.from_torch_csv(path)
     for flag, value in (("n_ranks", schedule.n_ranks), ("n_microbatches", schedule.n_microbatches),
                         ("n_virtual", schedule.n_virtual)):
@@ -103,8 +104,8 @@ def _from_torchtitan(args: argparse.Namespace):
     from pplab.session.torchtitan import read_torchtitan
 
     if args.schedule is not None or args.n_ranks is not None or args.n_microbatches is not None:
-        raise ValueError("--torchtitan-config brings the schedule and its sizes: leave SCHEDULE, --n-ranks and "
-                         "--n-microbatches out")
+        raise ValueError("--torchtitan-config brings the schedule and its sizes: leave SCHEDULE, --n-ranks "
+                         "and --n-microbatches out")
     job = read_torchtitan(args.torchtitan_config)
     print(job.text())
     return job, job.schedule()
@@ -119,8 +120,9 @@ def _costs(args: argparse.Namespace, schedule, job=None) -> Costs:
 
         ranges = layer_ranges(job.model.num_hidden_layers, schedule.n_stages, allow_empty=True)
         forward = tuple(float(end - start) for start, end in ranges)
-        print(f"  costs: the forward of one layer is 1 unit; the stages hold "
-              f"{', '.join(str(end - start) for start, end in ranges)} of the {job.model.num_hidden_layers} layers")
+        print("  costs: the forward of one layer is 1 unit; the stages hold "
+              f"{', '.join(str(end - start) for start, end in ranges)} of the "
+              f"{job.model.num_hidden_layers} layers")
     if args.weight is not None and Kind.W not in _compute_kinds(schedule):
         raise ValueError(f"--weight given, but {schedule.name} runs the whole backward "
                          f"(B) in one pass, so there is no weight-gradient pass to time; leave --weight "
@@ -212,10 +214,11 @@ def add_to(commands, ranks_run: argparse.ArgumentParser) -> argparse.ArgumentPar
                     "(PNG), a Chrome trace and the numbers (JSON). Durations are in cost units: "
                     "give seconds to compare with a measured run. Each duration is one number, "
                     "or one per stage separated by commas.")
-    run_simulate.add_argument("schedule", metavar="SCHEDULE", nargs="?", default=None, help=f"one of {', '.join(SCHEDULE_NAMES)} "
-                                                                   f"(any case; '-', '_' or nothing between words), "
-                                                                   f"or a torch compute-only CSV (FILE.csv, as "
-                                                                   f"Schedule.to_torch_csv writes it)")
+    run_simulate.add_argument("schedule", metavar="SCHEDULE", nargs="?", default=None, help="one of "
+                                                                   f"{', '.join(SCHEDULE_NAMES)} (any case; "
+                                                                   "'-', '_' or nothing between words), or "
+                                                                   "a torch compute-only CSV (FILE.csv, as "
+                                                                   "Schedule.to_torch_csv writes it)")
     run_simulate.add_argument("--n-ranks", type=positive_int, default=None, metavar="N",
                               help="ranks (needed for a named schedule; a CSV brings its own)")
     add_run_flag(run_simulate, "n_microbatches", default=None,
@@ -224,9 +227,9 @@ def add_to(commands, ranks_run: argparse.ArgumentParser) -> argparse.ArgumentPar
                  help="stages per rank (interleaved-1f1b: default 2; others: 1)")
     add_cost_flags(run_simulate)
     run_simulate.add_argument("--torchtitan-config", metavar="JOB.toml", default=None,
-                              help="a torchtitan job's TOML: its schedule (or schedule CSV), pipeline degree, "
-                                   "microbatches and model, instead of SCHEDULE and the sizes; the fields pplab "
-                                   "does not model are listed")
+                              help="a torchtitan job's TOML: its schedule (or schedule CSV), pipeline "
+                                   "degree, microbatches and model, instead of SCHEDULE and the sizes; the "
+                                   "fields pplab does not model are listed")
     run_simulate.add_argument("--bandwidth", type=functools.partial(number, positive=True), default=None,
                               help="bytes per cost unit of a link (needs --activation-bytes)")
     run_simulate.add_argument("--activation-bytes", type=positive_int, default=None,

@@ -121,7 +121,8 @@ def print_config(args: argparse.Namespace) -> None:
 def add_to(commands, ranks_run: argparse.ArgumentParser) -> argparse.ArgumentParser:
     """This command's flags, on the `pplab` parser's subcommands."""
     run_train = commands.add_parser(
-        "train", help="train a model on the embedded corpus or your text, with checkpoints (local ranks or torchrun)",
+        "train", help="train a model on the embedded corpus or your text, with checkpoints "
+                      "(local ranks or torchrun)",
         parents=[ranks_run],
         description="Train a LLaMA-style model (tiny by default) on the embedded corpus or on your text "
                     "with a character or byte-level BPE tokenizer: AdamW, warm-up then cosine, global-norm "
@@ -129,13 +130,14 @@ def add_to(commands, ranks_run: argparse.ArgumentParser) -> argparse.ArgumentPar
                     "Runs --n-ranks local processes, or one rank per process under torchrun "
                     "(torchrun --standalone --nproc_per_node=N -m pplab train ...).")
     run_train.add_argument("--n-ranks", type=positive_int, default=2, metavar="N",
-                           help="local ranks to start: pp = N / (dp x tp) (default 2; torchrun decides its own)")
+                           help="local ranks to start: pp = N / (dp x tp) (default 2; "
+                                "torchrun decides its own)")
     run_train.add_argument("--timeout", type=functools.partial(number, positive=True), default=3600.0,
                            help="local ranks: seconds the whole training may take (default 3600)")
     run_train.add_argument("--report", default=None, help="write every step's record as JSON to this file")
     run_train.add_argument("--config", default=None,
-                           help="a TOML file of the options below (their names, with _ for -; in tables or not; "
-                                "the older virtual_stages and microbatches read too); flags win")
+                           help="a TOML file of the options below (their names, with _ for -; in tables or "
+                                "not; the older virtual_stages and microbatches read too); flags win")
     run_train.add_argument("--print-config", action="store_true",
                            help="print the resolved options as TOML and start nothing")
     from pplab.session.run import (

@@ -39,10 +39,11 @@ def _gpus(text: str) -> int | str:
 def add_to(commands, ranks_run: argparse.ArgumentParser) -> argparse.ArgumentParser:
     """This command's flags, on the `pplab` parser's subcommands."""
     command = commands.add_parser(
-        "workshop", help="a workshop on JupyterHub: a seat per account on the server's GPUs, the room behind its login",
-        description="Make a workshop's folder (the hub's jupyterhub_config.py, a README, the seats' accounts), "
-                    "start its JupyterHub (as root), or remove the accounts it made. Needs pplab[hub] and "
-                    "configurable-http-proxy (npm); docs/instructor.md.")
+        "workshop", help="a workshop on JupyterHub: a seat per account on the server's GPUs, the "
+                         "room behind its login",
+        description="Make a workshop's folder (the hub's jupyterhub_config.py, a README, the seats' "
+                    "accounts), start its JupyterHub (as root), or remove the accounts it made. Needs "
+                    "pplab[hub] and configurable-http-proxy (npm); docs/instructor.md.")
     actions = command.add_subparsers(dest="action", required=True)
     init = actions.add_parser("init", help="write a workshop's folder")
     init.add_argument("folder", help="the workshop's folder (made; its room folder goes inside)")
@@ -54,17 +55,22 @@ def add_to(commands, ranks_run: argparse.ArgumentParser) -> argparse.ArgumentPar
                       help="the server's GPUs to deal round the seats ('auto': all it has; 0: labs on CPU)")
     init.add_argument("--n-ranks", type=positive_int, default=2, metavar="R",
                       help="ranks of a lesson's lab, for the plan of the GPUs (default 2)")
-    init.add_argument("--notebooks", help="the course to copy into each seat's home (default: pplab's notebooks/)")
+    init.add_argument("--notebooks", help="the course to copy into each seat's home "
+                                          "(default: pplab's notebooks/)")
     init.add_argument("--make-users", action="store_true",
                       help="make the accounts that do not exist, with fresh passwords in seats.csv (root)")
-    init.add_argument("--prefix", default="seat-", help="with a number of seats: their accounts' prefix (seat-)")
+    init.add_argument("--prefix", default="seat-", help="with a number of seats: their "
+                                                        "accounts' prefix (seat-)")
     init.add_argument("--bind-url", default="http://:8000",
-                      help="where the attendees' browsers reach the hub (default http://:8000, every interface)")
+                      help="where the attendees' browsers reach the hub (default "
+                           "http://:8000, every interface)")
     init.add_argument("--room-url", default="http://127.0.0.1:8765",
                       help="where the room's service listens behind the hub (default http://127.0.0.1:8765)")
-    start = actions.add_parser("start", help="run the workshop's hub (as root; Ctrl-C stops it and the seats' servers)")
+    start = actions.add_parser("start", help="run the workshop's hub (as root; Ctrl-C stops it "
+                                             "and the seats' servers)")
     start.add_argument("folder")
-    remove = actions.add_parser("remove-users", help="remove the accounts the workshop's init made, with their homes")
+    remove = actions.add_parser("remove-users", help="remove the accounts the workshop's init "
+                                                     "made, with their homes")
     remove.add_argument("folder")
     command.set_defaults(handler=run)
     return command

@@ -134,8 +134,8 @@ def drill_table(results: list[DrillResult]) -> str:
     for result in results:
         median = statistics.median(result.seat_seconds) if result.seat_seconds else float("nan")
         ratio = f"{median / statistics.median(alone.seat_seconds):.2f}x" if alone else "n/a"
-        lines.append(f"{result.seats:5d}  {'all right' if result.all_right else 'WRONG':11s}  {median:9.1f} s   "
-                     f"{ratio}")
+        lines.append(f"{result.seats:5d}  {'all right' if result.all_right else 'WRONG':11s}  "
+                     f"{median:9.1f} s   {ratio}")
         lines += [f"       {line}" for line in result.wrong[:5]]
     return "\n".join(lines)
 

@@ -143,7 +143,8 @@ def _never_in_the_way(folder: Path):
             seats = seats_of(folder)
             why = (f"; {account()} is not one of its seats (pplab room {folder} --seats ... adds one)"
                    if seats is not None and account() not in seats else "")
-            print(f"pplab: cannot write to the room {folder} ({error}){why}; the instructor will not see this",
+            print(f"pplab: cannot write to the room {folder} ({error}){why}; the "
+                  "instructor will not see this",
                   file=sys.stderr)
 
 
@@ -295,8 +296,8 @@ def _seat_records(folder: Path, kind: str, listed: list[str] | None, needed: tup
             yield seat, record
     for (where, seat, named), count in refused.items():
         records = f"{count} record{'s' * (count != 1)}"
-        refusals.append(Refusal(where, f"{records} naming {named!r} in {seat}'s file: a record counts for the "
-                                       f"seat that wrote it", seat))
+        refusals.append(Refusal(where, f"{records} naming {named!r} in {seat}'s file: a record counts for "
+                                       "the seat that wrote it", seat))
 
 
 def _seat_files(place: Path, pattern: str, listed: list[str] | None,
@@ -314,13 +315,14 @@ def _seat_files(place: Path, pattern: str, listed: list[str] | None,
         if entry.name.startswith("."):  # a record being written
             continue
         if not entry.is_dir() or entry.name not in listed:
-            refusals.append(Refusal(where, f"not in a seat's folder (made by {_owner(entry)}): only a seat's own "
-                                           f"folder counts"))
+            refusals.append(Refusal(where, f"not in a seat's folder (made by {_owner(entry)}): only a "
+                                           "seat's own folder counts"))
             continue
         uid = _uid(entry.name)
         if entry.stat().st_uid != uid:
-            refusals.append(Refusal(where, f"owned by {_owner(entry)}, not by {entry.name}: run pplab room "
-                                           f"{room} --seats {entry.name} as root to give it back", entry.name))
+            refusals.append(Refusal(where, f"owned by {_owner(entry)}, not by {entry.name}: run "
+                                           f"pplab room {room} --seats {entry.name} as root to "
+                                           "give it back", entry.name))
             continue
         for path in sorted(entry.glob(pattern)):
             if path.stat().st_uid != uid:
@@ -413,10 +415,12 @@ def room_summary(seats: list[Seat], now: float | None = None, columns: Mapping[s
     return text
 
 
-TABLE_STYLE = ("<style>.pplab-room{border-collapse:collapse;font-size:12px;line-height:1.25}"
-               ".pplab-room td,.pplab-room th{border:1px solid #ddd;padding:2px 6px;text-align:left;"
-               "white-space:nowrap}.pplab-room td.verdict{max-width:260px;overflow:hidden;text-overflow:ellipsis;"
-               "cursor:help}.pplab-room tfoot td{background:#f6f6f6;font-size:11px}</style>")  # for room_table_html
+TABLE_STYLE = ("<style>.pplab-room{border-collapse:collapse;font-size:12px;line-height:1.25}.pplab-room "
+               "td,.pplab-room th{border:1px solid #ddd;padding:2px "
+               "6px;text-align:left;white-space:nowrap}.pplab-room "
+               "td.verdict{max-width:260px;overflow:hidden;text-overflow:ellipsis;"
+               # for room_table_html
+               "cursor:help}.pplab-room tfoot td{background:#f6f6f6;font-size:11px}</style>")
 
 
 def room_table_html(seats: list[Seat], exercises: Mapping[str, str] | Sequence[str] = (),
@@ -434,7 +438,8 @@ def room_table_html(seats: list[Seat], exercises: Mapping[str, str] | Sequence[s
     names = list(dict.fromkeys([*exercises, *(name for seat in seats for name in seat.attempts)]))
     colours = {"running": "#1a7f37", "dead": "#c00000", "stopped": "#777777", "restarting": "#b06000", "silent": "#b06000"}
     head = "".join(f"<th>{html.escape(text)}</th>" for text in ["seat", "lab", "device", "ranks", "last activity"])
-    head += "".join(f"<th title='{html.escape(name, quote=True)}'>{html.escape(headings.get(name, name))}</th>"
+    head += "".join("<th "
+                    f"title='{html.escape(name, quote=True)}'>{html.escape(headings.get(name, name))}</th>"
                     for name in names)
     rows = []
     for seat in seats:
@@ -447,7 +452,8 @@ def room_table_html(seats: list[Seat], exercises: Mapping[str, str] | Sequence[s
         rows.append("<tr>" + "".join(cells) + "</tr>")
     if not seats:
         rows.append(f"<tr><td colspan='{5 + len(names)}'>nobody yet</td></tr>")
-    tallies = "".join(f"<td title='right · wrong now · not tried'>{_tally(seats, name)}</td>" for name in names)
+    tallies = "".join("<td title='right · wrong now · not "
+                      f"tried'>{_tally(seats, name)}</td>" for name in names)
     foot = f"<tfoot><tr><td colspan='5'>{len(seats)} seat{'s' * (len(seats) != 1)}: right · wrong · not yet</td>{tallies}</tr></tfoot>"
     return (f"<table class='pplab-room'><thead><tr>{head}</tr></thead><tbody>{''.join(rows)}</tbody>"
             f"{foot if seats else ''}</table>")
@@ -472,7 +478,8 @@ def _verdict_cell(seat: Seat, exercise: str, now: float) -> str:
     if not tries:
         return "<td style='color:#777'>not yet</td>"
     latest, count = tries[-1], f"{len(tries)} tries" if len(tries) > 1 else ""
-    hover = html.escape(f"{len(tries)} {'try' if len(tries) == 1 else 'tries'}; the latest says:\n{latest['message']}",
+    hover = html.escape(f"{len(tries)} {'try' if len(tries) == 1 else 'tries'}; the latest "
+                        f"says:\n{latest['message']}",
                         quote=True)
     if latest["right"]:
         return f"<td class='verdict' style='color:#1a7f37' title='{hover}'>✔ right{f' · {count}' if count else ''}</td>"

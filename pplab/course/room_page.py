@@ -28,7 +28,8 @@ def room_notes_html(reading: RoomReading) -> str:
                         for refusal in reading.refusals)
         count = len(reading.refusals)
         notes += (f"<details class='refused' open><summary style='color:#c00000'>{count} "
-                  f"{'file' if count == 1 else 'files'} with records refused</summary><ul>{items}</ul></details>")
+                  f"{'file' if count == 1 else 'files'} with records "
+                  f"refused</summary><ul>{items}</ul></details>")
     return notes
 
 

@@ -56,8 +56,8 @@ def _text_of(path: Path) -> str:
     try:
         return path.read_text(encoding="utf-8")
     except UnicodeDecodeError as error:
-        raise ValueError(f"{str(path)!r} is not UTF-8 text ({error.reason} at byte {error.start}): convert it "
-                         f"to UTF-8, or leave it out of the data") from None
+        raise ValueError(f"{str(path)!r} is not UTF-8 text ({error.reason} at byte {error.start}): convert "
+                         "it to UTF-8, or leave it out of the data") from None
 
 
 def _saved_dataset(path: Path) -> list[str]:

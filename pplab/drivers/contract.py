@@ -1,7 +1,8 @@
 """The contract of a driver of ranks: what a session (a pipeline, the dashboard, the faults) may
 ask of the ranks, whichever driver started them.
 
-Three drivers keep it: the lab (`pplab.drivers.cluster.lab.Lab`, ipyparallel engines; `pplab.Lab` adds pipelines), the pool of local
+Three drivers keep it: the lab (`pplab.drivers.cluster.lab.Lab`, ipyparallel engines; `pplab.Lab` adds
+pipelines), the pool of local
 processes (`pplab.drivers.local.RankPool`) and torchrun's processes (`TorchrunRanks`); a new
 driver (a batch scheduler's job, a remote pool) is usable by every session once it keeps it.
 `tests/test_contract.py` checks the three against it.
@@ -51,8 +52,8 @@ def arguments_by_rank(fn, args: tuple, kwargs: dict, world_size: int) -> list[tu
         return None
     for position, value in per_rank:
         if len(value) != world_size:
-            raise ValueError(f"{call_name(fn)}: argument {position!r} is a PerRank of {len(value)} values for "
-                             f"{world_size} ranks: give exactly one value per rank")
+            raise ValueError(f"{call_name(fn)}: argument {position!r} is a PerRank of {len(value)} values "
+                             f"for {world_size} ranks: give exactly one value per rank")
 
     def own(value, rank: int):
         return value[rank] if isinstance(value, PerRank) else value

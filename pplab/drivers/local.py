@@ -212,7 +212,8 @@ def _collect(processes, results, timeout: float, grace: float) -> list:
                         fail(rank, f"died (exit code {process.exitcode}) without reporting")
             if time.monotonic() > deadline and not failures:
                 missing = [r for r in range(len(processes)) if r not in collected]
-                raise RankTimeoutError(f"ranks {missing} did not finish within {timeout:g} s", ranks=missing) from None
+                raise RankTimeoutError(f"ranks {missing} did not finish within {timeout:g} "
+                                       "s", ranks=missing) from None
             continue
         if status == "error":
             ename, evalue, trace = value
@@ -358,7 +359,8 @@ class RankPool:
                 link.send_bytes(message)
             except OSError:  # its process is gone: this call fails, the next one starts afresh
                 self._end_processes(patience=0.0)
-                raise RankDiedError(f"rank {rank}'s process has ended; call again for fresh ranks", ranks=[rank]) from None
+                raise RankDiedError(f"rank {rank}'s process has ended; call again for fresh "
+                                    "ranks", ranks=[rank]) from None
         call = PoolCall(self, call_id, call_name(fn), self.timeout if timeout is None else timeout)
         self._calls[call_id] = call
         return call
@@ -413,7 +415,8 @@ class RankPool:
             for _, rank, kind, value in self._receive(0.2):
                 if kind == "error":
                     self._end_processes(patience=0.0)
-                    raise RankFailedError(f"rank {rank} could not join the process group: {one_line(*value[:2])}",
+                    raise RankFailedError(f"rank {rank} could not join the process group: "
+                                          f"{one_line(*value[:2])}",
                                          {rank: f"failed: {one_line(*value[:2])}"}, {rank: value[:2]})
                 ready.add(rank)
             dead = [r for r, p in enumerate(self._processes) if p.exitcode is not None and r not in ready]
@@ -498,7 +501,8 @@ class PoolCall:
     def _abandon(self) -> None:
         """The pool ended its processes while this call had not finished."""
         if not self._over:
-            self._error = self._error or RankDiedError(f"{self.name} was abandoned: the pool's ranks were ended",
+            self._error = self._error or RankDiedError(f"{self.name} was abandoned: the "
+                                                       "pool's ranks were ended",
                                                        ranks=self.running_ranks())
             self._over = True
 
@@ -560,7 +564,8 @@ class PoolCall:
         for rank in died:
             failures[rank] = causes[rank] = f"died (exit code {self.pool._processes[rank].exitcode}) without reporting"
         if timed_out and not failures:
-            self._error = RankTimeoutError(f"ranks {running} did not finish {self.name} within {self.timeout:g} s",
+            self._error = RankTimeoutError(f"ranks {running} did not finish {self.name} "
+                                           f"within {self.timeout:g} s",
                                            ranks=running)
         elif failures:
             message = "\n".join(f"rank {r} {what}" for r, what in sorted(failures.items()))

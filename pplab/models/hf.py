@@ -7,7 +7,8 @@ training and checkpoints — takes it where it takes a `LlamaConfig`.
 
 A stage holds the model's own modules at the model's own dotted paths, so its parameter
 names are the model's (`model.layers.5.mlp.up_proj.weight`) and a checkpoint exports
-back to a directory that `transformers` loads (`pplab.checkpoint.export_pretrained`). A rank builds only its stages: on the
+back to a directory that `transformers` loads (`pplab.checkpoint.export_pretrained`). A rank builds only its
+stages: on the
 meta device, then allocated, then either filled from the directory's safetensors files
 (reading only the stage's tensors) or initialised by the model's own `_init_weights`,
 module by module, each under a seed drawn from (seed, module path). So every cut holds
@@ -71,7 +72,8 @@ def _transformers():
     try:
         import transformers
     except ImportError:
-        raise ImportError("Hugging Face models need the transformers package: pip install 'pplab[hf]'") from None
+        raise ImportError("Hugging Face models need the transformers package: pip install "
+                          "'pplab[hf]'") from None
     return transformers
 
 
@@ -109,8 +111,9 @@ class HFModel:
         elif hasattr(model, "to_dict") and hasattr(model, "model_type"):
             config_dict = model.to_dict()
         else:
-            raise TypeError(f"cannot make a Hugging Face model of a {type(model).__name__}: give a "
-                            f"transformers config (e.g. LlamaConfig(...)) or a directory that holds config.json")
+            raise TypeError(f"cannot make a Hugging Face model of a {type(model).__name__}: "
+                            "give a transformers config (e.g. LlamaConfig(...)) or a "
+                            "directory that holds config.json")
         described = cls(config_dict, path, layout, sum_tied_gradients)
         described.check()
         return described
@@ -356,8 +359,9 @@ class HFStage(nn.Module):
         seq = hidden.shape[1]
         window = self.description.sliding_window
         if window is not None and seq > window:
-            raise ValueError(f"sequence length {seq} exceeds the model's sliding_window={window}: pplab's "
-                             f"stages attend causally without a window mask; use sequences of at most {window}")
+            raise ValueError(f"sequence length {seq} exceeds the model's "
+                             f"sliding_window={window}: pplab's stages attend causally without a "
+                             f"window mask; use sequences of at most {window}")
         position_ids = torch.arange(seq, device=hidden.device).unsqueeze(0)
         extra = {"position_ids": position_ids}
         if self.rotary is not None:

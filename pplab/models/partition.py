@@ -70,7 +70,8 @@ def as_model(model):
 
         return HFModel.of(model)
     own = (" For a module of your own, describe how to build and cut it: "
-           "pplab.traced.TracedModel(make=YourModel, split_at=['layers.4'])") if hasattr(model, "forward") else ""
+           "pplab.traced.TracedModel(make=YourModel, "
+           "split_at=['layers.4'])") if hasattr(model, "forward") else ""
     raise TypeError(f"cannot pipeline a {type(model).__name__}: give a pplab.LlamaConfig, a transformers "
                     f"causal-LM config, or a directory holding a config.json (save_pretrained).{own}")
 

@@ -76,9 +76,9 @@ class TracedModel:
             raise TypeError(f"make={self.make!r} is not callable: give the model's class, or a function "
                             f"with no arguments that returns the model")
         if getattr(self.make, "__module__", None) == "__main__":
-            raise ValueError(f"make={getattr(self.make, '__qualname__', self.make)!r} is defined in __main__ (a "
-                             f"notebook or a script), which the ranks cannot import: put it in a .py file "
-                             f"beside it and import it from there")
+            raise ValueError(f"make={getattr(self.make, '__qualname__', self.make)!r} is defined in __main__ "
+                             "(a notebook or a script), which the ranks cannot import: put it in a .py file "
+                             "beside it and import it from there")
         try:
             pickle.dumps(self.make)
         except Exception as error:
@@ -89,8 +89,8 @@ class TracedModel:
             raise ValueError(f"split_at={list(self.split_at)!r}: give the module names where stages begin, "
                              f"e.g. split_at=['layers.4']")
         if len(self.example_shape) != 2 or not all(isinstance(n, int) and n > 0 for n in self.example_shape):
-            raise ValueError(f"example_shape={self.example_shape!r}: give (microbatch size, sequence length), "
-                             f"e.g. (2, 16)")
+            raise ValueError(f"example_shape={self.example_shape!r}: give (microbatch size, sequence "
+                             "length), e.g. (2, 16)")
         with torch.device("meta"):
             model = self.make()
         if not isinstance(model, nn.Module):
@@ -136,9 +136,10 @@ class TracedModel:
             last = index == pipe.num_stages - 1
             if not isinstance(x, torch.Tensor):
                 what = "output" if last else f"boundary after stage {index}"
-                raise ValueError(f"the {what} is {_describe(x)}: pplab sends one tensor between stages "
-                                 f"and scores logits [batch, seq, vocab]; move the split point "
-                                 f"({self.split_at[min(index, len(self.split_at) - 1)]!r}) or return a tensor")
+                raise ValueError(f"the {what} is {_describe(x)}: pplab sends one tensor between "
+                                 "stages and scores logits [batch, seq, vocab]; move the split "
+                                 f"point ({self.split_at[min(index, len(self.split_at) - 1)]!r}) "
+                                 "or return a tensor")
             if x.dim() != 3 or tuple(x.shape[:2]) != (batch, seq) or not x.is_floating_point():
                 what = "logits" if last else f"the activation after stage {index}"
                 raise ValueError(f"{what} have shape {tuple(x.shape)} ({x.dtype}): pplab needs "
@@ -183,8 +184,8 @@ class TracedModel:
             raise ValueError(f"balance={list(balance)!r} with a traced model: its stages are where split_at "
                              f"cuts; move the split points instead")
         if n_stages != self.num_hidden_layers:
-            raise ValueError(f"split_at={list(self.split_at)!r} makes {self.num_hidden_layers} stages but the "
-                             f"schedule has n_stages={n_stages}: give {n_stages - 1} split points, or a "
+            raise ValueError(f"split_at={list(self.split_at)!r} makes {self.num_hidden_layers} stages but "
+                             f"the schedule has n_stages={n_stages}: give {n_stages - 1} split points, or a "
                              f"schedule with {self.num_hidden_layers} stages")
 
     def check_microbatch_shape(self, shape) -> None:

@@ -29,9 +29,9 @@ class Balanced(ShownAsText):
 
     def __str__(self) -> str:
         gain = 1 - self.found.step_time / self.even.step_time
-        return (f"balance {list(self.balance)}: step {self.found.step_time:.4g} with {self.found.schedule.name} "
-                f"({gain:.1%} faster than the even split {list(self.even_balance)} at "
-                f"{self.even.step_time:.4g}); {len(self.tried)} balances tried")
+        return (f"balance {list(self.balance)}: step {self.found.step_time:.4g} with "
+                f"{self.found.schedule.name} ({gain:.1%} faster than the even split "
+                f"{list(self.even_balance)} at {self.even.step_time:.4g}); {len(self.tried)} balances tried")
 
     @property
     def even_balance(self) -> tuple[int, ...]:
@@ -45,8 +45,8 @@ def stage_costs(layer_costs: Costs, balance: Sequence[int]) -> Costs:
     last's the final norm, LM head and loss (as `pplab.profile` with one layer per stage gives)."""
     n_layers = _layer_count(layer_costs)
     if sum(balance) != n_layers or any(isinstance(n, bool) or not isinstance(n, int) or n < 1 for n in balance):
-        raise ValueError(f"balance={list(balance)} must give each stage at least one of the {n_layers} layers "
-                         f"the costs describe, {n_layers} in all")
+        raise ValueError(f"balance={list(balance)} must give each stage at least one of the {n_layers} "
+                         f"layers the costs describe, {n_layers} in all")
     bounds = list(itertools.accumulate(balance, initial=0))
 
     def summed(values):  # a stage's cost: its layers' added up

@@ -107,24 +107,25 @@ class BubbleReport:
         m, s = self.measured, self.simulated
         theory = "n/a" if self.theory_bubble is None else f"{self.theory_bubble:.1%}"
         lines = [f"{self.schedule.name}: {self.schedule.n_ranks} ranks, {self.schedule.n_microbatches} "
-                 f"microbatches" + (f", {self.schedule.n_virtual} stages per rank" if self.schedule.n_virtual > 1
+                 "microbatches" + (f", {self.schedule.n_virtual} stages per "
+                                   "rank" if self.schedule.n_virtual > 1
                                     else ""),
                  f"step {m.step_time() * 1e3:.2f} ms measured, {s.step_time() * 1e3:.2f} ms simulated on the "
-                 f"measured costs (messages free); bubble {m.bubble_fraction():.1%} measured, {s.bubble_fraction():.1%} "
-                 f"simulated, {theory} in theory",
+                 f"measured costs (messages free); bubble {m.bubble_fraction():.1%} measured, "
+                 f"{s.bubble_fraction():.1%} simulated, {theory} in theory",
                  "idle per rank (ms): the schedule's own (simulated, messages free), waits for messages "
                  "(measured, the schedule's included), compute beyond the median rank's, profiled step "
                  "outside the pipeline",
                  "rank  bubble  schedule  waiting  straggler  outside"]
         for r in self.ranks:
             outside = "   n/a" if r.outside is None else f"{r.outside * 1e3:6.2f}"
-            lines.append(f"{r.rank:4d}  {r.bubble_fraction:6.1%}  {r.schedule_idle * 1e3:8.2f}  {r.waiting * 1e3:7.2f}"
-                         f"  {r.straggler * 1e3:9.2f}  {outside}")
+            lines.append(f"{r.rank:4d}  {r.bubble_fraction:6.1%}  {r.schedule_idle * 1e3:8.2f}  "
+                         f"{r.waiting * 1e3:7.2f}  {r.straggler * 1e3:9.2f}  {outside}")
         if self.verdict is not None:
             lines.append(self.verdict.text())
         if self.straggler is not None:
-            lines.append(f"rank {self.straggler} computed {self.ranks[self.straggler].straggler * 1e3:.2f} ms more "
-                         f"than the median rank; the other ranks waited "
+            lines.append(f"rank {self.straggler} computed {self.ranks[self.straggler].straggler * 1e3:.2f} "
+                         "ms more than the median rank; the other ranks waited "
                          f"{self.waits_caused_by(self.straggler) * 1e3:.2f} ms for it")
         longest = sorted(self.waits, key=lambda w: -w.seconds)[:3]
         for wait in longest:
@@ -132,11 +133,11 @@ class BubbleReport:
                          f"microbatch {wait.microbatch} from rank {wait.peer}"
                          + (f" (which waited on rank {wait.cause})" if wait.cause != wait.peer else ""))
         if self.suggestions:
-            lines.append(f"predicted by the simulator on the measured costs, messages taking "
-                         f"{self.message_latency * 1e3:.2f} ms (the median of those waited for) and each compute "
-                         f"{self.overhead_per_action * 1e3:.2f} ms of the runtime's own; the run as it "
-                         f"is predicts {self.predicted_as_is * 1e3:.2f} ms there, and each change is given "
-                         f"against that (± how much the run's own steps varied):")
+            lines.append("predicted by the simulator on the measured costs, messages taking "
+                         f"{self.message_latency * 1e3:.2f} ms (the median of those waited for) and each "
+                         f"compute {self.overhead_per_action * 1e3:.2f} ms of the runtime's own; the run as "
+                         f"it is predicts {self.predicted_as_is * 1e3:.2f} ms there, and each change is "
+                         "given against that (± how much the run's own steps varied):")
             for suggestion in sorted(self.suggestions, key=lambda s: -s.gain):
                 either_way = f" ± {suggestion.uncertainty:.0%}" if suggestion.uncertainty >= 0.005 else ""
                 lines.append(f"  {suggestion.change}: {suggestion.predicted_step_time * 1e3:.2f} ms "
@@ -196,9 +197,9 @@ def explain(measured: Timeline, schedule: Schedule, outside: list[float | None] 
     report.suggestions = suggestions(model, step_spread([measured, *steps]))
     report.message_latency, report.overhead_per_action = latency, model.overhead
     if model.split_from == "assumed" and any(s.change == "schedule zb-h1" for s in report.suggestions):
-        report.notes.append("schedule zb-h1's prediction takes a backward split into I and W to cost what the "
-                            "whole one does; on a CPU it costs more: give explain a profile of the same stages "
-                            "(pplab.profile) to take the split's cost from it")
+        report.notes.append("schedule zb-h1's prediction takes a backward split into I and W to cost what "
+                            "the whole one does; on a CPU it costs more: give explain a profile of the same "
+                            "stages (pplab.profile) to take the split's cost from it")
     if model.halved_from == "assumed":
         report.notes.append("twice the microbatches at half the size are taken to cost half as much each; a "
                             "layer has costs that do not shrink with the batch: give explain profiles at the "
@@ -251,9 +252,9 @@ def _check_actions(measured: Timeline, schedule: Schedule) -> None:
         if planned != ran:
             extra, missing = sorted(set(ran) - set(planned)), sorted(set(planned) - set(ran))
             raise ValueError(
-                f"rank {rank} ran {len(ran)} compute actions, and {schedule.name} with {schedule.n_ranks} ranks, "
-                f"{schedule.n_microbatches} microbatches and {schedule.n_virtual} stage(s) per rank plans "
-                f"{len(planned)}" + (f"; not planned: {' '.join(extra[:6])}" if extra else "")
+                f"rank {rank} ran {len(ran)} compute actions, and {schedule.name} with {schedule.n_ranks} "
+                f"ranks, {schedule.n_microbatches} microbatches and {schedule.n_virtual} stage(s) per rank "
+                f"plans {len(planned)}" + (f"; not planned: {' '.join(extra[:6])}" if extra else "")
                 + (f"; not run: {' '.join(missing[:6])}" if missing else "")
                 + ": give the schedule, microbatches and stages per rank the run used")
 

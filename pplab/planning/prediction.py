@@ -165,8 +165,8 @@ def predict(schedule: Schedule, costs: Costs | Profile, memory: Profile | None =
         memory = costs if memory is None else memory
         costs = costs.costs_for(schedule)
     if memory is not None and len(memory.stages) != schedule.n_stages:
-        raise ValueError(f"the profile has {len(memory.stages)} stages but the schedule "
-                         f"{schedule.name!r} has {schedule.n_stages}: profile with n_stages={schedule.n_stages}")
+        raise ValueError(f"the profile has {len(memory.stages)} stages but the schedule {schedule.name!r} "
+                         f"has {schedule.n_stages}: profile with n_stages={schedule.n_stages}")
     if costs.link == "rendezvous" and not schedule.has_communication:
         schedule = add_communication(schedule)  # a rendezvous waits on receives: the schedule needs them
     timeline = simulate(schedule, costs)
@@ -178,10 +178,10 @@ def predict(schedule: Schedule, costs: Costs | Profile, memory: Profile | None =
     static = tuple(sum(memory.stages[s].static_bytes for s in schedule.stages_of(r)) if memory else 0
                    for r in ranks)
     how = ("step time and bubble: pplab's simulator on the measured per-stage costs "
-           f"({'I and W' if costs.input_grad is not None and 'I' in _kinds(schedule) else 'B'} for backwards, "
-           f"latency {costs.latency * 1e3:.2f} ms per hop, {costs.link} link); activations: the simulated timeline, each "
-           f"forward holding its stage's measured saved bytes until its backward (B, or W) ends; static: "
-           f"4 x parameter bytes (parameters, gradients, AdamW's two moments)")
+           f"({'I and W' if costs.input_grad is not None and 'I' in _kinds(schedule) else 'B'} for "
+           f"backwards, latency {costs.latency * 1e3:.2f} ms per hop, {costs.link} link); activations: the "
+           "simulated timeline, each forward holding its stage's measured saved bytes until its backward "
+           "(B, or W) ends; static: 4 x parameter bytes (parameters, gradients, AdamW's two moments)")
     machine = machine if machine is not None else recent_load()
     shared, notes = _on_this_machine(timeline, machine, profiled_on)
     return Prediction(timeline.step_time(), timeline.bubble_fraction(), activations, static, timeline, how,
@@ -202,9 +202,9 @@ def _on_this_machine(timeline: Timeline, machine: MachineLoad,
     if n_ranks > machine.free_cores:
         cores = max(machine.free_cores, 0.5)  # a rank always gets some time
         floor = compute / cores
-        notes.append(f"{n_ranks} ranks on {machine.free_cores:.1f} free core(s) ({machine.describe()}): they take "
-                     f"turns, so the step is at least their {compute * 1e3:.1f} ms of compute over the free "
-                     f"cores, {floor * 1e3:.1f} ms, against {step * 1e3:.1f} ms with a core each")
+        notes.append(f"{n_ranks} ranks on {machine.free_cores:.1f} free core(s) ({machine.describe()}): they "
+                     f"take turns, so the step is at least their {compute * 1e3:.1f} ms of compute over the "
+                     f"free cores, {floor * 1e3:.1f} ms, against {step * 1e3:.1f} ms with a core each")
         step = max(step * pace, floor)
     elif pace != 1.0:
         step *= pace

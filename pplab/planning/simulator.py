@@ -98,7 +98,8 @@ class Costs:
     bandwidth: float | None = None
     activation_bytes: int | Sequence[int] | None = None
     link_contention: bool = False  # True: a link carries one message at a time (see the module docstring)
-    link: str = "buffered"  # how a message moves: "buffered" (at its send) or "rendezvous" (see the module docstring)
+    # how a message moves: "buffered" (at its send) or "rendezvous" (see the module docstring)
+    link: str = "buffered"
 
     def __post_init__(self):
         if self.backward is None:
@@ -260,8 +261,9 @@ def simulate(schedule: Schedule, costs: Costs | None = None) -> Timeline:
         raise ValueError("Costs(link='rendezvous', link_contention=True): a queue on a link that holds "
                          "messages until their receives are posted is not modelled; choose one of the two")
     if costs.link == "rendezvous" and not schedule.has_communication:
-        raise ValueError(f"Costs(link='rendezvous') holds a message until its receive is posted, and schedule "
-                         f"{schedule.name!r} has no receives: add them first (pplab.schedules.add_communication)")
+        raise ValueError("Costs(link='rendezvous') holds a message until its receive is posted, and "
+                         f"schedule {schedule.name!r} has no receives: add them first "
+                         "(pplab.schedules.add_communication)")
     with no_cyclic_gc():
         if costs.link == "rendezvous":  # the readable path only: a prediction, not a search's thousands
             return _Simulation(schedule, costs).run()
@@ -278,7 +280,8 @@ def _simulate_compiled(compiled: Compiled, costs: Costs) -> Timeline:
     n_stages, m, n_ranks = schedule.n_stages, schedule.n_microbatches, schedule.n_ranks
     duration, transfer, hop = _cost_tables(costs, n_stages)
     contention = costs.link_contention
-    # A send's key names its link (one direction of one boundary): when it is free, how long a message holds it.
+    # A send's key names its link (one direction of one boundary): when it is free, how long a message holds
+    # it.
     link_free = [0.0] * len(hop)
     occupy = [costs.transmission_time(boundary)
               if contention and KINDS[key // n_stages] in SEND_KINDS and boundary >= 0 else 0.0
@@ -341,7 +344,8 @@ def _simulate_compiled(compiled: Compiled, costs: Costs) -> Timeline:
     repeated = len(ready) - ready.count(None) != count  # an action recorded twice
     if stuck or repeated:
         _Simulation(schedule, costs).run()  # it names the repeated action, or what each stuck rank waits for
-        raise AssertionError(f"the readable simulation of {schedule.name!r} finished where the fast one did not")
+        raise AssertionError(f"the readable simulation of {schedule.name!r} finished "
+                             "where the fast one did not")
     end = max(filter(None, ready), default=0.0)  # filter drops the actions that did not run (and 0.0s)
     return Timeline.deferred(lambda: _events(compiled, costs, starts, ready), count, min(starts, default=0.0),
                              end, n_ranks, label="simulated")
@@ -399,7 +403,8 @@ class _Simulation:
         # With a rendezvous link: when each rank posts the receives of its next communication
         # (the end of its last one), and each send's start and event, to end it when it leaves.
         self.receives_posted_at = [0.0] * schedule.n_ranks
-        self.batch_ends = [{step[-1] for step in comm_batches(actions) if step[0].is_comm}  # the runtime's rule
+        # the runtime's rule
+        self.batch_ends = [{step[-1] for step in comm_batches(actions) if step[0].is_comm}
                            for actions in schedule.actions]
         self.sent: dict[Action, tuple[float, int]] = {}
 

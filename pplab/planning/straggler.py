@@ -52,7 +52,8 @@ class StragglerVerdict:
     candidate: int  # the rank that computes most at best
     low: float  # the candidate's compute over the other ranks', at least (with CONFIDENCE)
     high: float  # ... and at most
-    load_spread: float  # how much longer an action typically ran than at best (the largest rank's, a fraction)
+    # how much longer an action typically ran than at best (the largest rank's, a fraction)
+    load_spread: float
     runs_per_action: int  # the fewest times any action ran: the evidence's depth
 
     def text(self) -> str:
@@ -66,9 +67,10 @@ class StragglerVerdict:
         if self.decided:
             return (f"no straggler: rank {self.candidate}, the busiest, computes {bounds} the other ranks' "
                     f"compute (under {STRAGGLER_RATIO}x); from {evidence}")
-        return (f"straggler: undecided: rank {self.candidate} computes {bounds} the other ranks' compute, and "
-                f"the machine's load varied an action's time by {self.load_spread:.0%} (typical over best): too "
-                f"little to tell it from the {STRAGGLER_RATIO}x line. Measure more steps, or on a quieter machine")
+        return (f"straggler: undecided: rank {self.candidate} computes {bounds} the other ranks' "
+                f"compute, and the machine's load varied an action's time by {self.load_spread:.0%} "
+                f"(typical over best): too little to tell it from the {STRAGGLER_RATIO}x line. Measure "
+                "more steps, or on a quieter machine")
 
 
 def cost_range(durations: Sequence[float]) -> tuple[float, float]:

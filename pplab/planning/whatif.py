@@ -94,8 +94,8 @@ class RunModel:
         for profile in profiles:
             if len(profile.stages) != schedule.n_stages:
                 raise ValueError(f"profile has {len(profile.stages)} stages and schedule {schedule.name!r} "
-                                 f"{schedule.n_stages}: profile the run's stages (pplab.profile with its n_stages "
-                                 f"and balance)")
+                                 f"{schedule.n_stages}: profile the run's stages (pplab.profile with its "
+                                 "n_stages and balance)")
         by_size = {profile.microbatch_size: profile for profile in profiles}
         at_size = by_size[max(by_size)] if by_size else None
         at_half = by_size.get(max(by_size) / 2) if by_size else None

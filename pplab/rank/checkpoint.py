@@ -381,8 +381,8 @@ def load_model(path: str | Path, config: LlamaConfig | None = None, device="cpu"
         try:
             config = _model_of_record(saved)
         except (TypeError, ValueError) as error:
-            raise CheckpointError(f"checkpoint {str(path)!r}: its model config is not one this pplab "
-                                  f"builds ({_cause(error)}); give config= or load another checkpoint") from None
+            raise CheckpointError(f"checkpoint {str(path)!r}: its model config is not one this pplab builds "
+                                  f"({_cause(error)}); give config= or load another checkpoint") from None
     check_loadable(path, config)
     model = config.build_model(device=device)
     from torch.distributed.checkpoint.state_dict import get_model_state_dict

@@ -29,7 +29,8 @@ __all__ = ["stall", "die", "FAULTS"]
 
 FAULTS = ("stall", "die")
 
-_armed: dict[tuple[str, str], tuple[str, float]] = {}  # on an engine: (pipeline id, action) -> (fault, seconds)
+# on an engine: (pipeline id, action) -> (fault, seconds)
+_armed: dict[tuple[str, str], tuple[str, float]] = {}
 _current_pipeline: str | None = None  # the pipeline whose step this engine is running
 
 
@@ -114,7 +115,8 @@ def _arm(pipe, action: str, kind: str, seconds: float) -> int:
                          f"(F, B, I or W), e.g. '{parsed.stage}F{parsed.microbatch}'")
     schedule = pipe.schedule
     if not 0 <= parsed.stage < schedule.n_stages:
-        raise ValueError(f"action={action!r}: schedule {schedule.name!r} has stages 0..{schedule.n_stages - 1}")
+        raise ValueError(f"action={action!r}: schedule {schedule.name!r} has stages "
+                         f"0..{schedule.n_stages - 1}")
     rank = schedule.stage_to_rank(parsed.stage)
     if parsed not in schedule.actions[rank]:
         there = " ".join(str(a) for a in schedule.actions[rank] if a.stage == parsed.stage and a.is_compute)

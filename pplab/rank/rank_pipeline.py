@@ -93,15 +93,18 @@ class PipelineSpec:
             raise ValueError(f"impl={impl!r}: choose one of {', '.join(map(repr, IMPLEMENTATIONS))}")
         config = as_model(config)
         if mesh is not None and not isinstance(config, LlamaConfig):
-            raise ValueError(f"mesh={mesh!r} with a {type(config).__name__}: the mesh's tensor-parallel plans "
-                             f"and sharded training know pplab's own model only; pipeline it without a mesh")
+            raise ValueError(f"mesh={mesh!r} with a {type(config).__name__}: the mesh's "
+                             "tensor-parallel plans and sharded training know pplab's own model "
+                             "only; pipeline it without a mesh")
         if n_microbatches is not None:
             check_positive_int("n_microbatches", n_microbatches, example=4)
         if param_dtype not in PARAM_DTYPES:
-            raise ValueError(f"param_dtype={param_dtype!r}: choose one of {', '.join(map(repr, PARAM_DTYPES))}")
+            raise ValueError(f"param_dtype={param_dtype!r}: choose one of "
+                             f"{', '.join(map(repr, PARAM_DTYPES))}")
         if param_dtype != "float32" and mesh is not None:
-            raise ValueError(f"param_dtype={param_dtype!r} makes plain bf16 stages for a pipeline alone; on a "
-                             f"mesh use FSDP's mixed precision instead: mesh={{..., 'mixed_precision': True}}")
+            raise ValueError(f"param_dtype={param_dtype!r} makes plain bf16 stages for a pipeline alone; "
+                             "on a mesh use FSDP's mixed precision instead: mesh={..., "
+                             "'mixed_precision': True}")
         if mesh is not None:
             mesh = Mesh.of(mesh)
             mesh.check(config, n_ranks, impl)
@@ -221,7 +224,8 @@ class RankPipeline:
 
     def step(self, data: dict, zero_grad: bool = True, return_grads: bool = False,
              watch=None, number: int = 0) -> RankStep:
-        """One step on this rank with the data `split_for_ranks` prepared for it (`watch`: see RankRuntime.step);
+        """One step on this rank with the data `split_for_ranks` prepared for it (`watch`: see
+        RankRuntime.step);
         `number`: which step of a run it is (a model that drops draws new masks at each: training's step)."""
         if zero_grad:
             self.zero_grad()

@@ -124,7 +124,8 @@ class _StepState:
     inputs: dict[Key, torch.Tensor] = field(default_factory=dict)      # what each forward consumed
     outputs: dict[Key, torch.Tensor] = field(default_factory=dict)     # hidden states, or scaled loss
     output_grads: dict[Key, torch.Tensor] = field(default_factory=dict)  # first stage: kept from I for its W
-    weight_work: dict[Key, list] = field(default_factory=dict)  # what I kept for W: graph parts and their grads
+    # what I kept for W: graph parts and their grads
+    weight_work: dict[Key, list] = field(default_factory=dict)
     input_grads: dict[Key, torch.Tensor] = field(default_factory=dict)   # to send (or hand) upstream
     received: dict[Action, torch.Tensor] = field(default_factory=dict)   # the link's mailbox
     losses: dict[int, float] = field(default_factory=dict)

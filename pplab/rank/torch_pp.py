@@ -393,7 +393,8 @@ class TorchRankRuntime:
                                          losses=losses, return_outputs=False)
         finally:
             collective_events = self.collectives.stop() if self.collectives is not None else []
-        tied = [] if self.tied is None else self.tied.sum(  # torch has scaled the gradients: sum the tied ones now
+        # torch has scaled the gradients: sum the tied ones now
+        tied = [] if self.tied is None else self.tied.sum(
             self.stages, self.recorder.clock if self.recorder.clock else None)
         every_event = on_device(self.recorder.clock, [*self.recorder.events, *collective_events, *tied])
         kept, streamed = reported_once(every_event, watch,

@@ -117,7 +117,8 @@ class RankTrainer:
         self.pp_rank = spec.pp_rank(self.rank)  # its place in its pipeline (the global rank without a mesh)
         self.module = rank_module(pipeline.stages)
         self.optimizer, self.scheduler = make_optimizer(self.module.named_parameters(), options)
-        self.slot = {name: index for index, name in enumerate(spec.config.parameter_names())}  # the full model's order
+        # the full model's order
+        self.slot = {name: index for index, name in enumerate(spec.config.parameter_names())}
         self.step = 0            # steps done
         self.data_position = 0   # batches consumed
         self.checkpointer = None

@@ -28,6 +28,6 @@ _CANONICAL = {_squashed(name): name for name in ALL_SCHEDULE_NAMES}
 def schedule_name(spelling: str) -> str:
     """The canonical name of the schedule `spelling` names ("Interleaved1F1B" -> "interleaved-1f1b")."""
     if not isinstance(spelling, str) or _squashed(spelling) not in _CANONICAL:
-        raise ValueError(f"unknown schedule {spelling!r}: known schedules are {', '.join(ALL_SCHEDULE_NAMES)} "
-                         f"(any case; '-', '_' or nothing between words)")
+        raise ValueError(f"unknown schedule {spelling!r}: known schedules are "
+                         f"{', '.join(ALL_SCHEDULE_NAMES)} (any case; '-', '_' or nothing between words)")
     return _CANONICAL[_squashed(spelling)]

@@ -69,9 +69,9 @@ def _compute_action(cell: str, path: Path, rank: int, column: int) -> Action:
     """One cell of a compute-only CSV as a pplab action, or a ScheduleError saying where and why."""
     where = f"{path}, row {rank + 1} (rank {rank}), cell {column + 1}"
     if _TORCH_ONLY.fullmatch(cell.strip()):
-        raise ScheduleError(f"{where}: {cell.strip()!r} is one of torch's own actions (FSDP's unshard or reshard, "
-                            f"gradient reduction, an overlapped F and B), which pplab does not model: write a "
-                            f"compute-only schedule (F, B, I, W)")
+        raise ScheduleError(f"{where}: {cell.strip()!r} is one of torch's own actions (FSDP's unshard or "
+                            "reshard, gradient reduction, an overlapped F and B), which pplab does not "
+                            "model: write a compute-only schedule (F, B, I, W)")
     try:
         action = Action.parse(cell)
     except ValueError as error:

@@ -43,7 +43,8 @@ class TorchPlan:
             raise ValueError(f"torch's {self.name} places exactly 2 stages per rank (a V): use n_virtual=2, "
                              f"got n_virtual={n_virtual}")
         if not self.multi_stage and n_virtual != 1:
-            raise ValueError(f"torch's {self.name} runs one stage per rank: use n_virtual=1, got n_virtual={n_virtual}")
+            raise ValueError(f"torch's {self.name} runs one stage per rank: use n_virtual=1, got "
+                             f"n_virtual={n_virtual}")
 
 
 # canonical name -> torch's schedule, in the order pictures and searches list them.

@@ -62,7 +62,8 @@ class _BuildsPipelines:
 
 
 # lab.pipeline's keywords: those that are a run's fields (schedule, n_microbatches, n_virtual, impl, seed,
-# balance, param_dtype) take their field's name, default (tests/test_config.py) and help; the rest are its own.
+# balance, param_dtype) take their field's name, default (tests/test_config.py) and help; the rest are its
+# own.
 _BuildsPipelines.pipeline.__doc__ = (
     "Build a pipeline's stages on every rank, everything checked first; step it with `.step()`.\n\n"
     + keywords_help(_BuildsPipelines.pipeline, RunConfig, {

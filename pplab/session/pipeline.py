@@ -55,8 +55,8 @@ def wrong_placement(spec: PipelineSpec, placement: list[dict]) -> str | None:
         expected = spec.schedule.stages_of(spec.pp_rank(rank))
         place = spec.mesh.coordinates(rank) if spec.mesh else None
         if built["stages"] != expected or built["coordinates"] != place:
-            return (f"rank {rank} built stages {built['stages']} at {built['coordinates']}, not {expected} at "
-                    f"{place} as this client's spec says; it runs pplab {built.get('pplab')}, this client "
+            return (f"rank {rank} built stages {built['stages']} at {built['coordinates']}, not {expected} "
+                    f"at {place} as this client's spec says; it runs pplab {built.get('pplab')}, this client "
                     f"{__version__}: give every host the same pplab")
     return None
 
@@ -71,8 +71,8 @@ class Pipeline:
     def __init__(self, lab, spec: PipelineSpec):
         """Build `spec`'s stages on the ranks of `lab` (`pplab.Lab`, `pplab.RankPool`, see pplab.session)."""
         if spec.world_size != lab.world_size:
-            raise ValueError(f"the pipeline is for {spec.world_size} ranks but the driver has {lab.world_size}: "
-                             f"make its PipelineSpec for {lab.world_size} ranks")
+            raise ValueError(f"the pipeline is for {spec.world_size} ranks but the driver has "
+                             f"{lab.world_size}: make its PipelineSpec for {lab.world_size} ranks")
         self.lab, self.spec = lab, spec
         self.pipeline_id = f"pipeline-{uuid.uuid4().hex[:8]}"  # unique even with two clients on one cluster
         self.last: StepResult | None = None
@@ -164,7 +164,8 @@ class Pipeline:
         if steps is not None:
             options["steps"] = steps
         train_options = TrainOptions(**options)
-        train_options.check(self.schedule.n_microbatches, self.config, self.spec.replicas)  # before any rank starts
+        # before any rank starts
+        train_options.check(self.schedule.n_microbatches, self.config, self.spec.replicas)
         train_options = prepare_data(train_options, self.config)  # the tokenizer trained, the text checked
         self._check_engines()
         check_positive_seconds("live_interval", live_interval)
@@ -210,7 +211,8 @@ class Pipeline:
             raise
         finally:
             view.close()
-        if train_options.resume is not None:  # what came after the checkpoint's step is not this pipeline's past
+        # what came after the checkpoint's step is not this pipeline's past
+        if train_options.resume is not None:
             self.history.records = [r for r in self.history.records if r.step <= first_step]
         self.history.records += history.records
         self.history.resumed_from = history.resumed_from or self.history.resumed_from

@@ -5,7 +5,8 @@ mesh's names; `schedule`, `n_microbatches`, `n_virtual`, `balance`, the names `l
 uses; the older spellings `microbatches` and `virtual_stages` are read too), the stages' dtype, and
 every field of `TrainOptions` (the optimizer, the schedule of the learning rate, the data,
 the checkpoints). Each field is written once, with its help, section and kind
-(`pplab.base.config.option`): the `pplab train` flags are made from them. `train(config, **keywords)` starts the ranks (local processes, or
+(`pplab.base.config.option`): the `pplab train` flags are made from them. `train(config, **keywords)` starts
+the ranks (local processes, or
 the processes torchrun started) and trains; `pplab train` builds the same configuration
 from its flags or from a TOML file (`RunConfig.from_toml`), so that both give the same run.
 """
@@ -53,22 +54,27 @@ ALIASES = {"microbatches": "n_microbatches", "virtual_stages": "n_virtual"}
 class RunConfig(TrainOptions):
     """Everything a training run takes (TrainOptions' fields, and the model and its layout)."""
 
-    model: str = option("tiny", "tiny, small, or a config.json (pplab's fields, or a Hugging Face config)", "model",
+    model: str = option("tiny", "tiny, small, or a config.json (pplab's fields, or a Hugging "
+                                "Face config)", "model",
                         PATH)
-    param_dtype: str = option("float32", "the stages' weights and activations (bfloat16: a pipeline alone; the "
-                                         "loss in fp32)", "model", choice(*PARAM_DTYPES))
-    seed: int = option(0, "the model's initialisation: each parameter from (seed, its name)", "model", INTEGER)
+    param_dtype: str = option("float32", "the stages' weights and activations (bfloat16: a pipeline alone; "
+                                         "the loss in fp32)", "model", choice(*PARAM_DTYPES))
+    seed: int = option(0, "the model's initialisation: each parameter from (seed, its "
+                          "name)", "model", INTEGER)
     pp: int = option(2, "ranks along the pipeline; the run takes pp x dp x tp ranks", "parallel")
     dp: int = option(1, "FSDP replicas (a mesh; impl torch)", "parallel")
     tp: int = option(1, "tensor-parallel ranks (a mesh; impl torch)", "parallel")
     schedule: str | Schedule = option("1f1b", f"one of {', '.join(SCHEDULE_NAMES)}; with impl torch also "
-                                              f"{', '.join(TORCH_ONLY_NAMES)} (any case; torch's class names work "
-                                              f"too); in Python also a Schedule", "schedule", SCHEDULE, "NAME")
-    impl: str = option("pplab", "the hand-written runtime (pplab), or torch.distributed.pipelining's schedules "
-                                "(torch)", "schedule", choice(*IMPLEMENTATIONS))
-    n_microbatches: int = option(4, "microbatches per pipeline per step (a Schedule brings its own)", "schedule",
+                                              f"{', '.join(TORCH_ONLY_NAMES)} (any case; torch's class names "
+                                              "work too); in Python also a "
+                                              "Schedule", "schedule", SCHEDULE, "NAME")
+    impl: str = option("pplab", "the hand-written runtime (pplab), or torch.distributed.pipelining's "
+                                "schedules (torch)", "schedule", choice(*IMPLEMENTATIONS))
+    n_microbatches: int = option(4, "microbatches per pipeline per step (a Schedule "
+                                    "brings its own)", "schedule",
                                  metavar="N")
-    n_virtual: int = option(1, "stages per rank (interleaved and torch's multi-stage schedules: 2+)", "schedule",
+    n_virtual: int = option(1, "stages per rank (interleaved and torch's multi-stage "
+                               "schedules: 2+)", "schedule",
                             metavar="N")
     balance: Sequence[int] | None = option(
         None, "layers per stage (3,5 on the command line, [3, 5] in Python; default: as even as possible)",
@@ -100,7 +106,8 @@ class RunConfig(TrainOptions):
             name = key.replace("-", "_")
             name = ALIASES.get(name, name)
             if name not in cls.names():
-                raise ValueError(f"{where}: unknown key {key!r}; the keys are {', '.join(sorted(cls.names()))}")
+                raise ValueError(f"{where}: unknown key {key!r}; the keys are "
+                                 f"{', '.join(sorted(cls.names()))}")
             options[name] = value
         try:
             return cls(**options)
@@ -119,7 +126,8 @@ class RunConfig(TrainOptions):
         try:
             return cls.of(tomllib.loads(Path(path).read_text(encoding="utf-8")), f"--config {str(path)!r}")
         except OSError as error:
-            raise ValueError(f"--config {str(path)!r}: {error.strerror}; give the path of a TOML file") from None
+            raise ValueError(f"--config {str(path)!r}: {error.strerror}; give the path "
+                             "of a TOML file") from None
         except tomllib.TOMLDecodeError as error:
             raise ValueError(f"--config {str(path)!r} is not TOML: {error}") from None
 
@@ -134,7 +142,8 @@ class RunConfig(TrainOptions):
 
         job = read_torchtitan(path)
         if job.unmodeled:
-            warnings.warn(f"{path}: not modeled by pplab: {', '.join(job.unmodeled)}", UserWarning, stacklevel=2)
+            warnings.warn(f"{path}: not modeled by pplab: "
+                          f"{', '.join(job.unmodeled)}", UserWarning, stacklevel=2)
         return job.config
 
     def to_toml(self) -> str:
@@ -233,7 +242,8 @@ def model_of(name: str, vocab_size: int | None = None):
     if "model_type" in values:
         return str(path.parent)  # a Hugging Face model's directory (weights read from it if it has them)
     try:
-        return LlamaConfig(**values)  # its own vocabulary: checked against the tokenizer's before any rank starts
+        # its own vocabulary: checked against the tokenizer's before any rank starts
+        return LlamaConfig(**values)
     except TypeError as error:
         known = ", ".join(f.name for f in fields(LlamaConfig))
         raise ValueError(f"model={name!r}: {error}; pplab's model takes {known} (a Hugging Face config "

@@ -63,8 +63,9 @@ class TorchtitanJob:
                  f"{c.seq_len} tokens, {c.steps} steps"]
         if self.model is not None:
             m = self.model
-            lines.append(f"  model: {m.num_hidden_layers} layers, {m.hidden_size} wide, {m.num_attention_heads} "
-                         f"heads ({m.num_key_value_heads} key-value), vocabulary {m.vocab_size}")
+            lines.append(f"  model: {m.num_hidden_layers} layers, {m.hidden_size} wide, "
+                         f"{m.num_attention_heads} heads ({m.num_key_value_heads} key-value), "
+                         f"vocabulary {m.vocab_size}")
         lines += [f"  note: {note}" for note in self.notes]
         if self.unmodeled:
             lines.append(f"  not modeled by pplab ({len(self.unmodeled)}): " +
@@ -182,13 +183,14 @@ def _schedule(take: _Taker, job: TorchtitanJob, pp: int, n_microbatches: int) ->
     if csv:
         found = next((p for p in (job.path.parent / csv, Path(csv)) if p.is_file()), None)
         if found is None:
-            raise ValueError(f"{job.path}: pipeline_parallel_schedule_csv = {csv!r}: no such file (looked beside the "
-                             f"TOML and in the current directory)")
+            raise ValueError(f"{job.path}: pipeline_parallel_schedule_csv = {csv!r}: no such file (looked "
+                             "beside the TOML and in the current directory)")
         schedule = Schedule.from_torch_csv(found)
         if schedule.n_ranks != pp or schedule.n_microbatches != n_microbatches:
-            raise ValueError(f"{job.path}: {csv} is for {schedule.n_ranks} ranks and {schedule.n_microbatches} "
-                             f"microbatches, the job for pipeline_parallel_degree = {pp} and {n_microbatches} "
-                             f"(local_batch_size / pipeline_parallel_microbatch_size)")
+            raise ValueError(f"{job.path}: {csv} is for {schedule.n_ranks} ranks and "
+                             f"{schedule.n_microbatches} microbatches, the job for pipeline_parallel_degree "
+                             f"= {pp} and {n_microbatches} (local_batch_size / "
+                             "pipeline_parallel_microbatch_size)")
         return dict(schedule=schedule, impl="torch", n_virtual=schedule.n_virtual)
     canonical = schedule_name(name)  # torch's class names read as pplab's names
     plan = torch_plan(canonical)

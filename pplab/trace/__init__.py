@@ -7,7 +7,8 @@ one step recorded with torch.profiler, read into the event model.
 `pplab.Event` and `pplab.Timeline` (the event model, defined in `pplab.trace.timeline`) are the common
 language of the simulator, the runtimes, the views and the pictures; `from_profiler` reads a
 profiled run into a `Timeline`, `read_profiler_traces` into an `ImportedRun` (the ranks' traces, what
-was read and how: `pplab.trace.profiled`, public as `pplab.profiled` until this release). `COMM_EVENT_KINDS` are the kinds of an event
+was read and how: `pplab.trace.profiled`, public as `pplab.profiled` until this release). `COMM_EVENT_KINDS`
+are the kinds of an event
 that communicates (a schedule's messages and the mesh's collectives), `COLLECTIVE_KINDS` the
 collectives alone; `Now` marks what a rank is doing at the moment of a live view.
 """

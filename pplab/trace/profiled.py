@@ -120,7 +120,8 @@ class ImportedRun:
     alignment_error: float | None  # seconds; 0 on one host (one clock), None where nothing could tell
     outside: list[float | None]  # per rank, seconds of the ProfilerStep outside the pipeline's actions
     notes: list[str] = field(default_factory=list)
-    other_steps: list[Timeline] = field(default_factory=list)  # the traces' other steps, in order: more evidence
+    # the traces' other steps, in order: more evidence
+    other_steps: list[Timeline] = field(default_factory=list)
 
     def summary(self) -> str:
         """A few lines: files, step, labels, clocks."""
@@ -196,8 +197,8 @@ def _trace_files(paths) -> list[str]:
         if path.is_dir():
             found = sorted(p for p in path.iterdir() if p.name.endswith((".json", ".json.gz")))
             if not found:
-                raise TraceImportError(f"{path}: no *.json or *.json.gz trace in this folder; give the folder "
-                                       f"torch.profiler wrote its traces to, or the files")
+                raise TraceImportError(f"{path}: no *.json or *.json.gz trace in this folder; give the "
+                                       "folder torch.profiler wrote its traces to, or the files")
             files += found
         elif path.exists():
             files.append(path)
@@ -278,15 +279,16 @@ def _check_ranks(traces: list[RankTrace]) -> None:
     seen: dict[int, str] = {}
     for trace in traces:
         if trace.rank in seen:
-            raise TraceImportError(f"{seen[trace.rank]} and {trace.path} are both rank {trace.rank}'s traces: "
-                                   f"give one step's folder (one file per rank)")
+            raise TraceImportError(f"{seen[trace.rank]} and {trace.path} are both rank {trace.rank}'s "
+                                   "traces: give one step's folder (one file per rank)")
         seen[trace.rank] = trace.path
     sizes = {trace.world_size for trace in traces if trace.world_size is not None}
     world = max(sizes) if sizes else len(traces)
     missing = sorted(set(range(world)) - set(seen))
     if missing:
-        raise TraceImportError(f"ranks {missing} of {world} have no trace (found {', '.join(seen.values())}): "
-                               f"every rank's file is needed to see the pipeline")
+        raise TraceImportError(f"ranks {missing} of {world} have no trace (found "
+                               f"{', '.join(seen.values())}): every rank's file is "
+                               "needed to see the pipeline")
 
 
 # ---------------------------------------------------------------- steps

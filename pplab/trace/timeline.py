@@ -163,7 +163,8 @@ class Timeline:
         if self.n_ranks is None:
             self.n_ranks = highest_rank + 1
         if highest_rank >= self.n_ranks:
-            raise ValueError(f"an event is on rank {highest_rank} but the timeline has n_ranks={self.n_ranks}")
+            raise ValueError(f"an event is on rank {highest_rank} but the timeline has "
+                             f"n_ranks={self.n_ranks}")
         if any(e.rank < 0 for e in self._events):
             raise ValueError("event ranks must be >= 0")
 

@@ -114,8 +114,8 @@ def check_send_recv(lab, forward_backward, seed: int = 0) -> Verdict:
     reference = reference_step(config, batch, 1, seed=0)
     loss = ran[1]["loss"]
     if loss is None or abs(loss - reference.loss) > 1e-5 * abs(reference.loss):
-        return Verdict(name, False, f"rank 1 returned the loss {loss!r}, one device gets {reference.loss:.6f}: "
-                                    f"rank 1 must return loss_fn(stage(x), targets)")
+        return Verdict(name, False, f"rank 1 returned the loss {loss!r}, one device gets "
+                                    f"{reference.loss:.6f}: rank 1 must return loss_fn(stage(x), targets)")
     for rank in (1, 0):
         for param, grad in ran[rank]["grads"].items():
             if grad is None:
@@ -127,7 +127,8 @@ def check_send_recv(lab, forward_backward, seed: int = 0) -> Verdict:
                 why = ("the gradient rank 1 sent is not the gradient of what it received: call "
                        "x.requires_grad_() on the received activation before stage 1 runs, and send x.grad"
                        if rank == 0 else "rank 1's backward differs from one device's")
-                return Verdict(name, False, f"rank {rank}'s {param} differs from one device by {difference:.2e}: {why}")
+                return Verdict(name, False, f"rank {rank}'s {param} differs from one device by "
+                                            f"{difference:.2e}: {why}")
     return Verdict(name, True, f"loss {loss:.6f} and every gradient on both ranks equal one device's")
 
 
@@ -169,13 +170,14 @@ def check_torch_step(lab, train_step, seed: int = 0) -> Verdict:
     reference = reference_step(config, batch, 4, seed=0)
     losses = ran[1]["losses"]
     if not losses:
-        return Verdict(name, False, f"the last rank returned {losses!r}: torch puts each microbatch's loss into "
-                                    f"the list given as step(target=..., losses=losses) on the last rank; "
-                                    f"pass one and return it")
+        return Verdict(name, False, f"the last rank returned {losses!r}: torch puts each microbatch's loss "
+                                    "into the list given as step(target=..., losses=losses) on the last "
+                                    "rank; pass one and return it")
     mean = sum(losses) / len(losses)
     if len(losses) != 4 or abs(mean - reference.loss) > 1e-5 * abs(reference.loss):
-        return Verdict(name, False, f"the last rank's {len(losses)} losses average {mean:.6f}; one device gets "
-                                    f"{reference.loss:.6f} over 4 microbatches: use n_microbatches as given")
+        return Verdict(name, False, f"the last rank's {len(losses)} losses average {mean:.6f}; one "
+                                    f"device gets {reference.loss:.6f} over 4 microbatches: use "
+                                    "n_microbatches as given")
     for rank in (1, 0):
         for param, grad in ran[rank]["grads"].items():
             if grad is None:
@@ -183,28 +185,30 @@ def check_torch_step(lab, train_step, seed: int = 0) -> Verdict:
                                             f"backward only with a loss: give it loss_fn=loss_fn")
             difference = (grad - reference.grads[param]).abs().max().item()
             if difference > 1e-5:
-                return Verdict(name, False, f"rank {rank}'s {param} differs from one device by {difference:.2e}: "
-                                            f"every rank must step the same batch, once")
+                return Verdict(name, False, f"rank {rank}'s {param} differs from one device by "
+                                            f"{difference:.2e}: every rank must step the same batch, once")
     # Now a batch of 8 with 3 microbatches: torch would split it 3, 3, 2 and fail later, far from the cause.
     refused = _run_on_lab(lab, name, _torch_step_on_rank, train_step, config, batch, 3)
     # Refused on every rank before any step: a ValueError, and the process group intact (no restart).
     if not isinstance(refused, Verdict) or "raised ValueError" not in refused.message \
             or "restarted" in refused.message:
-        return Verdict(name, False, "with n_microbatches=3 and a batch of 8, torch splits the batch 3, 3, 2 and "
-                                    "fails later with 'Expected input batch_size (48) to match target batch_size "
-                                    "(32)', or worse; check tokens.shape[0] % n_microbatches first and raise a "
-                                    "ValueError naming both (on every rank, before any step)")
-    return Verdict(name, True, f"the mean of the last rank's 4 losses ({mean:.6f}) and every gradient on both "
-                               f"ranks equal one device's, and a batch that 3 microbatches do not divide is "
-                               f"refused before any rank steps")
+        return Verdict(name, False, "with n_microbatches=3 and a batch of 8, torch splits the batch 3, "
+                                    "3, 2 and fails later with 'Expected input batch_size (48) to match "
+                                    "target batch_size (32)', or worse; check tokens.shape[0] % "
+                                    "n_microbatches first and raise a ValueError naming both (on every "
+                                    "rank, before any step)")
+    return Verdict(name, True, f"the mean of the last rank's 4 losses ({mean:.6f}) and every gradient on "
+                               "both ranks equal one device's, and a batch that 3 microbatches do not "
+                               "divide is refused before any rank steps")
 
 
 def _torch_hint(verdict: Verdict) -> Verdict:
     """The checker's verdict on a failed run, with what torch's own words there usually mean."""
     if "target required for last stage" in verdict.message:
-        return Verdict(verdict.exercise, False, "the last rank stepped without its targets: torch's last stage "
-                                                "computes the loss, so it takes step(target=targets, "
-                                                "losses=losses); the first rank takes the inputs, step(tokens)\n"
+        return Verdict(verdict.exercise, False, "the last rank stepped without its targets: torch's "
+                                                "last stage computes the loss, so it takes "
+                                                "step(target=targets, losses=losses); the first rank "
+                                                "takes the inputs, step(tokens)\n"
                                                 + verdict.message)
     return verdict
 
@@ -221,8 +225,8 @@ def _run_on_lab(lab, name: str, on_rank, learner_code, *args):
         return Verdict(name, False, f"this exercise's tensors live on the CPU, but the lab runs on "
                                     f"{lab.device}: start it with pplab.Lab(n_ranks=2, device='cpu')")
     if lab.state == "stopped":  # the notebook's last cell stops it: a check run after Run All finds it so
-        return Verdict(name, False, "this lab is stopped (the notebook's last cell stops it): re-run the cell "
-                                    "that starts it (lab = pplab.Lab(...)), then this check")
+        return Verdict(name, False, "this lab is stopped (the notebook's last cell stops it): re-run the "
+                                    "cell that starts it (lab = pplab.Lab(...)), then this check")
     call = None
     try:
         imports, shared = _globals_used(learner_code)
@@ -261,7 +265,8 @@ def _run_on_lab(lab, name: str, on_rank, learner_code, *args):
             hint = ("\nSomething was None: a received activation has no .grad unless it requires grad "
                     "(x.requires_grad_()) before the stage runs on it.")
         restarted = _restart_if_needed(lab)
-        return Verdict(name, False, f"{said}{hint}" + ("\n(The lab was restarted for your next try.)" if restarted else ""))
+        return Verdict(name, False, f"{said}{hint}" + ("\n(The lab was restarted for your next "
+                                                       "try.)" if restarted else ""))
 
 
 def _messages_of_every_rank(call, world_size: int) -> str:
@@ -286,7 +291,8 @@ def _restart_if_needed(lab) -> bool:
     if lab.state == "running":
         return False
     # A restart takes seconds (the stuck ranks are killed, fresh ones join): say why the verdict waits.
-    print("pplab: your code failed on the ranks; restarting the lab for your next try, the verdict follows ...",
+    print("pplab: your code failed on the ranks; restarting the lab for your next try, "
+          "the verdict follows ...",
           flush=True)
     lab.restart()
     return True
@@ -359,13 +365,15 @@ def check_schedule(lab, lines, n_microbatches: int = 4, max_in_flight: int | Non
     except (ScheduleError, ValueError) as error:
         return Verdict(name, False, str(error))
     if schedule.n_ranks != lab.world_size or schedule.n_microbatches != n_microbatches:
-        return Verdict(name, False, f"your schedule has {schedule.n_ranks} rank(s) and {schedule.n_microbatches} "
-                                    f"microbatch(es); this exercise wants {lab.world_size} and {n_microbatches}")
+        return Verdict(name, False, f"your schedule has {schedule.n_ranks} rank(s) and "
+                                    f"{schedule.n_microbatches} microbatch(es); this exercise wants "
+                                    f"{lab.world_size} and {n_microbatches}")
     if max_in_flight is not None:
         for rank, (peak, at) in enumerate(peak_inflight_at(schedule)):
             if peak > max_in_flight:
-                return Verdict(name, False, f"rank {rank} holds the activations of {peak} microbatches at once "
-                                            f"(after {at}); the limit is {max_in_flight}: run a backward sooner")
+                return Verdict(name, False, f"rank {rank} holds the activations of {peak} "
+                                            f"microbatches at once (after {at}); the limit is "
+                                            f"{max_in_flight}: run a backward sooner")
     from pplab.drivers.cluster import LabError
 
     try:
@@ -428,8 +436,8 @@ def check_clipping(lab, clip_global_norm, seed: int = 0) -> Verdict:
             return wrong
     factor = (total / 2) / (total + 1e-6)
     return Verdict(name, True, f"both ranks returned the global norm {total:.6f}, scaled every gradient by "
-                               f"{factor:.3f} when max_norm was half of it and left them as they were when it "
-                               f"was twice it, as clip_grad_norm_ does on the whole model")
+                               f"{factor:.3f} when max_norm was half of it and left them as they were when "
+                               "it was twice it, as clip_grad_norm_ does on the whole model")
 
 
 def _judge_clipping(name: str, ran: list[dict], total: float, max_norm: float) -> Verdict | None:
@@ -459,11 +467,12 @@ def _judge_clipping(name: str, ran: list[dict], total: float, max_norm: float) -
             if not torch.allclose(grad, result["before"][param_name] * factor, rtol=1e-5, atol=1e-8):
                 scales = ", ".join(f"rank {r} by {f:.3f}" for r, f in enumerate(factors))
                 if factor == 1.0:
-                    return Verdict(name, False, f"with max_norm={max_norm:.3f} above the global norm {total:.3f} "
-                                                f"nothing may change, but the gradients were scaled {scales}: "
-                                                f"scale by min(1, max_norm / norm)")
-                return Verdict(name, False, f"the gradients were scaled {scales}; every rank must scale by "
-                                            f"max_norm / global norm = {factor:.3f} (first wrong: rank {rank}'s "
-                                            f"{param_name}). Clipping each stage by its own norm scales the "
-                                            f"stages differently and changes the update's direction")
+                    return Verdict(name, False, f"with max_norm={max_norm:.3f} above the global norm "
+                                                f"{total:.3f} nothing may change, but the gradients were "
+                                                f"scaled {scales}: scale by min(1, max_norm / norm)")
+                return Verdict(name, False, f"the gradients were scaled {scales}; every rank must "
+                                            f"scale by max_norm / global norm = {factor:.3f} (first "
+                                            f"wrong: rank {rank}'s {param_name}). Clipping each "
+                                            "stage by its own norm scales the stages differently "
+                                            "and changes the update's direction")
     return None

@@ -96,17 +96,19 @@ def _gpipe_hint(forward, backward, m: int, latency: float, given) -> str:
         (right_without_latency, "the latency: the forwards cross p - 1 hops, and the backwards again"),
         (right_without_latency + (p - 1) * latency, "the latency is paid going forward and coming back: "
                                                    "2 (p - 1) hops"),
-        ((m + p - 1) * (forward[0] + backward[0]), "(m + p - 1)(F + B) holds for even stages only: with uneven "
-                                                   "ones the slowest stage paces the middle of the step"),
-        ((m + p - 1) * (max(forward) + max(backward)), "not every stage is the slowest: the fill and the drain "
-                                                      "pass each stage once, at its own speed"),
-        (m * (sum(forward) + sum(backward)), "that is one device's time: in a pipeline the stages work at once"),
+        ((m + p - 1) * (forward[0] + backward[0]), "(m + p - 1)(F + B) holds for even stages "
+                                                   "only: with uneven ones the slowest stage "
+                                                   "paces the middle of the step"),
+        ((m + p - 1) * (max(forward) + max(backward)), "not every stage is the slowest: the fill and the "
+                                                      "drain pass each stage once, at its own speed"),
+        (m * (sum(forward) + sum(backward)), "that is one device's time: in a pipeline "
+                                             "the stages work at once"),
     ]
     for wrong, hint in tries:
         if close_to(given, wrong):
             return hint
-    return ("think of the forwards as a flow shop: the last microbatch leaves the last stage after every stage's "
-            "F once plus (m - 1) times the slowest F; the backwards flow back the same way")
+    return ("think of the forwards as a flow shop: the last microbatch leaves the last stage after every "
+            "stage's F once plus (m - 1) times the slowest F; the backwards flow back the same way")
 
 # --- a stage's forward: first, middle, last (pure) ---------------------------------------------
 
@@ -133,7 +135,8 @@ def check_stage_forward(stage_forward, seed: int = 0) -> Verdict:
         try:
             got = stage_forward(stage, x)
         except Exception as error:  # noqa: BLE001
-            hint = ("a decoder layer takes (x, cos, sin): get cos, sin = stage.rotary_emb(seq_len) once per forward"
+            hint = ("a decoder layer takes (x, cos, sin): get cos, sin = "
+                    "stage.rotary_emb(seq_len) once per forward"
                     if isinstance(error, TypeError) and "cos" in str(error) else "")
             return learner_raised(name, error, f"(on the {role} stage) {hint}".strip())
         if not isinstance(got, torch.Tensor) or got.shape != expected.shape:
@@ -142,7 +145,8 @@ def check_stage_forward(stage_forward, seed: int = 0) -> Verdict:
                                         f"{tuple(expected.shape)}, yours returned {shape}."
                                         + _role_hint(role))
         if got.dtype != expected.dtype:
-            return Verdict(name, False, f"the {role} stage should return {expected.dtype}, yours returned {got.dtype}")
+            return Verdict(name, False, f"the {role} stage should return {expected.dtype}, yours "
+                                        f"returned {got.dtype}")
         if not torch.allclose(got, expected, rtol=1e-5, atol=1e-6):
             return Verdict(name, False, f"the {role} stage's output differs from the stage's own forward "
                                         f"(largest difference {(got - expected).abs().max().item():.2e})."
@@ -154,16 +158,18 @@ def check_stage_forward(stage_forward, seed: int = 0) -> Verdict:
                                         f"your forward detached the tensor (.detach(), torch.no_grad, .data) "
                                         f"or skipped that part")
         if index > 0 and (x.grad is None or not x.grad.abs().sum() > 0):
-            return Verdict(name, False, f"the {role} stage's input got no gradient: your forward detached it, "
-                                        f"so the stages before this one would learn nothing")
+            return Verdict(name, False, f"the {role} stage's input got no gradient: your forward detached "
+                                        "it, so the stages before this one would learn nothing")
     return Verdict(name, True, "the first, middle and last stage compute exactly what the stages do, "
                                "and every parameter gets its gradient")
 
 
 def _role_hint(role: str) -> str:
     return {"first": "\nThe first stage turns token ids into vectors (embed_tokens), then runs its layers.",
-            "middle": "\nA middle stage gets hidden states: no embedding, no head; only its layers, with RoPE.",
-            "last": "\nThe last stage ends with the final norm, then lm_head: logits over the vocabulary."}[role]
+            "middle": "\nA middle stage gets hidden states: no embedding, no head; only "
+                      "its layers, with RoPE.",
+            "last": "\nThe last stage ends with the final norm, then lm_head: logits over "
+                    "the vocabulary."}[role]
 
 
 # --- a layout for a model family pplab does not know (pure: the stages chained in-process) ---------
@@ -183,12 +189,12 @@ def check_layout(layout, directory) -> Verdict:
     if layout is None or layout is ... or (isinstance(layout, Layout) and ... in vars(layout).values()):
         return Verdict(name, False, NOT_WRITTEN.replace("`raise NotImplementedError`", "each `...`"))
     if not isinstance(layout, Layout):
-        return Verdict(name, False, f"give a pplab.hf.Layout(embed=..., blocks=..., norm=..., head=..., ...), "
-                                    f"not a {type(layout).__name__}")
+        return Verdict(name, False, "give a pplab.hf.Layout(embed=..., blocks=..., norm=..., head=..., "
+                                    f"...), not a {type(layout).__name__}")
     if not (Path(directory) / "config.json").is_file():  # the checker's input is gone, not the answer wrong
-        return Verdict(name, False, f"the model this checks against is gone ({directory} holds no config.json: "
-                                    f"the kernel restarted, or a cell removed it). Re-run the notebook's first "
-                                    f"code cell, which saves it, then this check")
+        return Verdict(name, False, f"the model this checks against is gone ({directory} holds no "
+                                    "config.json: the kernel restarted, or a cell removed it). Re-run the "
+                                    "notebook's first code cell, which saves it, then this check")
     try:
         model = HFModel.of(directory, layout=layout)
     except ValueError as error:
@@ -196,13 +202,15 @@ def check_layout(layout, directory) -> Verdict:
     wrong_place = _parts_inside_blocks(layout)
     if wrong_place:
         role, path = wrong_place
-        return Verdict(name, False, f"{role}={path!r} lies inside a decoder block: the blocks run whole on their "
-                                    f"stages. Name the {role} that sits beside the blocks, not one of theirs")
+        return Verdict(name, False, f"{role}={path!r} lies inside a decoder block: the blocks run "
+                                    f"whole on their stages. Name the {role} that sits beside the "
+                                    "blocks, not one of theirs")
     left_out = _parts_left_out(model)
     if left_out:
         path, kind = left_out[0]
-        return Verdict(name, False, f"{path} ({kind}) is in no part of your layout, so no stage would run it (it "
-                                    f"holds no parameters, so nothing else says so). It is {_role_of(kind)}")
+        return Verdict(name, False, f"{path} ({kind}) is in no part of your layout, so no stage "
+                                    "would run it (it holds no parameters, so nothing else says "
+                                    f"so). It is {_role_of(kind)}")
     generator = torch.Generator().manual_seed(0)  # the learner's own random state stays as it was
     batch = tuple(torch.randint(0, model.vocab_size, (2, 2, 16), generator=generator))
     reference = reference_step(model, batch, 1)  # the whole transformers model, on one device
@@ -215,13 +223,15 @@ def check_layout(layout, directory) -> Verdict:
         where = f"cut into stages of {', '.join(f'blocks {r.start}-{r.stop - 1}' for r in cut)}"
         report = compare_with_reference(loss, grads, reference, grad_atol=1e-7)
         if report.loss_rel_diff > report.loss_rtol:
-            return Verdict(name, False, f"{where}: the loss is {loss:.6f}, the whole model's {reference.loss:.6f}")
+            return Verdict(name, False, f"{where}: the loss is {loss:.6f}, the whole model's "
+                                        f"{reference.loss:.6f}")
         if not report.passed:
-            return Verdict(name, False, f"{where}: the gradient of {(report.missing + report.failing)[0]} differs "
-                                        f"from the whole model's")
-    return Verdict(name, True, f"cut in two and in three, the stages give the whole model's loss "
-                               f"({reference.loss:.6f}) and every one of its {len(reference.grads)} parameters' "
-                               f"gradients: lab.pipeline(pplab.hf.HFModel.of(directory, layout=...)) will pipeline it")
+            return Verdict(name, False, f"{where}: the gradient of {(report.missing + report.failing)[0]} "
+                                        "differs from the whole model's")
+    return Verdict(name, True, "cut in two and in three, the stages give the whole model's loss "
+                               f"({reference.loss:.6f}) and every one of its {len(reference.grads)} "
+                               "parameters' gradients: lab.pipeline(pplab.hf.HFModel.of(directory, "
+                               "layout=...)) will pipeline it")
 
 
 def _parts_inside_blocks(layout) -> tuple[str, str] | None:
@@ -252,8 +262,8 @@ def _role_of(kind: str) -> str:
     if "Rotary" in kind:
         return "the rotary position embeddings: `rotary=`; pplab computes them on every stage that has blocks"
     if "Dropout" in kind:
-        return ("a dropout after the embeddings: `dropout=`; in training the first stage must run it where the "
-                "whole model does")
+        return ("a dropout after the embeddings: `dropout=`; in training the first stage must run it "
+                "where the whole model does")
     return "a part of the model's forward: give it its role in the layout"
 
 
@@ -284,8 +294,8 @@ def _chained_stages(model, cut, tokens, targets) -> tuple[float, dict]:
 
 def _layout_hint(error: BaseException) -> str:
     if "position_ids" in str(error):
-        return ("`positions=` is for learned position embeddings added once, on the first stage (GPT-2's wpe); "
-                "rotary ones are computed for the blocks on every stage: `rotary=`")
+        return ("`positions=` is for learned position embeddings added once, on the first stage (GPT-2's "
+                "wpe); rotary ones are computed for the blocks on every stage: `rotary=`")
     return "read the model's outline (print(model) or the refusal's list of modules) for each part's path"
 
 
@@ -318,8 +328,9 @@ def check_packing(pack_documents) -> Verdict:
             case = f"token_lists={token_lists}, seq_len={seq_len}, bos={bos}, eos={eos}"
             hint = _packing_hint(returned, given, expected, token_lists, seq_len, bos, eos)
             return Verdict(name, False, f"{case}:\n{hint}")
-    return Verdict(name, True, f"all {len(cases)} cases packed as pplab packs them: <bos> ids <eos> per document, "
-                               f"windows of seq_len + 1 sharing one token, targets one ahead, the tail dropped")
+    return Verdict(name, True, f"all {len(cases)} cases packed as pplab packs them: <bos> ids <eos> "
+                               "per document, windows of seq_len + 1 sharing one token, targets one "
+                               "ahead, the tail dropped")
 
 
 def _rows_pair(returned) -> tuple[list, list] | None:
@@ -353,20 +364,21 @@ def _packing_hint(returned, given, expected, token_lists, seq_len: int, bos: int
         short = " (keep whole windows only: the short tail is dropped)" if max(lengths) == seq_len else ""
         return f"every row must be seq_len = {seq_len} tokens long; yours are {sorted(lengths)} long{short}"
     if given[0] == inputs and given[1] == inputs:
-        return ("the targets are the inputs themselves: each position must predict the NEXT token, so targets "
-                "are the window shifted by one (window[1:]) and inputs window[:-1]")
+        return ("the targets are the inputs themselves: each position must predict the NEXT token, so "
+                "targets are the window shifted by one (window[1:]) and inputs window[:-1]")
     bare = cut_sequences(torch.tensor([t for ids in token_lists for t in ids], dtype=torch.int64), seq_len)
     if given == (bare[:, :-1].tolist(), bare[:, 1:].tolist()):
-        return ("the documents run into each other: join each as <bos> ids <eos>, so that the model learns where a "
-                "document starts and ends instead of continuing one into the next")
+        return ("the documents run into each other: join each as <bos> ids <eos>, so that the model learns "
+                "where a document starts and ends instead of continuing one into the next")
     stream = join_documents(token_lists, bos, eos).tolist()
     apart = [stream[i:i + seq_len + 1] for i in range(0, len(stream) - seq_len, seq_len + 1)]
     if given == ([w[:-1] for w in apart], [w[1:] for w in apart]):
-        return ("your windows do not overlap: each window is seq_len + 1 tokens, and the next starts seq_len tokens "
-                "later, at its last token. Without that the pair across each cut is never learned")
+        return ("your windows do not overlap: each window is seq_len + 1 tokens, and the next "
+                "starts seq_len tokens later, at its last token. Without that the pair across "
+                "each cut is never learned")
     if len(given[0]) == len(inputs) + 1 and given[0][:-1] == inputs and given[1][:-1] == targets:
-        return ("the last, partial window is dropped, not padded: pad tokens would be learned as text (or need a "
-                "loss mask) and cost compute")
+        return ("the last, partial window is dropped, not padded: pad tokens would be learned as text (or "
+                "need a loss mask) and cost compute")
     return (f"you made {len(given[0])} rows; expected {len(inputs)}:\n"
             f"expected inputs  {inputs}\nexpected targets {targets}")
 
@@ -396,10 +408,11 @@ def check_idle_share(idle_share, *timelines) -> Verdict:
             except Exception as error:  # noqa: BLE001 - whatever the learner's code raised
                 return learner_raised(name, error)
             if not close_to(as_number(given), expected):
-                return Verdict(name, False, f"{which}, rank {rank}: you said {given!r}, it is {expected:.6g}.\n"
-                                            f"{_idle_hint(timeline, rank, as_number(given))}")
-    return Verdict(name, True, f"every rank of {len(timelines)} timeline(s) read from traces and {len(simulated)} "
-                               f"simulated ones: your idle shares are the timelines' own bubble fractions")
+                return Verdict(name, False, f"{which}, rank {rank}: you said {given!r}, it is "
+                                            f"{expected:.6g}.\n{_idle_hint(timeline, rank, as_number(given))}")
+    return Verdict(name, True, f"every rank of {len(timelines)} timeline(s) read from traces and "
+                               f"{len(simulated)} simulated ones: your idle shares are the "
+                               "timelines' own bubble fractions")
 
 
 def _idle_hint(timeline, rank: int, given: float | None) -> str:
@@ -411,10 +424,11 @@ def _idle_hint(timeline, rank: int, given: float | None) -> str:
     own = max(e.end for e in compute) - min(e.start for e in compute) if compute else 0.0
     tries = [
         (1 - timeline.active_time(rank) / step if step else 0.0,
-         "a rank waiting in a receive is idle, not busy: count only compute (F, B, I, W, ...), not sends and receives"),
+         "a rank waiting in a receive is idle, not busy: count only compute (F, B, I, W, ...), "
+         "not sends and receives"),
         (1 - busy / own if own else 0.0,
-         "measure against the whole step, from the first rank's start to the last rank's end: the time a rank waits "
-         "before its first action (the fill) and after its last (the drain) is its bubble too"),
+         "measure against the whole step, from the first rank's start to the last rank's end: the time a "
+         "rank waits before its first action (the fill) and after its last (the drain) is its bubble too"),
         (busy / step if step else 0.0, "that is the share it computed: the idle share is 1 minus it"),
         (step - busy, "that is in seconds: divide by the step time"),
     ]
@@ -436,7 +450,8 @@ def check_mesh_groups(mesh_groups) -> Verdict:
     from pplab.rank.mesh import Mesh
 
     name = "a mesh's groups"
-    sizes = [(2, 2, 2)] + [size for size in product((1, 2, 3), repeat=3) if size != (2, 2, 2)]  # a typical one first
+    # a typical one first
+    sizes = [(2, 2, 2)] + [size for size in product((1, 2, 3), repeat=3) if size != (2, 2, 2)]
     for pp, dp, tp in sizes:
         mesh = Mesh(pp=pp, dp=dp, tp=tp)
         for rank in range(mesh.world_size):
@@ -450,8 +465,8 @@ def check_mesh_groups(mesh_groups) -> Verdict:
                 case = f"rank {rank} of a mesh pp={pp} x dp={dp} x tp={tp}"
                 return Verdict(name, False, f"{case}: you said {returned!r}, expected {expected}.\n"
                                             f"{_groups_hint(given, expected, rank, mesh)}")
-    return Verdict(name, True, f"every rank of {len(sizes)} meshes up to 3 x 3 x 3: its pipeline, FSDP group and "
-                               f"TP group are the ones pplab.Mesh builds")
+    return Verdict(name, True, f"every rank of {len(sizes)} meshes up to 3 x 3 x 3: its pipeline, FSDP group "
+                               "and TP group are the ones pplab.Mesh builds")
 
 
 def _groups_of(mesh, rank: int) -> dict[str, list[int]]:
@@ -483,6 +498,6 @@ def _groups_hint(given, expected, rank: int, mesh) -> str:
                 "ranks (one host's fastest links), and pp slowest, so a pipeline's stages are far apart")
     wrong = [dim for dim in ("pp", "dp", "tp") if given[dim] != expected[dim]]
     stride = {"pp": mesh.dp * mesh.tp, "dp": mesh.tp, "tp": 1}
-    return (f"your {' and '.join(wrong)} group{'s are' if len(wrong) > 1 else ' is'} off. Along each dimension "
-            f"the ranks of a group are a fixed stride apart: {stride['pp']} for pp (dp x tp), {stride['dp']} for dp "
-            f"(tp), 1 for tp")
+    return (f"your {' and '.join(wrong)} group{'s are' if len(wrong) > 1 else ' is'} off. Along each "
+            f"dimension the ranks of a group are a fixed stride apart: {stride['pp']} for pp (dp x tp), "
+            f"{stride['dp']} for dp (tp), 1 for tp")

@@ -74,8 +74,8 @@ def close_to(given: float | None, expected: float) -> bool:
 
 
 def needs_two_ranks(exercise: str, lab) -> Verdict:
-    return Verdict(exercise, False, f"this exercise runs on 2 ranks; the lab has {lab.world_size}: start it with "
-                                    f"pplab.Lab(n_ranks=2)")
+    return Verdict(exercise, False, f"this exercise runs on 2 ranks; the lab has {lab.world_size}: start it "
+                                    "with pplab.Lab(n_ranks=2)")
 
 
 def learner_raised(exercise: str, error: BaseException, hint: str = "") -> Verdict:

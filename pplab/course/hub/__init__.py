@@ -87,9 +87,10 @@ def _check_seats_can_reach(paths: list[Path]) -> None:
         path = path.resolve()
         for folder in [*reversed(path.parents), *([path] if path.is_dir() else [])]:
             if folder.exists() and not os.stat(folder).st_mode & stat.S_IXOTH:  # one made later is open
-                closed.append(f"{folder} (mode {stat.S_IMODE(os.stat(folder).st_mode):o}, on the way to {path})")
+                closed.append(f"{folder} (mode {stat.S_IMODE(os.stat(folder).st_mode):o}, on "
+                              f"the way to {path})")
                 break
     if closed:
-        raise ValueError(f"the seats' accounts cannot reach {'; '.join(closed)}: their servers would not start. "
-                         f"Install pplab's environment and the course where every account can read them (e.g. "
-                         f"/opt/pplab, docs/instructor.md), or open those folders (chmod o+x)")
+        raise ValueError(f"the seats' accounts cannot reach {'; '.join(closed)}: their servers would not "
+                         "start. Install pplab's environment and the course where every account can read "
+                         "them (e.g. /opt/pplab, docs/instructor.md), or open those folders (chmod o+x)")

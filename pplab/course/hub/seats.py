@@ -53,8 +53,8 @@ class Workshop:
     def __post_init__(self):
         check_positive_int("ranks_per_seat", self.ranks_per_seat, example=2)
         if not isinstance(self.gpus_per_seat, int) or self.gpus_per_seat < 0:
-            raise ValueError(f"gpus_per_seat={self.gpus_per_seat!r}: give the whole GPUs each seat's server asks "
-                             f"a cluster for (0: none, its labs on CPU)")
+            raise ValueError(f"gpus_per_seat={self.gpus_per_seat!r}: give the whole GPUs each seat's server "
+                             "asks a cluster for (0: none, its labs on CPU)")
         if not isinstance(self.gpu_count, int) or self.gpu_count < 0:
             raise ValueError(f"gpus={self.gpu_count!r}: give the server's GPUs (0 or more), or 'auto'")
 
@@ -76,14 +76,16 @@ class Workshop:
         plan = self.plan()
         if plan is not None and not cluster:
             gpus = plan.gpus(seat)
-            env["CUDA_VISIBLE_DEVICES"] = ",".join(map(str, dict.fromkeys(gpus)))  # rank r on the r-th of them
+            # rank r on the r-th of them
+            env["CUDA_VISIBLE_DEVICES"] = ",".join(map(str, dict.fromkeys(gpus)))
             env[MEMORY_FRACTION_ENV] = f"{plan.memory_fraction:.4g}"
         return env
 
     def describe(self) -> str:
         """One line per seat: its account and GPUs (or CPU), under the plan's summary."""
         plan = self.plan()
-        lines = [plan.describe().splitlines()[0] if plan else f"{len(self.seats)} seat(s), labs on CPU (no GPU)"]
+        lines = [plan.describe().splitlines()[0] if plan else f"{len(self.seats)} seat(s), "
+                                                              "labs on CPU (no GPU)"]
         for account in self.seats:
             env = self.environment(account)
             where = f"GPUs {env['CUDA_VISIBLE_DEVICES']}" if plan else "CPU"

@@ -44,8 +44,8 @@ def init(folder: str | Path, seats: int | str, *, instructors: list[str], gpus: 
     workshop = Workshop(tuple(accounts), folder / "room", notebooks, gpu_count, ranks_per_seat)
     workshop.plan()  # a room the GPUs cannot take is refused now, not when the hub starts
     if (folder / CONFIG).exists():
-        raise ValueError(f"{folder / CONFIG} exists: this folder holds a workshop already; give another folder "
-                         f"(or remove it)")
+        raise ValueError(f"{folder / CONFIG} exists: this folder holds a workshop already; give another "
+                         "folder (or remove it)")
     folder.mkdir(parents=True, exist_ok=True)
     folder.chmod(0o755)  # the seats reach the room inside it
     passwords = make_accounts([*accounts, *instructors]) if make_users else {}
@@ -89,8 +89,8 @@ c.JupyterHub.cookie_secret_file = {str(workshop.room.parent / "jupyterhub_cookie
 def _readme_text(folder: Path, workshop: Workshop, instructors: list[str], bind_url: str, made: bool) -> str:
     accounts = ("The accounts were made with fresh passwords: hand each attendee theirs from `seats.csv` "
                 "(readable by root alone)." if made else
-                "Make the accounts first (`useradd -m NAME`, `passwd NAME`), or run `pplab workshop init` again "
-                "in a new folder with `--make-users`.")
+                "Make the accounts first (`useradd -m NAME`, `passwd NAME`), or run `pplab workshop init` "
+                "again in a new folder with `--make-users`.")
     return f"""# A pplab workshop: {len(workshop.seats)} seats
 
 Written by `pplab workshop init`. Every seat is a Unix account: {', '.join(workshop.seats[:3])}{' ...' if len(workshop.seats) > 3 else ''}.
@@ -153,7 +153,8 @@ def start(folder: str | Path) -> None:
     """Run the workshop's hub in the foreground (this process becomes JupyterHub's)."""
     folder = Path(folder).resolve()
     if not (folder / CONFIG).is_file():
-        raise ValueError(f"{folder}: no {CONFIG} there; make the workshop first (pplab workshop init {folder})")
+        raise ValueError(f"{folder}: no {CONFIG} there; make the workshop first (pplab "
+                         f"workshop init {folder})")
     if os.geteuid() != 0:
         raise ValueError("pplab workshop start: the hub runs each seat's server as the seat's account, which "
                          "needs root: run it with sudo")

@@ -12,7 +12,8 @@ Modules, top to bottom: `plan` (backend/device, rank order), `errors`,
 gloo and ipyparallel beyond what they promise), `engine` (what runs on each engine),
 `forkserver` (fast engine start), `records` (on-disk records and `cleanup`), `status`
 (the ranks of a start and what calls learned about them), `calls` (waiting, errors,
-streaming), `launchers` (a local cluster or a connected one) and `lab` (the Lab itself). The cluster knows engines, ranks,
+streaming), `launchers` (a local cluster or a connected one) and `lab` (the Lab itself). The cluster knows
+engines, ranks,
 rendezvous and lifecycle only: pipelines on a lab are the session's
 (`pplab.session`, whose `pplab.Lab` adds `lab.pipeline(...)`).
 """
@@ -44,7 +45,8 @@ _IMPORTED_WHEN_USED = {"Lab": "pplab.drivers.cluster.lab", "RankCall": "pplab.dr
 
 
 def __getattr__(name: str):
-    if name == "Lab":  # one Lab a user sees: pplab.Lab (this one, without pipelines, is the driver beneath it)
+    # one Lab a user sees: pplab.Lab (this one, without pipelines, is the driver beneath it)
+    if name == "Lab":
         from pplab.base.arguments import warn_moved
 
         warn_moved("pplab.cluster.Lab", "pplab.Lab", "the same lab, with pipelines and live views")

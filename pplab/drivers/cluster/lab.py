@@ -53,7 +53,8 @@ from pplab.rank.rank_context import RankEvent
 TEARDOWN_SECONDS = 5.0
 DESCRIBE_ASK_AGAIN_SECONDS = 10.0  # see Lab._describe
 JOIN_SECONDS = 30.0  # joining the process group at a quiet pace (ranks come apart on a busy machine)
-ASK_HUB_SECONDS = 1.0  # while engines register, how often the hub is asked which it has (see _wait_for_engines)
+# while engines register, how often the hub is asked which it has (see _wait_for_engines)
+ASK_HUB_SECONDS = 1.0
 
 _running_labs: weakref.WeakSet = weakref.WeakSet()
 
@@ -118,8 +119,8 @@ class Lab:
         if self._memory_fraction is None and device != "cpu":  # a workshop seat's cap, where its hub set one
             self._memory_fraction = seat_memory_fraction()
         elif self._memory_fraction is not None and device == "cpu":
-            raise ValueError(f"gpu_memory_fraction={gpu_memory_fraction!r} with device='cpu': it caps GPU memory; "
-                             f"leave it out, or use device='cuda'")
+            raise ValueError(f"gpu_memory_fraction={gpu_memory_fraction!r} with device='cpu': it caps GPU "
+                             "memory; leave it out, or use device='cuda'")
         # Reject a forced backend/device this host cannot honour before starting anything.
         here = socket.gethostname()
         choose_backend_device(backend, device, {here: gpu_count or _local_gpu_count(backend, device)},

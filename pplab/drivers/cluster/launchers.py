@@ -199,9 +199,9 @@ class LocalCluster:
                 break
             except (OSError, ValueError):  # not there yet, or half written
                 if time.monotonic() > deadline:
-                    raise LabStartError(f"the controller wrote no connection files within {self.start_timeout:.0f} "
-                                        f"s (start_timeout at this machine's pace).{busy_note()}\n"
-                                        f"{self.launch_logs()}") from None
+                    raise LabStartError("the controller wrote no connection files within "
+                                        f"{self.start_timeout:.0f} s (start_timeout at this machine's "
+                                        f"pace).{busy_note()}\n{self.launch_logs()}") from None
                 time.sleep(0.05)
         return {port for found in about for value in found.values()
                 for port in (value if isinstance(value, list) else [value])

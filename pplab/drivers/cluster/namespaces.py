@@ -181,7 +181,8 @@ class NamespaceHosts:
             for bridge, subnet in zip(self.bridges, self.subnets):
                 self._run(["ip", "link", "add", bridge, "type", "bridge"])
                 self._made.append(("ip", "link", "del", bridge))
-                self._run(["ip", "addr", "add", f"{subnet}.254/24", "dev", bridge])  # this machine: the client
+                # this machine: the client
+                self._run(["ip", "addr", "add", f"{subnet}.254/24", "dev", bridge])
                 self._run(["ip", "link", "set", bridge, "up"])
         self.addresses = [f"{self.subnets[0]}.{i + 1}" for i in range(len(self.names))]
         hosts_file = "127.0.0.1 localhost\n" + "".join(
@@ -218,7 +219,8 @@ class NamespaceHosts:
         deadline = time.monotonic() + self.start_timeout
         while not _written(engine_file):  # whole: the engines read it at once
             if self.processes[0].poll() is not None or time.monotonic() > deadline:
-                raise RuntimeError(f"the controller in {self.names[0]} did not start:\n{self._log('controller')}")
+                raise RuntimeError(f"the controller in {self.names[0]} did not "
+                                   f"start:\n{self._log('controller')}")
             time.sleep(0.1)
         self._start_engines()
 

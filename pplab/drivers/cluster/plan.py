@@ -59,8 +59,8 @@ def check_gpus(gpus: object, n_ranks: int, device: str, gpu_count: int) -> tuple
     if not all(isinstance(gpu, int) and not isinstance(gpu, bool) and gpu >= 0 for gpu in gpus):
         raise ValueError(f"gpus={list(gpus)!r}: give device numbers >= 0, one per rank, e.g. gpus=[0, 1]")
     if len(gpus) != n_ranks:
-        raise ValueError(f"gpus={list(gpus)!r} names {len(gpus)} GPU(s) for {n_ranks} ranks: give one per rank "
-                         f"(a number twice where two ranks share a GPU)")
+        raise ValueError(f"gpus={list(gpus)!r} names {len(gpus)} GPU(s) for {n_ranks} ranks: give one per "
+                         "rank (a number twice where two ranks share a GPU)")
     if device == "cpu":
         raise ValueError(f"gpus={list(gpus)!r} with device='cpu': leave out gpus, or use device='cuda'")
     missing = [gpu for gpu in gpus if gpu >= gpu_count]
@@ -105,8 +105,9 @@ class RoomPlan:
 
     def describe(self) -> str:
         """One line per GPU: the seats on it and each rank's cap."""
-        lines = [f"{self.n_seats} seat(s) of {self.n_ranks} rank(s) on {self.gpu_count} GPU(s): up to "
-                 f"{self.ranks_per_gpu} rank(s) per GPU, each rank capped at {self.memory_fraction:.1%} of its GPU"]
+        lines = [f"{self.n_seats} seat(s) of {self.n_ranks} rank(s) on {self.gpu_count} GPU(s): up "
+                 f"to {self.ranks_per_gpu} rank(s) per GPU, each rank capped at "
+                 f"{self.memory_fraction:.1%} of its GPU"]
         for gpu in range(self.gpu_count):
             on_it = [seat for seat, gpus in enumerate(self.seats) if gpu in gpus]
             lines.append(f"  GPU {gpu}: seats {', '.join(map(str, on_it)) or '-'}")
@@ -146,8 +147,8 @@ def check_memory_fraction(fraction: object) -> float | None:
     if fraction is None:
         return None
     if isinstance(fraction, bool) or not isinstance(fraction, (int, float)) or not 0 < fraction <= 1:
-        raise ValueError(f"gpu_memory_fraction={fraction!r}: give the share of a GPU's memory each rank "
-                         f"may take, between 0 and 1 (e.g. 0.1; pplab.cluster.plan_room computes it for a room)")
+        raise ValueError(f"gpu_memory_fraction={fraction!r}: give the share of a GPU's memory each rank may "
+                         "take, between 0 and 1 (e.g. 0.1; pplab.cluster.plan_room computes it for a room)")
     return float(fraction)
 
 
@@ -164,8 +165,8 @@ def seat_memory_fraction() -> float | None:
     try:
         return check_memory_fraction(float(value))
     except ValueError:
-        raise ValueError(f"{MEMORY_FRACTION_ENV}={value!r}: give the share of a GPU's memory each rank may take, "
-                         f"between 0 and 1 (a workshop's hub sets it per seat), or unset it") from None
+        raise ValueError(f"{MEMORY_FRACTION_ENV}={value!r}: give the share of a GPU's memory each rank may "
+                         "take, between 0 and 1 (a workshop's hub sets it per seat), or unset it") from None
 
 
 def visible_gpus() -> list[str] | None:

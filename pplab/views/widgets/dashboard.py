@@ -148,7 +148,8 @@ class Dashboard(widgets.VBox):
                 self.progress.value = index + 1
             else:
                 crowded = crowding_note(self.pipe.spec.world_size, machine)
-                self._say(f"{steps} step{'s' if steps > 1 else ''} done" + (f" · {crowded}" if crowded else ""))
+                self._say(f"{steps} step{'s' if steps > 1 else ''} "
+                          "done" + (f" · {crowded}" if crowded else ""))
         except (RankError, ValueError) as error:
             self._say_error(error)
             if raise_errors:
@@ -341,7 +342,8 @@ class Dashboard(widgets.VBox):
         self.timeline.reset(self._labels())
         self.bubbles.reset()
         self._set_references()
-        if new.spec.world_size == new.schedule.n_ranks:  # the simulator runs one pipeline, not a mesh's dp or tp
+        # the simulator runs one pipeline, not a mesh's dp or tp
+        if new.spec.world_size == new.schedule.n_ranks:
             costs, label = self._costs()
             plan = simulate(new.schedule, costs)
             self.timeline.show(None, Timeline(plan.events, plan.n_ranks, label=label or "simulated"),

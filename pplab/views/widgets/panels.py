@@ -307,7 +307,8 @@ class GradientsView(widgets.VBox):
             cells.append(self.red.get(name, "ok"))
             rows.append((cells, RED if name in self.red else ""))
         verdict = (f"gradient flow: {len(self.red)} of {len(grad_stats)} parameters in trouble (red)"
-                   if self.red else f"gradient flow: all {len(grad_stats)} parameters have finite, non-zero gradients")
+                   if self.red else f"gradient flow: all {len(grad_stats)} parameters have "
+                                    "finite, non-zero gradients")
         self.table.value = (f"<div style='max-height:260px;overflow:auto'>"
                             f"{table(header, rows, verdict)}</div>")
 
@@ -349,7 +350,8 @@ class MemoryView(widgets.VBox):
         ax.plot(range(1, len(self.losses) + 1), self.losses, "o-", color="#D55E00")
         ax.xaxis.set_major_locator(MaxNLocator(integer=True, min_n_ticks=1))
         ax.set_xlim(0.5, len(self.losses) + 0.5)
-        ax.set_title("loss per step (a lab step applies no optimizer: flat unless weights change)", fontsize=9)
+        ax.set_title("loss per step (a lab step applies no optimizer: flat unless "
+                     "weights change)", fontsize=9)
         ax.set_xlabel("step")
         ax.set_ylabel("loss")
         ax.spines[["top", "right"]].set_visible(False)
@@ -412,7 +414,8 @@ class WhereView(widgets.VBox):
         if self.stalls:
             stall = self.stalls[-1]
             last = (f"<div style='{RED};font-size:12px'>last stall: rank {stall['rank']} waited "
-                    f"{stall['seconds']:.1f} s in {_in_words(stall['doing'])}, for {stall['waits_for']}</div>")
+                    f"{stall['seconds']:.1f} s in {_in_words(stall['doing'])}, for "
+                    f"{stall['waits_for']}</div>")
         # Fixed columns, one line each (cut with an ellipsis): the table keeps its shape as ranks move on.
         self.html.value = (_WHERE_STYLE + "<div class='pplab-where'>"
                            + table(["rank", "doing", "for", "waits for"], rows, "where each rank is")

@@ -37,7 +37,8 @@ def timeline_svg(measured: Timeline | None, predicted: Timeline | None = None,
     scale = (width - left - 8 - (IDLE_COLUMN if idle else 0)) / until
     shapes, y = [], 0
     for index, (timeline, label) in enumerate(parts):
-        shapes.append(f"<text x='0' y='{y + 12}' font-size='12' font-weight='bold'>{html.escape(label)}</text>")
+        shapes.append(f"<text x='0' y='{y + 12}' font-size='12' "
+                      f"font-weight='bold'>{html.escape(label)}</text>")
         if idle:
             shapes.append(f"<text x='{width - 4}' y='{y + 12}' font-size='10' text-anchor='end' "
                           f"fill='#555'>idle</text>")

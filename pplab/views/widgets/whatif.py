@@ -111,7 +111,8 @@ class WhatIf(widgets.VBox):
         except ValueError as error:
             self.numbers.value = f"<div style='{RED}'>{error}</div>"
             return
-        # W's share matters only to a schedule that splits B into I and W (zb-h1, zbv, ...): shown there alone.
+        # W's share matters only to a schedule that splits B into I and W (zb-h1, zbv, ...): shown there
+        # alone.
         splits = any(action.kind == Kind.W for actions in schedule.actions for action in actions)
         self.weight_share.layout.display = None if splits else "none"
         costs = self.costs()
