@@ -274,7 +274,8 @@ def measure(args) -> dict:
         with pplab.RankPool(RANKS) as pool:  # stopped before the fresh launches below
             pipe = pplab.Pipeline(pool, spec)  # the spec the fresh launches below build too
             per_rank = run_ranks(RANKS, rank_steady, pipe.pipeline_id,
-                                 replace(base, checkpoint_dir=roots["sync"]), roots, args.warmup, args.repeats,
+                                 replace(base, checkpoint_dir=roots["sync"]), roots, args.warmup,
+                                 args.repeats,
                                  timeout=TIMEOUT, pool=pool)
         steady_wall = time.perf_counter() - started
         n = len(per_rank[0]["times"]["sync_save"])
@@ -301,7 +302,8 @@ def measure(args) -> dict:
     async_blocking_all = slowest["async_blocking"] + slowest["async_overlap_blocking"]
     # Per repeat: the step during the write over the mean of that repeat's two plain steps.
     plain_pairs = list(zip(slowest["step_plain"][0::2], slowest["step_plain"][1::2]))
-    paired_slowdown = median(d / ((a + b) / 2) for d, (a, b) in zip(slowest["step_during_async"], plain_pairs))
+    paired_slowdown = median(d / ((a + b) / 2) for d, (a, b) in zip(slowest["step_during_async"],
+                                                                    plain_pairs))
     # What an async save costs the training loop in all: blocked in save(), the step's slowdown,
     # and the wait left when the next save (or finish) comes right after one step.
     async_loop_cost = [b + (d - (a + c) / 2) + w for b, d, (a, c), w in
@@ -459,7 +461,8 @@ def notes(row: dict, loadavg_before: float) -> list[str]:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--repeats", type=int, default=10, help="interleaved repeats in the steady-state run")
     parser.add_argument("--warmup", type=int, default=1, help="repeats run first and not counted")
     parser.add_argument("--launches", type=int, default=4, help="fresh and resumed launches, each")
@@ -510,7 +513,8 @@ def main() -> None:
               p["async_step_slowdown"]),
              ("async: wait left after that step", med["async_finish_wait_after_step"],
               med["async_finish_wait_after_step"] / med["step_plain"], statistics.median(wait)),
-             ("async: whole cost to the loop", med["async_loop_cost"], med["async_loop_cost"] / med["step_plain"],
+             ("async: whole cost to the loop", med["async_loop_cost"],
+              med["async_loop_cost"] / med["step_plain"],
               None),
              ("load", med["load"], r["load_over_step"], p["load_over_step"]),
              *((f"hash a rank's share: {h}", med[f"hash_{h}"], med[f"hash_{h}"] / med["step_plain"], None)

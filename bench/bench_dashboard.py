@@ -102,7 +102,8 @@ def measure_mode(lab, mode: str, rounds: int, steps: int) -> dict:
 
     poll_seconds, live_interval = dashboard_module.POLL_SECONDS, dashboard_module.LIVE_INTERVAL
     timing = pplab.Costs(**TIMING) if mode == "timing" else None
-    pipe = lab.pipeline(pplab.LlamaConfig.tiny(), schedule=SCHEDULE, n_microbatches=MICROBATCHES, timing=timing)
+    pipe = lab.pipeline(pplab.LlamaConfig.tiny(), schedule=SCHEDULE, n_microbatches=MICROBATCHES,
+                        timing=timing)
     try:
         dashboard = pipe.dashboard()
         watches = instrument(dashboard)
@@ -203,7 +204,8 @@ def measure_render(repeats: int) -> dict:
     predicted = simulate(schedule, Costs(**TIMING))
     predicted = Timeline(predicted.events, predicted.n_ranks, label="predicted")
     # A stand-in for a measured step: the same schedule with slower, uneven stages.
-    measured = simulate(schedule, Costs(forward=[0.021, 0.024, 0.022, 0.026], backward=[0.043, 0.047, 0.044, 0.05],
+    measured = simulate(schedule, Costs(forward=[0.021, 0.024, 0.022, 0.026],
+                                        backward=[0.043, 0.047, 0.044, 0.05],
                                         latency=0.001))
     measured = Timeline(measured.events, measured.n_ranks, label="measured")
     colours = viz.kind_colours()

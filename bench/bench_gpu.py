@@ -136,7 +136,8 @@ def two_ranks_on_one_gpu(device: str) -> dict:
 
 def shared_lab(n_ranks: int, device: str, **options):
     """A lab whose ranks share the GPU (on CPU: host messages forced, the same path)."""
-    return pplab.Lab(n_ranks, verbose=False, **options, **({} if device == "cuda" else {"host_messages": True}))
+    return pplab.Lab(n_ranks, verbose=False, **options,
+                     **({} if device == "cuda" else {"host_messages": True}))
 
 
 def four_ranks_on_one_gpu(device: str, work: Path) -> dict:
@@ -156,7 +157,8 @@ def four_ranks_on_one_gpu(device: str, work: Path) -> dict:
                 if lab.state != "running":
                     lab.restart()
 
-        for impl, schedule, n_virtual in (("pplab", "1f1b", 1), ("pplab", "zb-h1", 1), ("pplab", "interleaved-1f1b", 2),
+        for impl, schedule, n_virtual in (("pplab", "1f1b", 1), ("pplab", "zb-h1", 1),
+                                          ("pplab", "interleaved-1f1b", 2),
                                           ("torch", "1f1b", 1), ("torch", "interleaved-1f1b", 2),
                                           ("torch", "zbv-zero-bubble", 2)):
             def checked(impl=impl, schedule=schedule, n_virtual=n_virtual):
@@ -246,7 +248,8 @@ def action_timed_three_ways(device: str) -> dict:
         if place.type == "cuda":
             events.append(start.elapsed_time(end))
     median = lambda values: sorted(values[3:])[len(values[3:]) // 2] if values else None  # noqa: E731
-    return {"device": str(place), "host_launch_ms": median(launch), "host_synchronised_ms": median(synchronised),
+    return {"device": str(place), "host_launch_ms": median(launch),
+            "host_synchronised_ms": median(synchronised),
             "cuda_events_ms": median(events)}
 
 
@@ -322,7 +325,8 @@ def memory_cap(device: str) -> dict:
 def process_gpu_memory() -> dict[int, float]:
     """MiB of device memory each process holds (its CUDA context included), as nvidia-smi reads it."""
     try:
-        done = subprocess.run(["nvidia-smi", "--query-compute-apps=pid,used_memory", "--format=csv,noheader,nounits"],
+        done = subprocess.run(["nvidia-smi", "--query-compute-apps=pid,used_memory",
+                               "--format=csv,noheader,nounits"],
                               capture_output=True, text=True, timeout=30)
     except (OSError, subprocess.TimeoutExpired):
         return {}
@@ -456,7 +460,8 @@ def device_timed_step_on_rank(rank, world_size, folder, device, impl, batch=(8, 
 
     device = torch.device(device, rank % torch.cuda.device_count()) if device == "cuda" else torch.device(device)
     on_gpu = device.type == "cuda"  # (a dry run on CPU takes the tiny config, 8 x 64 tokens)
-    spec = PipelineSpec.create(LlamaConfig.small() if on_gpu else LlamaConfig.tiny(), "1f1b", world_size, 4, impl=impl)
+    spec = PipelineSpec.create(LlamaConfig.small() if on_gpu else LlamaConfig.tiny(), "1f1b", world_size, 4,
+                               impl=impl)
     pipeline = RankPipeline(spec, rank, device)
     data = split_for_ranks(spec, next(batches(batch[0], batch[1] if on_gpu else 64, 0)))[rank]
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
@@ -494,7 +499,8 @@ def device_timed_step(device: str, work: Path, impl: str = "pplab", batch=(8, 51
         for kind, stage, microbatch, start, end in result["events"]:
             key = (rank, kind, stage, microbatch)
             if kind in ("F", "B") and key in traced:
-                rows.append({"action": f"rank {rank} {stage}{kind}{microbatch}", "pplab_ms": (end - start) * 1e3,
+                rows.append({"action": f"rank {rank} {stage}{kind}{microbatch}",
+                             "pplab_ms": (end - start) * 1e3,
                              "trace_device_ms": traced[key], "host_label_ms": host.get(key)})
     median = lambda values: sorted(values)[len(values) // 2] if values else None  # noqa: E731
     summary = {}
@@ -516,7 +522,8 @@ def profiler_trace(device: str, out_dir: Path, work: Path) -> dict:
 
     folder = work / "trace"
     folder.mkdir()
-    ran_on = run_ranks(1, traced_step_on_rank, str(folder), device, backend="nccl" if device == "cuda" else "gloo")
+    ran_on = run_ranks(1, traced_step_on_rank, str(folder), device,
+                       backend="nccl" if device == "cuda" else "gloo")
     raw = folder / "rank0.json"
     kept = out_dir / "gpu_step_trace.json.gz"
     with open(raw, "rb") as source, gzip.open(kept, "wb") as target:

@@ -35,7 +35,8 @@ from pplab.simulator import costs_from_timeline
 RESULTS = Path(__file__).parent / "results" / "hosts.json"
 CONFIG = pplab.LlamaConfig.tiny()
 MICROBATCH_SIZE, SEQ_LEN, MICROBATCHES, STEPS = 4, 64, 8, 6
-LINKS_NETEM = [("clean", {}), ("1 ms", dict(delay_ms=1, rate_mbit=100)), ("5 ms", dict(delay_ms=5, rate_mbit=100)),
+LINKS_NETEM = [("clean", {}), ("1 ms", dict(delay_ms=1, rate_mbit=100)),
+               ("5 ms", dict(delay_ms=5, rate_mbit=100)),
                ("20 ms", dict(delay_ms=20, rate_mbit=100))]
 LINKS_TBF = [("clean", {}), ("100 Mbit/s", dict(rate_mbit=100)), ("20 Mbit/s", dict(rate_mbit=20)),
              ("10 Mbit/s", dict(rate_mbit=10)), ("5 Mbit/s", dict(rate_mbit=5))]

@@ -57,7 +57,8 @@ async def api(hub, method: str, path: str, token: str = BENCH_TOKEN, body: dict 
 
     answer = await AsyncHTTPClient().fetch(
         hub.url + path, method=method, headers={"Authorization": f"token {token}"}, request_timeout=600,
-        body=None if body is None and method in ("GET", "DELETE") else json.dumps(body or {}), raise_error=True)
+        body=None if body is None and method in ("GET", "DELETE") else json.dumps(body or {}),
+        raise_error=True)
     return json.loads(answer.body) if answer.body else {}
 
 
@@ -72,7 +73,8 @@ async def execute(hub, seat: str, token: str, code: str) -> str:
         headers={"Authorization": f"token {token}"}))
     message_id = uuid.uuid4().hex
     socket.write_message(json.dumps({
-        "header": {"msg_id": message_id, "username": seat, "session": uuid.uuid4().hex, "msg_type": "execute_request",
+        "header": {"msg_id": message_id, "username": seat, "session": uuid.uuid4().hex,
+                   "msg_type": "execute_request",
                    "version": "5.3", "date": ""},
         "parent_header": {}, "metadata": {}, "channel": "shell",
         "content": {"code": code, "silent": False, "store_history": False, "user_expressions": {},
@@ -119,7 +121,8 @@ async def one_round(hub, seats: list[str], code: str) -> dict:
             await asyncio.sleep(0.3)
     busy = sum(cpu_after) - sum(cpu) - (cpu_after.idle - cpu.idle) - (cpu_after.iowait - cpu.iowait)
     return {"seats": len(seats), "all_ready": max(r["ready"] for r in results),
-            "all_verdicts": max(r["verdict"] for r in results), "every_verdict_right": all(r["right"] for r in results),
+            "all_verdicts": max(r["verdict"] for r in results),
+            "every_verdict_right": all(r["right"] for r in results),
             "median_lab_start": statistics.median(r.get("lab_start", float("nan")) for r in results),
             "machine_cpu_seconds": round(busy, 1), "per_seat": results}
 

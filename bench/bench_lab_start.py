@@ -138,7 +138,8 @@ def measure_start(ranks: int, repeats: int, script: str, environment: dict) -> d
             trials[kind].append(seconds)
             print(f"  N={ranks} repeat {repeat + 1}/{repeats}: {kind:17s} {seconds:6.2f} s", flush=True)
     medians = {kind: statistics.median(values) for kind, values in trials.items()}
-    then_torch = statistics.median(ready + imported for ready, imported in zip(trials["lab_fresh_kernel"], client_torch))
+    then_torch = statistics.median(ready + imported for ready, imported in zip(trials["lab_fresh_kernel"],
+                                                                               client_torch))
     return {"trials_s": trials, "median_s": medians, "client_torch_s": client_torch,
             "ratio_fresh_kernel": medians["lab_fresh_kernel"] / medians["torchrun"],
             "ratio_fresh_kernel_then_client_torch": then_torch / medians["torchrun"],

@@ -138,7 +138,8 @@ def main() -> None:
         for rank in range(RANKS):
             expected = predicted(mesh, schedule, rank)
             ranks.append(dict(rank=rank, coordinates=mesh.coordinates(rank), memory=memory.held(rank),
-                              predicted_memory=expected["memory"], unsharded_memory=expected["unsharded_memory"],
+                              predicted_memory=expected["memory"],
+                              unsharded_memory=expected["unsharded_memory"],
                               bytes=sent[rank], predicted_bytes=expected["bytes"]))
         peak = max(step.timeline.peak_inflight_bytes(r) or 0 for r in range(RANKS))
         report["meshes"][name] = dict(mesh=str(mesh).splitlines()[0], ranks=ranks,

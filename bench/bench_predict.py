@@ -58,7 +58,8 @@ def hop(pool: pplab.RankPool) -> dict:
     for nbytes in (activation, 1 << 20):
         measured = run_ranks(pool.world_size, hop_costs_on_rank, nbytes, 300, timeout=300, pool=pool)[0]
         rows[str(nbytes)] = dict(pplab_s=measured["pplab"], bare_s=measured["bare"], send_s=measured["send"],
-                                 late_receive_s=measured["late_receive"], ratio=measured["pplab"] / measured["bare"])
+                                 late_receive_s=measured["late_receive"],
+                                 ratio=measured["pplab"] / measured["bare"])
     return dict(rows=rows, activation_bytes=activation, goal="pplab / bare <= 1.3",
                 met=all(row["ratio"] <= 1.3 for row in rows.values()))
 
@@ -98,18 +99,22 @@ def real_runs(pool: pplab.RankPool, link: dict, modes=("real", "timing"), rounds
         rows = {}
         for name, v in SCHEDULES:
             if timing is None:
-                on_link, on_buffer = predict(schedules[name], profiles[v]), predict(schedules[name], buffered[v])
+                on_link, on_buffer = predict(schedules[name], profiles[v]), predict(schedules[name],
+                                                                                    buffered[v])
             else:  # the profile with the padded costs as its compute: the link and the sends' posting kept
                 padded = replace(profiles[v], stages=tuple(
-                    replace(stage, forward=timing.compute_time(Kind.F, s), backward=timing.compute_time(Kind.B, s),
-                            input_grad=timing.compute_time(Kind.I, s), weight_grad=timing.compute_time(Kind.W, s))
+                    replace(stage, forward=timing.compute_time(Kind.F, s),
+                            backward=timing.compute_time(Kind.B, s),
+                            input_grad=timing.compute_time(Kind.I, s),
+                            weight_grad=timing.compute_time(Kind.W, s))
                     for s, stage in enumerate(profiles[v].stages)))
                 on_link = predict(schedules[name], padded)
                 on_buffer = predict(schedules[name], replace(padded, link="buffered"))
             errors = [m / on_link.step_time - 1 for m in measured[mode][name]]
             rows[name] = dict(measured_step_s=measured[mode][name], predicted_step_s=on_link.step_time,
                               predicted_buffered_step_s=on_buffer.step_time,
-                              time_error=dict(median=statistics.median(errors), low=min(errors), high=max(errors)),
+                              time_error=dict(median=statistics.median(errors), low=min(errors),
+                                              high=max(errors)),
                               time_error_buffered=statistics.median(m / on_buffer.step_time - 1
                                                                     for m in measured[mode][name]))
             if timing is None:

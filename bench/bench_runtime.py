@@ -121,7 +121,8 @@ def inflight_memory(pool: pplab.RankPool) -> dict:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--repeats", type=int, default=240, help="on/off pairs for the tracing overhead")
     args = parser.parse_args()
     with pplab.RankPool(2) as pool:

@@ -84,7 +84,8 @@ def machinery() -> dict:
             "simulate_same_schedule_other_costs": seconds(
                 lambda s: (simulate(s, costs), simulate(s, other_costs)), repeats, False, p, m) / 2,
             "validate_readable_path": seconds(readable_validate, with_readable, True, p, m),
-            "simulate_readable_path": seconds(lambda s: _Simulation(s, costs).run(), with_readable, True, p, m),
+            "simulate_readable_path": seconds(lambda s: _Simulation(s, costs).run(), with_readable,
+                                              True, p, m),
         }
         schedule = build("1f1b", p, m)
         timeline = simulate(schedule, costs)
@@ -122,7 +123,8 @@ def search_grid() -> dict:
                 for profile_name, make in PROFILES.items():
                     found = search(p, m, make(p), memory_limit=limit)
                     best = found.best_builtin
-                    rows.append(dict(p=p, m=m, memory_limit=limit, costs=profile_name, found=found.schedule.name,
+                    rows.append(dict(p=p, m=m, memory_limit=limit, costs=profile_name,
+                                     found=found.schedule.name,
                                      found_step=found.step_time, best_builtin=best and best.name,
                                      best_builtin_step=best and best.step_time,
                                      gain=best and 1 - found.step_time / best.step_time,

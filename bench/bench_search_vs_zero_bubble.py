@@ -85,7 +85,8 @@ def main() -> None:
         benchmark="bench_search_vs_zero_bubble", when=datetime.datetime.now().isoformat(timespec="seconds"),
         machine=dict(platform=platform.platform(), cpus=os.cpu_count(), load=load()),
         grid=dict(counts=counts, goal="never slower than the best of the built-ins and the paper's heuristic",
-                  met=counts["slower"] == 0, faster_by=dict(least=gains[0], most=gains[-1]) if gains else None,
+                  met=counts["slower"] == 0,
+                  faster_by=dict(least=gains[0], most=gains[-1]) if gains else None,
                   cases=cases),
         two_stages_per_rank=v_shaped,
         search_time=timings), indent=2) + "\n")

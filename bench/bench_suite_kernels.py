@@ -88,7 +88,8 @@ def main() -> None:
                for kind, runs in trials.items()}
     result = {
         "what": "a notebook kernel of the suite: start, one cell using torch and pplab, shut down",
-        "machine": {"cpus": os.cpu_count(), "platform": platform.platform(), "python": platform.python_version()},
+        "machine": {"cpus": os.cpu_count(), "platform": platform.platform(),
+                    "python": platform.python_version()},
         "repeats": args.repeats,
         "zygote_start": zygote,
         "median": medians,

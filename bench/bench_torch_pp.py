@@ -165,7 +165,8 @@ def measure(pool: pplab.RankPool, config_name: str, warmup: int, rounds: int) ->
 
     return dict(
         config=dict(hidden_size=config.hidden_size, intermediate_size=config.intermediate_size,
-                    num_hidden_layers=config.num_hidden_layers, num_attention_heads=config.num_attention_heads,
+                    num_hidden_layers=config.num_hidden_layers,
+                    num_attention_heads=config.num_attention_heads,
                     num_key_value_heads=config.num_key_value_heads, vocab_size=config.vocab_size),
         microbatch_size=MICROBATCH_SIZE, seq_len=SEQ_LEN, warmup_rounds=warmup, rounds=rounds,
         median_step_s=median, rank0_median_step_s=rank0_median,
@@ -247,7 +248,8 @@ def show(name: str, row: dict, rounds: int) -> None:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--rounds", type=int, default=None, help="rounds per config (default: per config)")
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--configs", nargs="+", default=list(CONFIGS), choices=list(CONFIGS))

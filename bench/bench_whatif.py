@@ -96,7 +96,8 @@ def main() -> None:
         measured, steps, schedule = measure(pool, batch, args.rounds)
     timelines = [step.timeline for step in steps]
     middle = len(timelines) // 2
-    report = pplab.bubble.explain(timelines[middle], schedule, steps=[t for i, t in enumerate(timelines) if i != middle],
+    report = pplab.bubble.explain(timelines[middle], schedule,
+                                  steps=[t for i, t in enumerate(timelines) if i != middle],
                                   profile=profiles)
     predicted = {s.change: s.predicted_step_time / report.predicted_as_is for s in report.suggestions}
     as_is = statistics.median(measured["as is"])
@@ -117,14 +118,16 @@ def main() -> None:
           f"ms; worst error {max(errors):.1%}, mean {statistics.fmean(errors):.1%}: goal {GOAL:.0%} "
           f"{'met' if met else 'NOT met'}")
     result = {"when": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-              "machine": platform.platform(), "torch": torch.__version__, "load_before": before, "load_after": load(),
+              "machine": platform.platform(), "torch": torch.__version__, "load_before": before,
+              "load_after": load(),
               "config": dict(hidden_size=CONFIG.hidden_size, layers=CONFIG.num_hidden_layers),
               "as_is": dict(AS_IS, microbatch_size=MICROBATCH_SIZE, seq_len=SEQ_LEN),
               "rounds": args.rounds, "steps_per_round": STEPS - WARMUP,
               "measured_as_is_s": measured["as is"], "predicted_as_is_s": report.predicted_as_is,
               "changes": rows, "goal": f"every predicted change within {GOAL:.0%} of the measured one",
               "worst_error": max(errors), "mean_error": statistics.fmean(errors), "met": met,
-              "overhead_per_action_s": report.overhead_per_action, "message_latency_s": report.message_latency,
+              "overhead_per_action_s": report.overhead_per_action,
+              "message_latency_s": report.message_latency,
               "notes": report.notes, "seconds": round(time.perf_counter() - started, 1)}
     output = Path(args.output)
     output.parent.mkdir(exist_ok=True)

@@ -62,9 +62,12 @@ _EXPORTS = {
 }
 # public module -> where it lives (`pplab.viz`, `from pplab import checkpoint`)
 _MODULES = {
-    "model": "pplab.models.llama", "data": "pplab.data", "schedules": "pplab.schedules", "trace": "pplab.trace",
-    "simulator": "pplab.planning.simulator", "comm": "pplab.rank.comm", "viz": "pplab.views.viz", "widgets": "pplab.views.widgets",
-    "exercises": "pplab.course.exercises", "checks": "pplab.rank.checks", "checkpoint": "pplab.rank.checkpoint",
+    "model": "pplab.models.llama", "data": "pplab.data", "schedules": "pplab.schedules",
+    "trace": "pplab.trace",
+    "simulator": "pplab.planning.simulator", "comm": "pplab.rank.comm", "viz": "pplab.views.viz",
+    "widgets": "pplab.views.widgets",
+    "exercises": "pplab.course.exercises", "checks": "pplab.rank.checks",
+    "checkpoint": "pplab.rank.checkpoint",
     "train": "pplab.rank.train", "mesh": "pplab.rank.mesh", "faults": "pplab.rank.faults",
     "cluster": "pplab.drivers.cluster", "session": "pplab.session",
     "hf": "pplab.models.hf",  # Hugging Face models as stages (pip install 'pplab[hf]')

@@ -145,9 +145,12 @@ def pytest_unconfigure(config):
 # The files that take a minute or more on 2 cores start first, so that no worker is left running
 # a long one alone at the end. (pyproject's --no-loadscope-reorder keeps this order: without it
 # pytest-xdist 3.6+ silently reorders the files by their number of tests.)
-LONGEST_FIRST = ["test_crowded_room.py", "test_exercises_01_to_09.py", "test_cluster.py", "12_multi_host_and_faults.ipynb",
-                 "test_cli.py", "test_hosts.py", "test_browser.py", "08_training_and_checkpoints.ipynb", "test_mesh.py",
-                 "15_train_on_a_mesh_with_real_text.ipynb", "17_pp_vs_data_parallel.ipynb", "14_your_own_model.ipynb",
+LONGEST_FIRST = ["test_crowded_room.py", "test_exercises_01_to_09.py", "test_cluster.py",
+                 "12_multi_host_and_faults.ipynb",
+                 "test_cli.py", "test_hosts.py", "test_browser.py", "08_training_and_checkpoints.ipynb",
+                 "test_mesh.py",
+                 "15_train_on_a_mesh_with_real_text.ipynb", "17_pp_vs_data_parallel.ipynb",
+                 "14_your_own_model.ipynb",
                  "16_explain_a_real_run.ipynb", "test_mesh_training.py", "10_predict_before_you_run.ipynb",
                  "test_exercises_10_on.py"]
 

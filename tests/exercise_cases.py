@@ -31,7 +31,8 @@ def mistaken(stem: str, right: str, wrong: str) -> str:
     return solution(stem).replace(right, wrong)
 
 
-DETACHED_EMBEDDING = mistaken("01b_exercise_stage_forward", "stage.embed_tokens(x)", "stage.embed_tokens(x).detach()")
+DETACHED_EMBEDDING = mistaken("01b_exercise_stage_forward", "stage.embed_tokens(x)",
+                              "stage.embed_tokens(x).detach()")
 DETACHED_INPUT = mistaken("01b_exercise_stage_forward", "    if stage.is_first:", "    if not "
                          "stage.is_first:\n        x = x.detach()\n    if stage.is_first:")
 NO_FINAL_NORM = mistaken("01b_exercise_stage_forward", "stage.lm_head(stage.norm(x))", "stage.lm_head(x)")
@@ -74,18 +75,22 @@ def gpipe_step_time(forward, backward, n_microbatches, latency):
 LATENCY_ONE_WAY = mistaken("10b_exercise_predict_gpipe", "hops = 2 * (len(forward) - 1) * latency",
                            "hops = (len(forward) - 1) * latency")
 NO_ROTARY = mistaken("14b_exercise_layout_of_your_model", '    rotary="model.rotary_emb",', "")
-LLAMA_NORM = mistaken("14b_exercise_layout_of_your_model", 'norm="model.final_layernorm",', 'norm="model.norm",')
+LLAMA_NORM = mistaken("14b_exercise_layout_of_your_model", 'norm="model.final_layernorm",',
+                      'norm="model.norm",')
 NO_DROPOUT = mistaken("14b_exercise_layout_of_your_model", '    dropout="model.embed_dropout",', "")
 ROTARY_AS_POSITIONS = mistaken("14b_exercise_layout_of_your_model", 'rotary="model.rotary_emb",',
                                'positions="model.rotary_emb",')
-TARGETS_NOT_SHIFTED = mistaken("15b_exercise_pack_text", "[w[1:] for w in windows]", "[w[:-1] for w in windows]")
+TARGETS_NOT_SHIFTED = mistaken("15b_exercise_pack_text", "[w[1:] for w in windows]",
+                               "[w[:-1] for w in windows]")
 NO_MARKERS = mistaken("15b_exercise_pack_text", "for token in (bos, *ids, eos)", "for token in ids")
 WINDOWS_APART = mistaken("15b_exercise_pack_text", "stream[i * seq_len:i * seq_len + seq_len + "
                                                    "1] for i in range(rows)",
                          "stream[i * (seq_len + 1):(i + 1) * (seq_len + 1)] for i in "
                          "range(len(stream) // (seq_len + 1))")
-KEEPS_THE_TAIL = mistaken("15b_exercise_pack_text", "rows = (len(stream) - 1) // seq_len", "rows = len(stream) // seq_len")
-WAITS_COUNTED_BUSY = mistaken("16b_exercise_idle_from_a_trace", "if e.rank == rank and e.is_compute", "if e.rank == rank")
+KEEPS_THE_TAIL = mistaken("15b_exercise_pack_text", "rows = (len(stream) - 1) // seq_len",
+                          "rows = len(stream) // seq_len")
+WAITS_COUNTED_BUSY = mistaken("16b_exercise_idle_from_a_trace", "if e.rank == rank and e.is_compute",
+                              "if e.rank == rank")
 OWN_SPAN = mistaken("16b_exercise_idle_from_a_trace", "for event in timeline.events)  # over every rank",
                     "for event in timeline.events if event.rank == rank and event.is_compute)").replace(
     "max(event.end for event in timeline.events)",
@@ -145,8 +150,10 @@ WRONG_ANSWERS = [
      r"NOT YET .*\n`positions=` is for learned position embeddings added once, on the first stage"),
     ("15b_exercise_pack_text", TARGETS_NOT_SHIFTED,
      r"NOT YET .*\nthe targets are the inputs themselves: each position must predict the NEXT token"),
-    ("15b_exercise_pack_text", NO_MARKERS, r"NOT YET .*\nthe documents run into each other: join each as <bos> ids <eos>"),
-    ("15b_exercise_pack_text", WINDOWS_APART, r"NOT YET .*\nyour windows do not overlap: each window is seq_len \+ 1"),
+    ("15b_exercise_pack_text", NO_MARKERS,
+     r"NOT YET .*\nthe documents run into each other: join each as <bos> ids <eos>"),
+    ("15b_exercise_pack_text", WINDOWS_APART,
+     r"NOT YET .*\nyour windows do not overlap: each window is seq_len \+ 1"),
     ("15b_exercise_pack_text", KEEPS_THE_TAIL,
      r"NOT YET .*\nevery row must be seq_len = \d+ tokens long; yours are \[\d+, \d+\] long \(keep whole windows only"),
     ("16b_exercise_idle_from_a_trace", WAITS_COUNTED_BUSY,

@@ -115,7 +115,8 @@ def workshop_hub(n_seats: int, extra_config: str = "", start_seconds: float = 12
     process = hub = None
     try:
         made = [f"{prefix}s{number:02d}" for number in range(1, n_seats + 1)] + [f"{prefix}t"]
-        workshop.init(folder, n_seats, instructors=[f"{prefix}t"], gpus=0, make_users=True, prefix=f"{prefix}s",
+        workshop.init(folder, n_seats, instructors=[f"{prefix}t"], gpus=0, make_users=True,
+                      prefix=f"{prefix}s",
                       bind_url=f"http://127.0.0.1:{ports[0]}", room_url=f"http://127.0.0.1:{ports[1]}")
         with open(folder / workshop.SEATS) as file:
             passwords = {row["account"]: row["password"] for row in csv.DictReader(file)}
@@ -126,7 +127,8 @@ def workshop_hub(n_seats: int, extra_config: str = "", start_seconds: float = 12
         with opened_for_seats([sys.executable, REPOSITORY / "pplab", folder]):
             log = folder / "hub.log"
             process = subprocess.Popen([sys.executable, "-m", "pplab", "workshop", "start", str(folder)],
-                                       stdout=open(log, "wb"), stderr=subprocess.STDOUT, start_new_session=True,
+                                       stdout=open(log, "wb"), stderr=subprocess.STDOUT,
+                                       start_new_session=True,
                                        env={**os.environ, "PYTHONUNBUFFERED": "1"})
             url = f"http://127.0.0.1:{ports[0]}"
             _wait_for(f"{url}/hub/api/", recent_load(max_age=30).scale(start_seconds), process, log)

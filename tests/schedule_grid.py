@@ -68,7 +68,8 @@ def broken_variants(schedule: Schedule):
             yield f"r{rank} swap {position}", _with(schedule, rank, swapped)
         yield f"r{rank} drop", _with(schedule, rank, actions[:-1])
         yield f"r{rank} repeat", _with(schedule, rank, list(actions) + [actions[0]])
-        yield f"r{rank} stray", _with(schedule, rank, list(actions) + [Action(schedule.n_stages, actions[0].kind, 0)])
+        yield f"r{rank} stray", _with(schedule, rank,
+                                      list(actions) + [Action(schedule.n_stages, actions[0].kind, 0)])
 
 
 def _with(schedule: Schedule, rank: int, actions) -> Schedule:

@@ -27,7 +27,8 @@ def spec_for(ranks, schedule="1f1b", n_virtual=1, impl="pplab"):
 
 
 def train(ranks, options, until=None, spec=None):
-    return run_ranks(ranks, build_and_train_on_rank, spec or spec_for(ranks), options, until, False, timeout=180)[0]
+    return run_ranks(ranks, build_and_train_on_rank, spec or spec_for(ranks), options, until, False,
+                     timeout=180)[0]
 
 
 @pytest.fixture(scope="module")
@@ -78,7 +79,8 @@ def four_stage_checkpoint(tmp_path_factory):
     return root
 
 
-@pytest.mark.parametrize("ranks, schedule, n_virtual, impl", [(2, "1f1b", 1, "pplab"), (1, "gpipe", 1, "pplab"),
+@pytest.mark.parametrize("ranks, schedule, n_virtual, impl", [(2, "1f1b", 1, "pplab"),
+                                                              (1, "gpipe", 1, "pplab"),
                                                                (2, "interleaved-1f1b", 2, "pplab"),
                                                                (2, "gpipe", 1, "torch")])
 def test_a_checkpoint_of_four_stages_reshards_to_other_layouts(four_stage_checkpoint, uninterrupted,
@@ -128,7 +130,8 @@ def test_a_checkpoint_of_another_model_is_refused_naming_the_difference(saved):
     module, optimizer, scheduler = one_rank_state()
     before = {k: v.clone() for k, v in module.state_dict().items()}
     with pytest.raises(CheckpointError, match="num_hidden_layers=8 in the checkpoint, 4 here"):
-        Checkpointer(saved.parent, 0).load(saved, module, optimizer, scheduler, LlamaConfig.tiny(num_hidden_layers=4))
+        Checkpointer(saved.parent, 0).load(saved, module, optimizer, scheduler,
+                                           LlamaConfig.tiny(num_hidden_layers=4))
     assert all(torch.equal(before[k], v) for k, v in module.state_dict().items())  # untouched
 
 

@@ -61,7 +61,8 @@ DAMAGES = {
     "shard lost": (lambda p: last_shard(p).unlink(), "last shard", "missing"),
     "shard with a flipped byte": (lambda p: flip_a_byte(last_shard(p)), "last shard", "damaged"),
     "metadata cut to half": (lambda p: cut_to_half(p / ".metadata"), ".metadata", "cut short"),
-    "manifest of garbage": (lambda p: (p / "pplab.json").write_bytes(b"\x00\xffnot json"), "pplab.json", "damaged"),
+    "manifest of garbage": (lambda p: (p / "pplab.json").write_bytes(b"\x00\xffnot json"), "pplab.json",
+                            "damaged"),
     "manifest cut to half": (lambda p: cut_to_half(p / "pplab.json"), "pplab.json", "damaged"),
     "manifest without config": (lambda p: rewrite_manifest(p, lambda m: m.pop("config")), "pplab.json",
                                 "incomplete"),
@@ -111,7 +112,8 @@ def try_damaged_resumes(rank, world_size, spec, options, scratch):
     """For a sync and an async save: save at step 2, go on to 3, try to resume from each damaged copy of 2."""
     runs = []
     for async_save in (False, True):
-        run_options = replace(options, checkpoint_dir=f"{options.checkpoint_dir}-{async_save}", async_save=async_save)
+        run_options = replace(options, checkpoint_dir=f"{options.checkpoint_dir}-{async_save}",
+                              async_save=async_save)
         trainer = RankTrainer(RankPipeline(spec, rank), run_options)
         first = trainer.train(until=3).losses
         saved = checkpoint.step_directory(run_options.checkpoint_dir, 2)
@@ -157,7 +159,8 @@ def resume_after_training(rank, world_size, specs, options, roots):
     outcomes = []
     for spec, root in zip(specs, roots):
         step_two = str(checkpoint.step_directory(root, 2))
-        trainer = RankTrainer(RankPipeline(spec, rank), replace(options, checkpoint_dir=root, checkpoint_every=2))
+        trainer = RankTrainer(RankPipeline(spec, rank),
+                              replace(options, checkpoint_dir=root, checkpoint_every=2))
         uninterrupted = trainer.train(until=4).losses
         # a lab's run.train(resume=...)
         again = RankTrainer(trainer.pipeline, replace(options, resume=step_two))
@@ -167,12 +170,14 @@ def resume_after_training(rank, world_size, specs, options, roots):
         fresh = RankTrainer(RankPipeline(spec, rank), replace(options, resume=step_two))
         fresh_losses = fresh.train(until=5).losses
         outcomes.append((uninterrupted, fresh_losses, on_pipeline, on_trainer,
-                         same(run_state(fresh), run_state(trainer)), same(run_state(fresh), run_state(again))))
+                         same(run_state(fresh), run_state(trainer)),
+                         same(run_state(fresh), run_state(again))))
     return outcomes
 
 
 def test_resuming_a_run_that_trained_before_equals_resuming_a_fresh_one(tmp_path):
-    specs = [PipelineSpec.create(CONFIG, "1f1b", 2, 4), PipelineSpec.create(CONFIG, "1f1b", 2, 4, impl="torch"),
+    specs = [PipelineSpec.create(CONFIG, "1f1b", 2, 4),
+             PipelineSpec.create(CONFIG, "1f1b", 2, 4, impl="torch"),
              PipelineSpec.create(CONFIG, "interleaved-1f1b", 2, 4, 2)]
     roots = [str(tmp_path / f"run{i}") for i in range(len(specs))]
     results = run_ranks(2, resume_after_training, specs, BASE, roots, timeout=300)
@@ -193,7 +198,8 @@ def small_checkpoint(tmp_path_factory):
     """A committed 2-rank checkpoint of a small model at step 2."""
     root = tmp_path_factory.mktemp("small")
     spec = PipelineSpec.create(SMALL, "1f1b", 2, 2)
-    run_ranks(2, build_and_train_on_rank, spec, replace(BASE, batch_size=4, checkpoint_dir=str(root)), 2, False,
+    run_ranks(2, build_and_train_on_rank, spec, replace(BASE, batch_size=4, checkpoint_dir=str(root)),
+              2, False,
               timeout=180)
     return checkpoint.latest(root)
 

@@ -246,7 +246,8 @@ def test_train_command_under_torchrun_is_the_same_run(trained, tmp_path):
     (["--resume", "step-00000003"], "checkpoint 'step-00000003' does not exist"),
     (["--schedule", "2f2b"], "2f2b"),
 ])
-def test_train_command_refuses_bad_arguments_with_one_clear_line(tmp_path, capsys, monkeypatch, arguments, message):
+def test_train_command_refuses_bad_arguments_with_one_clear_line(tmp_path, capsys, monkeypatch, arguments,
+                                                                 message):
     monkeypatch.chdir(tmp_path)  # relative checkpoint paths are the user's working directory's
     code, err, out = refused(capsys, "train", *arguments)
     assert code == 2 and message in err and "Traceback" not in err, err
@@ -324,10 +325,12 @@ def test_cleanup_command_stops_the_lab_a_killed_kernel_left(own_ipython_dir):
 
 
 def test_demo_runs_under_torchrun_with_one_process_per_rank(tmp_path):
-    done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+    done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone",
+                           "--nproc_per_node=2",
                            "-m", "pplab", "demo", "--n-microbatches", "2", "--forward", "0.01",
                            "--out", str(tmp_path)],
-                          capture_output=True, text=True, timeout=300, env={**os.environ, "PYTHONFAULTHANDLER": "1"})
+                          capture_output=True, text=True, timeout=300,
+                          env={**os.environ, "PYTHONFAULTHANDLER": "1"})
     assert done.returncode == 0, done.stdout + what_ranks_said(done)
     assert "on 2 ranks started by torchrun" in done.stdout
     assert done.stdout.count("parity ok") == 4  # reported once, by rank 0

@@ -244,7 +244,8 @@ def test_a_room_is_dealt_round_the_gpus_each_rank_capped_and_a_room_that_does_no
     assert "GPU 3: seats 1, 3, 5" in room.describe()
     assert plan_room(3, 4, 2).seats == ((0, 1, 0, 1),) * 3  # more ranks than GPUs: a seat shares them
     assert plan_room(5, 2, 4).ranks_per_gpu == 3  # uneven: some GPUs hold one rank more
-    with pytest.raises(ValueError, match=r"20 seats of 2 ranks put 10 ranks on a GPU: 10 x 1.5 GiB > 12 GiB\. "
+    with pytest.raises(ValueError,
+                       match=r"20 seats of 2 ranks put 10 ranks on a GPU: 10 x 1.5 GiB > 12 GiB\. "
                                          r"Seat at most 16 on these 4 GPU"):
         plan_room(20, 2, 4, gpu_memory_gib=12, rank_memory_gib=1.5)
     with pytest.raises(ValueError, match="gpu_count=0: a room on GPUs needs at least one"):
@@ -302,7 +303,8 @@ def test_each_attendee_chooses_the_gpus_of_a_lab_and_wrong_choices_are_refused_b
     assert check_gpus([1, 1], 2, "auto", 8) == (1, 1)  # two ranks on GPU 1: shared
     with pytest.raises(ValueError, match=r"gpus=\[1, -1\]: give device numbers >= 0"):
         check_gpus([1, -1], 2, "auto", 8)
-    with pytest.raises(ValueError, match=r"gpus=\[6, 8\]: this host has 8 GPU\(s\) \(0..7\), so \[8\] do not exist"):
+    with pytest.raises(ValueError,
+                       match=r"gpus=\[6, 8\]: this host has 8 GPU\(s\) \(0..7\), so \[8\] do not exist"):
         check_gpus([6, 8], 2, "auto", 8)
     with pytest.raises(ValueError, match=r"with device='cpu': leave out gpus"):
         check_gpus([0, 1], 2, "cpu", 8)
@@ -958,7 +960,8 @@ def test_a_controller_that_does_not_answer_fails_the_start_after_start_timeout(i
 
 
 @pytest.mark.timeout(120)
-def test_a_controller_that_lost_a_port_is_replaced_before_engines_are_asked_anything(ipython_dir, monkeypatch):
+def test_a_controller_that_lost_a_port_is_replaced_before_engines_are_asked_anything(ipython_dir,
+                                                                                     monkeypatch):
     """ipyparallel picks free ports, then binds them: on a busy machine another process took one in
     between, a scheduler thread died, and every request to the engines was lost. The start looks at
     the ports the controller listens on, and starts a new controller when one is missing."""

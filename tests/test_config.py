@@ -19,7 +19,8 @@ pytestmark = pytest.mark.quick  # starts no process
 
 # A value other than the default, for every field.
 CHANGED = {
-    "steps": 7, "batch_size": 16, "seq_len": 32, "lr": 0.001, "min_lr": 0.0, "warmup": 3, "weight_decay": 0.05,
+    "steps": 7, "batch_size": 16, "seq_len": 32, "lr": 0.001, "min_lr": 0.0, "warmup": 3,
+    "weight_decay": 0.05,
     "betas": (0.8, 0.99), "eps": 1e-6, "clip": 0.5, "data_seed": 5, "data": "corpus.txt", "tokenizer": "bpe",
     "vocab_size": 300, "epochs": 2, "eval_every": 10, "eval_batches": 3, "checkpoint_dir": "runs",
     "checkpoint_every": 5, "keep": 2, "async_save": True, "resume": "latest",
@@ -124,10 +125,12 @@ def test_lab_pipeline_keywords_have_the_fields_names_defaults_and_help():
 
 # A value of the wrong kind, as a flag's text and as Python's value.
 BAD = {"a whole number >= 1": ("0", 0), "a whole number >= 0": ("-1", -1), "a whole number": ("1.5", 1.5),
-       "a number > 0": ("0", 0.0), "a number >= 0": ("-1", -1.0), "two numbers in [0, 1)": ("0.9,1.5", (0.9, 1.5)),
+       "a number > 0": ("0", 0.0), "a number >= 0": ("-1", -1.0),
+       "two numbers in [0, 1)": ("0.9,1.5", (0.9, 1.5)),
        "layers per stage, whole numbers >= 1": ("3,0", (3, 0)),
        "a norm > 0 (None: no clipping; 0 in a file or a flag)": ("-1", -1.0),
-       "a text or a path": (None, 5), "a schedule's name, or a Schedule": (None, 5), "true or false": (None, "yes")}
+       "a text or a path": (None, 5), "a schedule's name, or a Schedule": (None, 5),
+       "true or false": (None, "yes")}
 
 
 @pytest.mark.parametrize("name", FIELDS)
@@ -152,7 +155,8 @@ def test_a_bad_value_is_refused_by_name_on_every_path(name, capsys, tmp_path):
 
 
 def test_a_path_is_taken_where_a_file_or_folder_is_meant_and_kept_as_text(tmp_path):
-    config = RunConfig(checkpoint_dir=tmp_path / "run", data=tmp_path / "notes.txt", model=tmp_path / "config.json")
+    config = RunConfig(checkpoint_dir=tmp_path / "run", data=tmp_path / "notes.txt",
+                       model=tmp_path / "config.json")
     assert (config.checkpoint_dir, config.data, config.model) == tuple(str(tmp_path / name) for name in
                                                                        ("run", "notes.txt", "config.json"))
     assert RunConfig.of(tomllib.loads(config.to_toml())) == config

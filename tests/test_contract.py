@@ -45,7 +45,8 @@ def test_every_driver_and_its_calls_have_what_the_contract_asks_with_its_paramet
 def test_the_labs_errors_are_the_errors_every_driver_raises():
     assert issubclass(errors.RankFailedError, RankFailedError)
     assert issubclass(errors.RankDiedError, RankDiedError)
-    assert issubclass(errors.RankTimeoutError, RankTimeoutError) and issubclass(RankTimeoutError, TimeoutError)
+    assert issubclass(errors.RankTimeoutError, RankTimeoutError) and issubclass(RankTimeoutError,
+                                                                                TimeoutError)
     assert all(issubclass(kind, RankError) for kind in (errors.LabStartError, errors.LabNeedsRestartError))
 
 

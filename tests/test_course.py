@@ -162,6 +162,7 @@ def test_a_checker_whose_inputs_are_gone_says_which_cell_to_run_again(tmp_path):
     from pplab import exercises
     from pplab.hf import Layout
 
-    said = str(exercises.check_layout(Layout(embed="model.embed_tokens", blocks="model.layers", norm="model.norm",
+    said = str(exercises.check_layout(Layout(embed="model.embed_tokens", blocks="model.layers",
+                                             norm="model.norm",
                                              head="lm_head"), tmp_path / "removed"))
     assert "the model this checks against is gone" in said and "Re-run the notebook's first code cell" in said

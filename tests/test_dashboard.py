@@ -96,7 +96,8 @@ def test_a_waiting_rank_shows_whom_it_waits_for_while_it_waits(lab2):
                            if e.rank == 1 and e.kind == "RECV_F" and e.microbatch == 1)
         threshold = dashboard.where.stalled_after
         if abs(second_wait - threshold) > 0.1 * threshold:
-            assert ((1, "1RECV_F1") in recorded) == (second_wait > threshold), (second_wait, threshold, recorded)
+            assert ((1, "1RECV_F1") in recorded) == (second_wait > threshold), (second_wait, threshold,
+                                                                                recorded)
         # A stall lasts from when the client saw the wait begin until it saw it end: the feed's latency on
         # a busy machine adds to the forward's own seconds.
         assert all(dashboard.where.stalled_after <= s["seconds"] < slow + slack(2.0) for s in dashboard.where.stalls), \
@@ -126,7 +127,8 @@ def test_stop_ends_a_background_run_after_the_current_step(lab2):
 
 
 def test_changing_a_control_rebuilds_on_the_ranks_and_bad_sizes_are_said(lab2):
-    built = dict(seed=3, balance=(5, 3), op_timeout=17.0, record=True, allow_empty=False, param_dtype="float32")
+    built = dict(seed=3, balance=(5, 3), op_timeout=17.0, record=True, allow_empty=False,
+                 param_dtype="float32")
     dashboard = lab2.pipeline(CONFIG, schedule="1f1b", n_microbatches=4, **built).dashboard()
     try:
         dashboard.run_steps(2)  # 1f1b's steps: the rebuild must forget them

@@ -70,7 +70,8 @@ def test_short_corpus_is_padded_with_the_ignore_index():
     (lambda: next(batches(2, 8, text="abc", path="x.txt")), "not both"),
     (lambda: next(batches(2, 8, text="a")), "1 token"),
     (lambda: pad_sequences([[1]], 4), "sequence 0 has 1 token"),
-    (lambda: split_microbatches(next(batches(6, 8)), 4), r"n_microbatches=4 does not divide the batch size 6; use one of \[1, 2, 3, 6\]"),
+    (lambda: split_microbatches(next(batches(6, 8)), 4),
+     r"n_microbatches=4 does not divide the batch size 6; use one of \[1, 2, 3, 6\]"),
 ])
 def test_data_errors_name_the_value(call, message):
     with pytest.raises(ValueError, match=message):

@@ -126,7 +126,8 @@ def test_the_integer_form_reads_the_one_rule_of_placement_and_of_where_a_message
     for schedule in schedules_to_check():
         compiled = compile_schedule(schedule)
         n_stages, m = schedule.n_stages, schedule.n_microbatches
-        costs = simulator.Costs(latency=0.5, bandwidth=10.0, activation_bytes=[3 + 4 * s for s in range(n_stages)],
+        costs = simulator.Costs(latency=0.5, bandwidth=10.0,
+                                activation_bytes=[3 + 4 * s for s in range(n_stages)],
                                 link_contention=schedule.has_communication)
         if compiled is None:  # dualpipev runs B for some microbatches of a stage, I and W for others
             assert schedule.name == "dualpipev"

@@ -33,7 +33,8 @@ FAMILIES = {
 # (schedule, runtime, stages per rank) on 2 ranks; on 3 the ones that fit 4 blocks in 3 stages.
 # Every schedule and runtime on one family (the schedules do not depend on it); on the others the
 # paths a family changes (tied weights, learned positions, RoPE on a middle stage) on both runtimes.
-ON_TWO = [("gpipe", "pplab", 1), ("1f1b", "pplab", 1), ("interleaved-1f1b", "pplab", 2), ("zb-h1", "pplab", 1),
+ON_TWO = [("gpipe", "pplab", 1), ("1f1b", "pplab", 1), ("interleaved-1f1b", "pplab", 2),
+          ("zb-h1", "pplab", 1),
           ("gpipe", "torch", 1), ("1f1b", "torch", 1)]
 ON_THREE = [("1f1b", "pplab", 1), ("zb-h1", "pplab", 1), ("1f1b", "torch", 1)]
 ON_TWO_SHORT, ON_THREE_SHORT = [("zb-h1", "pplab", 1), ("1f1b", "torch", 1)], [("1f1b", "pplab", 1)]
@@ -120,7 +121,8 @@ def test_tied_embeddings_need_their_gradients_summed():
 def test_a_model_that_drops_draws_the_masks_one_device_draws():
     # GPT-2's published dropout (0.1 after the embeddings, in attention and after each block): each
     # block draws from its own stream, keyed by (seed, step, microbatch, block).
-    dropping = HFModel.of(transformers.GPT2Config(vocab_size=128, n_embd=32, n_layer=4, n_head=4, n_positions=64,
+    dropping = HFModel.of(transformers.GPT2Config(vocab_size=128, n_embd=32, n_layer=4, n_head=4,
+                                                  n_positions=64,
                                                   bos_token_id=0, eos_token_id=0))
     assert dropping.hf_config.attn_pdrop == dropping.hf_config.resid_pdrop == 0.1
     batch = next(batches(8, 16, 0))

@@ -31,14 +31,16 @@ def spawner_of(cls, account: str, **options):
     """A spawner of `cls` for `account`'s server, as the hub makes one (without a hub to talk to)."""
     from jupyterhub.objects import Hub
 
-    user = types.SimpleNamespace(name=account, id=1, url=f"/user/{account}/", escaped_name=account, server=None)
+    user = types.SimpleNamespace(name=account, id=1, url=f"/user/{account}/", escaped_name=account,
+                                 server=None)
     return cls(user=user, hub=Hub(), **options)
 
 
 @pytest.mark.quick
 @pytest.mark.skipif(os.geteuid() != 0, reason="a room with seats gives each seat's folder to "
                                               "its account: needs root")
-def test_each_seat_gets_its_room_gpus_and_cap_and_a_cluster_spawner_asks_for_whole_gpus(tmp_path, monkeypatch):
+def test_each_seat_gets_its_room_gpus_and_cap_and_a_cluster_spawner_asks_for_whole_gpus(tmp_path,
+                                                                                        monkeypatch):
     pytest.importorskip("jupyterhub", reason="the workshop's hub: pip install 'pplab[hub]'")
     from jupyterhub.spawner import LocalProcessSpawner
 
@@ -113,7 +115,8 @@ def test_workshop_init_writes_a_hub_config_and_a_readme_and_refuses_what_cannot_
     notebooks = tmp_path / "course"
     notebooks.mkdir()
     (notebooks / "README.md").write_text("the course")
-    assert main(["workshop", "init", str(tmp_path / "w"), "--seats", "20", "--gpus", "4", "--instructor", "teacher",
+    assert main(["workshop", "init", str(tmp_path / "w"), "--seats", "20", "--gpus", "4", "--instructor",
+                 "teacher",
                  "--notebooks", str(notebooks)]) == 0
     said = capsys.readouterr().out
     assert "20 seat(s) of 2 rank(s) on 4 GPU(s): up to 10 rank(s) per GPU, each rank capped at 9.0%" in said

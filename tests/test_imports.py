@@ -17,19 +17,26 @@ import pytest
 
 import pplab
 
-CORE = ["pplab.base.arguments", "pplab.model", "pplab.data", "pplab.schedules", "pplab.trace.timeline", "pplab.trace",
+CORE = ["pplab.base.arguments", "pplab.model", "pplab.data", "pplab.schedules", "pplab.trace.timeline",
+        "pplab.trace",
         "pplab.trace.profiled", "pplab.bubble", "pplab.base.formatting",
-        "pplab.models.partition", "pplab.simulator", "pplab.planning.prediction", "pplab.comm", "pplab.rank.runtime",
-        "pplab.rank.step_clock", "pplab.rank.memory", "pplab.rank.split_backward", "pplab.rank.shards", "pplab.rank.gradients",
-        "pplab.rank.reference", "pplab.rank.checks", "pplab.rank.rank_pipeline", "pplab.drivers.local", "pplab.drivers.torchrun", "pplab.rank.torch_pp",
-        "pplab.rank.checkpoint", "pplab.base.checkpoint_files", "pplab.rank.train", "pplab.rank.mesh", "pplab.rank.profiler",
-        "pplab.rank.faults", "pplab.rank.rank_context", "pplab.rank.tied", "pplab.hf", "pplab.traced", "pplab.text",
+        "pplab.models.partition", "pplab.simulator", "pplab.planning.prediction", "pplab.comm",
+        "pplab.rank.runtime",
+        "pplab.rank.step_clock", "pplab.rank.memory", "pplab.rank.split_backward", "pplab.rank.shards",
+        "pplab.rank.gradients",
+        "pplab.rank.reference", "pplab.rank.checks", "pplab.rank.rank_pipeline", "pplab.drivers.local",
+        "pplab.drivers.torchrun", "pplab.rank.torch_pp",
+        "pplab.rank.checkpoint", "pplab.base.checkpoint_files", "pplab.rank.train", "pplab.rank.mesh",
+        "pplab.rank.profiler",
+        "pplab.rank.faults", "pplab.rank.rank_context", "pplab.rank.tied", "pplab.hf", "pplab.traced",
+        "pplab.text",
         "pplab.session.on_rank"]  # train and the session's rank side run under torchrun: no Jupyter either
 UPPER_FLOORS = ["ipyparallel", "IPython", "ipywidgets", "matplotlib", "pplab.drivers.cluster", "pplab.course",
                 "pplab.views",
                 # the hf extra: loaded on its path only, even by pplab.hf
                 "transformers", "safetensors", "tokenizers", "datasets"]
-PURE_PYTHON = ["pplab", "pplab.schedules", "pplab.trace.timeline", "pplab.trace", "pplab.trace.profiled", "pplab.base.formatting",
+PURE_PYTHON = ["pplab", "pplab.schedules", "pplab.trace.timeline", "pplab.trace", "pplab.trace.profiled",
+               "pplab.base.formatting",
                "pplab.simulator",
                "pplab.planning.prediction", "pplab.base.checkpoint_files", "pplab.rank.rank_context",
                # not even torch (the CLI builds its flags from run's fields)

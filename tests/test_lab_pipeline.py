@@ -25,7 +25,8 @@ def test_lab_pipeline_writes_out_every_keyword_of_a_pipeline_spec_with_its_defau
     create = inspect.signature(PipelineSpec.create).parameters
     fields = {field.name: field.default for field in dataclasses.fields(PipelineSpec)}
     # One pipeline(...) for every driver: a notebook's lab builds a richer Pipeline, with the same keywords.
-    assert pplab.Lab.pipeline is pplab.RankPool.pipeline and issubclass(pplab.Lab.pipeline_class, pplab.Pipeline)
+    assert pplab.Lab.pipeline is pplab.RankPool.pipeline and issubclass(pplab.Lab.pipeline_class,
+                                                                        pplab.Pipeline)
     assert set(pipeline) - {"self"} == set(fields) | {"n_microbatches", "n_virtual"}
     assert set(create) - {"cls", "n_ranks"} == set(pipeline) - {"self"}
     for name in fields.keys() - {"config", "schedule"}:
@@ -52,7 +53,8 @@ def test_stages_a_rank_built_are_checked_against_the_clients_spec():
     assert said.startswith("rank 1 built stages [1] at None, not [1, 3] at "
                            "None") and "runs pplab 0.0.9" in said
     mesh = PipelineSpec.create(pplab.LlamaConfig.tiny(), "1f1b", 4, 4, impl="torch", mesh={"pp": 2, "dp": 2})
-    built = [{"stages": [mesh.schedule.stages_of(mesh.pp_rank(r))[0]], "coordinates": mesh.mesh.coordinates(r)}
+    built = [{"stages": [mesh.schedule.stages_of(mesh.pp_rank(r))[0]],
+              "coordinates": mesh.mesh.coordinates(r)}
              for r in range(4)]
     assert wrong_placement(mesh, built) is None
     built[2], built[1] = built[1], built[2]  # two ranks in each other's places

@@ -141,9 +141,11 @@ def test_activation_checkpointing_keeps_fewer_bytes_and_still_matches():
 
 
 def test_activation_checkpointing_with_pplabs_own_runtime():
-    spec = PipelineSpec.create(CONFIG, "1f1b", 2, MICROBATCHES, mesh={"pp": 2, "activation_checkpointing": True})
+    spec = PipelineSpec.create(CONFIG, "1f1b", 2, MICROBATCHES,
+                               mesh={"pp": 2, "activation_checkpointing": True})
     batch = next(batches(2 * MICROBATCHES, 32, seed=3))
-    steps = run_ranks(2, run_jobs_on_rank, [(spec, split_for_ranks(spec, batch))], True, "cpu", 2, timeout=120)
+    steps = run_ranks(2, run_jobs_on_rank, [(spec, split_for_ranks(spec, batch))], True, "cpu", 2,
+                      timeout=120)
     result = merge_steps([rank_steps[0][1] for rank_steps in steps])  # the second step
     parity = compare_with_reference(result.loss, result.grads, reference_step(CONFIG, batch, MICROBATCHES),
                                     LOSS_RTOL, GRAD_ATOL)
@@ -256,7 +258,8 @@ def test_a_mesh_runs_under_torchrun(tmp_path):
 
     script = tmp_path / "mesh_under_torchrun.py"
     script.write_text(TORCHRUN_SCRIPT)
-    done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=4",
+    done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone",
+                           "--nproc_per_node=4",
                            str(script)], capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stdout + done.stderr
     assert done.stdout.count("parity PASSED") == 1, done.stdout  # rank 0 reports

@@ -41,7 +41,8 @@ def test_version_has_one_source_that_the_installed_metadata_agrees_with():
     setuptools = tomllib.loads((ROOT / "pyproject.toml").read_text())
     assert "version" not in setuptools["project"] and "version" in setuptools["project"]["dynamic"]
     assert setuptools["tool"]["setuptools"]["dynamic"]["version"] == {"attr": "pplab._version.__version__"}
-    written = [path for path in (ROOT / "pplab").rglob("*.py") if re.search(r"^__version__ = ", path.read_text(), re.M)]
+    written = [path for path in (ROOT / "pplab").rglob("*.py") if re.search(r"^__version__ = ",
+                                                                            path.read_text(), re.M)]
     assert written == [ROOT / "pplab" / "_version.py"], written
     assert re.fullmatch(r"\d+\.\d+\.\d+(\.dev\d+|rc\d+)?", pplab.__version__)
     assert importlib.metadata.version("pplab") == pplab.__version__, "reinstall: pip install -e ."

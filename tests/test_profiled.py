@@ -27,7 +27,8 @@ from ranks import run_ranks
 CONFIG = LlamaConfig.tiny()
 M = 4
 # (schedule, runtime, stages per rank) on 2 ranks: torch's seven and pplab's runtime
-RUNS = [("gpipe", "torch", 1), ("1f1b", "torch", 1), ("interleaved-1f1b", "torch", 2), ("looped-bfs", "torch", 2),
+RUNS = [("gpipe", "torch", 1), ("1f1b", "torch", 1), ("interleaved-1f1b", "torch", 2),
+        ("looped-bfs", "torch", 2),
         ("interleaved-zero-bubble", "torch", 2), ("zbv-zero-bubble", "torch", 2), ("dualpipev", "torch", 2),
         ("gpipe", "pplab", 1), ("1f1b", "pplab", 1), ("zb-h1", "pplab", 1), ("interleaved-1f1b", "pplab", 2)]
 # Timing mode stretches each compute to its cost (sleeping, so two ranks on two busy cores keep the
@@ -73,7 +74,8 @@ def profile_on_rank(rank, world_size, runs, folder, costs, outside):
         # As torchtitan does: a profiler schedule (a warm-up step, then the active ones; torch's stages
         # infer their shapes on the first) and a handler that writes the trace.
         active = 2 if outside else 1
-        with profile(activities=[ProfilerActivity.CPU], schedule=profiler_schedule(wait=0, warmup=1, active=active),
+        with profile(activities=[ProfilerActivity.CPU],
+                     schedule=profiler_schedule(wait=0, warmup=1, active=active),
                      on_trace_ready=lambda done: done.export_chrome_trace(str(out / f"rank{rank}.json"))) as profiler:
             for _ in range(1 + active):
                 steps = pipeline.step(data)
@@ -225,7 +227,8 @@ def test_a_slow_rank_is_named_the_straggler_and_the_waits_are_its(tmp_path):
     assert main(["analyze", str(folder), "--torchtitan-config", str(job), "--out", str(tmp_path / "titan")]) == 0
     from_job = json.loads((tmp_path / "titan" / "report.json").read_text())
     assert from_job["straggler"] == 1 and from_job["step_time"] == numbers["step_time"]
-    assert {p.name for p in out.iterdir()} >= {"timeline.png", "timeline.trace.json", "report.json", "report.txt"}
+    assert {p.name for p in out.iterdir()} >= {"timeline.png", "timeline.trace.json", "report.json",
+                                               "report.txt"}
     assert recorded[0]["1f1b-pplab"]
 
 
@@ -249,7 +252,8 @@ def test_damaged_and_foreign_traces_are_refused_naming_the_file(traces, tmp_path
         read_profiler_traces(mixed)
     with pytest.raises(TraceImportError, match="both rank 0's traces"):
         read_profiler_traces([good / "rank0.json", folder / "gpipe-pplab" / "rank0.json"])
-    with pytest.raises(ValueError, match=r"rank 0 ran 8 compute actions, and gpipe .* 8 microbatches .* plans 16"):
+    with pytest.raises(ValueError,
+                       match=r"rank 0 ran 8 compute actions, and gpipe .* 8 microbatches .* plans 16"):
         explain(from_profiler(good), named_schedule("gpipe", 2, 8))
 
 

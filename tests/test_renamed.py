@@ -34,7 +34,8 @@ pytestmark = pytest.mark.quick
      r"n_microbatches=0 must be at least 1"),
 ])
 def test_the_last_releases_keywords_still_work_and_name_the_new_one(call, old, refusal):
-    with pytest.warns(DeprecationWarning, match=rf"\({old}=\.\.\.\) is now \w+=\.\.\.; {old}= works until the "
+    with pytest.warns(DeprecationWarning,
+                      match=rf"\({old}=\.\.\.\) is now \w+=\.\.\.; {old}= works until the "
                                                 rf"next release") as warned, \
             pytest.raises(ValueError, match=refusal):
         call()
@@ -51,7 +52,8 @@ def test_an_old_keyword_that_arrives_as_it_should():
 
 
 def test_an_old_and_a_new_keyword_together_are_refused():
-    with pytest.raises(TypeError, match=r"got ranks= and n_ranks=: ranks is the last release's name of n_ranks"):
+    with pytest.raises(TypeError,
+                       match=r"got ranks= and n_ranks=: ranks is the last release's name of n_ranks"):
         pplab.Lab(ranks=2, n_ranks=2)
 
 
@@ -162,7 +164,8 @@ def test_one_default_bound_for_a_wait_between_ranks_everywhere():
     from pplab.drivers.torchrun import TorchrunRanks, run_as_torchrun_rank
     from pplab.rank.runtime import RankRuntime
 
-    takers = [pplab.Lab.__init__, pplab.Lab.connect, pplab.RankPool.__init__, run_ranks, TorchrunRanks.__init__,
+    takers = [pplab.Lab.__init__, pplab.Lab.connect, pplab.RankPool.__init__, run_ranks,
+              TorchrunRanks.__init__,
               run_as_torchrun_rank, PipelineSpec.create, RankRuntime.__init__, StageLink.__init__]
     defaults = {taker.__qualname__: inspect.signature(taker).parameters["op_timeout"].default for taker in takers}
     assert defaults == dict.fromkeys(defaults, OP_TIMEOUT)

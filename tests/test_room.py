@@ -52,7 +52,8 @@ def test_what_a_lab_and_a_checker_write_is_read_back(tmp_path, monkeypatch):
     [seat] = room.read_room(tmp_path)
     assert seat.attendee == "seat_7" and seat.state == "running" and seat.lab["gpus"] == [2, 3]
     assert seat.verdicts["the 1F1B warm-up"]["reason"] == "rank 0 of 3 with 1 microbatch: you said 2, it runs 1."
-    page = room.room_table_html(room.read_room(tmp_path), ["a stage's forward", "the 1F1B warm-up", "clipping"])
+    page = room.room_table_html(room.read_room(tmp_path),
+                                ["a stage's forward", "the 1F1B warm-up", "clipping"])
     assert "cuda (GPUs 2, 3)" in page and "✔ right" in page and "not yet" in page
     assert re.search(r"✘ for \d+ s · rank 0 of 3", page), page
     room.record_lab("abc", state="running", device="cuda", n_ranks=4, gpus=[5, 5, 5, 5], pids=[os.getpid()],
@@ -83,7 +84,8 @@ def twenty_seats(folder, now: float) -> None:
         (folder / "labs" / f"{name}--x.json").write_text(json.dumps(lab))
         verdicts = [("a stage's forward", True, "every stage computes what it should", now - 1800)]
         if seat == 3:
-            verdicts += [("the 1F1B warm-up", False, hint if i % 2 else "not written yet: replace ...", now - 1500 + i * 300)
+            verdicts += [("the 1F1B warm-up", False, hint if i % 2 else "not written yet: replace ...",
+                          now - 1500 + i * 300)
                          for i in range(4)]
         elif seat == 7:
             verdicts += [("the 1F1B warm-up", True, "every rank warms up as 1F1B does", now - 900),
@@ -187,7 +189,8 @@ def _look_in_a_browser(url, attendees, server, tmp_path):
             assert re.search(r"✘ for \d+ s · rank 0 of 3 with 1", text) and "✔ right" in text, text
             page.screenshot(path=str(tmp_path / "room-before.png"))
             attendees["ada"].communicate("\n", timeout=60)  # ada stops her lab and goes home
-            page.wait_for_function("document.querySelector('table').innerText.includes('stopped')", timeout=15000)
+            page.wait_for_function("document.querySelector('table').innerText.includes('stopped')",
+                                   timeout=15000)
             page.screenshot(path=str(tmp_path / "room-after.png"))
             if os.environ.get("PPLAB_SCREENSHOTS"):
                 page.screenshot(path=os.path.join(os.environ["PPLAB_SCREENSHOTS"], "room.png"))
@@ -242,8 +245,10 @@ def test_a_room_with_seats_counts_a_verdict_for_the_account_whose_folder_holds_i
         verdict("daemon", "a stage's forward", True, now - 20)])
     # bin forges: a right answer for daemon in its own file, a file in nobody's folder, a stray file
     write_as("bin", folder / "verdicts" / "bin" / "verdicts.jsonl", [
-        verdict("daemon", "the 1F1B warm-up", True, now - 10), verdict("bin", "the 1F1B warm-up", False, now - 5)])
-    write_as("bin", folder / "verdicts" / "nobody" / "verdicts.jsonl", [verdict("nobody", "the 1F1B warm-up", True, now)])
+        verdict("daemon", "the 1F1B warm-up", True, now - 10),
+        verdict("bin", "the 1F1B warm-up", False, now - 5)])
+    write_as("bin", folder / "verdicts" / "nobody" / "verdicts.jsonl",
+             [verdict("nobody", "the 1F1B warm-up", True, now)])
     write_as("bin", folder / "verdicts" / "nobody.jsonl", [verdict("nobody", "a stage's forward", True, now)])
 
     reading = room.inspect_room(folder, now)
@@ -263,7 +268,8 @@ def test_a_room_with_seats_counts_a_verdict_for_the_account_whose_folder_holds_i
     notes = room_notes_html(reading)
     assert "Seats are accounts" in notes and "3 files with records refused" in notes
 
-    rows = {(row["student_id"], row["assignment"]): row for row in grade_rows(reading.seats, NOTEBOOK_OF_EXERCISE)}
+    rows = {(row["student_id"], row["assignment"]): row for row in grade_rows(reading.seats,
+                                                                              NOTEBOOK_OF_EXERCISE)}
     assert len(rows) == 3 * len(NOTEBOOK_OF_EXERCISE)
     assert rows[("daemon", "01b")] | {"timestamp": "", "first_right": ""} == {
         "assignment": "01b", "exercise": "a stage's forward", "student_id": "daemon", "timestamp": "",
@@ -286,7 +292,8 @@ def test_a_room_with_seats_counts_a_verdict_for_the_account_whose_folder_holds_i
 
 
 @pytest.mark.quick
-def test_a_trusted_room_says_so_and_counts_neither_placeholders_nor_records_naming_others(tmp_path, monkeypatch):
+def test_a_trusted_room_says_so_and_counts_neither_placeholders_nor_records_naming_others(tmp_path,
+                                                                                          monkeypatch):
     from pplab.course.exercises.verdicts import NOT_WRITTEN
     from pplab.course.room_page import room_page
 

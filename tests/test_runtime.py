@@ -59,7 +59,8 @@ def test_every_schedule_matches_one_device_exactly(p):
 
 def test_peak_inflight_activations_match_the_theory():
     p, m = 4, 6
-    specs_and_batches = [(PipelineSpec.create(CONFIG, name, p, m), next(batches(MICROBATCH_SIZE * m, SEQ_LEN)))
+    specs_and_batches = [(PipelineSpec.create(CONFIG, name, p, m),
+                          next(batches(MICROBATCH_SIZE * m, SEQ_LEN)))
                          for name in ("gpipe", "1f1b")]
     gpipe, one_f_one_b = run_cases(p, specs_and_batches, timeout=300)
     assert [gpipe.timeline.peak_inflight(r) for r in range(p)] == [m] * p
@@ -240,7 +241,8 @@ def test_a_schedule_that_never_runs_backward_trips_the_leak_check():
     forward_only = from_text(["0F0 0SEND_F0", "1RECV_F0 1F0"], name="forward-only")
     spec = PipelineSpec(CONFIG, forward_only, op_timeout=5.0)  # bypasses validate(), on purpose
     data = split_for_ranks(spec, next(batches(2, SEQ_LEN)))
-    with pytest.raises(RankFailedError, match=r"still holds tensors after the step: \{'inputs': \['\(0, 0\)'\], "
+    with pytest.raises(RankFailedError,
+                       match=r"still holds tensors after the step: \{'inputs': \['\(0, 0\)'\], "
                                                r"'outputs': \['\(0, 0\)'\]\}"):
         run_ranks(2, run_jobs_on_rank, [(spec, data)], timeout=60)
 
@@ -297,7 +299,8 @@ def _matmuls_per_backward_action(rank, world_size, specs, data):
             self.counts = counts
 
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            if func.__name__.split(".")[0] in ("mm", "addmm", "bmm", "_scaled_dot_product_flash_attention_for_cpu_backward"):
+            if func.__name__.split(".")[0] in ("mm", "addmm", "bmm",
+                                               "_scaled_dot_product_flash_attention_for_cpu_backward"):
                 self.counts[func.__name__.split(".")[0]] += 1
             return func(*args, **(kwargs or {}))
 

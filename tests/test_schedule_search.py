@@ -33,7 +33,8 @@ def test_uniform_costs_reproduce_the_textbook_optimum(p, m):
                    include_torch=False)
     assert whole.step_time == pytest.approx((m + p - 1) * 3.0)
     # Split backwards (F = I = W): ZB-H1's m(F + I + W) + (p - 1)(F + I - W), the same bound.
-    split = search(p, m, Costs(forward=1.0, input_grad=1.0, weight_grad=1.0), memory_limit=p, include_torch=False)
+    split = search(p, m, Costs(forward=1.0, input_grad=1.0, weight_grad=1.0), memory_limit=p,
+                   include_torch=False)
     assert split.step_time == pytest.approx(m * 3.0 + (p - 1) * 1.0)
     for found in (whole, split):
         validate(found.schedule)
@@ -79,7 +80,8 @@ def test_the_memory_limit_is_never_exceeded_in_simulation(limit):
 
 @pytest.mark.quick
 def test_a_budget_nothing_fits_names_the_smallest_that_works():
-    with pytest.raises(NothingFitsError, match=r"smallest budget that works is 1 microbatches .*memory_limit >= 1"):
+    with pytest.raises(NothingFitsError,
+                       match=r"smallest budget that works is 1 microbatches .*memory_limit >= 1"):
         search(4, 8, SLOW_LINK, memory_limit=0.5)
     assert max(search(4, 8, SLOW_LINK, memory_limit=1).peak_memory) == 1
     with pytest.raises(NothingFitsError, match=r"with the even split \[4, 4\]: raise the limit"):
@@ -162,7 +164,8 @@ def _grid_costs(shape: str, latency: float, p: int = 4) -> Costs:
     forward = [1.0] * p
     forward[{"uniform": 0, "heavy first": 0, "heavy last": -1}[shape]] *= {"uniform": 1, "heavy first": 1.5,
                                                                              "heavy last": 2}[shape]
-    return Costs(forward=tuple(forward), input_grad=tuple(forward), weight_grad=tuple(0.8 * f for f in forward),
+    return Costs(forward=tuple(forward), input_grad=tuple(forward),
+                 weight_grad=tuple(0.8 * f for f in forward),
                  latency=latency)
 
 
@@ -207,7 +210,8 @@ FOUND_KINDS = [
     ("the zero-bubble heuristic", _grid_costs("heavy first", 0.1), 8, 6, 1, "zero-bubble heuristic"),
     ("a locally improved schedule", _grid_costs("uniform", 0.5), 8, 4, 1, "zero-bubble heuristic "
                                                                           "warm-up+0 skip-F 0, improved"),
-    ("a V-shaped list schedule", Costs(forward=1.0, input_grad=1.0, weight_grad=1.0, latency=2.0), 8, 8, 2, "list V"),
+    ("a V-shaped list schedule", Costs(forward=1.0, input_grad=1.0, weight_grad=1.0, latency=2.0), 8, 8, 2,
+     "list V"),
 ]
 
 
@@ -286,7 +290,8 @@ def test_the_exact_search_proves_the_search_optimal_and_its_own_schedule_runs_ex
     proved = search(4, 8, ZB_PAPER_GAP, memory_limit=3, exact=True, show=False).schedule
     spec = PipelineSpec.create(config, proved, 4, 8)
     batch = next(batches(16, 16))
-    result = merge_steps([rank[0] for rank in run_ranks(4, run_jobs_on_rank, [(spec, split_for_ranks(spec, batch))])])
+    result = merge_steps([rank[0] for rank in run_ranks(4, run_jobs_on_rank,
+                                                        [(spec, split_for_ranks(spec, batch))])])
     assert compare_with_reference(result.loss, result.grads, pplab.reference_step(config, batch, 8)).passed
 
 
@@ -323,7 +328,8 @@ def test_the_exact_search_says_what_it_cannot_do_and_what_it_did_not_prove(monke
     assert proof.step_time <= searched.step_time and not proof.optimal and 0 <= proof.bound <= proof.step_time
     assert schedule is hint or proof.step_time < searched.step_time
     assert str(proof).startswith("not proved: step")
-    with pytest.raises(TimeoutError, match=r"found no schedule within time_limit=1e-06 s \(p=8, m=16\): give it longer"):
+    with pytest.raises(TimeoutError,
+                       match=r"found no schedule within time_limit=1e-06 s \(p=8, m=16\): give it longer"):
         exact_schedule(8, 16, ZB_PAPER_GAP, time_limit=1e-6)
     # Without OR-Tools: the extra that installs it.
     monkeypatch.setitem(__import__("sys").modules, "ortools.sat.python", None)

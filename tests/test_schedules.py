@@ -46,7 +46,8 @@ def interleaved_accepts(p, m):
 # ---------------------------------------------------------------- actions and text
 
 
-@pytest.mark.parametrize("text", ["2F0", "1SEND_F3", "2RECV_B0", "0I1", "0W1", "3B12", "10RECV_F7", "0SEND_B1"])
+@pytest.mark.parametrize("text", ["2F0", "1SEND_F3", "2RECV_B0", "0I1", "0W1", "3B12", "10RECV_F7",
+                                  "0SEND_B1"])
 def test_action_text_round_trip(text):
     assert str(Action.parse(text)) == text
 
@@ -484,7 +485,8 @@ def test_theory_peak_inflight_formulas():
     expected = {
         "gpipe": lambda p, m, v, r: m,
         "1f1b": lambda p, m, v, r: min(p - r, m),
-        "interleaved-1f1b": lambda p, m, v, r: min(v * m, (v - 1) * (m // max(1, m // p)) + 2 * (p - 1 - r) + 1),
+        "interleaved-1f1b": lambda p, m, v,
+        r: min(v * m, (v - 1) * (m // max(1, m // p)) + 2 * (p - 1 - r) + 1),
         "zb-h1": lambda p, m, v, r: min(p, m),
     }
     for name, formula in expected.items():
@@ -506,7 +508,8 @@ def test_theory_bubble_equals_simulation(forward, backward):
             assert simulated_bubble(build(name, p, m, v), costs) == pytest.approx(expected), (name, p, m, v)
 
 
-@pytest.mark.parametrize("forward, input_grad, weight_grad", [(1, 1, 1), (1, 2, 1), (2, 1, 1), (1, 1, 0.5), (3, 2, 2)])
+@pytest.mark.parametrize("forward, input_grad, weight_grad",
+                         [(1, 1, 1), (1, 2, 1), (2, 1, 1), (1, 1, 0.5), (3, 2, 2)])
 def test_zb_h1_bubble_equals_simulation_under_its_conditions(forward, input_grad, weight_grad):
     costs = UniformCosts(forward, input_grad, weight_grad)
     for p in range(1, 6):
@@ -559,7 +562,8 @@ def test_theory_recognises_schedules_by_order_not_name():
     assert result.bubble_fraction is None
     assert result.conditions.startswith("no closed form")
     assert result.peak_inflight == (3, 1)
-    renamed = from_text([" ".join(str(a) for a in acts) for acts in build("gpipe", 3, 4).actions], name="mine")
+    renamed = from_text([" ".join(str(a) for a in acts) for acts in build("gpipe", 3, 4).actions],
+                        name="mine")
     assert theory(renamed).bubble_fraction == pytest.approx(2 / 6)
 
 
@@ -577,7 +581,8 @@ def forwards_renumbered(actions, shift):
 
 @pytest.mark.parametrize(
     "ours, theirs, virtual",
-    [("gpipe", "GPipe", 1), ("interleaved-1f1b", "Interleaved1F1B", 2), ("interleaved-1f1b", "Interleaved1F1B", 3)],
+    [("gpipe", "GPipe", 1), ("interleaved-1f1b", "Interleaved1F1B", 2),
+     ("interleaved-1f1b", "Interleaved1F1B", 3)],
 )
 def test_compute_order_matches_torch(ours, theirs, virtual):
     compared = 0
@@ -636,7 +641,8 @@ def test_torch_v_shape_schedules_validate(name):
             validate(schedule, blocking_sends=True)
 
 
-@pytest.mark.parametrize("name, virtual", [("InterleavedZeroBubble", 2), ("InterleavedZeroBubble", 3), ("LoopedBFS", 2)])
+@pytest.mark.parametrize("name, virtual",
+                         [("InterleavedZeroBubble", 2), ("InterleavedZeroBubble", 3), ("LoopedBFS", 2)])
 def test_other_torch_schedules_validate(name, virtual):
     for p, m in [(1, 3), (2, 4), (3, 6), (4, 8), (4, 5)]:
         validate(from_torch(name, p, m, virtual), blocking_sends=True)

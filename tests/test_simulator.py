@@ -227,7 +227,8 @@ def test_schedules_without_an_integer_form_take_the_readable_path(lists):
 def test_with_link_contention_a_message_waits_for_the_one_before_it():
     # GPipe, 2 ranks: rank 0 sends 3 activations 1 s apart; each holds the link 2 s (4 bytes at
     # 2 B/s) and arrives 0.5 s (latency) after it leaves the link.
-    costs = Costs(forward=1.0, backward=1.0, latency=0.5, bandwidth=2.0, activation_bytes=4, link_contention=True)
+    costs = Costs(forward=1.0, backward=1.0, latency=0.5, bandwidth=2.0, activation_bytes=4,
+                  link_contention=True)
     timeline = simulate(build("gpipe", 2, 3), costs)
     sends = [e for e in timeline.events if e.kind == "SEND_F"]
     assert [(e.start, e.end) for e in sends] == [(1.0, 3.5), (2.0, 5.5), (3.0, 7.5)]

@@ -90,7 +90,8 @@ def test_even_ranks_are_never_given_a_straggler_however_loaded():
 def test_a_quiet_machine_decides_exactly():
     even, slow = Costs(forward=0.004, backward=0.008), Costs(forward=(0.004, 0.006), backward=(0.008, 0.012))
     quiet = straggler_verdict([simulate(named_schedule("1f1b", 2, 4), even)], 2)
-    assert (quiet.rank, quiet.decided, quiet.low, quiet.high, quiet.load_spread) == (None, True, 1.0, 1.0, 0.0)
+    assert (quiet.rank, quiet.decided, quiet.low, quiet.high, quiet.load_spread) == (None, True, 1.0,
+                                                                                     1.0, 0.0)
     assert quiet.text().startswith("no straggler: rank")
     named = straggler_verdict([simulate(named_schedule("1f1b", 2, 4), slow)], 2)
     assert (named.rank, named.low) == (1, pytest.approx(1.5))

@@ -149,8 +149,10 @@ def test_torchs_runtime_runs_pplabs_schedules_from_the_csv_exact_against_one_dev
              for label, schedule in (("searched", found), ("v", shaped_v), ("by-hand", by_hand))]
     script, out = tmp_path / "run_csv.py", tmp_path / "results.json"
     script.write_text(TORCHRUN_SCRIPT)
-    done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-                           str(script), str(out), *map(str, paths)], capture_output=True, text=True, timeout=300,
+    done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone",
+                           "--nproc_per_node=2",
+                           str(script), str(out), *map(str, paths)], capture_output=True, text=True,
+                           timeout=300,
                           env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert done.returncode == 0, done.stdout + done.stderr[-4000:]
     results = json.loads(out.read_text())

@@ -89,7 +89,8 @@ def test_bad_torch_schedules_are_refused_on_the_client(args, message):
 @pytest.mark.quick
 @pytest.mark.parametrize("spelling, canonical, n_virtual", [
     ("Schedule1F1B", "1f1b", 1), ("interleaved_1f1b", "interleaved-1f1b", 2), ("GPipe", "gpipe", 1)])
-def test_a_pipeline_takes_any_spelling_of_a_schedule_under_either_implementation(spelling, canonical, n_virtual):
+def test_a_pipeline_takes_any_spelling_of_a_schedule_under_either_implementation(spelling, canonical,
+                                                                                 n_virtual):
     for impl in ("pplab", "torch"):
         assert PipelineSpec.create(CONFIG, spelling, 2, 4, n_virtual=n_virtual, impl=impl).schedule.name == canonical
 

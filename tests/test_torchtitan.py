@@ -67,7 +67,8 @@ def test_a_torchtitan_job_reads_as_a_run_and_lists_what_pplab_does_not_model(tmp
     assert (job.model.num_hidden_layers, job.model.hidden_size, job.model.intermediate_size) == (6, 256, 768)
     assert job.unmodeled == {"job.dump_folder": "./outputs", "job.description": "Llama 3 debug training",
                              "lr_scheduler.decay_type": "linear", "training.dataset": "c4_test",
-                             "parallelism.context_parallel_degree": 2, "activation_checkpoint.mode": "selective"}
+                             "parallelism.context_parallel_degree": 2,
+                             "activation_checkpoint.mode": "selective"}
     assert "parallelism.data_parallel_replicate_degree" in job.read  # 1: nothing to model
     text = job.text()
     assert "pp=2 x dp=1 x tp=1, schedule interleaved-1f1b, 4 microbatches, 2 stage(s) per rank" in text
@@ -89,10 +90,12 @@ def test_a_jobs_schedule_csv_is_the_schedule_and_what_does_not_fit_is_refused(tm
     assert c.n_virtual == 2
     job.write_text('[parallelism]\npipeline_parallel_degree = 2\npipeline_parallel_schedule_csv = '
                    '"found.csv"\n[training]\nlocal_batch_size = 8\n')
-    with pytest.raises(ValueError, match=r"found.csv is for 2 ranks and 4 microbatches, the job for .* and 8"):
+    with pytest.raises(ValueError,
+                       match=r"found.csv is for 2 ranks and 4 microbatches, the job for .* and 8"):
         read_torchtitan(job)
     job.write_text('[parallelism]\npipeline_parallel_schedule = "PipelineScheduleMulti"\n')
-    with pytest.raises(ValueError, match=r"runs the schedule of a CSV, and pipeline_parallel_schedule_csv is not"):
+    with pytest.raises(ValueError,
+                       match=r"runs the schedule of a CSV, and pipeline_parallel_schedule_csv is not"):
         read_torchtitan(job)
     job.write_text('[parallelism]\npipeline_parallel_microbatch_size = 3\n[training]\nlocal_batch_size = 8\n')
     with pytest.raises(ValueError, match=r"local_batch_size = 8 is not a multiple of .*microbatch_size = 3"):
@@ -111,7 +114,8 @@ def test_pplab_simulate_shows_a_torchtitan_jobs_schedule_with_its_layers(tmp_pat
     said = capsys.readouterr().out
     assert "not modeled by pplab (6)" in said and "the stages hold 2, 2, 1, 1 of the 6 layers" in said
     numbers = json.loads((tmp_path / "out" / "interleaved-1f1b.json").read_text())
-    expected = simulate(build("interleaved-1f1b", 2, 4, 2), Costs(forward=(2, 2, 1, 1), backward=(4, 4, 2, 2)))
+    expected = simulate(build("interleaved-1f1b", 2, 4, 2),
+                        Costs(forward=(2, 2, 1, 1), backward=(4, 4, 2, 2)))
     assert numbers["step_time"] == expected.step_time()
     assert numbers["torchtitan"]["unmodeled"]["training.dataset"] == "c4_test"
     assert main(["simulate", "1f1b", "--torchtitan-config", str(path), "--out", str(tmp_path / "out")]) == 2

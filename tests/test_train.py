@@ -94,4 +94,5 @@ def test_bf16_stages_train_and_stay_close_to_fp32():
 @pytest.mark.quick
 def test_bf16_stages_on_a_mesh_are_refused_for_fsdps_mixed_precision():
     with pytest.raises(ValueError, match="on a mesh use FSDP's mixed precision instead"):
-        PipelineSpec.create(CONFIG, "1f1b", 4, 4, impl="torch", mesh={"pp": 2, "dp": 2}, param_dtype="bfloat16")
+        PipelineSpec.create(CONFIG, "1f1b", 4, 4, impl="torch", mesh={"pp": 2, "dp": 2},
+                            param_dtype="bfloat16")

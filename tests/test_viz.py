@@ -186,14 +186,19 @@ def imported_modules(module_name: str) -> set[str]:
     ("planning.simulator", {"pplab.schedules", "pplab.schedules.communication", "pplab.schedules.compiled",
                    "pplab.trace.timeline"}),  # communication: the runtime's comm-batch rule
     ("views.viz", {"pplab.trace.timeline", "pplab.base.formatting"}),
-    ("planning.search", {"pplab.schedules", "pplab.planning.simulator", "pplab.trace.timeline", "pplab.base.formatting",
+    ("planning.search", {"pplab.schedules", "pplab.planning.simulator", "pplab.trace.timeline",
+                         "pplab.base.formatting",
                          "pplab.planning.list_scheduling", "pplab.planning.zero_bubble_heuristic",
                          "pplab.planning.exact"}),
     # (OR-Tools on use)
     ("planning.exact", {"pplab.schedules", "pplab.planning.simulator", "pplab.base.formatting"}),
     ("planning.list_scheduling", {"pplab.schedules", "pplab.planning.simulator", "pplab.trace.timeline"}),
-    ("planning.zero_bubble_heuristic", {"pplab.schedules", "pplab.planning.simulator", "pplab.trace.timeline", "pplab.planning.list_scheduling"}),
-    ("planning.prediction", {"pplab.schedules", "pplab.planning.simulator", "pplab.trace.timeline", "pplab.base.formatting", "pplab.base.machine"}),
+    ("planning.zero_bubble_heuristic",
+     {"pplab.schedules", "pplab.planning.simulator", "pplab.trace.timeline",
+      "pplab.planning.list_scheduling"}),
+    ("planning.prediction",
+     {"pplab.schedules", "pplab.planning.simulator", "pplab.trace.timeline", "pplab.base.formatting",
+      "pplab.base.machine"}),
     ("base.machine", set()),  # pure Python: what every floor may read
 ])
 def test_modules_keep_to_their_floor(module, allowed_pplab):

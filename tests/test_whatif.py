@@ -67,7 +67,8 @@ def test_a_split_backward_costs_what_a_profile_of_the_same_stages_says():
         simulate(zb, Costs(forward=[1.0, 3.0], input_grad=[0.0, 5.4], weight_grad=[2.0, 3.6])).step_time())
     assert any("give explain a profile" in note for note in assumed.notes)
     assert not any("give explain a profile" in note for note in profiled.notes)
-    with pytest.raises(ValueError, match=r"profile has 1 stages and schedule '1f1b' 2: profile the run's stages"):
+    with pytest.raises(ValueError,
+                       match=r"profile has 1 stages and schedule '1f1b' 2: profile the run's stages"):
         explain(measured, run, profile=dataclasses.replace(profile, stages=profile.stages[:1]))
 
 

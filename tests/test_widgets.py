@@ -144,7 +144,8 @@ def test_training_view_follows_the_records_and_shows_the_latest_step():
     view = TrainingView(total_steps=10, redraw_seconds=3600)  # only the first add redraws by itself
     timeline = simulate(build("1f1b", 2, 4), Costs(forward=1, backward=2))
     for step in range(1, 5):
-        view.add(TrainRecord(step, 5.0 - step, 1e-3, 1.5, 0.02, eval_loss=4.2 if step == 4 else None), timeline)
+        view.add(TrainRecord(step, 5.0 - step, 1e-3, 1.5, 0.02, eval_loss=4.2 if step == 4 else None),
+                 timeline)
     assert view.progress.value == 4 and view.draws == 1
     assert "step 4/10" in view.status.value  # the numbers follow every step, between pictures
     view.redraw()
@@ -158,7 +159,8 @@ def test_a_throttle_with_a_share_waits_until_its_draws_cost_that_share_of_a_core
     from pplab.views.widgets import render
 
     clock = SimpleNamespace(wall=100.0, cpu=5.0)
-    monkeypatch.setattr(render, "time", SimpleNamespace(monotonic=lambda: clock.wall, thread_time=lambda: clock.cpu))
+    monkeypatch.setattr(render, "time",
+                        SimpleNamespace(monotonic=lambda: clock.wall, thread_time=lambda: clock.cpu))
     # Times in eighths of a second: exact in binary, so each wait's edge is tested exactly.
     throttle = render.Throttle(1.0, share=0.25)
     assert throttle.ready()

@@ -108,7 +108,8 @@ def option(default, help: str, section: str, kind: Kind | None = None, metavar: 
     if section not in SECTIONS:
         raise ValueError(f"section={section!r}: choose one of {', '.join(SECTIONS)}")
     kind = kind or KINDS[type(default)]
-    return field(default=default, metadata={"help": help, "section": section, "kind": kind, "metavar": metavar,
+    return field(default=default, metadata={"help": help, "section": section, "kind": kind,
+                                            "metavar": metavar,
                                             "optional": default is None if optional is None else optional,
                                             "example": example})
 

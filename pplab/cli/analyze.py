@@ -33,7 +33,8 @@ def run(args: argparse.Namespace) -> int:
     said = run.summary().splitlines()[0] + "\n" + report.text()
     text.write_text(said + "\n")
     numbers.write_text(json.dumps(dict(
-        command="pplab analyze", pplab_version=__version__, arguments=arguments_as_json(args), files=run.files,
+        command="pplab analyze", pplab_version=__version__, arguments=arguments_as_json(args),
+        files=run.files,
         step=run.step, steps_in_trace=run.steps_in_trace, labels=run.labels, one_host=run.one_host,
         alignment_error=run.alignment_error, **report.to_json(),
         outputs=dict(timeline=picture.name, trace=trace.name, report=text.name)), indent=2) + "\n")
@@ -73,7 +74,8 @@ def add_to(commands, ranks_run: argparse.ArgumentParser) -> argparse.ArgumentPar
                     "per rank, or their folder), and explain each rank's bubble: the schedule's "
                     "own, waits for messages, a straggler, time outside the pipeline; then predict "
                     "what one change would gain.")
-    run_analyze.add_argument("traces", metavar="TRACES", nargs="+", help="the ranks' trace files, or their folder")
+    run_analyze.add_argument("traces", metavar="TRACES", nargs="+",
+                             help="the ranks' trace files, or their folder")
     add_run_flag(run_analyze, "schedule", default=None,
                  help="the schedule the run used (pplab's or torch's name, any spelling)")
     add_run_flag(run_analyze, "n_microbatches", default=None, help="microbatches per step of the run")

@@ -53,7 +53,8 @@ def run(args: argparse.Namespace) -> int:
         files=dict(timeline=picture.name, trace=trace.name),
     )
     if job is not None:
-        report["torchtitan"] = dict(config=str(job.path), read=job.read, unmodeled=job.unmodeled, notes=job.notes)
+        report["torchtitan"] = dict(config=str(job.path), read=job.read, unmodeled=job.unmodeled,
+                                    notes=job.notes)
     numbers.write_text(json.dumps(report, indent=2) + "\n")
     print(f"pplab simulate: {name} on a cost model ({sizes}; {_describe(costs, schedule)})")
     print(f"  step time {timeline.step_time():.4g} (cost units)  bubble {timeline.bubble_fraction():.3f} "

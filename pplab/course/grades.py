@@ -30,9 +30,11 @@ def grade_rows(seats: Sequence[Seat], exercises: Mapping[str, str] | Sequence[st
             tries = seat.attempts.get(name, [])
             first_right = next((verdict["time"] for verdict in tries if verdict["right"]), None)
             right_now = bool(tries) and tries[-1]["right"]
-            rows.append({"assignment": notebooks.get(name, name), "exercise": name, "student_id": seat.attendee,
+            rows.append({"assignment": notebooks.get(name, name), "exercise": name,
+                         "student_id": seat.attendee,
                          "timestamp": _when(tries[-1]["time"]) if tries else "",
-                         "raw_score": int(right_now), "score": int(right_now), "max_score": 1, "tries": len(tries),
+                         "raw_score": int(right_now), "score": int(right_now), "max_score": 1,
+                         "tries": len(tries),
                          "first_right": _when(first_right),
                          "seconds_to_right": "" if first_right is None else round(first_right - tries[0]["time"], 1),
                          "last_message": tries[-1]["reason"] if tries else ""})

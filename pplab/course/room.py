@@ -436,8 +436,10 @@ def room_table_html(seats: list[Seat], exercises: Mapping[str, str] | Sequence[s
     now = time.time() if now is None else now
     headings = dict(exercises) if isinstance(exercises, Mapping) else {}
     names = list(dict.fromkeys([*exercises, *(name for seat in seats for name in seat.attempts)]))
-    colours = {"running": "#1a7f37", "dead": "#c00000", "stopped": "#777777", "restarting": "#b06000", "silent": "#b06000"}
-    head = "".join(f"<th>{html.escape(text)}</th>" for text in ["seat", "lab", "device", "ranks", "last activity"])
+    colours = {"running": "#1a7f37", "dead": "#c00000", "stopped": "#777777", "restarting": "#b06000",
+               "silent": "#b06000"}
+    head = "".join(f"<th>{html.escape(text)}</th>" for text in ["seat", "lab", "device", "ranks",
+                                                                "last activity"])
     head += "".join("<th "
                     f"title='{html.escape(name, quote=True)}'>{html.escape(headings.get(name, name))}</th>"
                     for name in names)

@@ -36,7 +36,8 @@ def room_notes_html(reading: RoomReading) -> str:
 def room_page(reading: RoomReading, exercises: Mapping[str, str] | Sequence[str], refresh: float,
               access: str) -> str:
     """The whole page: `access` says who can open it (a line under the heading)."""
-    summary = html.escape(room_summary(reading.seats, columns=exercises if isinstance(exercises, Mapping) else None))
+    summary = html.escape(room_summary(reading.seats,
+                                       columns=exercises if isinstance(exercises, Mapping) else None))
     return (f"<!doctype html><html><head><meta charset='utf-8'>"
             f"<noscript><meta http-equiv='refresh' content='{refresh:g}'></noscript>"
             f"<title>pplab room</title><style>body{{font-family:sans-serif;margin:20px}}"

@@ -26,7 +26,8 @@ import torch
 from pplab.base.arguments import check_positive_int
 from pplab.data import HELDOUT_FRACTION, Batch, CharTokenizer
 
-__all__ = ["BPETokenizer", "PackedText", "read_documents", "load_tokenizer", "join_documents", "cut_sequences",
+__all__ = ["BPETokenizer", "PackedText", "read_documents", "load_tokenizer", "join_documents",
+           "cut_sequences",
            "TOKENIZER_FILE"]
 
 TOKENIZER_FILE = "tokenizer.json"  # its name beside a run's checkpoints
@@ -110,7 +111,8 @@ class BPETokenizer:
         tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
         tokenizer.decoder = decoders.ByteLevel()
         trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=list(cls.SPECIALS),
-                                      initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+                                      initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+                                      show_progress=False)
         tokenizer.train_from_iterator(documents, trainer=trainer)
         return cls(tokenizer)
 

@@ -58,7 +58,8 @@ def arguments_by_rank(fn, args: tuple, kwargs: dict, world_size: int) -> list[tu
     def own(value, rank: int):
         return value[rank] if isinstance(value, PerRank) else value
 
-    return [(tuple(own(value, rank) for value in args), {key: own(value, rank) for key, value in kwargs.items()})
+    return [(tuple(own(value, rank) for value in args),
+             {key: own(value, rank) for key, value in kwargs.items()})
             for rank in range(world_size)]
 
 

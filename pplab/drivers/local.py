@@ -570,7 +570,8 @@ class PoolCall:
         elif failures:
             message = "\n".join(f"rank {r} {what}" for r, what in sorted(failures.items()))
             if self._raised:
-                self._error = RankFailedError(message, causes, {r: (e, v) for r, (e, v, _) in self._raised.items()})
+                self._error = RankFailedError(message, causes,
+                                              {r: (e, v) for r, (e, v, _) in self._raised.items()})
             else:
                 self._error = RankDiedError(message, causes)
         self.pool._finished(self, failed=self._error is not None)

@@ -153,7 +153,8 @@ class BubbleReport:
         return {"schedule": self.schedule.name, "n_ranks": self.schedule.n_ranks,
                 "n_microbatches": self.schedule.n_microbatches, "n_virtual": self.schedule.n_virtual,
                 "step_time": {"measured": self.measured.step_time(), "simulated": self.simulated.step_time()},
-                "bubble": {"measured": self.measured.bubble_fraction(), "simulated": self.simulated.bubble_fraction(),
+                "bubble": {"measured": self.measured.bubble_fraction(),
+                           "simulated": self.simulated.bubble_fraction(),
                            "theory": self.theory_bubble},
                 "ranks": [dataclasses.asdict(r) for r in self.ranks],
                 "waits": [dataclasses.asdict(w) for w in self.waits],
@@ -189,7 +190,8 @@ def explain(measured: Timeline, schedule: Schedule, outside: list[float | None] 
                         simulated.idle_time(rank), sum(w.seconds for w in waits if w.rank == rank),
                         max(0.0, busy[rank] - median_busy), outside[rank] if outside else None)
              for rank in range(schedule.n_ranks)]
-    report = BubbleReport(schedule, measured, simulated, theory(schedule, costs).bubble_fraction, ranks, waits,
+    report = BubbleReport(schedule, measured, simulated, theory(schedule, costs).bubble_fraction,
+                          ranks, waits,
                           straggler_verdict([measured, *steps], schedule.n_ranks))
     profiles = [profile] if isinstance(profile, Profile) else list(profile)
     model = RunModel.of(schedule, costs, latency, _overhead_per_action(measured, schedule), profiles)

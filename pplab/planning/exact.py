@@ -98,7 +98,8 @@ def exact_schedule(n_ranks: int, n_microbatches: int, costs: Costs, memory_limit
                 length = ticks(costs.compute_time(kind, stage))
                 starts[key] = model.NewIntVar(0, horizon, f"start {stage}{kind.value}{microbatch}")
                 ends[key] = model.NewIntVar(0, horizon, f"end {stage}{kind.value}{microbatch}")
-                intervals[key] = model.NewIntervalVar(starts[key], length, ends[key], f"{stage}{kind.value}{microbatch}")
+                intervals[key] = model.NewIntervalVar(starts[key], length, ends[key],
+                                                      f"{stage}{kind.value}{microbatch}")
     backward = backward_kinds[0]  # B, or I: the pass whose gradient goes upstream
     release = backward_kinds[-1]  # B, or W: the pass whose end frees the activations
     for microbatch in range(m):

@@ -137,7 +137,8 @@ def list_schedule(p: int, m: int, v: int, costs: Costs, weights, cap: float, spl
                 _, stage = min(backwards, key=lambda ts: (ts[0], -ts[1]))
                 mb = next_backward[stage]
                 next_backward[stage] += 1
-                backward_ended[stage][mb] = start(rank, Action(stage, backward_kind, mb), backward_cost[stage],
+                backward_ended[stage][mb] = start(rank, Action(stage, backward_kind, mb),
+                                                  backward_cost[stage],
                                                   backward_reaches[stage])
                 next_backward_run[rank] = True
                 if split:

@@ -122,7 +122,8 @@ class Found(ShownAsText):
         rows = sorted((c for c in self.tried if c.step_time is not None), key=lambda c: c.step_time)
         shown = [c for c in rows if c.fits][:top] + [c for c in rows if c.builtin]
         return text_table(["schedule", "step", "peak", "fits"],
-                          ([c.name, f"{c.step_time:.4g}", _amount(c.peak, self.unit), "yes" if c.fits else "no"]
+                          ([c.name, f"{c.step_time:.4g}", _amount(c.peak, self.unit),
+                            "yes" if c.fits else "no"]
                            for c in sorted(set(shown), key=lambda c: c.step_time)), right=(1, 2))
 
 
@@ -305,7 +306,8 @@ def _check_sizes(n_ranks, n_microbatches, memory_limit, n_virtual=1) -> None:
     for name, value in (("n_ranks", n_ranks), ("n_microbatches", n_microbatches), ("n_virtual", n_virtual)):
         if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
             raise ValueError(f"{name}={value!r} must be a positive integer")
-    if memory_limit is not None and (isinstance(memory_limit, bool) or not isinstance(memory_limit, (int, float))
+    if memory_limit is not None and (isinstance(memory_limit, bool) or not isinstance(memory_limit,
+                                                                                      (int, float))
                                      or not memory_limit > 0 or math.isinf(memory_limit)):
         raise ValueError(f"memory_limit={memory_limit!r} must be a number > 0 (or None for no limit)")
 
@@ -412,7 +414,8 @@ def _list_schedules(p: int, m: int, v: int, costs: Costs, weights, memory_limit,
         pipeline = empty_pipeline(p, m, v, placement)
         for split, policy, cap in _list_policies(p, v, pipeline, weights, memory_limit, splits):
             backward_first, patient, alternate = policy
-            orders = list_schedule(p, m, v, costs, weights, cap, split, backward_first, patient, alternate, placement)
+            orders = list_schedule(p, m, v, costs, weights, cap, split, backward_first, patient, alternate,
+                                   placement)
             order = "alternating" if alternate else f"{'backward' if backward_first else 'forward'}-first"
             label = (f"list {'V ' if placement else ''}{'I+W' if split else 'B'} {order} "
                      f"{'patient ' if patient else ''}cap {_amount(cap, unit)}")

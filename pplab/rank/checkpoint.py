@@ -269,7 +269,8 @@ class Checkpointer:
         module.zero_grad(set_to_none=True)
         from torch.distributed.checkpoint.state_dict import set_state_dict
 
-        set_state_dict(module, optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"],
+        set_state_dict(module, optimizer, model_state_dict=state["model"],
+                       optim_state_dict=state["optimizer"],
                        options=_flattened())
         scheduler.load_state_dict(state["scheduler"])
         if same_layout:

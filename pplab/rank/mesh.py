@@ -37,7 +37,8 @@ from pplab.rank.memory import SavedBytes
 from pplab.rank.shards import local_tensor
 from pplab.trace.timeline import Event
 
-__all__ = ["Mesh", "MeshPlace", "parallelize_stage", "apply_tensor_parallel", "apply_activation_checkpointing",
+__all__ = ["Mesh", "MeshPlace", "parallelize_stage", "apply_tensor_parallel",
+           "apply_activation_checkpointing",
            "apply_fsdp", "memory_held", "optimizer_state_bytes", "communicated_bytes", "all_gathers_per_unit"]
 
 MESH_DIMS = ("pp", "dp", "tp")  # outermost first: the order of the global rank layout

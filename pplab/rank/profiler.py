@@ -166,11 +166,13 @@ def hop_costs_on_rank(rank: int, world_size: int, nbytes: int, repeats: int = 20
 
     def pplab_round_trip():
         if rank == 0:
-            link.exchange([Action(0, Kind.SEND_F, 0)], {Action(0, Kind.SEND_F, 0): tensor}, {}, monotonic_clock)
+            link.exchange([Action(0, Kind.SEND_F, 0)], {Action(0, Kind.SEND_F, 0): tensor}, {},
+                          monotonic_clock)
             link.exchange([Action(0, Kind.RECV_B, 0)], {}, shapes, monotonic_clock)
         else:
             link.exchange([Action(1, Kind.RECV_F, 0)], {}, shapes, monotonic_clock)
-            link.exchange([Action(1, Kind.SEND_B, 0)], {Action(1, Kind.SEND_B, 0): tensor}, {}, monotonic_clock)
+            link.exchange([Action(1, Kind.SEND_B, 0)], {Action(1, Kind.SEND_B, 0): tensor}, {},
+                          monotonic_clock)
         link.finish()
         link.events.clear()
         link.mailbox.received.clear()
@@ -188,7 +190,8 @@ def hop_costs_on_rank(rank: int, world_size: int, nbytes: int, repeats: int = 20
         """Only the posting of a send (the receiver takes it after the clock stops)."""
         started = time.perf_counter()
         if rank == 0:
-            link.exchange([Action(0, Kind.SEND_F, 0)], {Action(0, Kind.SEND_F, 0): tensor}, {}, monotonic_clock)
+            link.exchange([Action(0, Kind.SEND_F, 0)], {Action(0, Kind.SEND_F, 0): tensor}, {},
+                          monotonic_clock)
         posted = time.perf_counter() - started
         if rank == 1:
             link.exchange([Action(1, Kind.RECV_F, 0)], {}, shapes, monotonic_clock)

@@ -133,7 +133,8 @@ class PipelineSpec:
                              f"I and W, and each would recompute the checkpointed blocks (torch's "
                              f"checkpoint recomputes once per forward); use a schedule with whole "
                              f"backwards (gpipe, 1f1b, interleaved-1f1b) or leave checkpointing out")
-        spec = cls(config, schedule, seed=seed, balance=balance, allow_empty=allow_empty, op_timeout=op_timeout,
+        spec = cls(config, schedule, seed=seed, balance=balance, allow_empty=allow_empty,
+                   op_timeout=op_timeout,
                    timing=timing, record=record, impl=impl, mesh=mesh, param_dtype=param_dtype)
         if not spec.op_timeout > 0:
             raise ValueError(f"op_timeout={spec.op_timeout!r}: give the seconds a rank may wait for a "

@@ -101,7 +101,8 @@ def device_memory(device: torch.device) -> dict[str, int] | None:
     ("allocated") and holds from the device ("reserved"); None on CPU."""
     if device.type != "cuda":
         return None
-    held = {"allocated": torch.cuda.max_memory_allocated(device), "reserved": torch.cuda.memory_reserved(device)}
+    held = {"allocated": torch.cuda.max_memory_allocated(device),
+            "reserved": torch.cuda.memory_reserved(device)}
     torch.cuda.reset_peak_memory_stats(device)  # the next step's peak is its own
     return held
 
@@ -210,7 +211,8 @@ class RankRuntime:
         # The tied weights' gradients summed after the last backward, before anything reads them.
         tied = [] if self.tied is None else self.tied.sum(self.stages, clock if self.record else None)
         every_event = on_device(clock, [*events, *link.events, *tied])
-        kept, streamed = reported_once(every_event, watch, untold=every_event if not tell.events_live else tied)
+        kept, streamed = reported_once(every_event, watch,
+                                       untold=every_event if not tell.events_live else tied)
         tell.starting([])  # done
         return RankStep(self.rank, kept, state.losses, boundary_shapes,
                         *gradient_report(self.stages.values(), return_grads), streamed=streamed,

@@ -96,7 +96,8 @@ class DeviceClock:
         moved = []
         for event in events:
             start = reached.get(event.start, event.start)
-            moved.append(dataclasses.replace(event, start=start, end=max(start, reached.get(event.end, event.end))))
+            moved.append(dataclasses.replace(event, start=start,
+                                             end=max(start, reached.get(event.end, event.end))))
         return moved
 
 

@@ -86,8 +86,10 @@ def recording_stage_class():
                 note.update(shape=tuple(output.shape), dtype=dtype_name(output),
                             bytes=self.forward_bytes.known[shape_key])
             if not self.is_last:
-                self.recorder.boundary_shapes.append(Boundary(self.stage_index, fwd_chunk_id, tuple(output.shape),
-                                                         note["dtype"], output.numel() * output.element_size()))
+                self.recorder.boundary_shapes.append(Boundary(self.stage_index, fwd_chunk_id,
+                                                              tuple(output.shape),
+                                                         note["dtype"],
+                                                         output.numel() * output.element_size()))
             return output
 
         def backward_one_chunk(self, bwd_chunk_id, loss=None, full_backward=True, last_backward=False):
@@ -233,7 +235,8 @@ class _Recorder:
         self.pending[receive] = self.clock()
         if self.watch is not None:
             sender = self.global_rank(self.schedule.peer_rank(receive))
-            self.watch(Now(self.rank, str(receive), self.pending[receive], ((sender, str(receive.partner())),)))
+            self.watch(Now(self.rank, str(receive), self.pending[receive],
+                           ((sender, str(receive.partner())),)))
 
     def waited(self, compute: Action, started: float) -> None:
         """Record the wait for the receive `compute` consumes, if torch posted one."""

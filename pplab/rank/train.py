@@ -339,7 +339,8 @@ def _packed(options: TrainOptions):
     from pplab.data.text import packed_text
 
     stamp = (_stamp(options.data), _stamp(options.tokenizer) if options.tokenizer != "char" else 0)
-    return packed_text(options.data, options.tokenizer, options.seq_len, options.batch_size, options.data_seed,
+    return packed_text(options.data, options.tokenizer, options.seq_len, options.batch_size,
+                       options.data_seed,
                        stamp)
 
 

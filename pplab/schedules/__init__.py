@@ -62,5 +62,6 @@ from pplab.schedules.validation import check_runnable, validate
 
 __all__ = ["Kind", "Action", "COMM_KINDS", "Schedule", "ScheduleError", "DeadlockError", "from_lists",
            "loop_placement", "v_placement", "schedule_name", "SCHEDULE_NAMES", "ALL_SCHEDULE_NAMES",
-           "Dependencies", "add_communication", "from_text", "build", "validate", "check_runnable", "Theory", "theory",
+           "Dependencies", "add_communication", "from_text", "build", "validate", "check_runnable", "Theory",
+           "theory",
            "TORCH_SCHEDULES", "torch_plan", "from_torch", "check_torch_runs"]

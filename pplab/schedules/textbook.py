@@ -86,7 +86,8 @@ def _recognise(schedule: Schedule) -> str | None:
     mine = schedule.compute_only().actions
     for name in SCHEDULE_NAMES:
         try:
-            candidate = build_compute_order(name, schedule.n_ranks, schedule.n_microbatches, schedule.n_virtual)
+            candidate = build_compute_order(name, schedule.n_ranks, schedule.n_microbatches,
+                                            schedule.n_virtual)
         except ValueError:
             continue
         if candidate.actions == mine:

@@ -46,8 +46,10 @@ class _BuildsPipelines:
     pipeline_class = ImportedOnUse("pplab.session.pipeline:Pipeline")
 
     @renamed_keywords(microbatches="n_microbatches", timeout="op_timeout")
-    def pipeline(self, config: LlamaConfig, schedule: str | Schedule = "1f1b", n_microbatches: int | None = None,
-                 n_virtual: int = 1, *, impl: str = "pplab", seed: int = 0, balance: Sequence[int] | None = None,
+    def pipeline(self, config: LlamaConfig, schedule: str | Schedule = "1f1b",
+                 n_microbatches: int | None = None,
+                 n_virtual: int = 1, *, impl: str = "pplab", seed: int = 0,
+                 balance: Sequence[int] | None = None,
                  allow_empty: bool = False, op_timeout: float | None = None, timing: Costs | None = None,
                  record: bool = True, mesh: Mesh | dict | None = None, param_dtype: str = "float32") -> Pipeline:
         # The docstring is made below: its keywords that are a run's fields say what their field says.

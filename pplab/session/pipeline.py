@@ -348,7 +348,8 @@ class LiveStep:
             rank_steps = self.call.result()
             self._wait_for_streamed(rank_steps)
             self.call.wait_for_events()  # what a rank told after its last event (it is "done") may trail
-            self._result = merge_steps([dataclasses.replace(step, events=[*self._by_rank[step.rank], *step.events])
+            self._result = merge_steps([dataclasses.replace(step, events=[*self._by_rank[step.rank],
+                                                                          *step.events])
                                         for step in rank_steps])
             self.pipe.last = self._result
         return self._result

@@ -184,7 +184,8 @@ class RunConfig(TrainOptions):
         pp = stages_of(n_ranks, self.dp, self.tp)
         mesh = {"pp": pp, "dp": self.dp, "tp": self.tp} if self.dp > 1 or self.tp > 1 else None
         vocabulary = _vocabulary(self.tokenizer, self.vocab_size)
-        return PipelineSpec.create(model_of(self.model, vocabulary), self.schedule, n_ranks, self.n_microbatches,
+        return PipelineSpec.create(model_of(self.model, vocabulary), self.schedule, n_ranks,
+                                   self.n_microbatches,
                                    self.n_virtual, impl=self.impl, seed=self.seed, mesh=mesh,
                                    balance=self.balance, param_dtype=self.param_dtype)
 

@@ -51,7 +51,8 @@ class TorchtitanJob:
     def schedule(self) -> Schedule:
         """The job's schedule at its sizes: the CSV's, or the one its class name plans."""
         c = self.config
-        return c.schedule if isinstance(c.schedule, Schedule) else named_schedule(c.schedule, c.pp, c.n_microbatches,
+        return c.schedule if isinstance(c.schedule, Schedule) else named_schedule(c.schedule, c.pp,
+                                                                                  c.n_microbatches,
                                                                                   c.n_virtual)
 
     def text(self) -> str:
@@ -103,7 +104,8 @@ def read_torchtitan(path) -> TorchtitanJob:
         raise ValueError(f"{path}: training.local_batch_size = {batch} is not a multiple of "
                          f"parallelism.pipeline_parallel_microbatch_size = {microbatch}")
     options.update(batch_size=batch, n_microbatches=batch // microbatch,
-                   seq_len=take("training.seq_len", RunConfig.seq_len), steps=take("training.steps", RunConfig.steps))
+                   seq_len=take("training.seq_len", RunConfig.seq_len),
+                   steps=take("training.steps", RunConfig.steps))
     options.update(_schedule(take, job, options["pp"], options["n_microbatches"]))
     max_norm = take("training.max_norm", RunConfig.clip)
     options["clip"] = max_norm if max_norm and max_norm > 0 else None

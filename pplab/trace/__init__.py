@@ -16,12 +16,14 @@ collectives alone; `Now` marks what a rank is doing at the moment of a live view
 from pplab.trace.profiled import ImportedRun, TraceImportError, from_profiler, read_profiler_traces
 from pplab.trace.timeline import COLLECTIVE_KINDS, COMM_EVENT_KINDS, Now
 
-__all__ = ["Now", "COMM_EVENT_KINDS", "COLLECTIVE_KINDS", "from_profiler", "read_profiler_traces", "ImportedRun",
+__all__ = ["Now", "COMM_EVENT_KINDS", "COLLECTIVE_KINDS", "from_profiler", "read_profiler_traces",
+           "ImportedRun",
            "TraceImportError"]
 
 # The last release's names, kept for one release: Event and Timeline have one path, the top level;
 # COMM_KINDS here differed from pplab.schedules.COMM_KINDS (it holds the collectives too).
-_RENAMED = {"Event": "pplab.Event", "Timeline": "pplab.Timeline", "COMM_KINDS": "pplab.trace.COMM_EVENT_KINDS"}
+_RENAMED = {"Event": "pplab.Event", "Timeline": "pplab.Timeline",
+            "COMM_KINDS": "pplab.trace.COMM_EVENT_KINDS"}
 
 
 def __getattr__(name: str):

@@ -52,9 +52,11 @@ STEP_LABEL = re.compile(r"^ProfilerStep#(\d+)$")
 SENDS = {"c10d::send", "gloo:send", "nccl:send"}
 RECEIVES = {"c10d::recv_", "c10d::recv_any_source_", "gloo:recv", "nccl:recv"}
 COLLECTIVES = {  # operator -> the Timeline's kind (None: a collective that moves no data)
-    "c10d::allreduce_": "ALL_REDUCE", "c10d::allgather_": "ALL_GATHER", "c10d::_allgather_base_": "ALL_GATHER",
+    "c10d::allreduce_": "ALL_REDUCE", "c10d::allgather_": "ALL_GATHER",
+    "c10d::_allgather_base_": "ALL_GATHER",
     "c10d::allgather_into_tensor_coalesced_": "ALL_GATHER", "c10d::reduce_scatter_": "REDUCE_SCATTER",
-    "c10d::_reduce_scatter_base_": "REDUCE_SCATTER", "c10d::reduce_scatter_tensor_coalesced_": "REDUCE_SCATTER",
+    "c10d::_reduce_scatter_base_": "REDUCE_SCATTER",
+    "c10d::reduce_scatter_tensor_coalesced_": "REDUCE_SCATTER",
     "c10d::barrier": None, "c10d::broadcast_": None, "gloo:all_reduce": "ALL_REDUCE", "gloo:barrier": None,
     "nccl:all_reduce": "ALL_REDUCE", "nccl:all_gather": "ALL_GATHER", "nccl:reduce_scatter": "REDUCE_SCATTER",
 }
@@ -370,7 +372,8 @@ def _step_windows(trace: RankTrace) -> list[tuple[float, float, bool]]:
 
 def _check_one_step(traces: list[RankTrace], windows: list[tuple[float, float]], offsets: list[float]) -> None:
     """The ranks' windows must overlap on the common clock: else the files are from different steps."""
-    placed = [(trace.base_us + start) / 1e6 + offset for trace, (start, _), offset in zip(traces, windows, offsets)]
+    placed = [(trace.base_us + start) / 1e6 + offset for trace, (start, _), offset in zip(traces, windows,
+                                                                                          offsets)]
     ends = [(trace.base_us + end) / 1e6 + offset for trace, (_, end), offset in zip(traces, windows, offsets)]
     if max(placed) > min(ends):
         late = max(range(len(traces)), key=lambda i: placed[i])
@@ -460,7 +463,8 @@ def _rank_events(trace: RankTrace, window: tuple[float, float], device: bool) ->
         # One done before the rank's first action sets the step up (pplab's step clock takes one
         # to agree on time zero); those during and after it (a tied weight's sum, dp's) are the step's.
         if kind is not None and span.end > first_action:
-            events.append(Event(trace.rank, kind, None, None, (base + span.start) / 1e6, (base + span.end) / 1e6))
+            events.append(Event(trace.rank, kind, None, None, (base + span.start) / 1e6,
+                                (base + span.end) / 1e6))
     return events, how
 
 

@@ -384,8 +384,10 @@ def _chrome_metadata(n_ranks: int, used: set[tuple[int, int]]) -> list[dict]:
     """Process and track names, so each rank shows as 'rank r' with named tracks."""
     meta = []
     for rank in range(n_ranks):
-        meta.append({"ph": "M", "name": "process_name", "pid": rank, "tid": 0, "args": {"name": f"rank {rank}"}})
-        meta.append({"ph": "M", "name": "process_sort_index", "pid": rank, "tid": 0, "args": {"sort_index": rank}})
+        meta.append({"ph": "M", "name": "process_name", "pid": rank, "tid": 0,
+                     "args": {"name": f"rank {rank}"}})
+        meta.append({"ph": "M", "name": "process_sort_index", "pid": rank, "tid": 0,
+                     "args": {"sort_index": rank}})
         tids = set(_TRACK_NAMES) | {tid for r, tid in used if r == rank}
         for tid in sorted(tids):
             lane, track = divmod(tid, _LANE_STRIDE)

@@ -33,7 +33,8 @@ class Lab(_SessionLab):
         here = socket.gethostname()
         room.record_lab(f"{os.getpid()}-{id(self):x}", state="running" if state == "called" else state,
                         device=self.device, n_ranks=self.world_size, gpus=self.gpus,
-                        gpu_memory_fraction=self.gpu_memory_fraction, pids=[pid for host, pid in self.rank_processes if host == here])
+                        gpu_memory_fraction=self.gpu_memory_fraction,
+                        pids=[pid for host, pid in self.rank_processes if host == here])
 
 
 def __getattr__(name: str):

@@ -124,7 +124,8 @@ def plot_timeline(timeline: Timeline, ax: Axes | None = None, title: str | None 
         ax = fig.add_subplot()
     handles = _draw_timeline(ax, timeline, title, rank_labels=rank_labels)
     if ax.figure.get_layout_engine() is not None and len(ax.figure.axes) == 1:
-        ax.figure.legend(handles=handles, loc="outside lower center", ncol=len(handles), frameon=False, fontsize=8)
+        ax.figure.legend(handles=handles, loc="outside lower center", ncol=len(handles), frameon=False,
+                         fontsize=8)
     else:
         ax.legend(handles=handles, loc="upper left", bbox_to_anchor=(1.04, 1.0), frameon=False, fontsize=8)
     return ax.figure

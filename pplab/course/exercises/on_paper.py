@@ -71,7 +71,8 @@ def check_gpipe_time(gpipe_step_time, max_ranks: int = 5, max_microbatches: int 
     name = "a GPipe step's time"
     rng = random.Random(0)
     cases = [([1.0] * p, [2.0] * p, m, 0.0) for p in (1, 2, 4) for m in (1, 4)]  # even stages first
-    cases += [([round(rng.uniform(0.5, 3), 1) for _ in range(p)], [round(rng.uniform(1, 5), 1) for _ in range(p)],
+    cases += [([round(rng.uniform(0.5, 3), 1) for _ in range(p)],
+               [round(rng.uniform(1, 5), 1) for _ in range(p)],
                m, latency) for p in range(2, max_ranks + 1) for m in (1, 3, max_microbatches) for latency in (0.0, 0.5)]
     for forward, backward, m, latency in cases:
         expected = simulate(build("gpipe", len(forward), m),
@@ -83,7 +84,8 @@ def check_gpipe_time(gpipe_step_time, max_ranks: int = 5, max_microbatches: int 
         if not close_to(as_number(given), expected):
             case = (f"forward={forward}, backward={backward}, n_microbatches={m}, latency={latency}: "
                     f"you said {given!r}, the simulator {expected:.6g}")
-            return Verdict(name, False, f"{case}.\n{_gpipe_hint(forward, backward, m, latency, as_number(given))}")
+            return Verdict(name, False,
+                           f"{case}.\n{_gpipe_hint(forward, backward, m, latency, as_number(given))}")
     return Verdict(name, True, f"all {len(cases)} cases, even and uneven stages, with and without latency, "
                                f"equal the simulator's step time")
 

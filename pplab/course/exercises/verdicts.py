@@ -40,7 +40,8 @@ class Verdict:
 # The exercises in the course's order, by the names their verdicts carry, with their notebooks' ids
 # (the room's columns).
 NOTEBOOK_OF_EXERCISE = {"a stage's forward": "01b", "send and receive, with gradients": "02b",
-                        "the 1F1B warm-up": "04b", "torch's API by hand": "07b", "global-norm clipping": "08b",
+                        "the 1F1B warm-up": "04b", "torch's API by hand": "07b",
+                        "global-norm clipping": "08b",
                         "a mesh's groups": "09b", "a GPipe step's time": "10b", "a schedule by hand": "11b",
                         "a layout for your own model": "14b", "text packed into sequences": "15b",
                         "a rank's idle share from a trace": "16b"}

@@ -55,7 +55,8 @@ def configure(c, *, seats: int | str | Sequence[str], room: str | Path, instruct
     if set(accounts) & set(instructors):
         raise ValueError(f"{sorted(set(accounts) & set(instructors))}: an instructor has no seat; give them "
                          f"accounts of their own")
-    workshop = Workshop(tuple(accounts), Path(room).resolve(), Path(notebooks).resolve() if notebooks else None,
+    workshop = Workshop(tuple(accounts), Path(room).resolve(),
+                        Path(notebooks).resolve() if notebooks else None,
                         count_gpus() if gpus == "auto" else gpus, ranks_per_seat, gpus_per_seat)
     if notebooks is not None and not workshop.notebooks.is_dir():
         raise ValueError(f"notebooks={str(notebooks)!r}: no such folder; give the course's notebooks folder")
@@ -72,9 +73,11 @@ def configure(c, *, seats: int | str | Sequence[str], room: str | Path, instruct
     c.Spawner.pre_spawn_hook = lambda spawner_: prepare_seat(workshop, spawner_)
     c.JupyterHub.services = [*c.JupyterHub.get("services", []), {
         "name": ROOM_SERVICE, "url": room_url, "oauth_no_confirm": True, "display": True,
-        "command": [sys.executable, "-m", "pplab.course.hub.service", str(workshop.room), "--refresh", f"{refresh:g}"]}]
+        "command": [sys.executable, "-m", "pplab.course.hub.service", str(workshop.room), "--refresh",
+                    f"{refresh:g}"]}]
     c.JupyterHub.load_roles = [*c.JupyterHub.get("load_roles", []), {
-        "name": INSTRUCTORS_ROLE, "users": instructors, "scopes": [f"access:services!service={ROOM_SERVICE}"]}]
+        "name": INSTRUCTORS_ROLE, "users": instructors,
+        "scopes": [f"access:services!service={ROOM_SERVICE}"]}]
     return workshop
 
 

@@ -36,7 +36,8 @@ def make_app(folder: str, refresh: float):
             self.finish(body)
 
     prefix = os.environ.get("JUPYTERHUB_SERVICE_PREFIX", "/services/pplab-room/")
-    return web.Application([(prefix + "oauth_callback", HubOAuthCallbackHandler), (prefix + "(.*)", RoomHandler)],
+    return web.Application([(prefix + "oauth_callback", HubOAuthCallbackHandler),
+                            (prefix + "(.*)", RoomHandler)],
                            cookie_secret=secrets.token_bytes(32))
 
 
@@ -44,7 +45,8 @@ def main(argv: list[str] | None = None) -> int:
     """Serve the room until the hub stops the service."""
     from tornado import ioloop
 
-    parser = argparse.ArgumentParser(prog="python -m pplab.course.hub.service", description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m pplab.course.hub.service",
+                                     description=__doc__.split("\n")[0])
     parser.add_argument("folder", help="the room's folder")
     parser.add_argument("--refresh", type=float, default=3.0, help="seconds between the page's re-reads")
     args = parser.parse_args(argv)

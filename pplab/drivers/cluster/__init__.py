@@ -35,7 +35,8 @@ from pplab.drivers.cluster.status import RankInfo, RankTable
 from pplab.rank.rank_context import RankContext, RankEvent, publish, rank_context
 
 __all__ = [
-    "cleanup", "gpus_for_seat", "plan_room", "RoomPlan", "NamespaceHosts", "publish", "rank_context", "RankContext", "RankCall", "RankEvent",
+    "cleanup", "gpus_for_seat", "plan_room", "RoomPlan", "NamespaceHosts", "publish", "rank_context",
+    "RankContext", "RankCall", "RankEvent",
     "RankInfo", "RankTable", "LabError", "LabStartError", "LabNeedsRestartError",
     "RankFailedError", "RankDiedError", "RankTimeoutError",
 ]

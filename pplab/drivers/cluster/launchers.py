@@ -73,7 +73,8 @@ def engine_args(start_timeout: float) -> list[str]:
     gives up, and exits, when the controller takes over 5 s to answer its registration, which a
     busy machine can take (a CI run saw one of a lab's two engines never register): an engine
     waits as long as the lab's start does."""
-    return [*ENGINE_ARGS, f"--IPEngine.wait_for_url_file={start_timeout}", f"--IPEngine.timeout={start_timeout}"]
+    return [*ENGINE_ARGS, f"--IPEngine.wait_for_url_file={start_timeout}",
+            f"--IPEngine.timeout={start_timeout}"]
 
 
 LOG_LINES = 15  # per log, in a start-up error message

@@ -194,9 +194,11 @@ class NamespaceHosts:
             # Keep TCP's window open between messages, as clusters tune it: after an idle gap
             # Linux would restart it small, and a message on a slow link would wait for ACKs.
             self._in(name, ["sysctl", "-qw", "net.ipv4.tcp_slow_start_after_idle=0"], check=False)
-            for network, (bridge, subnet, inside) in enumerate(zip(self.bridges, self.subnets, (CONTROL, DATA))):
+            for network, (bridge, subnet, inside) in enumerate(zip(self.bridges, self.subnets,
+                                                                   (CONTROL, DATA))):
                 outside = f"ppl{self.tag}{index}{network}"
-                self._run(["ip", "link", "add", outside, "type", "veth", "peer", "name", inside, "netns", name])
+                self._run(["ip", "link", "add", outside, "type", "veth", "peer", "name", inside,
+                           "netns", name])
                 self._made.append(("ip", "link", "del", outside))
                 self._run(["ip", "link", "set", outside, "master", bridge])
                 self._run(["ip", "link", "set", outside, "up"])
@@ -211,11 +213,13 @@ class NamespaceHosts:
     def _start_cluster(self) -> None:
         os.makedirs(os.path.join(self.profile_dir, "security"), exist_ok=True)
         self.processes.append(self._spawn(0, [sys.executable, "-m", "ipyparallel.controller",
-                                              f"--profile-dir={self.profile_dir}", f"--cluster-id={self.cluster_id}",
+                                              f"--profile-dir={self.profile_dir}",
+                                              f"--cluster-id={self.cluster_id}",
                                               f"--ip={self.addresses[0]}",
                                               *controller_args(HEARTBEAT_PATIENCE_SECONDS, recent_load())],
                                              "controller"))
-        engine_file = os.path.join(self.profile_dir, "security", f"ipcontroller-{self.cluster_id}-engine.json")
+        engine_file = os.path.join(self.profile_dir, "security",
+                                   f"ipcontroller-{self.cluster_id}-engine.json")
         deadline = time.monotonic() + self.start_timeout
         while not _written(engine_file):  # whole: the engines read it at once
             if self.processes[0].poll() is not None or time.monotonic() > deadline:

@@ -21,5 +21,6 @@ from pplab.views.widgets.room import RoomView
 from pplab.views.widgets.training import TrainingView
 from pplab.views.widgets.whatif import WhatIf
 
-__all__ = ["Dashboard", "TimelineView", "BubblesView", "ShapesView", "GradientsView", "MemoryView", "WhereView", "WhatIf",
+__all__ = ["Dashboard", "TimelineView", "BubblesView", "ShapesView", "GradientsView", "MemoryView",
+           "WhereView", "WhatIf",
            "TrainingView", "RoomView"]

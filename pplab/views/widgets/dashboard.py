@@ -281,7 +281,8 @@ class Dashboard(widgets.VBox):
         self.schedule_name = widgets.Dropdown(options=names, value=current, description="schedule")
         # Each control is labelled with the keyword of lab.pipeline(...) it sets.
         self.n_microbatches = widgets.BoundedIntText(schedule.n_microbatches, min=1, max=256,
-                                                     description="n_microbatches", layout=short, style=labelled)
+                                                     description="n_microbatches", layout=short,
+                                                     style=labelled)
         self.n_virtual = widgets.BoundedIntText(schedule.n_virtual, min=1, max=8,
                                                 description="n_virtual (stages per rank)",
                                                 layout=widgets.Layout(width="250px"), style=labelled)
@@ -329,8 +330,10 @@ class Dashboard(widgets.VBox):
         kept = {field.name: getattr(spec, field.name) for field in dataclasses.fields(spec)
                 if field.name not in ("config", "schedule", "timing", "impl")}
         try:
-            new = lab.pipeline(config, schedule=self.schedule_name.value, n_microbatches=self.n_microbatches.value,
-                               n_virtual=self.n_virtual.value, timing=TIMING_COSTS if self.timing.value else None,
+            new = lab.pipeline(config, schedule=self.schedule_name.value,
+                               n_microbatches=self.n_microbatches.value,
+                               n_virtual=self.n_virtual.value,
+                               timing=TIMING_COSTS if self.timing.value else None,
                                impl=self.impl.value, **kept)
         except ValueError as error:  # sizes the schedule cannot take: say so, keep the old pipeline
             self._say_error(error)

@@ -45,10 +45,13 @@ class WhatIf(widgets.VBox):
         biggest = max(max(self._per_stage["forward"]), max(self._per_stage["backward"]))
 
         # Each control is labelled with the keyword it sets (WhatIf's, build's, lab.pipeline's).
-        self.schedule_name = widgets.Dropdown(options=[name] if self.custom else list(SCHEDULE_NAMES), value=name,
+        self.schedule_name = widgets.Dropdown(options=[name] if self.custom else list(SCHEDULE_NAMES),
+                                              value=name,
                                               description="schedule", disabled=self.custom is not None)
-        self.n_ranks = widgets.IntSlider(n_ranks, min=1, max=8, description="n_ranks (p)", **_int_style(self.custom))
-        self.n_microbatches = widgets.IntSlider(n_microbatches, min=1, max=32, description="n_microbatches (m)",
+        self.n_ranks = widgets.IntSlider(n_ranks, min=1, max=8, description="n_ranks (p)",
+                                         **_int_style(self.custom))
+        self.n_microbatches = widgets.IntSlider(n_microbatches, min=1, max=32,
+                                                description="n_microbatches (m)",
                                                 **_int_style(self.custom))
         self.n_virtual = widgets.IntSlider(n_virtual, min=1, max=4, description="n_virtual (stages per rank)",
                                            **_int_style(self.custom))
@@ -57,7 +60,8 @@ class WhatIf(widgets.VBox):
                                            description=f"F ({self.unit})", **_SLIDER)
         self.backward = widgets.FloatSlider(min=0, max=8 * biggest, step=biggest / 100,
                                             description=f"B = I + W ({self.unit})", **_SLIDER)
-        self.weight_share = widgets.FloatSlider(min=0, max=1, step=0.01, description="W share of B", **_SLIDER)
+        self.weight_share = widgets.FloatSlider(min=0, max=1, step=0.01, description="W share of B",
+                                                **_SLIDER)
         self.latency = widgets.FloatSlider(0.0, min=0, max=2 * biggest, step=biggest / 100,
                                            description=f"latency ({self.unit})", **_SLIDER)
         # At its top the bandwidth costs nothing: messages then take just the latency.
@@ -90,7 +94,8 @@ class WhatIf(widgets.VBox):
         """The schedule the sliders describe (a ValueError names sizes it cannot take)."""
         if self.custom is not None:
             return self.custom
-        return build(self.schedule_name.value, self.n_ranks.value, self.n_microbatches.value, self.n_virtual.value)
+        return build(self.schedule_name.value, self.n_ranks.value, self.n_microbatches.value,
+                     self.n_virtual.value)
 
     def costs(self) -> Costs:
         """The costs the sliders describe."""
@@ -120,7 +125,8 @@ class WhatIf(widgets.VBox):
         self.bubble = self.timeline.bubble_fraction()
         textbook = theory(schedule, costs)
         if self.measured is not None:
-            fig = viz.compare_timelines(self.timeline, self.measured, ("simulated, from the sliders", "measured"))
+            fig = viz.compare_timelines(self.timeline, self.measured,
+                                        ("simulated, from the sliders", "measured"))
         else:
             fig = viz.plot_timeline(self.timeline, title=schedule.name)
         show_png(self.image, fig)
