@@ -112,7 +112,8 @@ def torchrun_one_rank(work: Path) -> dict:
         if done.returncode:
             out[f"{name}_tail"] = (done.stdout + done.stderr)[-1500:]
             return out
-    whole, resumed = ({r["step"]: r["loss"] for r in json.loads((reports / f"{name}.json").read_text())["records"]}
+    whole, resumed = ({r["step"]: r["loss"]
+                       for r in json.loads((reports / f"{name}.json").read_text())["records"]}
                       for name in ("whole", "resumed"))
     out["losses"] = {"step_1": whole[1], "step_50": whole[50]}
     out["resume"] = {"steps": [min(resumed), max(resumed)],
@@ -508,11 +509,13 @@ def device_timed_step(device: str, work: Path, impl: str = "pplab", batch=(8, 51
         mine = [r for r in rows if f"{kind}" in r["action"].split()[-1]]
         summary[kind] = {"count": len(mine), "pplab_median_ms": median([r["pplab_ms"] for r in mine]),
                          "trace_device_median_ms": median([r["trace_device_ms"] for r in mine]),
-                         "host_label_median_ms": median([r["host_label_ms"] for r in mine if r["host_label_ms"]]),
+                         "host_label_median_ms": median([r["host_label_ms"] for r in mine
+                                                         if r["host_label_ms"]]),
                          "median_relative_difference": median([abs(r["pplab_ms"] - r["trace_device_ms"])
                                                                / r["trace_device_ms"] for r in mine])}
     return {"impl": impl, "batch": batch, "timed_on": [r["timed_on"] for r in by_rank],
-            "device_memory_mib": [{k: v / 2**20 for k, v in (r["device_memory"] or {}).items()} for r in by_rank],
+            "device_memory_mib": [{k: v / 2**20 for k, v in (r["device_memory"] or {}).items()}
+                                  for r in by_rank],
             "by_kind": summary, "actions": rows[:8]}
 
 

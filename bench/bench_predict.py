@@ -72,14 +72,16 @@ def split_backward() -> dict:
                             weight_grad_s=s.weight_grad, ratio=(s.input_grad + s.weight_grad) / s.backward)
                        for index, s in enumerate(measured.stages)]
     return dict(rows=rows, goal="(I + W) / B <= 1.10 per stage",
-                met={label: all(r["ratio"] <= 1.10 for r in stage_rows) for label, stage_rows in rows.items()})
+                met={label: all(r["ratio"] <= 1.10 for r in stage_rows)
+                     for label, stage_rows in rows.items()})
 
 
 def real_runs(pool: pplab.RankPool, link: dict, modes=("real", "timing"), rounds: int = ROUNDS) -> dict:
     """Real mode and timing mode, `rounds` rounds each (the schedules interleaved in every round, so
     that a machine getting busier affects all alike): per round the median step of STEPS steps,
     against the prediction on a buffered link and on the link `with_link` measured."""
-    profiles = {v: profile(CONFIG, MICROBATCH_SIZE, SEQ_LEN, 2 * v, show=False).with_link(link) for v in (1, 2)}
+    profiles = {v: profile(CONFIG, MICROBATCH_SIZE, SEQ_LEN, 2 * v, show=False).with_link(link)
+                for v in (1, 2)}
     buffered = {v: replace(p, link="buffered") for v, p in profiles.items()}
     batch = next(batches(MICROBATCH_SIZE * MICROBATCHES, SEQ_LEN))
     modes = {mode: timing for mode, timing in {"real": None, "timing": TIMING}.items() if mode in modes}
@@ -127,7 +129,8 @@ def real_runs(pool: pplab.RankPool, link: dict, modes=("real", "timing"), rounds
                             met=all(abs(r["time_error"]["median"]) <= goal for r in rows.values()))
     report["link"] = dict(link=profiles[1].link, latency_s=profiles[1].latency, send_s=profiles[1].send_cost)
     if "real" in report:
-        report["real"]["memory_met"] = all(r["memory_error"] <= 0.01 for r in report["real"]["schedules"].values())
+        report["real"]["memory_met"] = all(r["memory_error"] <= 0.01
+                                           for r in report["real"]["schedules"].values())
     report["profile"] = str(profiles[1])
     return report
 

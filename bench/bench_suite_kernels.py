@@ -93,7 +93,8 @@ def main() -> None:
         "repeats": args.repeats,
         "zygote_start": zygote,
         "median": medians,
-        "ratio_forked_over_plain": {key: medians["forked"][key] / medians["plain"][key] for key in ("cpu_s", "wall_s")},
+        "ratio_forked_over_plain": {key: medians["forked"][key] / medians["plain"][key]
+                                    for key in ("cpu_s", "wall_s")},
         "trials": trials,
     }
     os.makedirs(os.path.dirname(RESULT_PATH), exist_ok=True)

@@ -194,7 +194,8 @@ def analysis(configs: dict) -> dict:
         probes = row["probes_by_rank"]
         median = row["median_step_s"]["torch"]
         per_config[name] = dict(
-            profiled_step_ms={impl: [round(p[impl]["step_ms"], 1) for p in profiles] for impl in ("pplab", "torch")},
+            profiled_step_ms={impl: [round(p[impl]["step_ms"], 1) for p in profiles]
+                              for impl in ("pplab", "torch")},
             profiled_breakdown_rank0_ms={impl: {k: round(profiles[0][impl][k], 1) for k in
                                                 ("backward_engine_ms", "c10d_comm_ms", "other_ms")}
                                          for impl in ("pplab", "torch")},

@@ -234,7 +234,8 @@ CASES = [(stem, f"{stem}-as-shipped", None, NOT_YET.replace("`raise NotImplement
          for stem, shipped in (("02b_exercise_send_recv", "`raise NotImplementedError`"),
                                ("04b_exercise_1f1b_warmup", "`raise NotImplementedError`"),
                                ("14b_exercise_layout_of_your_model", "each `...`"))]
-CASES += [(stem, f"{stem}-wrong-{i}", answer, expected) for i, (stem, answer, expected) in enumerate(WRONG_ANSWERS)]
+CASES += [(stem, f"{stem}-wrong-{i}", answer, expected)
+          for i, (stem, answer, expected) in enumerate(WRONG_ANSWERS)]
 CASES += [(stem, f"{stem}-solution", solution(stem), r"^RIGHT") for stem in EXERCISES]
 # Run All after a wrong answer runs the cells below the check too (a cleanup among them): a check
 # run again afterwards must still find what it needs.

@@ -545,7 +545,8 @@ def test_a_labs_controller_waits_for_beats_as_long_as_the_load_it_measured_at_it
 
     with open(os.path.join(records.records_dir(lab2.profile_dir), f"{lab2.cluster_id}.json")) as file:
         entries = json.load(file)["processes"]
-    controllers = [psutil.Process(entry["pid"]).cmdline() for entry in entries if entry["role"] == "controller"]
+    controllers = [psutil.Process(entry["pid"]).cmdline() for entry in entries
+                   if entry["role"] == "controller"]
     assert len(controllers) == 1, entries
     wanted = heartbeat_patience(controller_args(HEARTBEAT_PATIENCE_SECONDS, lab2.machine_load))
     assert heartbeat_patience(controllers[0]) == wanted >= HEARTBEAT_PATIENCE_SECONDS

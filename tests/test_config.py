@@ -94,7 +94,8 @@ ON_THE_RANKS = {
 
 @pytest.mark.parametrize("name", FIELDS)
 def test_a_field_reaches_the_ranks(name):
-    """What the ranks are handed: the training's fields as TrainOptions, the layout's in the pipeline's spec."""
+    """What the ranks are handed: the training's fields as TrainOptions, the
+    layout's in the pipeline's spec."""
     if name not in ON_THE_RANKS:
         assert getattr(RunConfig(**{name: CHANGED[name]}).training(), name) == CHANGED[name]
         return
@@ -106,7 +107,8 @@ def test_a_field_reaches_the_ranks(name):
 
 
 def test_lab_pipeline_keywords_have_the_fields_names_defaults_and_help():
-    """lab.pipeline's keywords (every driver's) that are a run's fields take the field's name, default and help."""
+    """lab.pipeline's keywords (every driver's) that are a run's fields take the
+    field's name, default and help."""
     for pipeline in (Lab.pipeline, RankPool.pipeline):
         keywords = inspect.signature(pipeline).parameters
         shared = [name for name in keywords if name in FIELDS]

@@ -24,7 +24,8 @@ STEMS = sorted(path.stem for path in NOTEBOOKS.glob("*.ipynb"))
 def test_a_notebook_states_its_goal_sums_up_and_stops_its_lab(stem):
     cells = nbformat.read(NOTEBOOKS / f"{stem}.ipynb", as_version=4).cells
     assert "**Goal:**" in cells[0].source and "**Prerequisites:**" in cells[0].source, stem
-    assert any(c.cell_type == "markdown" and "## Summary" in c.source for c in cells), f"{stem} has no summary"
+    assert any(c.cell_type == "markdown" and "## Summary" in c.source
+               for c in cells), f"{stem} has no summary"
     code = [c.source for c in cells if c.cell_type == "code"]
     if any("pplab.Lab(" in source or "Lab.connect(" in source for source in code):
         assert "lab.stop()" in code[-1], f"{stem} starts a lab but its last cell does not stop it"

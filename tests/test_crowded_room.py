@@ -111,7 +111,8 @@ def test_three_attendees_labs_work_beside_two_burners_and_stop_alone(tmp_path, i
             assert lab["checked"] == {name: [True, True] for name in ("gpipe", "1f1b", "zb-h1")}, (seat, lab)
             assert lab["stragglers"] == [1, 1, 1], (seat, lab["verdicts"])
             losses = lab["losses"]
-            assert len(losses) == 20 and all(loss == loss for loss in losses) and losses[-1] < losses[0], losses
+            assert len(losses) == 20 and all(loss == loss
+                                             for loss in losses) and losses[-1] < losses[0], losses
         # Three labs, no cluster and no port shared.
         assert len({lab["cluster_id"] for lab in started.values()}) == 3
         ports = [port for lab in started.values() for port in lab["ports"]]

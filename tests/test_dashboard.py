@@ -100,7 +100,8 @@ def test_a_waiting_rank_shows_whom_it_waits_for_while_it_waits(lab2):
                                                                                 recorded)
         # A stall lasts from when the client saw the wait begin until it saw it end: the feed's latency on
         # a busy machine adds to the forward's own seconds.
-        assert all(dashboard.where.stalled_after <= s["seconds"] < slow + slack(2.0) for s in dashboard.where.stalls), \
+        assert all(dashboard.where.stalled_after <= s["seconds"] < slow + slack(2.0)
+                   for s in dashboard.where.stalls), \
             (slow, dashboard.where.stalled_after, dashboard.where.stalls)
         assert len(dashboard.results) == 1
     finally:

@@ -87,7 +87,8 @@ def test_weights_are_read_per_stage_from_safetensors(tmp_path):
     assert all(name.startswith("model.layers.2.") for name in per_rank[1])  # the middle: its block only
     # The tied head reads the embedding (save_pretrained writes a tied weight once).
     assert "model.embed_tokens.weight" in per_rank[2] and "model.norm.weight" in per_rank[2]
-    assert not any(name.startswith(("model.layers.0.", "model.layers.1.")) for name in per_rank[1] + per_rank[2])
+    assert not any(name.startswith(("model.layers.0.", "model.layers.1."))
+                   for name in per_rank[1] + per_rank[2])
     assert set().union(*per_rank) == in_file  # together, exactly the file's tensors
     assert parity.passed, parity  # and they are the file's values: the reference reads the file too
 

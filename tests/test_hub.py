@@ -126,7 +126,8 @@ def test_workshop_init_writes_a_hub_config_and_a_readme_and_refuses_what_cannot_
     compile(config, "jupyterhub_config.py", "exec")
     assert "/services/pplab-room/" in (tmp_path / "w" / "README.md").read_text()
     seats = list(csv.DictReader(open(tmp_path / "w" / "seats.csv")))
-    assert [row["account"] for row in seats][:2] == ["seat-01", "seat-02"] and seats[-1]["role"] == "instructor"
+    assert [row["account"]
+            for row in seats][:2] == ["seat-01", "seat-02"] and seats[-1]["role"] == "instructor"
     assert (tmp_path / "w" / "seats.csv").stat().st_mode & 0o077 == 0  # passwords: root's alone
     assert main(["workshop", "init", str(tmp_path / "w"), "--seats", "2", "--instructor", "t",
                  "--notebooks", str(notebooks)]) == 2
@@ -268,7 +269,8 @@ def test_a_workshop_on_a_real_hub_three_seats_their_verdicts_the_room_and_no_for
                 teacher.wait_for_url(re.compile(".*/user/.*"), timeout=timeout_ms)
                 open_page(teacher, hub.url + "/services/pplab-room/")
                 teacher.wait_for_selector("table.pplab-room", timeout=timeout_ms)
-                rows = {row.split("\t")[0]: row for row in teacher.inner_text("table.pplab-room tbody").splitlines()}
+                rows = {row.split("\t")[0]: row
+                        for row in teacher.inner_text("table.pplab-room tbody").splitlines()}
                 assert set(rows) == {ada, bo, cy}, rows
                 for seat in (ada, bo, cy):  # the placeholder was no try
                     assert re.search(r"✔ right · 2 tries", rows[seat]), rows[seat]

@@ -147,7 +147,8 @@ def test_the_readme_table_lists_the_whole_top_level_and_nothing_else_is_on_it():
     for name in pplab.__all__:  # every name resolved: what lands in the module is public or private
         getattr(pplab, name)
     # Python binds each imported submodule on its package: the floors' own modules are there, unlisted.
-    loose = [name for name, value in vars(pplab).items() if not name.startswith("_") and name not in pplab.__all__
+    loose = [name for name, value in vars(pplab).items()
+             if not name.startswith("_") and name not in pplab.__all__
              and not (isinstance(value, types.ModuleType) and value.__name__ == f"pplab.{name}")]
     assert loose == [], f"on pplab's surface but not public: {loose} (give them a leading underscore)"
     assert [name for name in dir(pplab) if not name.startswith("__")] == sorted(pplab.__all__)

@@ -26,7 +26,8 @@ def floor_of_folder(folder: Path) -> int:
 
 
 # The floors are the folders: each says its own in its docstring (the README's layout follows them).
-FOLDER_FLOORS = {path.parent.name: floor_of_folder(path.parent) for path in sorted(PACKAGE.glob("*/__init__.py"))}
+FOLDER_FLOORS = {path.parent.name: floor_of_folder(path.parent)
+                 for path in sorted(PACKAGE.glob("*/__init__.py"))}
 
 
 def test_a_folder_inside_a_floor_says_it_is_part_of_that_floor():
@@ -95,7 +96,8 @@ def through_the_front_door(node: ast.AST) -> bool:
 def test_no_module_imports_through_the_front_door():
     """The front door's names hide their floors from these checks (the room drill's seats took
     pplab.Lab, the notebook's, from the course floor below it)."""
-    front_door = sorted(module for module, path in FILES.items() for node in ast.walk(ast.parse(path.read_text()))
+    front_door = sorted(module for module, path in FILES.items()
+                        for node in ast.walk(ast.parse(path.read_text()))
                         if through_the_front_door(node))
     assert front_door == [], f"these modules import pplab itself: {front_door}"
 

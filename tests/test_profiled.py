@@ -139,7 +139,8 @@ def test_every_schedule_reads_back_as_pplab_recorded_it(traces, run):
     assert imported.labels == "PP labels"  # torch's own (multi-stage) or pplab's (the others)
     for rank in range(2):
         assert compute_order(timeline.events, rank) == compute_order(recorded[folder_of(run)], rank), rank
-    mine = {(e.rank, e.stage, e.kind, e.microbatch): e.duration for e in recorded[folder_of(run)] if e.is_compute}
+    mine = {(e.rank, e.stage, e.kind, e.microbatch): e.duration for e in recorded[folder_of(run)]
+            if e.is_compute}
     differences = [(event, event.duration - mine[(event.rank, event.stage, event.kind, event.microbatch)])
                    for event in timeline.compute_events()]
     outliers = [(event, difference) for event, difference in differences

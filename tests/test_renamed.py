@@ -92,7 +92,8 @@ def test_the_profiler_traces_reader_joined_pplab_trace():
 
 
 def test_the_memory_table_moved_to_the_session_the_client_side():
-    """pipe.memory()'s table is drawn on the client: it left pplab.mesh (the ranks' floor), one more release there."""
+    """pipe.memory()'s table is drawn on the client: it left pplab.mesh (the ranks'
+    floor), one more release there."""
     from pplab import mesh, session
 
     with pytest.warns(DeprecationWarning, match=r"pplab.mesh.MemoryTable is now pplab.session.MemoryTable"):
@@ -167,9 +168,11 @@ def test_one_default_bound_for_a_wait_between_ranks_everywhere():
     takers = [pplab.Lab.__init__, pplab.Lab.connect, pplab.RankPool.__init__, run_ranks,
               TorchrunRanks.__init__,
               run_as_torchrun_rank, PipelineSpec.create, RankRuntime.__init__, StageLink.__init__]
-    defaults = {taker.__qualname__: inspect.signature(taker).parameters["op_timeout"].default for taker in takers}
+    defaults = {taker.__qualname__: inspect.signature(taker).parameters["op_timeout"].default
+                for taker in takers}
     assert defaults == dict.fromkeys(defaults, OP_TIMEOUT)
-    assert {field.name: field.default for field in dataclasses.fields(PipelineSpec)}["op_timeout"] == OP_TIMEOUT
+    assert {field.name: field.default
+            for field in dataclasses.fields(PipelineSpec)}["op_timeout"] == OP_TIMEOUT
 
 
 @pytest.mark.quick

@@ -145,7 +145,8 @@ def test_three_attendees_labs_and_verdicts_are_seen_live_in_a_browser(tmp_path, 
         assert said["ada"][0].startswith("RIGHT") and said["bo"][0].startswith("NOT YET"), said
         os.kill(int(said["cy"][1].split()[1]), signal.SIGKILL)  # cy's rank dies
         deadline = time.monotonic() + 30  # the signal takes effect a moment later, on a busy machine
-        while time.monotonic() < deadline and {s.attendee: s.state for s in room.read_room(folder)}["cy"] != "dead":
+        while time.monotonic() < deadline and {s.attendee: s.state
+                                               for s in room.read_room(folder)}["cy"] != "dead":
             time.sleep(0.1)
 
         seats = {seat.attendee: seat for seat in room.read_room(folder)}

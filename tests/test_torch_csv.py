@@ -49,7 +49,8 @@ def test_any_schedule_is_written_as_torchs_csv_and_read_back_equal(tmp_path, mad
     path = schedule.to_torch_csv(tmp_path / "schedule.csv")
     rows = path.read_text().splitlines()
     assert len(rows) == schedule.n_ranks
-    assert [row.split(",") for row in rows] == [[str(a) for a in acts if a.is_compute] for acts in schedule.actions]
+    assert [row.split(",") for row in rows] == [[str(a) for a in acts if a.is_compute]
+                                                for acts in schedule.actions]
     again = Schedule.from_torch_csv(path, name=schedule.name)
     assert again.compute_only() == schedule.compute_only()  # torch's plans keep torch's own messages
     if schedule.name not in ("zbv-zero-bubble", "dualpipev"):

@@ -54,7 +54,8 @@ def test_timeline_and_memory_render_for_every_schedule(tmp_path, name, p, m, v):
 
 
 def compute_labels(fig: Figure) -> list[str]:
-    """The microbatch numbers written inside boxes (the per-rank bubbles end in %, under their 'idle' header)."""
+    """The microbatch numbers written inside boxes (the per-rank bubbles end in
+    %, under their 'idle' header)."""
     texts = [t.get_text() for t in fig.axes[0].texts]
     assert "idle" in texts  # the right margin's percentages say what they are
     return [text for text in texts if not text.endswith("%") and text != "idle"]
@@ -132,7 +133,8 @@ def gpipe_memory_like_the_lesson() -> Timeline:
 def test_memory_plot_shows_every_ranks_whole_curve(in_bytes):
     timeline = gpipe_memory_like_the_lesson()
     if not in_bytes:
-        timeline = Timeline([Event(e.rank, e.kind, e.stage, e.microbatch, e.start, e.end) for e in timeline.events]
+        timeline = Timeline([Event(e.rank, e.kind, e.stage, e.microbatch, e.start, e.end)
+                             for e in timeline.events]
                             + [Event(1, "F", 1, 2, 1.5, 1.8), Event(1, "B", 1, 2, 8, 9)])
     fig = viz.plot_memory(timeline)
     for rank, ax in enumerate(fig.axes):

@@ -80,7 +80,8 @@ INTEGER = Kind("a whole number", _whole, _is_int, "0")
 POSITIVE = Kind("a number > 0", _real, lambda v: _is_real(v) and v > 0, "0.001")
 NUMBER_OR_ZERO = Kind("a number >= 0", _real, lambda v: _is_real(v) and v >= 0, "0")
 BETAS = Kind("two numbers in [0, 1)", lambda text: _numbers(text, _real),
-             lambda v: isinstance(v, (tuple, list)) and len(v) == 2 and all(_is_real(b) and 0 <= b < 1 for b in v),
+             lambda v: isinstance(v, (tuple, list)) and len(v) == 2 and all(_is_real(b) and 0 <= b < 1
+                                                                            for b in v),
              "0.9,0.95")
 LAYERS = Kind("layers per stage, whole numbers >= 1", lambda text: _numbers(text, _whole),
               lambda v: isinstance(v, (tuple, list)) and len(v) > 0 and all(COUNT.valid(n) for n in v), "3,5")

@@ -10,7 +10,8 @@ from pplab.base.config import COUNT, NUMBER_OR_ZERO, POSITIVE, sections_of
 
 
 def positive_int(text: str) -> int:
-    """An option's whole number >= 1, or argparse's error naming the value (a count's rule, as a run's fields read it)."""
+    """An option's whole number >= 1, or argparse's error naming the value (a count's
+    rule, as a run's fields read it)."""
     return text_of_kind(COUNT)(text)
 
 

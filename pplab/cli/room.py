@@ -9,7 +9,8 @@ from pplab.cli.options import number, positive_int
 
 
 def run(args: argparse.Namespace) -> int:
-    """Serve the room (every attendee's lab and exercise verdicts, pplab.course.room) as a page on loopback."""
+    """Serve the room (every attendee's lab and exercise verdicts,
+    pplab.course.room) as a page on loopback."""
     from pplab.course import room
 
     if args.drill is not None:

@@ -114,7 +114,8 @@ def drill(seats: int, *, show: bool = True) -> DrillResult:
                 wrong.append(f"seat {index}: failed ({last[0]})")
                 continue
             said.append(json.loads(outs[index].read_text()))
-            wrong += [f"seat {index}: {name} wrong" for name, right in said[-1]["verdicts"].items() if not right]
+            wrong += [f"seat {index}: {name} wrong" for name, right in said[-1]["verdicts"].items()
+                      if not right]
             if show:
                 print(f"  seat {index + 1}/{seats} done in {said[-1]['times']['total']:.1f} s", flush=True)
     finally:

@@ -214,7 +214,8 @@ class Seat:
 
     @property
     def last_activity(self) -> float | None:
-        times = [v["time"] for v in self.verdicts.values()] + ([self.lab["last_activity"]] if self.lab else [])
+        times = [verdict["time"] for verdict in self.verdicts.values()]
+        times += [self.lab["last_activity"]] if self.lab else []
         return max(times, default=None)
 
     def stuck_since(self, exercise: str) -> float | None:
@@ -396,7 +397,8 @@ def _alive(pid: int) -> bool:
 STUCK_MINUTES = 10.0  # an attendee wrong on an exercise for this long is counted as stuck
 
 
-def room_summary(seats: list[Seat], now: float | None = None, columns: Mapping[str, str] | None = None) -> str:
+def room_summary(seats: list[Seat], now: float | None = None,
+                 columns: Mapping[str, str] | None = None) -> str:
     """'3 attendees: 2 labs running, 1 dead; 2 exercises right; 1 stuck over 10 min (longest: bo on 04b,
     14 min)' (`columns`: an exercise's short name, its notebook's id, as `room_table_html` takes)."""
     now = time.time() if now is None else now

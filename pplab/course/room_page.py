@@ -62,7 +62,8 @@ def room_response(folder: str, path: str, refresh: float, access: str) -> tuple[
     if path == "/room.json":
         seats = [{**vars(seat), "verdicts": seat.verdicts} for seat in reading.seats]
         return 200, "application/json", json.dumps({"seats": seats, "checked": reading.checked,
-                                                    "refused": [vars(refusal) for refusal in reading.refusals]})
+                                                    "refused": [vars(refusal)
+                                                                for refusal in reading.refusals]})
     if path == "/grades.csv":
         return 200, "text/csv; charset=utf-8", grades_csv(reading.seats, NOTEBOOK_OF_EXERCISE)
     if path == "/":

@@ -231,7 +231,8 @@ class PackedText:
 
 
 @lru_cache(maxsize=2)
-def packed_text(data: str, tokenizer: str, seq_len: int, batch_size: int, seed: int, stamp=None) -> PackedText:
+def packed_text(data: str, tokenizer: str, seq_len: int, batch_size: int, seed: int,
+                stamp=None) -> PackedText:
     """The packed text of a run (read and tokenised once per process, again when `stamp`, the files'
     modification times, says they changed)."""
     return PackedText(read_documents(data), load_tokenizer(tokenizer), seq_len, batch_size, seed)

@@ -111,7 +111,8 @@ class Ranks(Protocol):
 
 
 def error_report(error: BaseException) -> tuple[str, str, str]:
-    """(exception type, message, traceback text) of an error raised on a rank: what every driver sends back."""
+    """(exception type, message, traceback text) of an error raised on a rank:
+    what every driver sends back."""
     return type(error).__name__, str(error), traceback.format_exc()
 
 

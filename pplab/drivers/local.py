@@ -107,7 +107,8 @@ class _Rendezvous:
 
 def _join_group(rank: int, world_size: int, rendezvous: str, backend: str, op_timeout: float,
                 core: int | None = None):
-    """Make this fresh process rank `rank` of a process group on this host (on `core`, if given); its device."""
+    """Make this fresh process rank `rank` of a process group on this host (on
+    `core`, if given); its device."""
     os.environ.update(GLOO_SOCKET_IFNAME="lo", OMP_NUM_THREADS="1")
     if core is not None:  # before the backend starts its threads: they inherit it
         pin_this_process(core)
@@ -322,7 +323,8 @@ class RankPool:
 
     @property
     def state(self) -> str:
-        """'running', 'stopped', or 'restarting' (a failed call ended the processes; the next call starts new)."""
+        """'running', 'stopped', or 'restarting' (a failed call ended the
+        processes; the next call starts new)."""
         if self._stopped:
             return "stopped"
         return "running" if self._processes else "restarting"

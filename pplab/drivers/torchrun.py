@@ -91,7 +91,8 @@ class TorchrunRanks:
         dist.all_gather_object(gathered, outcome)
         raised = {rank: value for rank, (status, value) in enumerate(gathered) if status == "error"}
         if raised:
-            raise RankFailedError("\n".join(f"rank {r} failed:\n{e}: {v}\n{t}" for r, (e, v, t) in raised.items()),
+            raise RankFailedError("\n".join(f"rank {r} failed:\n{e}: {v}\n{t}"
+                                            for r, (e, v, t) in raised.items()),
                                  {r: f"failed: {one_line(e, v)}" for r, (e, v, _) in raised.items()},
                                  {r: (e, v) for r, (e, v, _) in raised.items()})
         return [value for _, value in gathered]

@@ -203,7 +203,8 @@ class HFModel:
 
     @property
     def sliding_window(self) -> int | None:
-        """The attention window when some layer attends to a window only (then longer sequences are refused)."""
+        """The attention window when some layer attends to a window only (then
+        longer sequences are refused)."""
         config = self.hf_config
         window = getattr(config, "sliding_window", None)
         layer_types = getattr(config, "layer_types", None)

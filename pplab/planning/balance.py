@@ -44,7 +44,8 @@ def stage_costs(layer_costs: Costs, balance: Sequence[int]) -> Costs:
     is the one leaving its last layer. The first layer's costs include the embedding, the
     last's the final norm, LM head and loss (as `pplab.profile` with one layer per stage gives)."""
     n_layers = _layer_count(layer_costs)
-    if sum(balance) != n_layers or any(isinstance(n, bool) or not isinstance(n, int) or n < 1 for n in balance):
+    if sum(balance) != n_layers or any(isinstance(n, bool) or not isinstance(n, int) or n < 1
+                                       for n in balance):
         raise ValueError(f"balance={list(balance)} must give each stage at least one of the {n_layers} "
                          f"layers the costs describe, {n_layers} in all")
     bounds = list(itertools.accumulate(balance, initial=0))
@@ -95,7 +96,8 @@ def search_balance(n_ranks: int, n_microbatches: int, layer_costs: Costs, memory
     if n_stages > n_layers:
         raise ValueError(f"{n_stages} stages cannot each take one of {n_layers} layers: use fewer ranks or "
                          f"virtual stages")
-    per_layer = [layer_costs.compute_time(Kind.F, i) + layer_costs.compute_time(Kind.B, i) for i in range(n_layers)]
+    per_layer = [layer_costs.compute_time(Kind.F, i) + layer_costs.compute_time(Kind.B, i)
+                 for i in range(n_layers)]
     even = _even(n_layers, n_stages)
     chosen = _lightest_splits(per_layer, n_stages, most)
     if even not in chosen:

@@ -45,7 +45,8 @@ def list_schedule(p: int, m: int, v: int, costs: Costs, weights, cap: float, spl
     every_stage = range(n_stages)
     forward_ended = [ended[Kind.F, s] for s in every_stage]
     backward_ended = [ended[backward_kind, s] for s in every_stage]
-    forward_needs = [_Needs((ended[producer], delay) for producer, delay in inputs[Kind.F, s]) for s in every_stage]
+    forward_needs = [_Needs((ended[producer], delay) for producer, delay in inputs[Kind.F, s])
+                     for s in every_stage]
     backward_needs = [_Needs((ended[producer], delay) for producer, delay in inputs[backward_kind, s])
                       for s in every_stage]
     for needs in (*forward_needs, *backward_needs):
@@ -113,7 +114,8 @@ def list_schedule(p: int, m: int, v: int, costs: Costs, weights, cap: float, spl
             stages = stages_of[rank]
             backwards = [(t, s) for s in stages if next_backward[s] < m
                          for t in [inputs_at(backward_needs[s], next_backward[s])] if t is not None and t <= now]
-            forwards = [(t, s) for s in stages if next_forward[s] < m and held[rank] + weights[s] <= cap * (1 + 1e-9)
+            forwards = [(t, s) for s in stages
+                        if next_forward[s] < m and held[rank] + weights[s] <= cap * (1 + 1e-9)
                         for t in [inputs_at(forward_needs[s], next_forward[s])] if t is not None and t <= now]
             if patient and not backwards and (forwards or held_back[rank]):
                 soon = [t for s in stages if next_backward[s] < m

@@ -236,7 +236,8 @@ def costs_from_timeline(timeline: Timeline, n_stages: int | None = None) -> Cost
         if not durations:
             return None
         overall = statistics.median(durations)
-        return tuple(statistics.median([e.duration for e in compute if e.kind == kind and e.stage == s] or [overall])
+        return tuple(statistics.median([e.duration for e in compute
+                                        if e.kind == kind and e.stage == s] or [overall])
                      for s in range(n_stages))
 
     forward, backward = medians("F"), medians("B")

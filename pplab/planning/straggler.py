@@ -105,14 +105,16 @@ def straggler_verdict(timelines: Sequence[Timeline], n_ranks: int) -> StragglerV
                    if key[0] == rank and kind in (None, key[2]))
 
     def over_others(candidate: int, mine: int, theirs: int, kind: str | None = None) -> float:
-        others = statistics.median(compute(rank, theirs, kind) for rank in range(n_ranks) if rank != candidate)
+        others = statistics.median(compute(rank, theirs, kind) for rank in range(n_ranks)
+                                   if rank != candidate)
         return compute(candidate, mine, kind) / others if others > 0 else float("inf")
 
     best = [compute(rank, BEST) for rank in range(n_ranks)]
     candidate = max(range(n_ranks), key=lambda rank: best[rank])
     low, high = over_others(candidate, LOWEST, BEST), over_others(candidate, BEST, LOWEST)
     every_kind_slower = all(over_others(candidate, BEST, BEST, kind) > 1 for kind in kinds)
-    typical = [sum(count * statistics.median(runs[key]) for key, count in count_in_step.items() if key[0] == rank)
+    typical = [sum(count * statistics.median(runs[key]) for key, count in count_in_step.items()
+                   if key[0] == rank)
                for rank in range(n_ranks)]
     spread = max((typical[rank] / best[rank] - 1 for rank in range(n_ranks) if best[rank] > 0), default=0.0)
     straggles = low > STRAGGLER_RATIO and every_kind_slower

@@ -87,7 +87,8 @@ def _dcp_errors() -> tuple[type[BaseException], ...]:
 
 
 def check_loadable(path: str | Path, config: LlamaConfig) -> dict:
-    """The manifest of a checkpoint that a model with `config` can load, every file verified; or a CheckpointError."""
+    """The manifest of a checkpoint that a model with `config` can load, every file
+    verified; or a CheckpointError."""
     path = resolve(path)
     manifest = _check_manifest(path, config)
     _check_files(path, manifest, 0, 1)
@@ -101,7 +102,8 @@ def _check_manifest(path: Path, config: LlamaConfig) -> dict:
 
 
 def _check_files(path: Path, manifest: dict, rank: int, world_size: int) -> None:
-    """This rank's share of the files is as committed (format 2), or at least there and long enough (format 1)."""
+    """This rank's share of the files is as committed (format 2), or at least
+    there and long enough (format 1)."""
     if manifest["format"] >= 2:
         verify(path, manifest, share(list(manifest["files"]), rank, world_size))
         return
@@ -278,7 +280,8 @@ class Checkpointer:
         return {**state["train"], "path": str(path), "manifest": manifest}
 
     def _agree(self, path, work: Callable):
-        """`work()` on every rank; its result once every rank succeeded, else every rank raises the first error."""
+        """`work()` on every rank; its result once every rank succeeded, else
+        every rank raises the first error."""
         try:
             result, error = work(), None
         except CheckpointError as failure:

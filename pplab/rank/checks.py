@@ -50,7 +50,8 @@ class GradientFlowReport(ShownAsText):
         return html_table(["parameter", "grad norm", "status"], rows, str(self).splitlines()[0])
 
 
-def check_gradient_flow(grad_stats: dict[str, dict], expected_names: Iterable[str] = ()) -> GradientFlowReport:
+def check_gradient_flow(grad_stats: dict[str, dict],
+                        expected_names: Iterable[str] = ()) -> GradientFlowReport:
     """Every parameter (and every expected name, e.g. the full model's) has a usable gradient."""
     failures = {}
     for name in set(expected_names) - set(grad_stats):

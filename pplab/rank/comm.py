@@ -137,7 +137,8 @@ class StageLink:
             self.mailbox.received[action] = buffers[action]
             self._record(action, buffers[action], started, ended)
 
-    def prepost(self, receives: list[Action], shapes: dict[Action, tuple[torch.dtype, tuple[int, ...]]]) -> None:
+    def prepost(self, receives: list[Action],
+                shapes: dict[Action, tuple[torch.dtype, tuple[int, ...]]]) -> None:
         """Post these receives now, ahead of their turn, where the backend allows it and the
         shape is known; `exchange` then only waits for them."""
         if not self.can_prepost:

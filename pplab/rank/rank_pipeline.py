@@ -239,7 +239,8 @@ class RankPipeline:
             result = self.runtime.step(data.get("inputs"), data.get("targets"),
                                        data.get("activation_shapes"), return_grads, numbered)
         if first:
-            result.losses_by_microbatch = {first + mb: loss for mb, loss in result.losses_by_microbatch.items()}
+            result.losses_by_microbatch = {first + mb: loss
+                                           for mb, loss in result.losses_by_microbatch.items()}
             result.boundary_shapes = [dataclasses.replace(b, microbatch=first + b.microbatch)
                                       for b in result.boundary_shapes]
             result.events = [_renumbered(e, first) for e in result.events]

@@ -136,7 +136,8 @@ class RankTrainer:
     # --- one step -----------------------------------------------------------------------
 
     def train_step(self, watch: Callable[[Event | Now], None] | None = None) -> TrainRecord:
-        """One optimizer step on the next batch (`watch` is told what the step does, as in RankPipeline.step)."""
+        """One optimizer step on the next batch (`watch` is told what the step
+        does, as in RankPipeline.step)."""
         started = time.perf_counter()
         batch = train_batch(self.options, self.data_position)
         lr = self.optimizer.param_groups[0]["lr"]
@@ -179,7 +180,8 @@ class RankTrainer:
         """The step's mean loss, known on the last stage's rank, given to every rank."""
         schedule = self.pipeline.spec.schedule
         owner = schedule.stage_to_rank(schedule.n_stages - 1)
-        mean = sum(losses_by_microbatch[mb] for mb in sorted(losses_by_microbatch)) / max(1, len(losses_by_microbatch))
+        mean = sum(losses_by_microbatch[mb]
+                   for mb in sorted(losses_by_microbatch)) / max(1, len(losses_by_microbatch))
         if not dist.is_initialized():
             return mean
         value = torch.tensor([mean if self.pp_rank == owner else 0.0], dtype=torch.float64,

@@ -113,7 +113,8 @@ _BUILDERS = {  # by canonical name: SCHEDULE_NAMES
 
 
 def build(name: str, n_ranks: int, n_microbatches: int, n_virtual: int = 1) -> Schedule:
-    """The named schedule for these sizes, with its communication (any spelling of the name, see `schedule_name`)."""
+    """The named schedule for these sizes, with its communication (any spelling of
+    the name, see `schedule_name`)."""
     return add_communication(build_compute_order(name, n_ranks, n_microbatches, n_virtual))
 
 

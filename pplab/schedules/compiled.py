@@ -144,7 +144,8 @@ def _needs(schedule: Schedule, split: set[int], talks: bool) -> tuple:
     needs = tuple(_template(rule, Action(stage, kind, 0), rank_of_stage, n_stages, m)
                   for kind in KINDS for stage in range(n_stages))
     # An action needs at most two others (its forward and its output's gradient).
-    first_two = [(*(t[0][:2] if t else (-1, -1)), *(t[1][:2] if t and len(t) > 1 else (-1, -1))) for t in needs]
+    first_two = [(*(t[0][:2] if t else (-1, -1)), *(t[1][:2] if t and len(t) > 1 else (-1, -1)))
+                 for t in needs]
     # A key has an integer form when its needs are all in the pipeline and, for a message,
     # its neighbour is (a send from stage 0 backwards, say, has no boundary to cross).
     peers, first_message = peer_stages(n_stages), SEND_F * n_stages

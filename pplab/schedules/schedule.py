@@ -133,12 +133,14 @@ class Schedule:
 
 
 def loop_placement(n_ranks: int, n_virtual: int = 1) -> tuple[int, ...]:
-    """Each stage's rank when the stages loop over the ranks, s on rank s % n_ranks (GPipe, 1F1B, interleaved)."""
+    """Each stage's rank when the stages loop over the ranks, s on rank s %
+    n_ranks (GPipe, 1F1B, interleaved)."""
     return tuple(stage % n_ranks for stage in range(n_ranks * n_virtual))
 
 
 def v_placement(n_ranks: int) -> tuple[int, ...]:
-    """Each stage's rank in a V: 0..p-1 on ranks 0..p-1, then p..2p-1 back on p-1..0 (ZBVZeroBubble, DualPipeV)."""
+    """Each stage's rank in a V: 0..p-1 on ranks 0..p-1, then p..2p-1 back on
+    p-1..0 (ZBVZeroBubble, DualPipeV)."""
     return tuple(range(n_ranks)) + tuple(reversed(range(n_ranks)))
 
 

@@ -55,7 +55,8 @@ def read_torch_csv(path, name: str | None = None) -> Schedule:
     rows = []
     with open(path, newline="") as file:
         for rank, row in enumerate(csv.reader(file)):
-            rows.append([_compute_action(cell, path, rank, column) for column, cell in enumerate(row) if cell.strip()])
+            rows.append([_compute_action(cell, path, rank, column) for column, cell in enumerate(row)
+                         if cell.strip()])
     if not rows:
         raise ScheduleError(f"{path}: the file is empty; torch's CSV has one row of actions per rank")
     try:

@@ -119,7 +119,8 @@ class Pipeline:
         return [mesh.label(r) if mesh else f"rank {r}" for r in range(self.spec.world_size)]
 
     def default_batch(self, microbatch_size: int = 2, seq_len: int = 32, seed: int = 0) -> Batch:
-        """A batch of the embedded corpus that splits into this pipeline's microbatches (of every dp replica)."""
+        """A batch of the embedded corpus that splits into this pipeline's
+        microbatches (of every dp replica)."""
         size = microbatch_size * self.schedule.n_microbatches * self.spec.replicas
         return next(batches(size, seq_len, seed=seed))
 

@@ -165,7 +165,8 @@ def read_profiler_traces(paths, *, step: int = -1) -> ImportedRun:
     one_host = len({trace.host for trace in traces}) == 1
     device = any(span.device and PP_LABEL.match(span.name) for trace in traces for span in trace.spans)
     timeline, labels, outside, error, notes = _read_step(traces, windows, index, one_host, device)
-    others = [_read_step(traces, windows, other, one_host, device)[0] for other in range(n_steps) if other != index]
+    others = [_read_step(traces, windows, other, one_host, device)[0] for other in range(n_steps)
+              if other != index]
     return ImportedRun(timeline, [t.path for t in traces], index, n_steps, labels, one_host, error, outside,
                        notes, others)
 
@@ -370,7 +371,8 @@ def _step_windows(trace: RankTrace) -> list[tuple[float, float, bool]]:
     return windows
 
 
-def _check_one_step(traces: list[RankTrace], windows: list[tuple[float, float]], offsets: list[float]) -> None:
+def _check_one_step(traces: list[RankTrace], windows: list[tuple[float, float]],
+                    offsets: list[float]) -> None:
     """The ranks' windows must overlap on the common clock: else the files are from different steps."""
     placed = [(trace.base_us + start) / 1e6 + offset for trace, (start, _), offset in zip(traces, windows,
                                                                                           offsets)]
@@ -387,7 +389,8 @@ def _check_one_step(traces: list[RankTrace], windows: list[tuple[float, float]],
 # ---------------------------------------------------------------- clocks
 
 
-def _collectives(trace: RankTrace, start: float, end: float, device: bool = False) -> list[tuple[Span, str | None]]:
+def _collectives(trace: RankTrace, start: float, end: float,
+                 device: bool = False) -> list[tuple[Span, str | None]]:
     """(span, kind) of the collectives in [start, end]. On the CPU: the backend's spans (gloo's),
     which last until the collective is done, where the trace has them, else the c10d operators
     (which may only post it). On the device: NCCL's collective kernels."""
@@ -414,7 +417,8 @@ def _collective_ends(trace: RankTrace, window: tuple[float, float]) -> list[tupl
     """(operator, end in host seconds) of the collectives around and in a step, in order."""
     start, end = window
     reach = max(end - start, 1.0)  # pplab's step clock takes its collectives just before the step
-    return [(span.name, (trace.base_us + span.end) / 1e6) for span, _ in _collectives(trace, start - reach, end)]
+    return [(span.name, (trace.base_us + span.end) / 1e6)
+            for span, _ in _collectives(trace, start - reach, end)]
 
 
 def _clock_offsets(traces, windows, one_host: bool) -> tuple[list[float], float | None, list[str]]:
@@ -469,7 +473,8 @@ def _rank_events(trace: RankTrace, window: tuple[float, float], device: bool) ->
 
 
 def _innermost(labelled: list[tuple[Span, tuple]]) -> list[tuple[Span, tuple]]:
-    """Where two labels name one action (pplab's inside torch's, or GPipe's around pplab's), keep the inner."""
+    """Where two labels name one action (pplab's inside torch's, or GPipe's
+    around pplab's), keep the inner."""
     kept = []
     for span, key in labelled:
         inner = [(other, other_key) for other, other_key in labelled if other is not span
@@ -518,7 +523,8 @@ def _messages(trace: RankTrace, window: tuple[float, float], device: bool, label
 
 def _labelled(posted: Span, labels) -> tuple | None:
     """The action a `PP:<stage>RECV_F<mb>`-style label around an operator names (None: no label)."""
-    return next((key for label, key in labels if label.start <= posted.start and posted.end <= label.end), None)
+    return next((key for label, key in labels
+                 if label.start <= posted.start and posted.end <= label.end), None)
 
 
 def _compute_part(span: Span, action: tuple, messages: list[_Message]) -> tuple[float, float]:

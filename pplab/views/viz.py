@@ -188,7 +188,8 @@ def _draw_timeline(ax: Axes, timeline: Timeline, title: str | None, until: float
     shading = _Shading(timeline)
     boxes = [e for e in timeline.events if e.duration > 0 and (e.is_compute or show_comm)]
     compute_boxes = [e for e in boxes if e.is_compute]
-    typical_width_pt = statistics.median([e.duration for e in compute_boxes] or [span]) * _points_per_time_unit(ax)
+    typical_width_pt = statistics.median([e.duration
+                                          for e in compute_boxes] or [span]) * _points_per_time_unit(ax)
     _draw_boxes(ax, boxes, shading, (compute_band, comm_band), typical_width_pt)
     _draw_labels(ax, compute_boxes, shading, compute_band)
     _draw_rank_bubbles(ax, timeline)
@@ -343,8 +344,10 @@ def plot_memory(timeline: Timeline, title: str | None = None) -> Figure:
     n_ranks = max(timeline.n_ranks, 1)
     fig = _new_figure(11.0, 1.2 + 0.85 * n_ranks)
     axes = fig.subplots(n_ranks, 1, sharex=True, sharey=True, squeeze=False)[:, 0]
-    use_bytes = timeline.n_ranks > 0 and all(timeline.inflight_bytes(r) is not None for r in range(timeline.n_ranks))
-    most = max((timeline.peak_inflight_bytes(r) for r in range(timeline.n_ranks)), default=0) if use_bytes else 0
+    use_bytes = timeline.n_ranks > 0 and all(timeline.inflight_bytes(r) is not None
+                                             for r in range(timeline.n_ranks))
+    most = max((timeline.peak_inflight_bytes(r)
+                for r in range(timeline.n_ranks)), default=0) if use_bytes else 0
     scale, unit = byte_unit(most) if use_bytes else (1, "")
     highest = 0.0
     for rank, ax in enumerate(axes):
@@ -383,7 +386,8 @@ def _draw_steps(ax: Axes, steps: list[tuple[float, float]], t0: float, t1: float
 # ---------------------------------------------------------------- bubbles
 
 
-def plot_bubbles(results: Mapping[str, tuple[float | Timeline, float | None]], title: str | None = None) -> Figure:
+def plot_bubbles(results: Mapping[str, tuple[float | Timeline, float | None]],
+                 title: str | None = None) -> Figure:
     """Bars of measured vs theory bubble per schedule: {name: (measured, theory or None)}.
 
     `measured` may be a number or a Timeline (its bubble_fraction is used).

@@ -426,7 +426,8 @@ def check_clipping(lab, clip_global_norm, seed: int = 0) -> Verdict:
     config = LlamaConfig.tiny()
     batch = next(batches(2, 16, seed=seed))
     grads = reference_step(config, batch, 1).grads
-    total = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g) for g in grads.values()])).item()
+    total = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g)
+                                                  for g in grads.values()])).item()
     for max_norm in (total / 2, total * 2):  # one try that must clip, one that must leave all as is
         ran = _run_on_lab(lab, name, _clip_on_rank, clip_global_norm, config, batch, max_norm)
         if isinstance(ran, Verdict):

@@ -316,7 +316,8 @@ def check_packing(pack_documents) -> Verdict:
     rng = random.Random(0)
     bos, eos = 1, 2
     cases = [([[5, 6, 7], [8, 9], [10, 11, 12, 13]], 4)]
-    cases += [([[rng.randrange(3, 60) for _ in range(rng.randrange(0, 30))] for _ in range(rng.randrange(1, 6))],
+    cases += [([[rng.randrange(3, 60) for _ in range(rng.randrange(0, 30))]
+                for _ in range(rng.randrange(1, 6))],
                seq_len) for seq_len in (3, 8, 16) for _ in range(4)]
     for token_lists, seq_len in cases:
         windows = cut_sequences(join_documents(token_lists, bos, eos), seq_len)

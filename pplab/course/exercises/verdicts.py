@@ -49,7 +49,8 @@ EXERCISES = list(NOTEBOOK_OF_EXERCISE)
 
 
 def reported(check):
-    """A checker whose verdict also goes to the instructor's room (`pplab.course.room`), where there is one."""
+    """A checker whose verdict also goes to the instructor's room
+    (`pplab.course.room`), where there is one."""
     @functools.wraps(check)
     def checked(*args, **kwargs) -> Verdict:
         verdict = check(*args, **kwargs)

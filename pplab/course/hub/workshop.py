@@ -63,7 +63,8 @@ def init(folder: str | Path, seats: int | str, *, instructors: list[str], gpus: 
     return workshop
 
 
-def _config_text(workshop: Workshop, instructors: list[str], gpus: int | str, bind_url: str, room_url: str) -> str:
+def _config_text(workshop: Workshop, instructors: list[str], gpus: int | str, bind_url: str,
+                 room_url: str) -> str:
     seats = list(workshop.seats)
     return f'''# The hub of a pplab workshop, written by `pplab workshop init`; run it with `pplab workshop start {workshop.room.parent}`.
 # Edit at will: it is JupyterHub's own config file (https://jupyterhub.readthedocs.io), pplab.hub fills in the rest.
@@ -120,7 +121,8 @@ An attendee who opens it gets 403. Grades: the page's link, or `pplab room {work
 
 
 def make_accounts(accounts: list[str]) -> dict[str, str]:
-    """Make a Unix account for each name that has none, with a fresh password; {name: password} of those made."""
+    """Make a Unix account for each name that has none, with a fresh password;
+    {name: password} of those made."""
     if os.geteuid() != 0:
         raise ValueError("--make-users makes Unix accounts: run it as root (sudo), or make them yourself")
     import pwd

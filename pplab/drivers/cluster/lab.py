@@ -253,7 +253,8 @@ class Lab:
             self._requested["host_messages"])
         # Rank r of a host on its GPU r % (the host's GPUs): ranks share a GPU only when they must.
         self._rank_gpus = ([] if device != "cuda" else list(self._gpus) if self._gpus else
-                           [local_rank % gpus_per_host[host] for host, (local_rank, _) in zip(hosts, local_ranks(hosts))])
+                           [local_rank % gpus_per_host[host]
+                            for host, (local_rank, _) in zip(hosts, local_ranks(hosts))])
         infos = [RankInfo(rank, engine_id, host, about[engine_id]["pid"], local_rank,
                           device, backend, "idle")
                  for rank, (engine_id, host, (local_rank, _))
@@ -430,7 +431,8 @@ class Lab:
 
     @property
     def host_messages(self) -> bool:
-        """Whether the ranks' messages go through host memory (over gloo): ranks sharing a GPU, or asked for."""
+        """Whether the ranks' messages go through host memory (over gloo):
+        ranks sharing a GPU, or asked for."""
         return self._host_messages
 
     @property

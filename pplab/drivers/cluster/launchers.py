@@ -183,7 +183,8 @@ class LocalCluster:
             listening = set()
             for process in processes:
                 with contextlib.suppress(psutil.Error):
-                    listening |= {c.laddr.port for c in process.net_connections("tcp") if c.status == "LISTEN"}
+                    listening |= {c.laddr.port for c in process.net_connections("tcp")
+                                  if c.status == "LISTEN"}
             missing = sorted(wanted - listening)
             if not missing or time.monotonic() > deadline:
                 return missing

@@ -129,7 +129,8 @@ def plan_room(n_seats: int, n_ranks: int, gpu_count: int, *, gpu_memory_gib: flo
     if not isinstance(gpu_count, int) or gpu_count < 1:
         raise ValueError(f"gpu_count={gpu_count!r}: a room on GPUs needs at least one; without GPUs the "
                          f"labs run on CPU (device='cpu')")
-    seats = tuple(tuple((seat * n_ranks + rank) % gpu_count for rank in range(n_ranks)) for seat in range(n_seats))
+    seats = tuple(tuple((seat * n_ranks + rank) % gpu_count for rank in range(n_ranks))
+                  for seat in range(n_seats))
     ranks_per_gpu = -(-n_seats * n_ranks // gpu_count)
     fraction = CAPPED_SHARE / ranks_per_gpu
     if gpu_memory_gib is not None and rank_memory_gib is not None \

@@ -100,7 +100,8 @@ class Dashboard(widgets.VBox):
             self._say("stopping after this step")
 
     def check_parity(self):
-        """One more step, compared with one device: loss and every gradient; differences go to the gradient panel."""
+        """One more step, compared with one device: loss and every gradient;
+        differences go to the gradient panel."""
         from pplab.rank.rank_context import RankError
 
         if self.running:

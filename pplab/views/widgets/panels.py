@@ -235,7 +235,8 @@ class BubblesView(widgets.VBox):
                                                    (self.theory, "#E69F00", "theory", ":", 3.0)):
             if value is not None:
                 ax.axhline(value, color=colour, linestyle=style, linewidth=width, label=label)
-        ax.set_ylim(0, max([r["overall"] for r in self.rows] + [self.theory or 0, self.simulated or 0, 0.05]) * 1.2)
+        ax.set_ylim(0, max([r["overall"]
+                            for r in self.rows] + [self.theory or 0, self.simulated or 0, 0.05]) * 1.2)
         ax.yaxis.set_major_formatter(PercentFormatter(1.0))
         ax.xaxis.set_major_locator(MaxNLocator(integer=True, min_n_ticks=1))
         ax.set_xlim(0.5, len(steps) + 0.5)
@@ -368,7 +369,8 @@ _WHERE_STYLE = ("<style>.pplab-where table{table-layout:fixed;width:100%;max-wid
 
 
 class WhereView(widgets.VBox):
-    """What every rank is doing now; a rank that waits shows on whom and for what, turning red when stalled."""
+    """What every rank is doing now; a rank that waits shows on whom and for
+    what, turning red when stalled."""
 
     def __init__(self, n_ranks: int, stalled_after: float = 2.0, labels: list[str] | None = None):
         """`labels` names the rows (a mesh's ranks by their coordinates); default the rank numbers."""

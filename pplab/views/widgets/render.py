@@ -18,7 +18,8 @@ PNG_DPI = 90
 
 
 def show_png(image, fig, dpi: int = PNG_DPI) -> None:
-    """Put `fig` into an `ipywidgets.Image` at its own pixel width (front ends stretch it otherwise) and show it."""
+    """Put `fig` into an `ipywidgets.Image` at its own pixel width (front ends
+    stretch it otherwise) and show it."""
     image.value = png(fig, dpi)
     image.width = str(round(fig.get_figwidth() * dpi))
     image.layout.display = None
