@@ -418,7 +418,8 @@ def traced_step_on_rank(rank, world_size, folder, device):
     from pplab.rank.rank_pipeline import PipelineSpec, RankPipeline, split_for_ranks
 
     # Ranks beyond the GPUs share them (their group is gloo's: messages through host memory).
-    device = torch.device(device, rank % torch.cuda.device_count()) if device == "cuda" else torch.device(device)
+    device = (torch.device(device, rank % torch.cuda.device_count()) if device == "cuda"
+              else torch.device(device))
     spec = PipelineSpec.create(LlamaConfig.tiny(), "1f1b", world_size, 4, record=False)
     pipeline = RankPipeline(spec, rank, device)
     data = split_for_ranks(spec, next(batches(4, 64, 0)))[rank]
@@ -459,7 +460,8 @@ def device_timed_step_on_rank(rank, world_size, folder, device, impl, batch=(8, 
     from pplab.data import batches
     from pplab.rank.rank_pipeline import PipelineSpec, RankPipeline, split_for_ranks
 
-    device = torch.device(device, rank % torch.cuda.device_count()) if device == "cuda" else torch.device(device)
+    device = (torch.device(device, rank % torch.cuda.device_count()) if device == "cuda"
+              else torch.device(device))
     on_gpu = device.type == "cuda"  # (a dry run on CPU takes the tiny config, 8 x 64 tokens)
     spec = PipelineSpec.create(LlamaConfig.small() if on_gpu else LlamaConfig.tiny(), "1f1b", world_size, 4,
                                impl=impl)

@@ -66,7 +66,8 @@ def used(action, rank_of, last):
         return [(("activation", s, mb), here)]
     if k == Kind.SEND_B:
         return [(("input gradient", s, mb), here)]
-    return [(("wire activation", s - 1, mb), None)] if k == Kind.RECV_F else [(("wire gradient", s + 1, mb), None)]
+    return ([(("wire activation", s - 1, mb), None)] if k == Kind.RECV_F
+            else [(("wire gradient", s + 1, mb), None)])
 
 
 def oracle(schedule):

@@ -76,7 +76,8 @@ def twenty_seats(folder, now: float) -> None:
     (a later edit broke it); the
     rest right on 04b; nobody has tried 14b."""
     room.make_room(folder)
-    hint = "rank 0 of 3 with 1 microbatch: you said 2, it runs 1.\nHint: a rank cannot warm up more microbatches than there are."
+    hint = ("rank 0 of 3 with 1 microbatch: you said 2, it runs 1.\nHint: a rank cannot warm up more "
+            "microbatches than there are.")
     for seat in range(20):
         name = f"seat-{seat:02d}"
         lab = {"attendee": name, "lab": "x", "host": "elsewhere", "client_pid": 1, "state": "running",

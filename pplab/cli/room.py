@@ -64,7 +64,8 @@ def _serve(folder: str, port: int, refresh: float) -> int:
         raise ValueError(f"--port {port}: cannot listen there ({error.strerror}); give another "
                          f"port, or 0 for any free one") from None
     port = server.server_address[1]
-    kind = "seats checked by their accounts" if seats_of(folder) is not None else "verdicts trusted, not checked"
+    kind = ("seats checked by their accounts" if seats_of(folder) is not None
+            else "verdicts trusted, not checked")
     print(f"pplab room: {folder} at http://127.0.0.1:{port}/ ({kind}; {access}; from a laptop: "
           f"ssh -L {port}:127.0.0.1:{port} this server). Ctrl-C stops it.", flush=True)
     try:

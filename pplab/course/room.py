@@ -458,7 +458,8 @@ def room_table_html(seats: list[Seat], exercises: Mapping[str, str] | Sequence[s
         rows.append(f"<tr><td colspan='{5 + len(names)}'>nobody yet</td></tr>")
     tallies = "".join("<td title='right · wrong now · not "
                       f"tried'>{_tally(seats, name)}</td>" for name in names)
-    foot = f"<tfoot><tr><td colspan='5'>{len(seats)} seat{'s' * (len(seats) != 1)}: right · wrong · not yet</td>{tallies}</tr></tfoot>"
+    foot = (f"<tfoot><tr><td colspan='5'>{len(seats)} seat{'s' * (len(seats) != 1)}: right · wrong · not "
+            f"yet</td>{tallies}</tr></tfoot>")
     return (f"<table class='pplab-room'><thead><tr>{head}</tr></thead><tbody>{''.join(rows)}</tbody>"
             f"{foot if seats else ''}</table>")
 

@@ -424,7 +424,8 @@ class RankPool:
             dead = [r for r, p in enumerate(self._processes) if p.exitcode is not None and r not in ready]
             if dead or (len(ready) < self.world_size and time.monotonic() > deadline):
                 self._end_processes(patience=0.0)
-                why = f"ranks {dead} died" if dead else f"not every rank was up after {self.op_timeout + 60:g} s"
+                why = (f"ranks {dead} died" if dead
+                       else f"not every rank was up after {self.op_timeout + 60:g} s")
                 missing = dead or [r for r in range(self.world_size) if r not in ready]
                 raise (RankDiedError if dead else RankTimeoutError)(f"the pool's ranks did not start: {why}",
                                                                    ranks=missing)

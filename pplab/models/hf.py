@@ -196,7 +196,8 @@ class HFModel:
     @property
     def tied(self) -> tuple[tuple[str, str], ...]:
         """(first stage's name, last stage's name) of each weight the two share."""
-        text = self.hf_config.get_text_config() if hasattr(self.hf_config, "get_text_config") else self.hf_config
+        text = (self.hf_config.get_text_config() if hasattr(self.hf_config, "get_text_config")
+                else self.hf_config)
         if not getattr(text, "tie_word_embeddings", False):
             return ()
         return ((f"{self.layout_.embed}.weight", f"{self.layout_.head}.weight"),)

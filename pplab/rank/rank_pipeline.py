@@ -258,7 +258,8 @@ def parameters_in(stage, dtype: torch.dtype) -> None:
 
 def _renumbered(event: Event, first: int) -> Event:
     """The event with its microbatch counted from `first` (a dp replica's share of the batch)."""
-    return event if event.microbatch is None else dataclasses.replace(event, microbatch=first + event.microbatch)
+    return (event if event.microbatch is None
+            else dataclasses.replace(event, microbatch=first + event.microbatch))
 
 
 def split_for_ranks(spec: PipelineSpec, batch: Batch | Sequence[Batch],

@@ -503,7 +503,8 @@ def build_and_train_on_rank(rank: int, world_size: int, spec: PipelineSpec, opti
     if spec.world_size != world_size:
         raise ValueError(f"the pipeline is for {spec.world_size} ranks but world_size={world_size}")
     trainer = RankTrainer(RankPipeline(spec, rank, device), options)
-    bar = ProgressBar(options.steps if until is None else until, trainer.step) if progress and rank == 0 else None
+    bar = (ProgressBar(options.steps if until is None else until, trainer.step) if progress and rank == 0
+           else None)
     try:
         return trainer.train(until, on_step=bar.add if bar else None)
     finally:

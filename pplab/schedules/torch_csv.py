@@ -114,4 +114,5 @@ def _named_action(said: str, schedule: Schedule) -> str:
         return ""
     rank, step = int(match.group(1)), int(match.group(2))
     actions = schedule.compute_only().actions[rank] if rank < schedule.n_ranks else ()
-    return f" (rank {rank}'s action {actions[step]}: the {actions[step].describe()})" if step < len(actions) else ""
+    return (f" (rank {rank}'s action {actions[step]}: the {actions[step].describe()})" if step < len(actions)
+            else "")

@@ -46,7 +46,8 @@ class _MessagesWatched:
 
         sent = ", ".join(self.sent) or "nothing"
         received = f", received {', '.join(self.received)}" if self.received else ""
-        doing = "returned" if finished else f"was waiting in {waiting}" if waiting else "was past its last message"
+        doing = ("returned" if finished
+                 else f"was waiting in {waiting}" if waiting else "was past its last message")
         publish((MESSAGES, f"sent {sent}{received}, and {doing}"))
 
     def waits(self, what: str, wait, sends: bool):

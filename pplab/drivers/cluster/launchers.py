@@ -438,7 +438,8 @@ class ConnectedCluster:
             found = sorted(name[len("ipcontroller-"):-len("-client.json")] or "''"
                            for name in (os.listdir(security) if os.path.isdir(security) else [])
                            if name.startswith("ipcontroller-") and name.endswith("-client.json"))
-            others = f"clusters with files there: {', '.join(found)}" if found else "no cluster has files there"
+            others = (f"clusters with files there: {', '.join(found)}" if found
+                      else "no cluster has files there")
             raise LabStartError(
                 f"no running cluster found for profile={self.profile!r}, cluster_id={self.cluster_id!r}: "
                 f"{path} does not exist ({others}).\nStart one first, e.g. `ipcluster start -n 4 "

@@ -235,8 +235,8 @@ class BubblesView(widgets.VBox):
                                                    (self.theory, "#E69F00", "theory", ":", 3.0)):
             if value is not None:
                 ax.axhline(value, color=colour, linestyle=style, linewidth=width, label=label)
-        ax.set_ylim(0, max([r["overall"]
-                            for r in self.rows] + [self.theory or 0, self.simulated or 0, 0.05]) * 1.2)
+        highest = max([row["overall"] for row in self.rows] + [self.theory or 0, self.simulated or 0, 0.05])
+        ax.set_ylim(0, highest * 1.2)
         ax.yaxis.set_major_formatter(PercentFormatter(1.0))
         ax.xaxis.set_major_locator(MaxNLocator(integer=True, min_n_ticks=1))
         ax.set_xlim(0.5, len(steps) + 0.5)
