@@ -102,7 +102,8 @@ my_schedule = ["0F0 0B0 0F1 0B1 0F2 0B2 0F3 0B3", "1F1 1B1 1F0 1B0 1F2 1B2 1F3 1
 # (notebook, the exercise cell's code, what its checker must say)
 WRONG_ANSWERS = [
     ("01b_exercise_stage_forward", DETACHED_EMBEDDING,
-     r"NOT YET .* on the first stage, embed_tokens.weight got no gradient: something in your forward detached"),
+     r"NOT YET .* on the first stage, embed_tokens.weight got no gradient: something in "
+     r"your forward detached"),
     ("01b_exercise_stage_forward", DETACHED_INPUT,
      r"NOT YET .* the middle stage's input got no gradient: your forward detached it"),
     ("01b_exercise_stage_forward", NO_FINAL_NORM,
@@ -111,36 +112,42 @@ WRONG_ANSWERS = [
      r"NOT YET · send and receive, with gradients: a wait gave up after the lab's op_timeout of 5 s:\n"
      r"rank 0 sent nothing, and was waiting in dist.recv\(src=1\) of a \[2, 16, 64\] tensor.*\n"
      r"rank 1 sent nothing, and was waiting in dist.recv\(src=0\) of a \[2, 16, 64\] tensor.*\n"
-     r"If both ranks receive first, neither sends: a deadlock.*\n\(The lab was restarted for your next try.\)"),
+     r"If both ranks receive first, neither sends: a deadlock.*\n"
+     r"\(The lab was restarted for your next try.\)"),
     ("02b_exercise_send_recv", RECEIVED_WITHOUT_GRAD,
      r"NOT YET .*\n(.*\n)*Something was None: a received activation has no .grad unless it requires grad"),
     ("04b_exercise_1f1b_warmup", WARMUP_IGNORES_MICROBATCHES,
-     r"NOT YET .* rank 0 of 3 with 1 microbatch: you said 2, it runs 1.\nwith 1 microbatch a rank cannot run"),
+     r"NOT YET .* rank 0 of 3 with 1 microbatch: you said 2, it runs 1.\n"
+     r"with 1 microbatch a rank cannot run"),
     ("07b_exercise_torch_api_by_hand", TARGETS_ON_THE_FIRST_RANK,
-     r"NOT YET .* the last rank stepped without its targets: torch's last stage computes the loss, so it takes "
-     r"step\(target=targets, losses=losses\)"),
+     r"NOT YET .* the last rank stepped without its targets: torch's last stage computes the loss, so it "
+     r"takes step\(target=targets, losses=losses\)"),
     ("07b_exercise_torch_api_by_hand", LOSSES_NOT_COLLECTED,
      r"NOT YET .* the last rank returned None: torch puts each microbatch's loss into the list"),
     ("07b_exercise_torch_api_by_hand", BATCH_NOT_CHECKED,
-     r"NOT YET .* with n_microbatches=3 and a batch of 8, torch splits the batch 3, 3, 2 .*raise a ValueError"),
+     r"NOT YET .* with n_microbatches=3 and a batch of 8, torch splits the batch 3, 3, 2 "
+     r".*raise a ValueError"),
     ("08b_exercise_global_clipping", PER_STAGE_CLIPPING,
-     r"NOT YET .* rank 0 returned the norm [\d.]+, but the norm of all stages' gradients is [\d.]+ \(the norm "
-     r"of this rank's own gradients: sum the squares on every rank, all_reduce"),
+     r"NOT YET .* rank 0 returned the norm [\d.]+, but the norm of all stages' gradients is [\d.]+ \(the "
+     r"norm of this rank's own gradients: sum the squares on every rank, all_reduce"),
     ("08b_exercise_global_clipping", ALWAYS_SCALED,
-     r"NOT YET .* with max_norm=[\d.]+ above the global norm [\d.]+ nothing may change, but the gradients were "
-     r"scaled rank 0 by 2.000, rank 1 by 2.000: scale by min\(1, max_norm / norm\)"),
+     r"NOT YET .* with max_norm=[\d.]+ above the global norm [\d.]+ nothing may change, but the gradients "
+     r"were scaled rank 0 by 2.000, rank 1 by 2.000: scale by min\(1, max_norm / norm\)"),
     ("09b_exercise_mesh_groups", PP_FASTEST,
-     r"NOT YET .* rank 0 of a mesh pp=2 x dp=2 x tp=2: .*\nthe layout is row-major over \(pp, dp, tp\): tp varies fastest"),
+     r"NOT YET .* rank 0 of a mesh pp=2 x dp=2 x tp=2: .*\n"
+     r"the layout is row-major over \(pp, dp, tp\): tp varies fastest"),
     ("09b_exercise_mesh_groups", PIPELINE_STRIDE_WITHOUT_TP,
-     r"NOT YET .*\nyour pp group is off. Along each dimension the ranks of a group are a fixed stride apart: 4 for pp"),
+     r"NOT YET .*\n"
+     r"your pp group is off. Along each dimension the ranks of a group are a fixed stride apart: 4 for pp"),
     ("09b_exercise_mesh_groups", GROUPS_WITHOUT_ITSELF, r"NOT YET .*\na group includes the rank itself"),
     ("10b_exercise_predict_gpipe", EVEN_STAGES_FORMULA,
-     r"NOT YET .* you said [\d.]+, the simulator [\d.]+\.\n\(m \+ p - 1\)\(F \+ B\) holds for even stages only"),
+     r"NOT YET .* you said [\d.]+, the simulator [\d.]+\.\n"
+     r"\(m \+ p - 1\)\(F \+ B\) holds for even stages only"),
     ("10b_exercise_predict_gpipe", LATENCY_ONE_WAY,
      r"NOT YET .* latency=0.5: .*\nthe latency is paid going forward and coming back: 2 \(p - 1\) hops"),
     ("14b_exercise_layout_of_your_model", NO_ROTARY,
-     r"NOT YET .* model.rotary_emb \(PhiRotaryEmbedding\) is in no part of your layout, so no stage would run it.*"
-     r"rotary position embeddings: `rotary=`"),
+     r"NOT YET .* model.rotary_emb \(PhiRotaryEmbedding\) is in no part of your layout, so no stage would "
+     r"run it.*rotary position embeddings: `rotary=`"),
     ("14b_exercise_layout_of_your_model", LLAMA_NORM,
      r"NOT YET .* pplab refused it: layout norm='model.norm': 'phi' has no module there. Its modules: .*"
      r"model.final_layernorm \(LayerNorm\)"),
@@ -155,9 +162,11 @@ WRONG_ANSWERS = [
     ("15b_exercise_pack_text", WINDOWS_APART,
      r"NOT YET .*\nyour windows do not overlap: each window is seq_len \+ 1"),
     ("15b_exercise_pack_text", KEEPS_THE_TAIL,
-     r"NOT YET .*\nevery row must be seq_len = \d+ tokens long; yours are \[\d+, \d+\] long \(keep whole windows only"),
+     r"NOT YET .*\n"
+     r"every row must be seq_len = \d+ tokens long; yours are \[\d+, \d+\] long \(keep whole windows only"),
     ("16b_exercise_idle_from_a_trace", WAITS_COUNTED_BUSY,
-     r"NOT YET .* your timeline 1, rank \d: you said [\d.]+, it is [\d.]+\.\na rank waiting in a receive is idle"),
+     r"NOT YET .* your timeline 1, rank \d: you said [\d.]+, it is [\d.]+\.\n"
+     r"a rank waiting in a receive is idle"),
     ("16b_exercise_idle_from_a_trace", OWN_SPAN,
      r"NOT YET .* rank \d: you said [\d.]+, it is [\d.]+\.\nmeasure against the whole step"),
     ("11b_exercise_schedule_by_hand", GPIPE_BY_HAND,

@@ -951,7 +951,8 @@ def test_a_controller_that_does_not_answer_fails_the_start_after_start_timeout(i
     with LoadWatch() as during, pytest.raises(pplab.cluster.LabStartError) as failed:
         pplab.Lab(n_ranks=2, device="cpu", verbose=False, start_timeout=2)
     took = time.monotonic() - began
-    waited = float(re.search(r"the controller did not answer the client within (\d+) s", str(failed.value))[1])
+    waited = float(re.search(r"the controller did not answer the client within (\d+) "
+                             r"s", str(failed.value))[1])
     # It waited start_timeout at this machine's pace, not ipyparallel's own 10 s (nor its 60 s for the
     # files); starting the controller and stopping it again take their 20 s at this machine's pace too
     # (beside two burners: 40 s in all, of which the wait was 4).

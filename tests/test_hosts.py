@@ -55,8 +55,8 @@ def lab(hosts):
 def test_a_wrong_interface_name_is_refused_within_seconds_naming_the_ones_there(hosts):
     # Checked before any rank waits: well within the 60 s a rank would wait for a peer.
     with within(15), pytest.raises(pplab.cluster.RankFailedError,
-                                   match=r"gloo_ifname='eth9': host pplab-\w+-h\d has no such network interface; "
-                                         r"it has lo, pplab0, pplab1"):
+                                   match=r"gloo_ifname='eth9': host pplab-\w+-h\d has no such network "
+                                         r"interface; it has lo, pplab0, pplab1"):
         pplab.Lab.connect(**{**hosts.connect_options(), "gloo_ifname": "eth9"}, n_ranks=4, op_timeout=60,
                           verbose=False)
 

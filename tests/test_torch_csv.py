@@ -63,8 +63,9 @@ def test_any_schedule_is_written_as_torchs_csv_and_read_back_equal(tmp_path, mad
 def test_what_torchs_csv_cannot_hold_is_refused_naming_the_cell_and_why(tmp_path):
     path = tmp_path / "bad.csv"
     path.write_text("0F0,0SEND_F0,0B0\n1RECV_F0,1F0,1B0\n")
-    with pytest.raises(ScheduleError, match=r"bad.csv, row 1 \(rank 0\), cell 2: '0SEND_F0' is a send or "
-                                            r"receive; .* F, B, I and W only \(torch adds the messages itself\)"):
+    with pytest.raises(ScheduleError, match=r"bad.csv, row 1 \(rank 0\), cell 2: '0SEND_F0' is a "
+                                            r"send or receive; .* F, B, I and W only \(torch adds "
+                                            r"the messages itself\)"):
         Schedule.from_torch_csv(path)
     path.write_text("0UNSHARD,0F0,0B0,0RESHARD\n1F0,1B0\n")
     with pytest.raises(ScheduleError, match=r"cell 1: '0UNSHARD' is one of torch's own actions \(FSDP"):

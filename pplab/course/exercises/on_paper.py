@@ -412,7 +412,8 @@ def check_idle_share(idle_share, *timelines) -> Verdict:
                 return learner_raised(name, error)
             if not close_to(as_number(given), expected):
                 return Verdict(name, False, f"{which}, rank {rank}: you said {given!r}, it is "
-                                            f"{expected:.6g}.\n{_idle_hint(timeline, rank, as_number(given))}")
+                                            f"{expected:.6g}.\n"
+                                            f"{_idle_hint(timeline, rank, as_number(given))}")
     return Verdict(name, True, f"every rank of {len(timelines)} timeline(s) read from traces and "
                                f"{len(simulated)} simulated ones: your idle shares are the "
                                "timelines' own bubble fractions")
