@@ -179,7 +179,8 @@ def measure_mode(lab, mode: str, rounds: int, steps: int) -> dict:
                                              "and bubbles_set_reference, which is part of it), predicted, "
                                              "take (poll results into the where-panel), live_svg",
             "dashboard_client_calls_per_step": {
-                name: watch.calls / dashboard_steps for name, watch in watches.items() if name != "final_draw"},
+                name: watch.calls / dashboard_steps for name, watch in watches.items()
+                if name != "final_draw"},
             "latencies_s": list(dashboard.latencies),  # summarised in main, not written out
             "events_seen_live": live_events[0], "events_in_results": events_in_results,
             "events_note": "step events the dashboard took while steps ran vs those in the steps' results; "

@@ -368,7 +368,8 @@ def profile_costs(device: str) -> dict:
                   for s in prof.stages]
         middle = prof.stages[1]
         out[name] = {"microbatch": [microbatch, seq_len], "n_stages": n_stages, "ms": stages,
-                     "middle_stage_I_plus_W_over_B": (middle.input_grad + middle.weight_grad) / middle.backward,
+                     "middle_stage_I_plus_W_over_B":
+                         (middle.input_grad + middle.weight_grad) / middle.backward,
                      "seconds": time.perf_counter() - started}
     if device == "cuda":
         out["small_forward_cuda_events_vs_clock"] = forward_by_cuda_events()
@@ -425,7 +426,8 @@ def traced_step_on_rank(rank, world_size, folder, device):
     data = split_for_ranks(spec, next(batches(4, 64, 0)))[rank]
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
     with profile(activities=activities, schedule=schedule(wait=0, warmup=1, active=1),
-                 on_trace_ready=lambda done: done.export_chrome_trace(f"{folder}/rank{rank}.json")) as profiler:
+                 on_trace_ready=lambda done: done.export_chrome_trace(f"{folder}/rank{rank}.json")
+                 ) as profiler:
         for _ in range(2):
             pipeline.step(data)
             profiler.step()
@@ -469,7 +471,8 @@ def device_timed_step_on_rank(rank, world_size, folder, device, impl, batch=(8, 
     data = split_for_ranks(spec, next(batches(batch[0], batch[1] if on_gpu else 64, 0)))[rank]
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
     with profile(activities=activities, schedule=schedule(wait=0, warmup=1, active=1),
-                 on_trace_ready=lambda done: done.export_chrome_trace(f"{folder}/rank{rank}.json")) as profiler:
+                 on_trace_ready=lambda done: done.export_chrome_trace(f"{folder}/rank{rank}.json")
+                 ) as profiler:
         for _ in range(2):
             step = pipeline.step(data)
             profiler.step()

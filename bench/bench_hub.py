@@ -48,7 +48,8 @@ lab_start = time.monotonic() - started
 {solution}
 verdict = exercises.check_send_recv(lab, forward_backward)
 lab.stop()
-print(json.dumps({{"right": verdict.right, "lab_start": lab_start, "kernel_seconds": time.monotonic() - started}}))
+print(json.dumps({{"right": verdict.right, "lab_start": lab_start,
+                  "kernel_seconds": time.monotonic() - started}}))
 """
 
 

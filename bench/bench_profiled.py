@@ -52,7 +52,8 @@ def profiled_step(rank, world_size, n_microbatches, folder):
     pipeline = RankPipeline(spec, rank)
     data = split_for_ranks(spec, next(batches(n_microbatches, 16, 0)))[rank]
     with profile(activities=[ProfilerActivity.CPU], schedule=schedule(wait=0, warmup=1, active=1),
-                 on_trace_ready=lambda done: done.export_chrome_trace(f"{folder}/rank{rank}.json")) as profiler:
+                 on_trace_ready=lambda done: done.export_chrome_trace(f"{folder}/rank{rank}.json")
+                 ) as profiler:
         for _ in range(2):
             pipeline.step(data)
             profiler.step()

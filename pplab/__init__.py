@@ -118,7 +118,8 @@ class _PublicModules:
     def find_spec(fullname: str, path=None, target=None):
         package, _, rest = fullname.partition(".")
         short, _, inner = rest.partition(".")
-        if package != "pplab" or short not in {**_MODULES, **_MOVED_MODULES} or _MODULES.get(short) == f"pplab.{short}":
+        public = {**_MODULES, **_MOVED_MODULES}
+        if package != "pplab" or short not in public or _MODULES.get(short) == f"pplab.{short}":
             return None
         return _spec_from_loader(fullname, _PublicModules)
 

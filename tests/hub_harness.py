@@ -176,7 +176,8 @@ def processes_of(accounts: list[str]) -> list[psutil.Process]:
     found = []
     for process in psutil.process_iter(["uids", "status"]):
         with contextlib.suppress(psutil.Error):  # a zombie has ended: only its parent's wait is left
-            if process.info["uids"] and process.info["uids"].real in uids and process.info["status"] != psutil.STATUS_ZOMBIE:
+            alive = process.info["status"] != psutil.STATUS_ZOMBIE
+            if process.info["uids"] and process.info["uids"].real in uids and alive:
                 found.append(process)
     return found
 

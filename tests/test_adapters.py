@@ -120,9 +120,10 @@ def test_engine_died_recognises_what_ipyparallel_gives_for_an_engine_it_gave_up(
             fragile_lab.run(engine_pid, timeout=60)
         assert caught.value.ranks == [1]
         said = str(caught.value)
-        assert said.startswith(f"rank 1 (engine 1, pid {pid} on ") and "died" not in said.splitlines()[0], said
-        assert "stopped answering the controller's heartbeat while running engine_pid(), though its process " \
-               "still runs here, and the controller gave it up." in said, said
+        assert said.startswith(f"rank 1 (engine 1, pid {pid} on "), said
+        assert "died" not in said.splitlines()[0], said
+        assert ("stopped answering the controller's heartbeat while running engine_pid(), though its "
+                "process still runs here, and the controller gave it up." in said), said
     finally:
         os.kill(pid, signal.SIGCONT)
         fragile_lab.restart()  # the controller no longer knows rank 1's engine

@@ -85,7 +85,8 @@ def jupyter_lab(tmp_path, ipython_dir):
                 break
             except OSError:
                 if server.poll() is not None or time.monotonic() > deadline:
-                    pytest.fail("JupyterLab did not start:\n" + (tmp_path / "jupyter.log").read_text()[-3000:])
+                    said = (tmp_path / "jupyter.log").read_text()[-3000:]
+                    pytest.fail("JupyterLab did not start:\n" + said)
                 time.sleep(0.3)
         yield f"{base}/lab/tree/dashboard.ipynb?token={token}"
     finally:
@@ -147,7 +148,8 @@ def test_the_dashboard_renders_and_changes_while_steps_run(jupyter_lab, tmp_path
             browser.close()
     if os.environ.get("PPLAB_SCREENSHOTS"):
         shutil.copytree(shots, os.environ["PPLAB_SCREENSHOTS"], dirs_exist_ok=True)
-    assert f"{STEPS} steps done" in final["html"], f"the run did not finish in the page: {final['html'][-1500:]}"
+    assert f"{STEPS} steps done" in final["html"], (
+        f"the run did not finish in the page: {final['html'][-1500:]}")
     # Live: the timeline's SVG was seen with different numbers of boxes while the steps ran.
     live_counts = {state["boxes"] for state in seen if state["boxes"]}
     assert len(live_counts) >= 3, f"the live timeline did not change while steps ran: {live_counts}"

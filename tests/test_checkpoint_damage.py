@@ -150,7 +150,8 @@ def test_a_damaged_checkpoint_is_refused_naming_the_file_and_no_rank_changes(tmp
                 named = shard if named == "last shard" else named
                 assert error is not None, f"rank {rank} loaded a {saving} checkpoint with its {name}"
                 assert named in error and words in error and "\n" not in error, (name, error)
-                assert unchanged, f"rank {rank}'s run changed when loading a {saving} checkpoint with its {name}"
+                assert unchanged, (f"rank {rank}'s run changed when loading a {saving} checkpoint "
+                                   f"with its {name}")
             assert changed and step_three_again  # the intact step 2 loads, and step 3 is the same again
 
 
@@ -181,7 +182,8 @@ def test_resuming_a_run_that_trained_before_equals_resuming_a_fresh_one(tmp_path
              PipelineSpec.create(CONFIG, "interleaved-1f1b", 2, 4, 2)]
     roots = [str(tmp_path / f"run{i}") for i in range(len(specs))]
     results = run_ranks(2, resume_after_training, specs, BASE, roots, timeout=300)
-    for spec, (uninterrupted, fresh, on_pipeline, on_trainer, trainer_same, pipeline_same) in zip(specs, results[0]):
+    for spec, outcome in zip(specs, results[0]):
+        uninterrupted, fresh, on_pipeline, on_trainer, trainer_same, pipeline_same = outcome
         assert len(fresh) == 3 and fresh[:2] == uninterrupted[2:], spec.schedule.name
         assert on_pipeline == fresh and on_trainer == fresh, spec.schedule.name
         assert trainer_same and pipeline_same, spec.schedule.name

@@ -224,7 +224,8 @@ def test_train_command_checkpoints_and_resumes_to_the_uninterrupted_losses(train
                         "--report", str(tmp_path / "resumed.json"))
     assert resumed.returncode == 0, resumed.stderr
     assert "resuming from latest" in resumed.stdout
-    whole_losses, resumed_losses = reported_losses(folder / "whole.json"), reported_losses(tmp_path / "resumed.json")
+    whole_losses = reported_losses(folder / "whole.json")
+    resumed_losses = reported_losses(tmp_path / "resumed.json")
     assert sorted(resumed_losses) == [4, 5, 6]
     assert all(resumed_losses[step] == whole_losses[step] for step in resumed_losses)
 
@@ -309,7 +310,8 @@ def test_cleanup_command_stops_the_lab_a_killed_kernel_left(own_ipython_dir):
     # The fork server stops its engines, and itself, once it sees its kernel gone (a busy machine's
     # run got here after they had): what nothing but cleanup stops is the controller.
     left = {entry["role"] for entry in record["processes"] if records.find_process(entry) is not None}
-    assert "controller" in left, f"the lab's controller should outlive its killed kernel: {left or 'nothing'} left"
+    assert "controller" in left, (f"the lab's controller should outlive its killed kernel: "
+                                  f"{left or 'nothing'} left")
 
     done = subprocess.run([sys.executable, "-m", "pplab", "cleanup"], capture_output=True, text=True,
                           timeout=60, env=env)

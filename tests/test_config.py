@@ -168,5 +168,6 @@ def test_a_path_is_taken_where_a_file_or_folder_is_meant_and_kept_as_text(tmp_pa
 
 
 def test_train_options_are_a_run_configs_training_part():
-    assert [f.name for f in dataclasses.fields(TrainOptions)] == FIELDS[:len(dataclasses.fields(TrainOptions))]
+    trained = [f.name for f in dataclasses.fields(TrainOptions)]
+    assert trained == FIELDS[:len(trained)]
     assert RunConfig().training() == TrainOptions()

@@ -34,7 +34,8 @@ def test_a_multi_step_run_updates_the_panels_while_it_runs(lab2):
         assert dashboard.memory.losses == [r.loss for r in results]
         assert dashboard.memory.image.layout.display == "none"  # drawn when its tab opens
         dashboard.tabs.selected_index = 3
-        assert dashboard.memory.image.layout.display is None and bytes(dashboard.memory.image.value[:4]) == b"\x89PNG"
+        assert dashboard.memory.image.layout.display is None
+        assert bytes(dashboard.memory.image.value[:4]) == b"\x89PNG"
         assert dashboard.where.states == {0: "done", 1: "done"}
         assert dashboard.gradients.red == {} and dashboard.shapes.flagged == []
         # The feed is live: an event reaches the panels within a second at a quiet machine's pace.
@@ -91,7 +92,8 @@ def test_a_waiting_rank_shows_whom_it_waits_for_while_it_waits(lab2):
         # stall where rank 1's own clock (its receive in the timeline) says so, give or take the gap
         # between that event and the rank's notes of it.
         recorded = [(s["rank"], s["doing"]) for s in dashboard.where.stalls]
-        assert recorded[:1] == [(1, "1RECV_F0")] and set(recorded) <= {(1, "1RECV_F0"), (1, "1RECV_F1")}, recorded
+        assert recorded[:1] == [(1, "1RECV_F0")], recorded
+        assert set(recorded) <= {(1, "1RECV_F0"), (1, "1RECV_F1")}, recorded
         second_wait = next(e.duration for e in dashboard.results[0].timeline.events
                            if e.rank == 1 and e.kind == "RECV_F" and e.microbatch == 1)
         threshold = dashboard.where.stalled_after

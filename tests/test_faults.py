@@ -59,7 +59,8 @@ def test_a_rank_stalled_inside_a_forward_is_named_by_the_rank_that_waits_for_it(
     assert faults.stall(pipe, "1F1", seconds=timeout + 60) == 1
     with within(SLACK + fragile_lab.grace, plus=timeout), pytest.raises(
             RankFailedError,
-            match=rf"rank 0 waited {timeout:g} s for the gradient of microbatch 1 from rank 1 \(action 0RECV_B1\)"):
+            match=rf"rank 0 waited {timeout:g} s for the gradient of microbatch 1 from rank 1 "
+                  rf"\(action 0RECV_B1\)"):
         dashboard.run_steps(1)
     assert dashboard.where.states == {0: "stalled", 1: "running"}
     assert dashboard.where.latest[1].doing == "1F1"

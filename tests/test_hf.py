@@ -83,7 +83,8 @@ def test_weights_are_read_per_stage_from_safetensors(tmp_path):
         read = pipe.lab.run(_tensors_read, pipe.pipeline_id)
         parity = pipe.check_parity(next(batches(6, 16, 0)))
     per_rank = [names for by_stage in read for names in by_stage.values()]
-    assert per_rank[0][0] == "model.embed_tokens.weight" and "model.layers.0.mlp.up_proj.weight" in per_rank[0]
+    assert per_rank[0][0] == "model.embed_tokens.weight"
+    assert "model.layers.0.mlp.up_proj.weight" in per_rank[0]
     assert all(name.startswith("model.layers.2.") for name in per_rank[1])  # the middle: its block only
     # The tied head reads the embedding (save_pretrained writes a tied weight once).
     assert "model.embed_tokens.weight" in per_rank[2] and "model.norm.weight" in per_rank[2]

@@ -65,7 +65,8 @@ def test_each_seat_gets_its_room_gpus_and_cap_and_a_cluster_spawner_asks_for_who
     configure(c, seats=list(SEATS), instructors=["root"], room=tmp_path / "room2", gpus=0, spawner="slurm",
               room_url="http://127.0.0.1:8799")
     assert c.JupyterHub.spawner_class == "batchspawner.SlurmSpawner"
-    assert c.Authenticator.allowed_users == {"daemon", "bin", "root"} and c.Authenticator.admin_users == {"root"}
+    assert c.Authenticator.allowed_users == {"daemon", "bin", "root"}
+    assert c.Authenticator.admin_users == {"root"}
     [service] = c.JupyterHub.services
     assert service["name"] == "pplab-room" and service["url"] == "http://127.0.0.1:8799"
     assert service["command"][1:4] == ["-m", "pplab.course.hub.service", str(tmp_path / "room2")]
@@ -144,7 +145,8 @@ CHECK_CELL = "exercises.check_stage_forward(stage_forward)"
 def _solution(wrong: bool) -> str:
     from pathlib import Path
 
-    solution = (Path(__file__).parents[1] / "notebooks" / "solutions" / "01b_exercise_stage_forward.py").read_text()
+    solutions = Path(__file__).parents[1] / "notebooks" / "solutions"
+    solution = (solutions / "01b_exercise_stage_forward.py").read_text()
     return solution.replace("stage.embed_tokens(x)", "stage.embed_tokens(x).detach()") if wrong else solution
 
 
@@ -154,7 +156,8 @@ RUN_ALL = """async (source) => {
   if (source !== null) {
     const cells = panel.content.model.cells;
     for (let i = 0; i < cells.length; i++) {
-      if (cells.get(i).sharedModel.getSource().startsWith('# EXERCISE')) cells.get(i).sharedModel.setSource(source);
+      const cell = cells.get(i).sharedModel;
+      if (cell.getSource().startsWith('# EXERCISE')) cell.setSource(source);
     }
   }
   await app.commands.execute('notebook:clear-all-cell-outputs');
@@ -276,7 +279,8 @@ def test_a_workshop_on_a_real_hub_three_seats_their_verdicts_the_room_and_no_for
                     assert re.search(r"✔ right · 2 tries", rows[seat]), rows[seat]
                 assert "✔ right" in rows[bo].split("\t")[7] and "not yet" in rows[ada].split("\t")[7]  # 04b
                 notes = teacher.inner_text("main")
-                assert "Seats are accounts" in notes and f"1 record naming '{ada}' in {bo}'s file" in notes, notes
+                assert "Seats are accounts" in notes, notes
+                assert f"1 record naming '{ada}' in {bo}'s file" in notes, notes
                 teacher.screenshot(path=str(shots / "room-as-instructor.png"), full_page=True)
                 with teacher.expect_download() as download:
                     teacher.click("text=export grades (CSV)")
@@ -306,7 +310,8 @@ folder = os.environ["PPLAB_ROOM"]
 with open(f"{{folder}}/verdicts/{{os.environ['PPLAB_SEAT']}}/verdicts.jsonl", "a") as own:
     own.write(json.dumps({{"attendee": "{ada}", "exercise": "the 1F1B warm-up", "right": True,
                           "reason": "right", "message": "right", "time": time.time()}}) + "\\n")
-for path in (f"{{folder}}/verdicts/{cy}/verdicts.jsonl", f"{{folder}}/verdicts/{cy}.jsonl", f"{{folder}}/labs/{cy}/x.json"):
+for path in (f"{{folder}}/verdicts/{cy}/verdicts.jsonl", f"{{folder}}/verdicts/{cy}.jsonl",
+             f"{{folder}}/labs/{cy}/x.json"):
     try:
         open(path, "a").close()
         print("taken", path)

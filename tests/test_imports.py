@@ -54,7 +54,8 @@ CHECKS = textwrap.dedent("""
             os.close(read)
             try:
                 __import__(module)
-                found = sorted({w for w in watched for name in sys.modules if name == w or name.startswith(w + ".")})
+                found = sorted({w for w in watched for name in sys.modules
+                                if name == w or name.startswith(w + ".")})
                 answer = {"loaded": found}
             except BaseException as error:
                 answer = {"error": f"{type(error).__name__}: {error}"}
@@ -69,7 +70,8 @@ CHECKS = textwrap.dedent("""
     pure, core, upper = json.loads(sys.argv[1])
     results = {"pure": {m: loaded_after_import(m, ["torch", *upper]) for m in pure}}
     import torch  # noqa: F401  (what every core module loads anyway)
-    results["torch alone"] = sorted({w for w in upper for name in sys.modules if name == w or name.startswith(w + ".")})
+    results["torch alone"] = sorted({w for w in upper for name in sys.modules
+                                     if name == w or name.startswith(w + ".")})
     results["core"] = {m: loaded_after_import(m, upper) for m in core}
     print(json.dumps(results))
 """)
@@ -82,7 +84,8 @@ def imports_seen() -> dict:
                           capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr
     seen = json.loads(done.stdout.splitlines()[-1])
-    assert seen["torch alone"] == [], f"torch itself loads {seen['torch alone']}: the core checks need a fresh interpreter each"
+    assert seen["torch alone"] == [], (f"torch itself loads {seen['torch alone']}: the core checks need a "
+                                       f"fresh interpreter each")
     return seen
 
 

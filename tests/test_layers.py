@@ -39,7 +39,8 @@ def test_a_folder_inside_a_floor_says_it_is_part_of_that_floor():
         parent, folder = path.parent.parent.name, path.parent.name
         first_line = (ast.get_docstring(ast.parse(path.read_text())) or "").splitlines()[0]
         said = f"part of floor {FOLDER_FLOORS[parent]}, {parent}/"
-        assert said in first_line, f"pplab/{parent}/{folder}/__init__.py's first line should say '{said}': {first_line!r}"
+        assert said in first_line, (f"pplab/{parent}/{folder}/__init__.py's first line should say '{said}': "
+                                    f"{first_line!r}")
 # the only modules outside a folder: the version, `python -m pplab`
 LOOSE = {"_version": 1, "__main__": COMMAND}
 

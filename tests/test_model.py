@@ -37,7 +37,7 @@ def test_presets():
 
 def test_weights_are_a_function_of_seed_and_name_only():
     config = pplab.LlamaConfig.tiny()
-    a, b, c = pplab.build_model(config, seed=0), pplab.build_model(config, seed=0), pplab.build_model(config, seed=1)
+    a, b, c = (pplab.build_model(config, seed=seed) for seed in (0, 0, 1))
     direct = LlamaModel(config, seed=0)  # built without the meta device: same weights
     for (name, pa), pb, pc, pd in zip(a.named_parameters(), b.parameters(), c.parameters(),
                                       direct.parameters()):

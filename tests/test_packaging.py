@@ -52,4 +52,5 @@ def test_every_package_data_pattern_matches_a_file():
     setuptools = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]
     for package, patterns in setuptools.get("package-data", {}).items():
         for pattern in patterns:
-            assert list((ROOT / package.replace(".", "/")).glob(pattern)), f"{package}: {pattern} matches nothing"
+            matched = list((ROOT / package.replace(".", "/")).glob(pattern))
+            assert matched, f"{package}: {pattern} matches nothing"

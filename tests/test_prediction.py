@@ -132,7 +132,8 @@ def test_a_prediction_says_what_a_busy_machine_does_to_it():
     assert (quiet.notes, quiet.shared_step_time) == ((), None)
     # 4 ranks, 1.5 cores free: 4 x 8 x (1 + 2) s of compute over 1.5 cores, longer than the schedule's step
     crowded = predict(schedule, profiled, machine=MachineLoad(2, 0.5, 1.0))
-    assert crowded.shared_step_time == pytest.approx(96 / 1.5) and crowded.shared_step_time > crowded.step_time
+    assert crowded.shared_step_time == pytest.approx(96 / 1.5)
+    assert crowded.shared_step_time > crowded.step_time
     assert "4 ranks on 1.5 free core(s)" in str(crowded) and "take turns" in crowded.notes[0]
     # the same cores, but each thread now gets half of one: every cost doubles, and it is said
     slower = predict(schedule, profiled, machine=MachineLoad(8, 3.0, 0.5))

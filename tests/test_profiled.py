@@ -76,7 +76,8 @@ def profile_on_rank(rank, world_size, runs, folder, costs, outside):
         active = 2 if outside else 1
         with profile(activities=[ProfilerActivity.CPU],
                      schedule=profiler_schedule(wait=0, warmup=1, active=active),
-                     on_trace_ready=lambda done: done.export_chrome_trace(str(out / f"rank{rank}.json"))) as profiler:
+                     on_trace_ready=lambda done: done.export_chrome_trace(str(out / f"rank{rank}.json"))
+                     ) as profiler:
             for _ in range(1 + active):
                 steps = pipeline.step(data)
                 if outside:
@@ -217,7 +218,8 @@ def test_a_slow_rank_is_named_the_straggler_and_the_waits_are_its(tmp_path):
     from pplab.cli import main
 
     out = tmp_path / "analysis"
-    assert main(["analyze", str(folder), "--schedule", "1f1b", "--n-microbatches", str(M), "--out", str(out)]) == 0
+    assert main(["analyze", str(folder), "--schedule", "1f1b", "--n-microbatches", str(M),
+                 "--out", str(out)]) == 0
     numbers = json.loads((out / "report.json").read_text())
     assert numbers["straggler"] == 1 and numbers["steps_in_trace"] == 2
     # The same from the torchtitan job the run would be: its schedule and microbatches read from the TOML.
@@ -225,7 +227,8 @@ def test_a_slow_rank_is_named_the_straggler_and_the_waits_are_its(tmp_path):
     job.write_text("[parallelism]\npipeline_parallel_degree = 2\npipeline_parallel_schedule = "
                    "'Schedule1F1B'\npipeline_parallel_microbatch_size = "
                    f"2\n[training]\nlocal_batch_size = {2 * M}\n")
-    assert main(["analyze", str(folder), "--torchtitan-config", str(job), "--out", str(tmp_path / "titan")]) == 0
+    assert main(["analyze", str(folder), "--torchtitan-config", str(job),
+                 "--out", str(tmp_path / "titan")]) == 0
     from_job = json.loads((tmp_path / "titan" / "report.json").read_text())
     assert from_job["straggler"] == 1 and from_job["step_time"] == numbers["step_time"]
     assert {p.name for p in out.iterdir()} >= {"timeline.png", "timeline.trace.json", "report.json",

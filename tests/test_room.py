@@ -51,14 +51,16 @@ def test_what_a_lab_and_a_checker_write_is_read_back(tmp_path, monkeypatch):
     (tmp_path / "labs" / "broken.json").write_text('{"attendee": "x"}')  # no last_activity: skipped
     [seat] = room.read_room(tmp_path)
     assert seat.attendee == "seat_7" and seat.state == "running" and seat.lab["gpus"] == [2, 3]
-    assert seat.verdicts["the 1F1B warm-up"]["reason"] == "rank 0 of 3 with 1 microbatch: you said 2, it runs 1."
+    reason = seat.verdicts["the 1F1B warm-up"]["reason"]
+    assert reason == "rank 0 of 3 with 1 microbatch: you said 2, it runs 1."
     page = room.room_table_html(room.read_room(tmp_path),
                                 ["a stage's forward", "the 1F1B warm-up", "clipping"])
     assert "cuda (GPUs 2, 3)" in page and "✔ right" in page and "not yet" in page
     assert re.search(r"✘ for \d+ s · rank 0 of 3", page), page
     room.record_lab("abc", state="running", device="cuda", n_ranks=4, gpus=[5, 5, 5, 5], pids=[os.getpid()],
                     gpu_memory_fraction=0.1125)
-    assert "cuda (GPU 5 shared; each rank up to 11% of a GPU)" in room.room_table_html(room.read_room(tmp_path), [])
+    page = room.room_table_html(room.read_room(tmp_path), [])
+    assert "cuda (GPU 5 shared; each rank up to 11% of a GPU)" in page
     # no such process
     room.record_lab("abc", state="running", device="cpu", n_ranks=2, pids=[2 ** 22 + 12345])
     assert room.read_room(tmp_path)[0].state == "dead"
@@ -284,7 +286,8 @@ def test_a_room_with_seats_counts_a_verdict_for_the_account_whose_folder_holds_i
     assert main(["room", str(folder), "--export", str(tmp_path / "grades.csv")]) == 0
     exported = (tmp_path / "grades.csv").read_text().splitlines()
     assert exported[0].startswith("assignment,exercise,student_id,timestamp,raw_score,score,max_score,tries")
-    assert len(exported) == 1 + 3 * len(NOTEBOOK_OF_EXERCISE) and exported[1].startswith("01b,a stage's forward,bin,")
+    assert len(exported) == 1 + 3 * len(NOTEBOOK_OF_EXERCISE)
+    assert exported[1].startswith("01b,a stage's forward,bin,")
 
     (folder / room.SEATS_FILE).chmod(0o666)  # a seats file anyone could rewrite makes no room with seats
     assert room.seats_of(folder) is None
@@ -309,7 +312,8 @@ def test_a_trusted_room_says_so_and_counts_neither_placeholders_nor_records_nami
         file.write(json.dumps(verdict("bo", "the 1F1B warm-up", True, time.time())) + "\n")
     reading = room.inspect_room(tmp_path)
     [ada] = reading.seats
-    assert not reading.checked and len(ada.attempts["a stage's forward"]) == 2 and "the 1F1B warm-up" not in ada.attempts
+    assert not reading.checked and len(ada.attempts["a stage's forward"]) == 2
+    assert "the 1F1B warm-up" not in ada.attempts
     page = html.unescape(room_page(reading, {"a stage's forward": "01b"}, 3, "loopback only, no login"))
     assert "Verdicts here are trusted, not checked" in page and "1 record naming 'bo' in ada's file" in page
     assert "✔ right · 2 tries" in page and "1 seat: right · wrong · not yet" in page

@@ -220,7 +220,8 @@ def test_nccl_matching_order_is_checked_on_schedules():
         assert in_order_mismatch(build(name, 4, 8, v)) is None, name
     crossed = from_text(["0F0 0F1 0SEND_F0 0SEND_F1 0RECV_B0 0RECV_B1 0B0 0B1",
                                   "1RECV_F1 1RECV_F0 1F0 1F1 1B0 1B1 1SEND_B0 1SEND_B1"])
-    assert in_order_mismatch(crossed) == "rank 1 receives rank 0's messages in another order than rank 0 sends them"
+    said = in_order_mismatch(crossed)
+    assert said == "rank 1 receives rank 0's messages in another order than rank 0 sends them"
 
 
 def test_torch_v_shaped_plans_and_a_hand_written_schedule_run_exactly():

@@ -359,7 +359,8 @@ def test_microbatch_out_of_range():
 
 def test_missing_forward():
     schedule = from_text(["0F0 0B0 0B1"], n_microbatches=2)
-    assert "rank 0 action 0B1 at position 2: backward of microbatch 1 on stage 0 comes before its forward 0F1" in rejection(schedule)
+    assert ("rank 0 action 0B1 at position 2: backward of microbatch 1 on stage 0 comes before its "
+            "forward 0F1" in rejection(schedule))
     assert rejection(from_text(["0F0 0B0"], n_microbatches=2)).startswith("rank 0 never runs 0F1:")
 
 
@@ -597,7 +598,8 @@ def test_compute_order_matches_torch(ours, theirs, virtual):
                 continue
             torch_plan = from_torch(theirs, p, m, virtual)
             validate(torch_plan)
-            assert torch_plan.compute_only().actions == build(ours, p, m, virtual).compute_only().actions, (p, m)
+            ours_built = build(ours, p, m, virtual).compute_only()
+            assert torch_plan.compute_only().actions == ours_built.actions, (p, m)
             compared += 1
     assert compared >= 35
 

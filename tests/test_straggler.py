@@ -35,8 +35,8 @@ def stretched_steps(costs: Costs, rng: random.Random, n_steps: int, stretch) -> 
     for _ in range(n_steps):
         step = simulate(named_schedule("1f1b", 2, 4), costs)
         steps.append(Timeline([Event(e.rank, e.kind, e.stage, e.microbatch, e.start,
-                                     e.start + (stretch(e) if e.is_compute else e.duration)) for e in step.events],
-                              n_ranks=2))
+                                     e.start + (stretch(e) if e.is_compute else e.duration))
+                               for e in step.events], n_ranks=2))
     return steps
 
 

@@ -120,7 +120,8 @@ for path in sys.argv[2:]:
     runtime._load_csv(path)
     losses = []
     first, last = 0 in mine, n_stages - 1 in mine
-    runtime.step(*([inputs] if first else []), target=targets if last else None, losses=losses if last else None)
+    runtime.step(*([inputs] if first else []), target=targets if last else None,
+                 losses=losses if last else None)
     grads = {f"{index}.{name}": p.grad.tolist() for index, module in modules.items()
              for name, p in module.named_parameters()}
     gathered = [None] * world
@@ -134,7 +135,8 @@ for path in sys.argv[2:]:
                     for name, p in whole[index].named_parameters()}
         got = {name: torch.tensor(value) for part in gathered for name, value in part.items()}
         results[path] = {"stages": n_stages, "same_names": sorted(got) == sorted(expected),
-                         "max_difference": max(float((got[name] - expected[name]).abs().max()) for name in expected)}
+                         "max_difference": max(float((got[name] - expected[name]).abs().max())
+                                               for name in expected)}
 if rank == 0:
     with open(out, "w") as file:
         json.dump(results, file)

@@ -60,7 +60,8 @@ def test_torch_schedules_match_one_device_and_record_every_action_once(p):
             # torch's waits for its receives: each ends where the compute needing it starts.
             starts = {(e.stage, e.microbatch, e.kind): e.start for e in result.timeline.compute_events(rank)}
             for wait in result.timeline.comm_events(rank):
-                consumer = "F" if wait.kind == "RECV_F" else ("I" if (wait.stage, wait.microbatch, "I") in starts else "B")
+                split = (wait.stage, wait.microbatch, "I") in starts
+                consumer = "F" if wait.kind == "RECV_F" else ("I" if split else "B")
                 assert wait.end == starts[(wait.stage, wait.microbatch, consumer)], f"{label}: {wait}"
         # The last rank cannot start before the first activation arrives: a wait it shows.
         assert any(e.kind == "RECV_F" and e.microbatch == 0 and e.duration > 0
@@ -92,7 +93,8 @@ def test_bad_torch_schedules_are_refused_on_the_client(args, message):
 def test_a_pipeline_takes_any_spelling_of_a_schedule_under_either_implementation(spelling, canonical,
                                                                                  n_virtual):
     for impl in ("pplab", "torch"):
-        assert PipelineSpec.create(CONFIG, spelling, 2, 4, n_virtual=n_virtual, impl=impl).schedule.name == canonical
+        spec = PipelineSpec.create(CONFIG, spelling, 2, 4, n_virtual=n_virtual, impl=impl)
+        assert spec.schedule.name == canonical
 
 
 @pytest.mark.quick

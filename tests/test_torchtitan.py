@@ -72,7 +72,8 @@ def test_a_torchtitan_job_reads_as_a_run_and_lists_what_pplab_does_not_model(tmp
     assert "parallelism.data_parallel_replicate_degree" in job.read  # 1: nothing to model
     text = job.text()
     assert "pp=2 x dp=1 x tp=1, schedule interleaved-1f1b, 4 microbatches, 2 stage(s) per rank" in text
-    assert "not modeled by pplab (6): job.dump_folder = './outputs'" in text and "context_parallel_degree = 2" in text
+    assert "not modeled by pplab (6): job.dump_folder = './outputs'" in text
+    assert "context_parallel_degree = 2" in text
     assert "data_parallel_shard_degree = -1" in text  # the assumption is said
     with pytest.warns(UserWarning, match=r"not modeled by pplab: job.dump_folder, .*training.dataset"):
         assert RunConfig.from_torchtitan(path) == c
@@ -86,7 +87,8 @@ def test_a_jobs_schedule_csv_is_the_schedule_and_what_does_not_fit_is_refused(tm
                    '"_PipelineScheduleRuntime"\npipeline_parallel_schedule_csv = '
                    '"found.csv"\n[training]\nlocal_batch_size = 4\n')
     c = read_torchtitan(job).config
-    assert isinstance(c.schedule, Schedule) and c.schedule.compute_only().actions == found.compute_only().actions
+    assert isinstance(c.schedule, Schedule)
+    assert c.schedule.compute_only().actions == found.compute_only().actions
     assert c.n_virtual == 2
     job.write_text('[parallelism]\npipeline_parallel_degree = 2\npipeline_parallel_schedule_csv = '
                    '"found.csv"\n[training]\nlocal_batch_size = 8\n')

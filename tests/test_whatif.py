@@ -51,14 +51,16 @@ def test_the_runtimes_own_time_between_computes_is_paid_by_every_action_of_a_cha
     halved = simulate(named_schedule("1f1b", 2, 8), Costs(forward=0.45 + 0.1, backward=0.95 + 0.1))
     assert predicted(report, "8 microbatches of half the size") == pytest.approx(halved.step_time())
     without = simulate(named_schedule("1f1b", 2, 8), Costs(forward=0.45, backward=0.95)).step_time()
-    assert without / report.predicted_as_is < predicted(report, "8 microbatches of half the size") / measured.step_time()
+    halved = predicted(report, "8 microbatches of half the size")
+    assert without / report.predicted_as_is < halved / measured.step_time()
 
 
 def test_a_split_backward_costs_what_a_profile_of_the_same_stages_says():
     run = named_schedule("1f1b", 2, 4)
     measured = simulate(run, UNEVEN)
     # One device measured I + W at 1.5 B on stage 1 (0.6 of it I), and all of it W on stage 0.
-    profile = Profile((StageProfile(1.0, 2.0, 0.0, 2.0, 0, 0, 0), StageProfile(3.0, 6.0, 5.4, 3.6, 0, 0, 0)), 4, 64)
+    profile = Profile((StageProfile(1.0, 2.0, 0.0, 2.0, 0, 0, 0), StageProfile(3.0, 6.0, 5.4, 3.6, 0, 0, 0)),
+                      4, 64)
     assumed, profiled = explain(measured, run), explain(measured, run, profile=profile)
     zb = named_schedule("zb-h1", 2, 4)
     assert predicted(assumed, "schedule zb-h1") == pytest.approx(
@@ -90,7 +92,8 @@ def test_half_a_microbatch_costs_what_profiles_at_both_sizes_say():
     whole = Profile((stage(1.0, 2.0), stage(3.0, 6.0)), 4, 64)
     half = Profile((stage(0.5, 1.0), stage(1.8, 3.9)), 2, 64)  # stage 1: 60 % and 65 % of a whole one
     report = explain(measured, run, profile=[half, whole])
-    expected = simulate(named_schedule("1f1b", 2, 8), Costs(forward=[0.5, 1.8], backward=[1.0, 3.9])).step_time()
+    costs = Costs(forward=[0.5, 1.8], backward=[1.0, 3.9])
+    expected = simulate(named_schedule("1f1b", 2, 8), costs).step_time()
     assert predicted(report, "8 microbatches of half the size") == pytest.approx(expected)
     assert not any("half as much each" in note for note in report.notes)
     assert any("half as much each" in note for note in explain(measured, run, profile=whole).notes)

@@ -188,5 +188,6 @@ def crowding_note(n_ranks: int, load: MachineLoad) -> str:
         said.append(f"the machine is busy ({load.describe()})")
     if not said:
         return ""
-    return "; ".join(said) + ": times are longer than a quiet machine's, and a prediction assumes a core per rank"
+    return ("; ".join(said) + ": times are longer than a quiet machine's, and a prediction assumes a core "
+            "per rank")
 

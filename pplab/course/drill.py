@@ -99,7 +99,8 @@ def drill(seats: int, *, show: bool = True) -> DrillResult:
     folder = Path(tempfile.mkdtemp(prefix="pplab-drill-"))
     outs = [folder / f"seat{index}.json" for index in range(seats)]
     processes = [subprocess.Popen([sys.executable, "-m", "pplab.course.drill", str(out)],
-                                  stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True) for out in outs]
+                                  stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+                 for out in outs]
     wrong, said = [], []
     deadline = time.monotonic() + SEAT_TIMEOUT_SECONDS
     try:

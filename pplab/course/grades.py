@@ -36,7 +36,8 @@ def grade_rows(seats: Sequence[Seat], exercises: Mapping[str, str] | Sequence[st
                          "raw_score": int(right_now), "score": int(right_now), "max_score": 1,
                          "tries": len(tries),
                          "first_right": _when(first_right),
-                         "seconds_to_right": "" if first_right is None else round(first_right - tries[0]["time"], 1),
+                         "seconds_to_right": ("" if first_right is None
+                                              else round(first_right - tries[0]["time"], 1)),
                          "last_message": tries[-1]["reason"] if tries else ""})
     return rows
 

@@ -276,7 +276,8 @@ def inspect_room(folder: str | Path, now: float | None = None) -> RoomReading:
             seat.lab, seat.state = lab, _lab_state(lab, now)
     for seat_name, verdict in _seat_records(folder, "verdicts", listed, ("exercise", "right"), refusals):
         if not verdict["reason"].startswith(PLACEHOLDER):
-            seats.setdefault(seat_name, Seat(seat_name)).attempts.setdefault(verdict["exercise"], []).append(verdict)
+            tries = seats.setdefault(seat_name, Seat(seat_name)).attempts.setdefault(verdict["exercise"], [])
+            tries.append(verdict)
     for seat in seats.values():  # several kernels of one attendee append to one file: order by time
         for tries in seat.attempts.values():
             tries.sort(key=lambda verdict: verdict["time"])
@@ -408,8 +409,8 @@ def room_summary(seats: list[Seat], now: float | None = None,
     text = (f"{len(seats)} attendee{'s' * (len(seats) != 1)}: {running} lab{'s' * (running != 1)} running, "
             f"{dead} dead; {right} exercise{'s' * (right != 1)} right")
     stuck = sorted(((now - since, seat.attendee, exercise) for seat in seats for exercise in seat.attempts
-                    if (since := seat.stuck_since(exercise)) is not None and now - since >= STUCK_MINUTES * 60),
-                   reverse=True)
+                    if (since := seat.stuck_since(exercise)) is not None
+                    and now - since >= STUCK_MINUTES * 60), reverse=True)
     if stuck:
         longest, who, exercise = stuck[0]
         text += (f"; {len(stuck)} stuck over {STUCK_MINUTES:g} min (longest: {who} on "
@@ -487,7 +488,8 @@ def _verdict_cell(seat: Seat, exercise: str, now: float) -> str:
                         f"says:\n{latest['message']}",
                         quote=True)
     if latest["right"]:
-        return f"<td class='verdict' style='color:#1a7f37' title='{hover}'>✔ right{f' · {count}' if count else ''}</td>"
+        tries = f" · {count}" if count else ""
+        return f"<td class='verdict' style='color:#1a7f37' title='{hover}'>✔ right{tries}</td>"
     mark = "✘ (was ✔)" if seat.was_right(exercise) else "✘"
     since = seat.stuck_since(exercise)
     details = [count, f"for {_ago(since, now, ago=False)}", html.escape(latest["reason"])]

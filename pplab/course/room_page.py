@@ -43,11 +43,13 @@ def room_page(reading: RoomReading, exercises: Mapping[str, str] | Sequence[str]
             f"<title>pplab room</title><style>body{{font-family:sans-serif;margin:20px}}"
             f".access{{color:#555;font-size:12px}}</style>{TABLE_STYLE}"
             f"</head><body><h2>pplab room: {html.escape(str(reading.folder))}</h2>"
-            f"<p class='access'>{html.escape(access)} · <a href='grades.csv' download>export grades (CSV)</a></p>"
+            f"<p class='access'>{html.escape(access)} · "
+            f"<a href='grades.csv' download>export grades (CSV)</a></p>"
             f"<main id='room'><p>{summary} (re-read every {refresh:g} s)</p>"
             f"{room_table_html(reading.seats, exercises)}{room_notes_html(reading)}</main>"
             f"<p id='trouble' style='color:#b00'></p>"
-            f"<script>{_ROOM_RELOADER.replace('INTERVAL_MS', str(round(refresh * 1000)))}</script></body></html>")
+            f"<script>{_ROOM_RELOADER.replace('INTERVAL_MS', str(round(refresh * 1000)))}</script>"
+            f"</body></html>")
 
 
 def room_response(folder: str, path: str, refresh: float, access: str) -> tuple[int, str, str]:

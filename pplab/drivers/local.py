@@ -489,7 +489,8 @@ class PoolCall:
         self._over = False
 
     def __repr__(self) -> str:
-        return f"<PoolCall {self.name} on {self.pool.world_size} ranks: {'done' if self._over else 'running'}>"
+        state = "done" if self._over else "running"
+        return f"<PoolCall {self.name} on {self.pool.world_size} ranks: {state}>"
 
     def _arrived(self, rank: int, kind: str, value) -> None:
         if kind == "event":
@@ -565,7 +566,8 @@ class PoolCall:
             failures[rank] = f"failed:\n{ename}: {evalue}\n{trace}"
             causes[rank] = f"failed: {one_line(ename, evalue)}"
         for rank in died:
-            failures[rank] = causes[rank] = f"died (exit code {self.pool._processes[rank].exitcode}) without reporting"
+            exit_code = self.pool._processes[rank].exitcode
+            failures[rank] = causes[rank] = f"died (exit code {exit_code}) without reporting"
         if timed_out and not failures:
             self._error = RankTimeoutError(f"ranks {running} did not finish {self.name} "
                                            f"within {self.timeout:g} s",

@@ -62,7 +62,8 @@ def _checked_balance(balance: Sequence[int], n_layers: int, n_stages: int,
 
 def as_model(model):
     """The model description a pipeline takes: a LlamaConfig, an HFModel or a TracedModel as it is; a
-    Hugging Face config or a directory holding one as a `pplab.hf.HFModel` (importing transformers only then)."""
+    Hugging Face config or a directory holding one as a `pplab.hf.HFModel` (importing transformers only
+    then)."""
     if isinstance(model, LlamaConfig) or hasattr(model, "build_stage"):
         return model
     if isinstance(model, (str, Path)) or "transformers" in type(model).__module__:

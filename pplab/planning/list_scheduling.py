@@ -113,13 +113,16 @@ def list_schedule(p: int, m: int, v: int, costs: Costs, weights, cap: float, spl
                 continue
             stages = stages_of[rank]
             backwards = [(t, s) for s in stages if next_backward[s] < m
-                         for t in [inputs_at(backward_needs[s], next_backward[s])] if t is not None and t <= now]
+                         for t in [inputs_at(backward_needs[s], next_backward[s])]
+                         if t is not None and t <= now]
             forwards = [(t, s) for s in stages
                         if next_forward[s] < m and held[rank] + weights[s] <= cap * (1 + 1e-9)
-                        for t in [inputs_at(forward_needs[s], next_forward[s])] if t is not None and t <= now]
+                        for t in [inputs_at(forward_needs[s], next_forward[s])]
+                        if t is not None and t <= now]
             if patient and not backwards and (forwards or held_back[rank]):
                 soon = [t for s in stages if next_backward[s] < m
-                        for t in [inputs_at(backward_needs[s], next_backward[s])] if t is not None and t > now]
+                        for t in [inputs_at(backward_needs[s], next_backward[s])]
+                        if t is not None and t > now]
                 if forwards:
                     filler = forward_cost[min(forwards, key=lambda ts: (ts[0], ts[1]))[1]]
                 else:
@@ -132,7 +135,8 @@ def list_schedule(p: int, m: int, v: int, costs: Costs, weights, cap: float, spl
             if alternate and orders[rank] and next_backward_run[rank]:
                 first = orders[rank][-1].kind == Kind.F  # after a forward a backward, and the reverse
                 if not first and not forwards and held_back[rank] and any(
-                        next_forward[s] < m and (t := inputs_at(forward_needs[s], next_forward[s])) is not None
+                        next_forward[s] < m
+                        and (t := inputs_at(forward_needs[s], next_forward[s])) is not None
                         and t <= now for s in stages):
                     backwards = []  # the forward it wants waits for memory: a held-back W frees some
             if backwards and (first or not forwards):

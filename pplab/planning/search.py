@@ -91,7 +91,8 @@ class Found(ShownAsText):
     @property
     def proved_optimal(self) -> bool:
         """True when the solver proved that no schedule of these costs has a shorter step."""
-        return self.proof is not None and self.proof.optimal and self.step_time <= self.proof.step_time * (1 + 1e-9)
+        return (self.proof is not None and self.proof.optimal
+                and self.step_time <= self.proof.step_time * (1 + 1e-9))
 
     @property
     def best_builtin(self) -> Candidate | None:

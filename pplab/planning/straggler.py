@@ -63,7 +63,8 @@ class StragglerVerdict:
         evidence = (f"each action's fastest runs against the other ranks' "
                     f"({self.runs_per_action} run{'s' if self.runs_per_action != 1 else ''} of each action)")
         if self.rank is not None:
-            return f"straggler: rank {self.rank}, computing {bounds} the other ranks' compute; from {evidence}"
+            return (f"straggler: rank {self.rank}, computing {bounds} the other ranks' compute; "
+                    f"from {evidence}")
         if self.decided:
             return (f"no straggler: rank {self.candidate}, the busiest, computes {bounds} the other ranks' "
                     f"compute (under {STRAGGLER_RATIO}x); from {evidence}")

@@ -337,7 +337,8 @@ def _staged_state(module: nn.Module, optimizer) -> dict:
         for p, grad in held.items():
             p.grad = grad
     return {"model": {name: value.detach().clone() for name, value in model_state.items()},
-            "optimizer": {key: value.detach().clone() if isinstance(value, torch.Tensor) else copy.deepcopy(value)
+            "optimizer": {key: (value.detach().clone() if isinstance(value, torch.Tensor)
+                                else copy.deepcopy(value))
                           for key, value in optimizer_state.items()}}
 
 

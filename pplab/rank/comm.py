@@ -201,7 +201,8 @@ class StageLink:
         try:
             work.wait(timedelta(seconds=self.op_timeout))
         except RuntimeError as error:
-            raise PipelineTimeoutError(self.describe_wait(action, time.monotonic() - started, error)) from error
+            waited = time.monotonic() - started
+            raise PipelineTimeoutError(self.describe_wait(action, waited, error)) from error
 
     def describe_wait(self, action: Action, waited: float | None = None, error=None) -> str:
         """What went wrong in a wait, in lines: what happened (who waited on whom), why, the fix.

@@ -25,7 +25,8 @@ def gradient_stats(modules, grads: dict[str, torch.Tensor] | None = None) -> dic
     stats = {}
     for module in modules:
         for name, param in module.named_parameters():
-            grad = None if param.grad is None else grads[name] if grads is not None else full_tensor(param.grad)
+            grad = (None if param.grad is None
+                    else grads[name] if grads is not None else full_tensor(param.grad))
             stats[name] = dict(present=grad is not None,
                                norm=float(grad.norm()) if grad is not None else 0.0,
                                finite=bool(torch.isfinite(grad).all()) if grad is not None else False,

@@ -146,7 +146,8 @@ class RankRuntime:
         check_runnable(schedule)
         self.schedule, self.rank, self.stages = schedule, rank, stages
         self.rule = Dependencies(schedule)
-        self.device, self.op_timeout, self.record, self.timing = torch.device(device), op_timeout, record, timing
+        self.device, self.op_timeout = torch.device(device), op_timeout
+        self.record, self.timing = record, timing
         self.group, self.tied = group, tied
         self.last_stage = schedule.n_stages - 1
         self._forward_bytes = ForwardBytes()  # keyed by (stage, input shape, dtype)

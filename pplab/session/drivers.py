@@ -51,7 +51,8 @@ class _BuildsPipelines:
                  n_virtual: int = 1, *, impl: str = "pplab", seed: int = 0,
                  balance: Sequence[int] | None = None,
                  allow_empty: bool = False, op_timeout: float | None = None, timing: Costs | None = None,
-                 record: bool = True, mesh: Mesh | dict | None = None, param_dtype: str = "float32") -> Pipeline:
+                 record: bool = True, mesh: Mesh | dict | None = None,
+                 param_dtype: str = "float32") -> Pipeline:
         # The docstring is made below: its keywords that are a run's fields say what their field says.
         from pplab.rank.rank_pipeline import PipelineSpec
 

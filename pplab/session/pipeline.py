@@ -172,7 +172,8 @@ class Pipeline:
         check_positive_seconds("live_interval", live_interval)
         first_step = self.history.records[-1].step if self.history.records else 0
         if train_options.resume is not None:  # the training goes back (or on) to the checkpoint's step
-            first_step = read_manifest(resume_path(train_options.resume, train_options.checkpoint_dir))["step"]
+            resumed = resume_path(train_options.resume, train_options.checkpoint_dir)
+            first_step = read_manifest(resumed)["step"]
         call = self.lab.run_async(train_on_rank, self.pipeline_id, train_options, until, live_interval)
         view = self.training_display(train_options.steps if until is None else until, first_step, show)
         world_size = self.lab.world_size

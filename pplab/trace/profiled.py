@@ -183,8 +183,8 @@ def _read_step(traces: list[RankTrace], windows, index: int, one_host: bool, dev
         events += [event.shifted(offset) for event in rank_events]
         labels.add(how)
         compute = [e for e in rank_events if e.is_compute]
-        outside.append(max(0.0, (end - start) / 1e6 - (max(e.end for e in compute) - min(e.start for e in compute)))
-                       if profiled and compute else None)
+        pipeline = (max(e.end for e in compute) - min(e.start for e in compute)) if compute else 0.0
+        outside.append(max(0.0, (end - start) / 1e6 - pipeline) if profiled and compute else None)
     timeline = Timeline(events, n_ranks=len(traces), label="imported from torch.profiler").normalised()
     return timeline, " and ".join(sorted(labels)), outside, error, notes
 

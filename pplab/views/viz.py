@@ -277,7 +277,8 @@ def _points_per_time_unit(ax: Axes) -> float:
 
 
 def _row_height_pt(ax: Axes) -> float:
-    return ax.get_position().height * ax.figure.get_figheight() * 72 / abs(ax.get_ylim()[0] - ax.get_ylim()[1])
+    rows = abs(ax.get_ylim()[0] - ax.get_ylim()[1])
+    return ax.get_position().height * ax.figure.get_figheight() * 72 / rows
 
 
 def _label_font_size(events: list[Event], ax: Axes, bar_height: float) -> float | None:

@@ -449,8 +449,8 @@ def _judge_clipping(name: str, ran: list[dict], total: float, max_norm: float) -
     factor = min(1.0, max_norm / (total + 1e-6))  # what clip_grad_norm_ scales by
     factors = []
     for rank, result in enumerate(ran):
-        scale = [(result["grads"][n] * result["before"][n]).sum().item() / (result["before"][n] ** 2).sum().item()
-                 for n in result["grads"]]
+        scale = [(result["grads"][n] * result["before"][n]).sum().item()
+                 / (result["before"][n] ** 2).sum().item() for n in result["grads"]]
         factors.append(sum(scale) / len(scale))
         norm = result["norm"]
         if norm is None or abs(norm - total) > 1e-4 * total:

@@ -49,7 +49,8 @@ def _warmup_hint(rank: int, n_ranks: int, n_microbatches: int, given, expected: 
     elif given == n_ranks - 1 and rank:
         why = "the warm-up shrinks along the pipeline: rank r's first gradient comes back r hops sooner"
     elif isinstance(given, int) and given == expected + 1:
-        why = "one too many: the first forward of the steady phase is not warm-up (it is paired with a backward)"
+        why = ("one too many: the first forward of the steady phase is not warm-up (it is paired with a "
+               "backward)")
     else:
         why = ("the last rank gets its gradient at once; each rank before it must keep one more "
                "microbatch going while the first one travels to the end and back")
@@ -73,7 +74,8 @@ def check_gpipe_time(gpipe_step_time, max_ranks: int = 5, max_microbatches: int 
     cases = [([1.0] * p, [2.0] * p, m, 0.0) for p in (1, 2, 4) for m in (1, 4)]  # even stages first
     cases += [([round(rng.uniform(0.5, 3), 1) for _ in range(p)],
                [round(rng.uniform(1, 5), 1) for _ in range(p)],
-               m, latency) for p in range(2, max_ranks + 1) for m in (1, 3, max_microbatches) for latency in (0.0, 0.5)]
+               m, latency)
+              for p in range(2, max_ranks + 1) for m in (1, 3, max_microbatches) for latency in (0.0, 0.5)]
     for forward, backward, m, latency in cases:
         expected = simulate(build("gpipe", len(forward), m),
                             Costs(forward=forward, backward=backward, latency=latency)).step_time()
@@ -494,7 +496,8 @@ def _groups_hint(given, expected, rank: int, mesh) -> str:
     if given is None:
         return 'return a dict with the keys "pp", "dp" and "tp", each a list of global ranks'
     if any(rank not in ranks for ranks in given.values()):
-        return "a group includes the rank itself: its pipeline, for example, is every stage, its own among them"
+        return ("a group includes the rank itself: its pipeline, for example, is every stage, its own "
+                "among them")
     reversed_layout = Mesh(pp=mesh.tp, dp=mesh.dp, tp=mesh.pp)  # pp varying fastest instead of tp
     swapped = _groups_of(reversed_layout, rank)
     if given == {"pp": swapped["tp"], "dp": swapped["dp"], "tp": swapped["pp"]}:

@@ -66,8 +66,9 @@ def init(folder: str | Path, seats: int | str, *, instructors: list[str], gpus: 
 def _config_text(workshop: Workshop, instructors: list[str], gpus: int | str, bind_url: str,
                  room_url: str) -> str:
     seats = list(workshop.seats)
-    return f'''# The hub of a pplab workshop, written by `pplab workshop init`; run it with `pplab workshop start {workshop.room.parent}`.
-# Edit at will: it is JupyterHub's own config file (https://jupyterhub.readthedocs.io), pplab.hub fills in the rest.
+    return f'''# The hub of a pplab workshop, written by `pplab workshop init`.
+# Run it with `pplab workshop start {workshop.room.parent}`. Edit at will: it is JupyterHub's own
+# config file (https://jupyterhub.readthedocs.io); pplab.hub fills in the rest.
 import pplab.hub
 
 pplab.hub.configure(
@@ -75,7 +76,8 @@ pplab.hub.configure(
     seats={seats!r},  # the attendees' Unix accounts, one seat each
     instructors={instructors!r},  # they open the room's page (/services/pplab-room/) and are the hub's admins
     room={str(workshop.room)!r},
-    notebooks={str(workshop.notebooks)!r},  # copied into each seat's ~/{workshop.course_folder} on its first start
+    # copied into each seat's ~/{workshop.course_folder} on its first start
+    notebooks={str(workshop.notebooks)!r},
     gpus={gpus!r},  # this server's GPUs dealt round the seats ("auto": all it has; 0: labs on CPU)
     ranks_per_seat={workshop.ranks_per_seat},  # ranks of a lesson's lab, for the plan of the GPUs
     room_url={room_url!r},  # where the room's service listens, behind the hub's proxy
@@ -92,9 +94,10 @@ def _readme_text(folder: Path, workshop: Workshop, instructors: list[str], bind_
                 "(readable by root alone)." if made else
                 "Make the accounts first (`useradd -m NAME`, `passwd NAME`), or run `pplab workshop init` "
                 "again in a new folder with `--make-users`.")
+    first_seats = ", ".join(workshop.seats[:3]) + (" ..." if len(workshop.seats) > 3 else "")
     return f"""# A pplab workshop: {len(workshop.seats)} seats
 
-Written by `pplab workshop init`. Every seat is a Unix account: {', '.join(workshop.seats[:3])}{' ...' if len(workshop.seats) > 3 else ''}.
+Written by `pplab workshop init`. Every seat is a Unix account: {first_seats}.
 {accounts}
 
 ## Seats and GPUs
@@ -112,7 +115,8 @@ An attendee logs in with their account and gets JupyterLab with the course in `~
 GPUs with their memory cap, and their checkers' verdicts go to the room.
 
 The room's page: log in as an instructor ({', '.join(instructors)}) and open `/services/pplab-room/`.
-An attendee who opens it gets 403. Grades: the page's link, or `pplab room {workshop.room} --export grades.csv`.
+An attendee who opens it gets 403. Grades: the page's link, or
+`pplab room {workshop.room} --export grades.csv`.
 
 ## Afterwards
 

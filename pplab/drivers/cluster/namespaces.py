@@ -233,7 +233,8 @@ class NamespaceHosts:
             for engine in range(self.engines_per_host):
                 self.processes.append(self._spawn(index, [sys.executable, "-m", "ipyparallel.engine",
                                                           f"--profile-dir={self.profile_dir}",
-                                                          f"--cluster-id={self.cluster_id}", *engine_args(self.start_timeout)],
+                                                          f"--cluster-id={self.cluster_id}",
+                                                          *engine_args(self.start_timeout)],
                                                   f"engine-{index}-{engine}"))
 
     def _spawn(self, index: int, command: list[str], role: str) -> subprocess.Popen:

@@ -217,7 +217,8 @@ class BubblesView(widgets.VBox):
         rows.append((["theory", _percent(self.theory)], ""))
         rows.append(([f"simulation {self.simulated_label}" if self.simulated_label else "simulation",
                       _percent(self.simulated)], ""))
-        note = f"<div style='font-size:11px;color:#555'>theory: {self.theory_note}</div>" if self.theory_note else ""
+        note = (f"<div style='font-size:11px;color:#555'>theory: {self.theory_note}</div>"
+                if self.theory_note else "")
         self.table.value = table(header, rows, "bubble: idle time / step time") + note
         if self.rows and picture:
             show_png(self.image, self._figure())
@@ -299,7 +300,8 @@ class GradientsView(widgets.VBox):
         diffs = getattr(parity, "grad_diffs", {})
         for name in getattr(parity, "failing", []):
             self.red.setdefault(name, f"differs from one device by {diffs[name][0]:.2e}")
-        header = ["stage", "parameter", "grad norm"] + (["max |diff| vs one device"] if parity else []) + ["status"]
+        compared = ["max |diff| vs one device"] if parity else []
+        header = ["stage", "parameter", "grad norm", *compared, "status"]
         rows = []
         for name in sorted(grad_stats, key=lambda n: (stage_of(n) if stage_of else 0, n)):
             cells = ["" if stage_of is None else stage_of(name), name, f"{grad_stats[name]['norm']:.3e}"]
@@ -453,7 +455,8 @@ class WhereView(widgets.VBox):
             else:
                 state, style = "running", ""
             self.states[rank] = state
-            rows.append(([name, _in_words(now.doing), f"{held:.1f} s" if state != "done" else "", waits], style))
+            held_for = f"{held:.1f} s" if state != "done" else ""
+            rows.append(([name, _in_words(now.doing), held_for, waits], style))
         self._cells = [cells for cells, _ in rows]
         return rows
 

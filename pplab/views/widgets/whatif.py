@@ -135,7 +135,8 @@ class WhatIf(widgets.VBox):
         theory_text = "n/a" if textbook.bubble_fraction is None else f"{textbook.bubble_fraction:.1%}"
         rows.append((["theory", "", theory_text], ""))
         if self.measured is not None:
-            rows.append((["measured", f"{self.measured.step_time():.4g} s", f"{self.measured.bubble_fraction():.1%}"], ""))
+            rows.append((["measured", f"{self.measured.step_time():.4g} s",
+                          f"{self.measured.bubble_fraction():.1%}"], ""))
         why = "" if textbook.bubble_fraction is not None else \
             f"<div style='font-size:11px;color:#555'>theory n/a: {textbook.conditions}</div>"
         self.numbers.value = table(["", "step time", "bubble"], rows) + why
