@@ -1,16 +1,14 @@
 """Plain local processes as ranks: the driver for the CLI, tests, benchmarks and scripts.
 
-`RankPool(n_ranks)` starts one process per rank once (torch imported once, the
-process group joined once, gloo on loopback, or NCCL) and keeps them: `pool.run(fn,
-*args)` calls `fn(*args)` on every rank (which asks `pplab.rank.rank_context` who it is)
-and returns the results ordered by rank; `pool.run_async` returns at once with a call
-that streams what the ranks `publish`. It is the interface a lab offers, so a pipeline
-session runs on either.
+`RankPool(n_ranks)` starts one process per rank once (torch imported once, the process group
+joined once, gloo on loopback, or NCCL) and keeps them: `pool.run(fn, *args)` calls `fn(*args)` on
+every rank (which asks `pplab.rank.rank_context` who it is) and returns the results ordered by
+rank; `pool.run_async` returns at once with a call that streams what the ranks `publish`. It is
+the interface a lab offers, so a pipeline session runs on either.
 
 `run_ranks(n_ranks, fn, *args)` calls `fn(rank, world_size, *args)`, torchrun's way (`world_size`,
-torch.distributed's word, is the number of ranks):
-on a pool when given one, else in fresh processes for this one call (for code that
-must own its process group).
+torch.distributed's word, is the number of ranks): on a pool when given one, else in fresh
+processes for this one call (for code that must own its process group).
 
 A rank that raises or dies, or a call past its timeout, ends with an error naming the
 rank; a pool then replaces its processes before the next call (a failure can leave a
@@ -55,12 +53,10 @@ from pplab.rank.rank_context import (
     set_rank_context,
 )
 
-# What every rank imports: a rank forked from a server that imported these once starts in a
-# tenth of a second, where a spawned one spends about 2 s of CPU importing torch. torch._dynamo
-# (1.1 s of CPU) is among them because most pool ranks import it anyway: an optimizer's first
-# parameter group and torch's pipelining each do. Once it is in, checkpoints, DTensor and
-# pipelining add 0.06 s: every rank gets them too. (This server serves the client's pools for its
-# whole life; a lab's engines preload less: pplab.drivers.cluster.forkserver.ENGINE_IMPORTS.)
+# What every rank imports, once, in the fork server its ranks are forked from (a spawned rank
+# would import torch itself). torch._dynamo is there because an optimizer's first parameter group
+# and torch's pipelining import it anyway; with it in, the rest costs little. A lab's engines
+# preload less: pplab.drivers.cluster.forkserver.ENGINE_IMPORTS.
 RANK_IMPORTS = ["torch", "torch.distributed", "torch._dynamo", "torch.distributed.checkpoint",
                 "torch.distributed.pipelining", "pplab.rank.rank_pipeline", "pplab.rank.train"]
 
@@ -85,7 +81,6 @@ def free_port(host: str = "127.0.0.1") -> int:
 
 def with_rank(fn, *args):
     """fn(rank, world_size, *args) on the rank this is (torchrun's calling convention, on any driver)."""
-
     context = rank_context()
     return fn(context.rank, context.world_size, *args)
 
