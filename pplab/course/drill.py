@@ -24,7 +24,7 @@ __all__ = ["DrillResult", "drill", "drill_table"]
 
 SCHEDULES = ("gpipe", "1f1b", "zb-h1")
 # Stage 1 four times slower, in pads long enough that a rank's own compute fits in them even on a
-# crowded machine (at 4 and 16 ms, a full CI run beside two burners left one seat undecided).
+# crowded machine (shorter pads can leave a seat's straggler verdict undecided).
 SLOW_STAGE = dict(forward=(0.015, 0.06), backward=(0.03, 0.12))
 SEAT_TIMEOUT_SECONDS = 900  # one seat's whole drill, however crowded the machine
 

@@ -89,7 +89,7 @@ class _Rendezvous:
     """Where one host's fresh ranks meet: a file store in a directory of its own.
 
     A file, not a TCP port: a port found free can be taken by another process in the
-    seconds before rank 0 listens on it (EADDRINUSE, seen with two test workers).
+    seconds before rank 0 listens on it (EADDRINUSE).
     """
 
     def __init__(self):

@@ -12,8 +12,8 @@ names this rank, the peer, what it waited for and the action.
 On gloo a receive whose shape is known is posted ahead of its turn (`prepost`),
 before the compute that precedes it: gloo moves a message only once its receive
 is posted, so a receive posted at its turn pays a round trip ("ready", then the
-data). Measured on 2 busy cores: the median wait for a message sent 4 ms earlier
-falls from 146 us to 7 us, and the 70th-90th percentiles from 1-5 ms to 8-14 us.
+data); posted ahead, a message sent earlier is there when its compute needs it (the
+figures: commit 3eed488, and bench/results/predict.json).
 
 Gradients need no shape handshake: a gradient has the shape of the activation
 this rank sent. Activations do when microbatch shapes vary; then each one is

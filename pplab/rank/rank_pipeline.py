@@ -39,10 +39,10 @@ def make_first_calls() -> None:
     the first to make in this process, and that import modules then.
 
     The costly one: given an output's gradient, `torch.autograd.backward` (and `.grad`) import
-    torch's symbolic shapes, and with them sympy, on their first call: 0.7 s of CPU on a quiet
-    2-core machine. Inside a step, that made the first B 5 times longer than the next ones in the
-    first step's timeline, and kept the next rank waiting for it under the op timeout: beside two
-    CPU burners, 20 s ran out on it. The last stage's backward starts from the scalar loss, but it
+    torch's symbolic shapes, and with them sympy, on their first call, which costs a large part of
+    a second of CPU. Inside a step, that would make the first B several times longer than the next
+    ones in the first step's timeline, and keep the next rank waiting for it under the op timeout,
+    which a busy machine can run out. The last stage's backward starts from the scalar loss, but it
     makes the call here too: a trainer's optimizer imports the same modules, and ranks that did
     unequal one-time work would wait for each other in their first training step. The other calls
     cost milliseconds: a step's profiler labels, and unpickling the tensors a step is sent.

@@ -215,7 +215,7 @@ class RankCall:
         """A rank's death, with what its peers saw of it (e.g. the message to it they lost)."""
         who = ", ".join(self._ranks.describe(rank) for rank in died)
         # ipyparallel reports an engine dead once its controller misses its heartbeats: on a machine
-        # busy enough, that of a process still running here (seen beside two CPU burners).
+        # busy enough, that of a process still running here.
         unheard = set(died) - self._dead - set(self._ranks.dead_ranks(died))
         note = ""
         if unheard == set(died):

@@ -116,9 +116,9 @@ def _join_process_group(spec: RankSpec, device) -> None:
     """Join the process group once every rank has reached the rendezvous, then meet at a barrier.
 
     The group's ops wait `op_timeout`, and so does gloo's connect when the group is made: on a
-    busy machine one rank may come to it seconds after another (beside two burners a lab's 3 s
-    ran out there). So the ranks first check in at the rendezvous's store, which waits the longer
-    `join_timeout`; the group is made when all are there."""
+    busy machine one rank may come to it seconds after another, past a short `op_timeout`. So the
+    ranks first check in at the rendezvous's store, which waits the longer `join_timeout`; the
+    group is made when all are there."""
     import torch.distributed as dist
 
     joining = datetime.timedelta(seconds=max(spec.op_timeout, spec.join_timeout))

@@ -45,9 +45,9 @@ from pplab.drivers.cluster.errors import LabError, LabStartError
 HEARTBEAT_SECONDS = 0.25
 # How long the controller goes without an engine's beat before it gives the engine up, on a quiet
 # machine. What falls silent under load is the controller's own loop (an engine's heart is a zmq
-# thread that needs no Python): starved beside two CPU burners, a controller missed 10 s of a live
-# engine's beats and gave it up. So the lab stretches it by the slowdown it measured at its start,
-# up to 4 times. A local rank that dies is seen by its pid at once, so only the silent wait grows.
+# thread that needs no Python): a starved controller can miss a live engine's beats and give it up.
+# So the lab stretches it by the slowdown it measured at its start, up to 4 times. A local rank
+# that dies is seen by its pid at once, so only the silent wait grows.
 HEARTBEAT_PATIENCE_SECONDS = 10.0
 PATIENCE_STRETCH_AT_MOST = 4.0
 

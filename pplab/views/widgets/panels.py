@@ -401,7 +401,7 @@ class WhereView(widgets.VBox):
     def _settle(self, wait, seconds: float) -> None:
         """A wait that ended: its length on the rank's own clock decides whether it was a stall.
         While it lasted, the client could only count from when it heard of it, and a busy client
-        hears late: beside two burners a wait of milliseconds showed as a stall."""
+        hears late: on a busy machine a wait of milliseconds would show as a stall."""
         logged = next((stall for stall in self.stalls if stall["note"] is wait), None)
         if seconds < self.stalled_after:
             if logged is not None:

@@ -47,9 +47,9 @@ class Throttle:
     """Says yes at most once per `seconds` (the first time always), so redraws keep up with events.
 
     With a `share`, also rarely enough that drawing takes at most that share of a core: a draw that
-    cost d CPU-seconds (`drawn()` is called after it) waits d / share from its start. A training
-    view's two pictures cost 0.3 s on a quiet 2-core machine and twice that on a busy one: once a
-    second, the notebook's kernel took a third to half of a core from the ranks it was showing.
+    cost d CPU-seconds (`drawn()` is called after it) waits d / share from its start. Drawing a
+    training view's pictures every second would take a large share of a core from the ranks it is
+    showing (bench/bench_dashboard.py measures it).
     """
 
     def __init__(self, seconds: float, share: float | None = None):
