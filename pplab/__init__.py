@@ -118,8 +118,9 @@ class _PublicModules:
     def find_spec(fullname: str, path=None, target=None):
         package, _, rest = fullname.partition(".")
         short, _, inner = rest.partition(".")
-        public = {**_MODULES, **_MOVED_MODULES}
-        if package != "pplab" or short not in public or _MODULES.get(short) == f"pplab.{short}":
+        # pplab.base holds the table of moved modules: finding it must not look the table up
+        if package != "pplab" or short == "base" or short not in {**_MODULES, **_moved_modules()} \
+                or _MODULES.get(short) == f"pplab.{short}":
             return None
         return _spec_from_loader(fullname, _PublicModules)
 
@@ -135,28 +136,31 @@ class _PublicModules:
 
 _sys.meta_path.insert(0, _PublicModules)
 
-_RENAMED = {"PipelineRun": "Pipeline"}  # the last release's names, kept for one release
-# ... and public modules that joined another: short name -> (the public module now, where the old one lives)
-_MOVED_MODULES = {"profiled": ("pplab.trace", "pplab.trace.profiled")}
+def _moved_modules() -> dict:
+    """Public modules that joined another, kept for one release (pplab.base.renames): short name -> row."""
+    from pplab.base.renames import rows
+
+    return rows("module", "pplab")
 
 
 def _module_of(short: str) -> str:
     """Where the public module `short` lives (a moved one's old module, with a DeprecationWarning)."""
-    if short in _MOVED_MODULES:
-        from pplab.base.arguments import warn_moved
+    moved = _moved_modules().get(short)
+    if moved is not None:
+        from pplab.base.renames import warn
 
-        warn_moved(f"pplab.{short}", _MOVED_MODULES[short][0], stacklevel=4)  # the user's line
-        return _MOVED_MODULES[short][1]
+        warn(moved, stacklevel=3)  # the user's line
+        return f"{moved.new}.{moved.old}"  # the old module lives on inside the one that holds it now
     return _MODULES[short]
 
 
 def __getattr__(name: str):
-    if name in _RENAMED:
-        from pplab.base.arguments import warn_renamed
+    from pplab.base.renames import renamed_attribute
 
-        warn_renamed("pplab", name, _RENAMED[name])
-        return __getattr__(_RENAMED[name])
-    if name in _MODULES or name in _MOVED_MODULES:
+    renamed = renamed_attribute("pplab", name)
+    if renamed is not None:
+        return __getattr__(renamed.new.rpartition(".")[2])
+    if name in _MODULES or name in _moved_modules():
         return _importlib.import_module(_module_of(name))
     if name not in _EXPORTS:
         raise AttributeError(f"module 'pplab' has no attribute {name!r}")

@@ -5,6 +5,7 @@ new keyword) proves where the old one arrived, before any process starts."""
 
 import dataclasses
 import importlib
+import re
 import sys
 from types import SimpleNamespace
 
@@ -208,7 +209,7 @@ def test_one_lab_a_user_sees_the_others_say_where_it_is(module):
 
 
 @pytest.mark.quick
-def test_run_configs_last_release_names_still_work_and_files_keep_seed_003s():
+def test_run_configs_last_release_names_still_work_and_files_keep_the_older_names():
     from pplab.session.run import RunConfig
 
     with pytest.warns(DeprecationWarning) as seen:
@@ -221,3 +222,64 @@ def test_run_configs_last_release_names_still_work_and_files_keep_seed_003s():
         assert config.virtual_stages == 2
     read = RunConfig.of({"parallel": {"microbatches": 8, "virtual-stages": 2}})  # the older names, quietly
     assert (read.n_microbatches, read.n_virtual) == (8, 2) and "n_microbatches = 8" in read.to_toml()
+
+
+def _parser_flags() -> set[str]:
+    """Every flag of every `pplab` command."""
+    import argparse
+
+    from pplab.cli import build_parser
+
+    flags, parsers = set(), [build_parser()]
+    while parsers:
+        for action in parsers.pop()._actions:
+            flags.update(action.option_strings)
+            if isinstance(action, argparse._SubParsersAction):
+                parsers += list(action.choices.values())
+    return flags
+
+
+def _found(path: str):
+    """The object at `path`, a module's dotted name followed by attributes (a qualified name)."""
+    parts = path.split(".")
+    for cut in range(len(parts) - 1, 0, -1):
+        try:
+            found = importlib.import_module(".".join(parts[:cut]))
+        except ImportError:
+            continue
+        for part in parts[cut:]:
+            found = getattr(found, part)
+        return found
+    raise LookupError(path)
+
+
+@pytest.mark.parametrize("row", __import__("pplab.base.renames", fromlist=["RENAMED"]).RENAMED,
+                         ids=lambda row: f"{row.kind}:{row.where}.{row.old}")
+def test_every_row_of_the_one_rename_table_is_taken_where_it_says(row):
+    """The table (pplab.base.renames) is the one place an old name is written: each row's old name
+    is taken where the row says, the warning names the row's new one, and that new one exists."""
+    import inspect
+    import warnings
+
+    from pplab.base.renames import resolve, said
+
+    if row.kind == "keyword":
+        function = _found(row.where)
+        assert row.old in function.renamed_keywords  # the decorator read this row
+        assert row.new in inspect.signature(function.__wrapped__).parameters
+    elif row.kind == "flag":
+        from pplab.cli import with_renamed_flags
+
+        with pytest.warns(DeprecationWarning, match=re.escape(said(row))):
+            assert with_renamed_flags([row.old, "2"]) == [row.new, "2"]
+        assert row.new in _parser_flags() and row.old not in _parser_flags()
+    elif row.kind == "attribute":
+        with pytest.warns(DeprecationWarning, match=re.escape(said(row))):
+            getattr(importlib.import_module(row.where), row.old)
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")  # the new name is found without a warning
+            resolve(row.new)
+    else:
+        assert row.kind == "module" and row.where == "pplab"
+        assert importlib.import_module(f"{row.new}.{row.old}") and row.new in {
+            f"pplab.{short}" for short in pplab._MODULES}

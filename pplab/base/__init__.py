@@ -1,5 +1,5 @@
-"""Floor 1, what every floor uses: `arguments` (the checks of a user's numbers, and the last
-release's names kept for one more), `config` (each option of a run written once), `formatting`
+"""Floor 1, what every floor uses: `arguments` (the checks of a user's numbers), `renames` (the
+last release's names kept for one more, one table), `config` (each option of a run written once), `formatting`
 (text and HTML tables, byte sizes), `machine` (how busy this machine is) and `checkpoint_files`
 (a checkpoint's paths, manifest and hashes). Pure Python: no torch, so the command line reads
 them before it decides to load anything."""

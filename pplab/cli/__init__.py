@@ -28,21 +28,21 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-# The last release's flags: they still work, for one release, with a DeprecationWarning.
-RENAMED_FLAGS = {"--ranks": "--n-ranks", "--microbatches": "--n-microbatches", "--virtual": "--n-virtual"}
 
 
 def with_renamed_flags(argv: list[str]) -> list[str]:
     """`argv` with the last release's flags (`--ranks 2`, `--microbatches=4`) under their new names,
     each one said on stderr as a DeprecationWarning naming the new flag."""
-    renamed = []
+    from pplab.base.renames import rows, said
+
+    renamed, old_flags = [], rows("flag")
     for argument in argv:
         flag, equals, value = argument.partition("=")
-        if flag in RENAMED_FLAGS:
-            message = f"{flag} is now {RENAMED_FLAGS[flag]}; {flag} works until the next release"
-            warnings.warn(message, DeprecationWarning, stacklevel=2)
-            print(f"pplab: DeprecationWarning: {message}", file=sys.stderr)
-            argument = RENAMED_FLAGS[flag] + equals + value
+        if flag in old_flags:
+            row = old_flags[flag]
+            warnings.warn(said(row), DeprecationWarning, stacklevel=2)
+            print(f"pplab: DeprecationWarning: {said(row)}", file=sys.stderr)
+            argument = row.new + equals + value
         renamed.append(argument)
     return renamed
 

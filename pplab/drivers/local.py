@@ -37,7 +37,8 @@ from collections.abc import Sequence
 from datetime import timedelta
 from multiprocessing import connection
 
-from pplab.base.arguments import OP_TIMEOUT, check_positive_int, check_positive_seconds, renamed_keywords
+from pplab.base.arguments import OP_TIMEOUT, check_positive_int, check_positive_seconds
+from pplab.base.renames import renamed_keywords
 from pplab.drivers.contract import arguments_by_rank, call_name, error_report, one_line
 from pplab.drivers.cores import check_cores, pin_this_process
 from pplab.rank.rank_context import (
@@ -287,7 +288,7 @@ class RankPool:
     process; the next call starts fresh ones. `stop()` (or leaving the `with`) ends them.
     """
 
-    @renamed_keywords(world_size="n_ranks", init_timeout="op_timeout")
+    @renamed_keywords
     def __init__(self, n_ranks: int, *, backend: str = "gloo", timeout: float = 120.0,
                  op_timeout: float = OP_TIMEOUT, grace: float = 3.0, cores: Sequence[int] | None = None,
                  host_messages: bool = False):
@@ -586,15 +587,11 @@ def _stop_running_pools() -> None:
         pool._end_processes(patience=1.0)
 
 
-_RENAMED = {"LocalRankError": "RankError"}  # the last release's name, kept for one release
-
-
 def __getattr__(name: str):
-    """`LocalRankError`, the last release's name: every driver now raises the same errors
-    (RankFailedError, RankDiedError, RankTimeoutError, each a RankError)."""
-    if name in _RENAMED:
-        from pplab.base.arguments import warn_moved
+    """`LocalRankError`, the last release's name (pplab.base.renames): every driver now raises the
+    same errors (RankFailedError, RankDiedError, RankTimeoutError, each a RankError)."""
+    from pplab.base.renames import renamed_attribute
 
-        warn_moved(f"pplab.drivers.local.{name}", f"pplab.session.{_RENAMED[name]}", "every driver raises it")
+    if renamed_attribute("pplab.drivers.local", name) is not None:
         return RankError
     raise AttributeError(f"module 'pplab.drivers.local' has no attribute {name!r}")

@@ -14,7 +14,8 @@ import os
 import socket
 from datetime import timedelta
 
-from pplab.base.arguments import OP_TIMEOUT, renamed_keywords
+from pplab.base.arguments import OP_TIMEOUT
+from pplab.base.renames import renamed_keywords
 from pplab.drivers.contract import arguments_by_rank, error_report, one_line
 from pplab.rank.rank_context import (
     RankContext,
@@ -40,7 +41,7 @@ class TorchrunRanks:
 
     state = "running"
 
-    @renamed_keywords(timeout="op_timeout")
+    @renamed_keywords
     def __init__(self, op_timeout: float = OP_TIMEOUT):
         """Join torchrun's process group: on GPUs where there are any (NCCL with one GPU per process;
         gloo, messages through host memory, where processes outnumber the GPUs and share them), else
@@ -141,7 +142,7 @@ class _FinishedCall:
         return self._results
 
 
-@renamed_keywords(timeout="op_timeout")
+@renamed_keywords
 def run_as_torchrun_rank(fn, *args, op_timeout: float = OP_TIMEOUT):
     """Join torchrun's process group, call `fn(rank, world_size, *args, device=...)`, and give rank 0
     the results by rank (None on the other ranks); `op_timeout` as for `TorchrunRanks`."""

@@ -30,7 +30,7 @@ import torch
 import torch.distributed as dist
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from pplab.base.arguments import check_positive_int, moved_up
+from pplab.base.arguments import check_positive_int
 from pplab.base.formatting import html_table, text_table
 from pplab.models.llama import LlamaConfig, LlamaModel
 from pplab.rank.memory import SavedBytes
@@ -489,12 +489,11 @@ def all_gathers_per_unit(schedule, stage: int, reshard_after_forward: bool) -> i
     return count
 
 
-# Names that moved up to the client's floor, kept here one more release (with a DeprecationWarning):
-# name -> (the module it lives in now, its public path).
-_MOVED_UP = {"MemoryTable": ("pplab.session.results", "pplab.session.MemoryTable")}
-
-
 def __getattr__(name: str):
-    if name in _MOVED_UP:
-        return moved_up("pplab.mesh", name, *_MOVED_UP[name])
+    """Names that moved up to the client's floor (pplab.base.renames), served one more release."""
+    from pplab.base.renames import renamed_attribute, resolve
+
+    row = renamed_attribute("pplab.mesh", name)
+    if row is not None:
+        return resolve(row.new)
     raise AttributeError(f"module 'pplab.rank.mesh' has no attribute {name!r}")

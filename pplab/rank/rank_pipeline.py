@@ -19,8 +19,9 @@ from dataclasses import dataclass
 import torch
 from torch.profiler import record_function
 
-from pplab.base.arguments import OP_TIMEOUT, check_positive_int, renamed_keywords
+from pplab.base.arguments import OP_TIMEOUT, check_positive_int
 from pplab.base.config import IMPLEMENTATIONS, PARAM_DTYPES
+from pplab.base.renames import renamed_keywords
 from pplab.data import Batch
 from pplab.models import dropout_streams
 from pplab.models.llama import IGNORE_INDEX, LlamaConfig
@@ -77,7 +78,7 @@ class PipelineSpec:
     param_dtype: str = "float32"  # the stages' parameters (and so their activations): "bfloat16" too
 
     @classmethod
-    @renamed_keywords(microbatches="n_microbatches", timeout="op_timeout")
+    @renamed_keywords
     def create(cls, config: LlamaConfig, schedule: str | Schedule, n_ranks: int,
                n_microbatches: int | None = None, n_virtual: int = 1, *, impl: str = "pplab",
                seed: int = 0, balance: Sequence[int] | None = None, allow_empty: bool = False,

@@ -516,9 +516,8 @@ def build_and_train_on_rank(rank: int, world_size: int, spec: PipelineSpec, opti
 def __getattr__(name: str):
     """`train_on_rank`, the last release's name of `build_and_train_on_rank` (it shared its name with
     the session's `train_on_rank`, which trains stages already built)."""
-    if name == "train_on_rank":
-        from pplab.base.arguments import warn_renamed
+    from pplab.base.renames import renamed_attribute
 
-        warn_renamed("pplab.rank.train", name, "build_and_train_on_rank")
+    if renamed_attribute("pplab.rank.train", name) is not None:
         return build_and_train_on_rank
     raise AttributeError(f"module 'pplab.rank.train' has no attribute {name!r}")

@@ -37,20 +37,14 @@ _EXPORTS = {"Lab": "pplab.session.drivers", "RankPool": "pplab.session.drivers",
 __all__ = [name for name in _EXPORTS if name != "Lab"]  # one Lab a user sees: pplab.Lab
 
 
-_RENAMED = {"PipelineRun": "Pipeline"}  # the last release's names, kept for one release
-_MOVED = {"Lab": "pplab.Lab"}  # ... and names that moved, the same
-
-
 def __getattr__(name: str):
-    if name in _RENAMED:
-        from pplab.base.arguments import warn_renamed
+    """A public name, loaded on first use; the last release's names (pplab.base.renames) said and
+    served: a name renamed here is the new one, `Lab` the session's (pplab.Lab is built on it)."""
+    from pplab.base.renames import renamed_attribute
 
-        warn_renamed("pplab.session", name, _RENAMED[name])
-        return __getattr__(_RENAMED[name])
-    if name in _MOVED:
-        from pplab.base.arguments import warn_moved
-
-        warn_moved(f"pplab.session.{name}", _MOVED[name], "with live views")
+    row = renamed_attribute("pplab.session", name)
+    if row is not None and row.new.startswith("pplab.session."):
+        name = row.new.rpartition(".")[2]
     if name not in _EXPORTS:
         raise AttributeError(f"module 'pplab.session' has no attribute {name!r}")
     return getattr(_importlib.import_module(_EXPORTS[name]), name)

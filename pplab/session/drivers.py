@@ -13,8 +13,8 @@ import importlib
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
-from pplab.base.arguments import renamed_keywords
 from pplab.base.config import keywords_help
+from pplab.base.renames import renamed_keywords
 from pplab.drivers.cluster.lab import Lab as _ClusterLab
 from pplab.drivers.local import RankPool as _LocalPool
 from pplab.drivers.torchrun import TorchrunRanks as _TorchrunRanks
@@ -45,7 +45,7 @@ class _BuildsPipelines:
     # What `pipeline` builds (a notebook's lab builds a richer one).
     pipeline_class = ImportedOnUse("pplab.session.pipeline:Pipeline")
 
-    @renamed_keywords(microbatches="n_microbatches", timeout="op_timeout")
+    @renamed_keywords
     def pipeline(self, config: LlamaConfig, schedule: str | Schedule = "1f1b",
                  n_microbatches: int | None = None,
                  n_virtual: int = 1, *, impl: str = "pplab", seed: int = 0,

@@ -16,12 +16,12 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from pplab.base.arguments import renamed_keywords, warn_renamed
 from pplab.base.config import (
     IMPLEMENTATIONS,
     INTEGER,
@@ -34,6 +34,7 @@ from pplab.base.config import (
     option,
     sections_of,
 )
+from pplab.base.renames import keyword_renames, renamed_keywords, rows
 from pplab.schedules import Schedule
 from pplab.schedules.names import SCHEDULE_NAMES, TORCH_ONLY_NAMES
 
@@ -45,9 +46,10 @@ SCHEDULE = Kind("a schedule's name, or a Schedule", str, lambda v: isinstance(v,
 
 __all__ = ["RunConfig", "train"]
 
-# Older names for two of them, read in files and dicts and shown as the canonical name (a schedule's
-# name may be spelled the older way too, "interleaved_1f1b": schedule_name reads every spelling).
-ALIASES = {"microbatches": "n_microbatches", "virtual_stages": "n_virtual"}
+# Older names for two of them (pplab.base.renames), read in files and dicts and shown as the canonical
+# name (a schedule's name may be spelled the older way too, "interleaved_1f1b": schedule_name reads
+# every spelling).
+ALIASES = keyword_renames("pplab.session.run.RunConfig.__init__")
 
 
 @dataclass(frozen=True)
@@ -158,13 +160,13 @@ class RunConfig(TrainOptions):
     @property
     def microbatches(self) -> int:
         """The last release's name of `n_microbatches` (one more release, with a DeprecationWarning)."""
-        warn_renamed("RunConfig", "microbatches", "n_microbatches")
+        _warn_old_attribute("microbatches")
         return self.n_microbatches
 
     @property
     def virtual_stages(self) -> int:
         """The last release's name of `n_virtual` (one more release, with a DeprecationWarning)."""
-        warn_renamed("RunConfig", "virtual_stages", "n_virtual")
+        _warn_old_attribute("virtual_stages")
         return self.n_virtual
 
     @property
@@ -191,7 +193,14 @@ class RunConfig(TrainOptions):
 
 
 # RunConfig(microbatches=4), the last release's keywords: one more release, with a DeprecationWarning.
-RunConfig.__init__ = renamed_keywords(**ALIASES)(RunConfig.__init__)
+RunConfig.__init__ = renamed_keywords(RunConfig.__init__)
+
+
+def _warn_old_attribute(old: str) -> None:
+    """`config.microbatches`: its keyword's row says what it is now, and until when the old one works."""
+    row = rows("keyword", "pplab.session.run.RunConfig.__init__")[old]
+    warnings.warn(f"RunConfig.{old} is now RunConfig.{row.new}; RunConfig.{old} works until {row.until}",
+                  DeprecationWarning, stacklevel=3)
 
 
 def _toml_line(name: str, value) -> str:

@@ -20,17 +20,14 @@ __all__ = ["Now", "COMM_EVENT_KINDS", "COLLECTIVE_KINDS", "from_profiler", "read
            "ImportedRun",
            "TraceImportError"]
 
-# The last release's names, kept for one release: Event and Timeline have one path, the top level;
-# COMM_KINDS here differed from pplab.schedules.COMM_KINDS (it holds the collectives too).
-_RENAMED = {"Event": "pplab.Event", "Timeline": "pplab.Timeline",
-            "COMM_KINDS": "pplab.trace.COMM_EVENT_KINDS"}
-
-
 def __getattr__(name: str):
-    if name not in _RENAMED:
+    """The last release's names (pplab.base.renames): Event and Timeline have one path now, the top
+    level's; COMM_KINDS is COMM_EVENT_KINDS."""
+    from pplab.base.renames import renamed_attribute
+
+    row = renamed_attribute("pplab.trace", name)
+    if row is None:
         raise AttributeError(f"module 'pplab.trace' has no attribute {name!r}")
-    from pplab.base.arguments import warn_moved
     from pplab.trace import timeline
 
-    warn_moved(f"pplab.trace.{name}", _RENAMED[name])
-    return getattr(timeline, _RENAMED[name].rsplit(".", 1)[1])
+    return getattr(timeline, row.new.rsplit(".", 1)[1])

@@ -40,11 +40,10 @@ class Lab(_SessionLab):
 def __getattr__(name: str):
     """`NotebookPipeline`, where it was defined until it moved to its own module (this one imports no
     torch, so that `pplab.Lab(...)` starts without the client importing torch): one more release."""
-    if name == "NotebookPipeline":
-        from pplab.base.arguments import warn_moved
-        from pplab.views.notebook_pipeline import NotebookPipeline
+    from pplab.base.renames import renamed_attribute
 
-        warn_moved("pplab.views.lab.NotebookPipeline", "pplab.views.notebook_pipeline.NotebookPipeline")
+    if renamed_attribute("pplab.views.lab", name) is None:
+        raise AttributeError(f"module 'pplab.views.lab' has no attribute {name!r}")
+    from pplab.views.notebook_pipeline import NotebookPipeline
 
-        return NotebookPipeline
-    raise AttributeError(f"module 'pplab.views.lab' has no attribute {name!r}")
+    return NotebookPipeline

@@ -48,9 +48,9 @@ _IMPORTED_WHEN_USED = {"Lab": "pplab.drivers.cluster.lab", "RankCall": "pplab.dr
 def __getattr__(name: str):
     # one Lab a user sees: pplab.Lab (this one, without pipelines, is the driver beneath it)
     if name == "Lab":
-        from pplab.base.arguments import warn_moved
+        from pplab.base.renames import renamed_attribute
 
-        warn_moved("pplab.cluster.Lab", "pplab.Lab", "the same lab, with pipelines and live views")
+        renamed_attribute("pplab.cluster", name)
     if name in _IMPORTED_WHEN_USED:
         return getattr(importlib.import_module(_IMPORTED_WHEN_USED[name]), name)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -25,8 +25,9 @@ from collections.abc import Sequence
 from dataclasses import replace
 from typing import Callable, Iterator
 
-from pplab.base.arguments import OP_TIMEOUT, check_positive_int, check_positive_seconds, renamed_keywords
+from pplab.base.arguments import OP_TIMEOUT, check_positive_int, check_positive_seconds
 from pplab.base.machine import busy_note, measure_load
+from pplab.base.renames import renamed_keywords
 from pplab.drivers.cluster import engine, records
 from pplab.drivers.cluster.calls import RankCall
 from pplab.drivers.cluster.errors import RESTART_HINT, LabError, LabNeedsRestartError, LabStartError
@@ -76,7 +77,7 @@ class Lab:
 
     _stopped = True  # until a start begins (also for __del__ of a lab whose arguments failed)
 
-    @renamed_keywords(ranks="n_ranks", timeout="op_timeout")
+    @renamed_keywords
     def __init__(self, n_ranks: int = 2, *, backend: str = "auto", device: str = "auto",
                  op_timeout: float = OP_TIMEOUT, threads: int | None = 1, grace: float = 3.0,
                  start_timeout: float = 120.0, controller_ip: str = "127.0.0.1",
@@ -133,7 +134,7 @@ class Lab:
         self._bring_up(self._launcher.start, "start")
 
     @classmethod
-    @renamed_keywords(ranks="n_ranks", timeout="op_timeout")
+    @renamed_keywords
     def connect(cls, profile: str | None = "default", cluster_id: str = "", *,
                 profile_dir: str | None = None, n_ranks: int | None = None,
                 backend: str = "auto", device: str = "auto", op_timeout: float = OP_TIMEOUT,

@@ -35,8 +35,9 @@ import tempfile
 import time
 import uuid
 
-from pplab.base.arguments import check_positive_int, renamed_keywords
+from pplab.base.arguments import check_positive_int
 from pplab.base.machine import recent_load
+from pplab.base.renames import renamed_keywords
 from pplab.drivers.cluster.launchers import controller_args, engine_args  # as a local lab's
 
 CONTROL, DATA = "pplab0", "pplab1"  # each host's interfaces, the same names on every host
@@ -51,7 +52,7 @@ HEARTBEAT_PATIENCE_SECONDS = 5.0
 class NamespaceHosts:
     """`n_hosts` network namespaces joined by a bridge, a controller on the first, engines on each."""
 
-    @renamed_keywords(hosts="n_hosts")
+    @renamed_keywords
     def __init__(self, n_hosts: int = 2, engines_per_host: int = 2, subnets: tuple[str, str] | None = None,
                  start_timeout: float = 120.0):
         check_positive_int("n_hosts", n_hosts, example=2)
