@@ -31,37 +31,36 @@ once per (kind, stage).
 # The public surface is `__all__`. A few more names are imported here for pplab's own modules
 # (message_peer, Need, peak_inflight_at, ...): importable as before, not advertised.
 from pplab.schedules.actions import (
-                                     COMM_KINDS,
-                                     COMPUTE_KINDS,
-                                     RELEASE_KINDS,
-                                     SEND_KINDS,
-                                     Action,
-                                     Kind,
-                                     message_boundary,
-                                     message_peer,
-                                     message_receiver,
-                                     message_sender,
-                                     releases_activations,  # noqa: F401
+    COMM_KINDS,
+    COMPUTE_KINDS,
+    RELEASE_KINDS,
+    SEND_KINDS,
+    Action,
+    Kind,
+    message_boundary,
+    message_peer,
+    message_receiver,
+    message_sender,
+    releases_activations,
 )
 from pplab.schedules.builders import build
-from pplab.schedules.communication import add_communication, from_text  # noqa: F401
-from pplab.schedules.dependencies import Dependencies, Need  # noqa: F401
+from pplab.schedules.communication import add_communication, from_text
+from pplab.schedules.dependencies import Dependencies, Need
 from pplab.schedules.names import ALL_SCHEDULE_NAMES, SCHEDULE_NAMES, schedule_name
 from pplab.schedules.schedule import (
-                                     DeadlockError,
-                                     Schedule,
-                                     ScheduleError,
-                                     from_lists,
-                                     loop_placement,
-                                     v_placement,
+    DeadlockError,
+    Schedule,
+    ScheduleError,
+    from_lists,
+    loop_placement,
+    v_placement,
 )
-from pplab.schedules.textbook import Theory, peak_inflight_at, theory  # noqa: F401
-from pplab.schedules.torch_csv import check_torch_runs, read_torch_csv, write_torch_csv  # noqa: F401
-from pplab.schedules.torch_plans import TORCH_SCHEDULES, TorchPlan, from_torch, torch_plan  # noqa: F401
+from pplab.schedules.textbook import Theory, peak_inflight_at, theory
+from pplab.schedules.torch_csv import check_torch_runs, read_torch_csv, write_torch_csv
+from pplab.schedules.torch_plans import TORCH_SCHEDULES, TorchPlan, from_torch, torch_plan
 from pplab.schedules.validation import check_runnable, validate
 
 __all__ = ["Kind", "Action", "COMM_KINDS", "Schedule", "ScheduleError", "DeadlockError", "from_lists",
            "loop_placement", "v_placement", "schedule_name", "SCHEDULE_NAMES", "ALL_SCHEDULE_NAMES",
            "Dependencies", "add_communication", "from_text", "build", "validate", "check_runnable", "Theory",
-           "theory",
-           "TORCH_SCHEDULES", "torch_plan", "from_torch", "check_torch_runs"]
+           "theory", "TORCH_SCHEDULES", "torch_plan", "from_torch", "check_torch_runs"]

@@ -17,8 +17,7 @@ from pplab.trace.profiled import ImportedRun, TraceImportError, from_profiler, r
 from pplab.trace.timeline import COLLECTIVE_KINDS, COMM_EVENT_KINDS, Now
 
 __all__ = ["Now", "COMM_EVENT_KINDS", "COLLECTIVE_KINDS", "from_profiler", "read_profiler_traces",
-           "ImportedRun",
-           "TraceImportError"]
+           "ImportedRun", "TraceImportError"]
 
 def __getattr__(name: str):
     """The last release's names (pplab.base.renames): Event and Timeline have one path now, the top

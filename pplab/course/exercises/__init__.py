@@ -26,17 +26,18 @@ the lab for the next try.
 
 from pplab.course.exercises.on_a_lab import check_clipping, check_schedule, check_send_recv, check_torch_step
 from pplab.course.exercises.on_paper import (
-                                             check_gpipe_time,
-                                             check_idle_share,
-                                             check_layout,
-                                             check_mesh_groups,
-                                             check_packing,
-                                             check_stage_forward,
-                                             check_warmup,
+    check_gpipe_time,
+    check_idle_share,
+    check_layout,
+    check_mesh_groups,
+    check_packing,
+    check_stage_forward,
+    check_warmup,
 )
-from pplab.course.exercises.verdicts import EXERCISES, NOT_WRITTEN, NOTEBOOK_OF_EXERCISE, Verdict  # noqa: F401 (the room's columns)
+
+# (EXERCISES, NOT_WRITTEN, NOTEBOOK_OF_EXERCISE: the room's columns and the placeholder's words)
+from pplab.course.exercises.verdicts import EXERCISES, NOT_WRITTEN, NOTEBOOK_OF_EXERCISE, Verdict
 
 __all__ = ["check_stage_forward", "check_send_recv", "check_warmup", "check_torch_step", "check_clipping",
            "check_gpipe_time", "check_schedule", "check_mesh_groups", "check_layout", "check_packing",
-           "check_idle_share",
-           "Verdict"]
+           "check_idle_share", "Verdict"]

@@ -10,17 +10,16 @@ lab and exercise verdicts (pplab.course.room).
 
 from pplab.views.widgets.dashboard import Dashboard
 from pplab.views.widgets.panels import (
-                                  BubblesView,
-                                  GradientsView,
-                                  MemoryView,
-                                  ShapesView,
-                                  TimelineView,
-                                  WhereView,
+    BubblesView,
+    GradientsView,
+    MemoryView,
+    ShapesView,
+    TimelineView,
+    WhereView,
 )
 from pplab.views.widgets.room import RoomView
 from pplab.views.widgets.training import TrainingView
 from pplab.views.widgets.whatif import WhatIf
 
 __all__ = ["Dashboard", "TimelineView", "BubblesView", "ShapesView", "GradientsView", "MemoryView",
-           "WhereView", "WhatIf",
-           "TrainingView", "RoomView"]
+           "WhereView", "WhatIf", "TrainingView", "RoomView"]
