@@ -3,7 +3,7 @@
 What users type is a promise: a keyword, flag, module attribute or public module that changed keeps
 working for one release, with a DeprecationWarning that names the new one. Each is a row of
 `RENAMED`, and everything that accepts an old name reads it there: the keyword decorator
-(`renamed_keywords`), the command line (`renamed_flags`), a run's configuration keys
+(`renamed_keywords`), the command line's flags (`rows("flag")`), a run's configuration keys
 (`keyword_renames`), the modules' `__getattr__` (`renamed_attribute`) and the top package's public
 modules. `tests/test_renamed.py` walks the table. A row leaves when its release comes.
 """
@@ -109,14 +109,9 @@ def renamed_keywords(function):
     return accepting_old_names
 
 
-def renamed_flags() -> dict[str, str]:
-    """Old flag -> new flag of the `pplab` command."""
-    return {old: row.new for old, row in rows("flag").items()}
-
-
 def renamed_attribute(module: str, name: str, stacklevel: int = 3) -> Renamed | None:
     """The row of `module.name` if the table renames it, said in a DeprecationWarning at the user's
-    line (from a module's `__getattr__`: `stacklevel` 3; None where the name was never renamed."""
+    line (from a module's `__getattr__`, `stacklevel` 3); None where the name was never renamed."""
     row = rows("attribute", module).get(name)
     if row is not None:
         warn(row, stacklevel=stacklevel)  # counted from here: warn's own frame comes first
