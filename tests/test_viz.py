@@ -182,7 +182,7 @@ def imported_modules(module_name: str) -> set[str]:
     ("trace.timeline", {"pplab.schedules.actions"}),  # which pass frees a forward's activations
     # the event model, the reader
     ("trace.__init__", {"pplab.trace", "pplab.trace.timeline", "pplab.trace.profiled",
-                        "pplab.base.arguments"}),  # (the moved names' warning)
+                        "pplab.base.renames"}),  # (the moved names' warning)
     ("trace.profiled", {"pplab.trace.timeline"}),
     ("base.formatting", set()),
     ("planning.simulator", {"pplab.schedules", "pplab.schedules.communication", "pplab.schedules.compiled",
