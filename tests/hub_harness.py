@@ -58,12 +58,6 @@ def opened_for_seats(paths):
             folder.chmod(mode)
 
 
-def free_port() -> int:
-    from pplab.drivers.local import free_port as free
-
-    return free()
-
-
 @dataclass
 class Hub:
     """A running workshop hub: its URL, folder, seats and their passwords."""
@@ -107,6 +101,7 @@ def workshop_hub(n_seats: int, extra_config: str = "", start_seconds: float = 12
 
     from pplab.base.machine import recent_load
     from pplab.course.hub import workshop
+    from pplab.drivers.local import free_port
 
     folder = Path(tempfile.mkdtemp(prefix="pplab-hub-", dir="/tmp"))
     prefix = f"pp{uuid.uuid4().hex[:4]}"
@@ -141,8 +136,8 @@ def workshop_hub(n_seats: int, extra_config: str = "", start_seconds: float = 12
                 hub.final_log = hub.log()
                 hub.left_behind = [_described(process) for process in processes_of(made)]
                 hub.left_behind += [f"port {port} still listening" for port in ports if _listening(port)]
-        if made:
-            workshop.remove_users(folder) if (folder / workshop.SEATS).exists() else None
+        if made and (folder / workshop.SEATS).exists():
+            workshop.remove_users(folder)
         shutil.rmtree(folder, ignore_errors=True)
 
 
