@@ -130,15 +130,17 @@ def workshop_hub(n_seats: int, extra_config: str = "", start_seconds: float = 12
             hub = Hub(url, folder, made[:-1], made[-1], passwords, process, ports)
             yield hub
     finally:
-        if process is not None:
-            _stop(process)
-            if hub is not None:
-                hub.final_log = hub.log()
-                hub.left_behind = [_described(process) for process in processes_of(made)]
-                hub.left_behind += [f"port {port} still listening" for port in ports if _listening(port)]
-        if made and (folder / workshop.SEATS).exists():
-            workshop.remove_users(folder)
-        shutil.rmtree(folder, ignore_errors=True)
+        try:
+            if process is not None:
+                _stop(process)
+                if hub is not None:
+                    hub.final_log = hub.log()
+                    hub.left_behind = [_described(process) for process in processes_of(made)]
+                    hub.left_behind += [f"port {port} still listening" for port in ports if _listening(port)]
+        finally:  # the accounts and the folder go even where looking at what was left failed
+            if made and (folder / workshop.SEATS).exists():
+                workshop.remove_users(folder)
+            shutil.rmtree(folder, ignore_errors=True)
 
 
 def _stop(process: subprocess.Popen) -> None:
