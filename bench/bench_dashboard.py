@@ -195,9 +195,10 @@ def measure_mode(lab, mode: str, rounds: int, steps: int) -> dict:
 
 def measure_render(repeats: int) -> dict:
     """Median seconds to render one timeline as SVG vs as a matplotlib PNG, interleaved."""
-    from pplab import Timeline, viz
+    from pplab import Timeline
+    from pplab.planning.simulator import Costs, simulate
     from pplab.schedules import build
-    from pplab.simulator import Costs, simulate
+    from pplab.views import viz
     from pplab.views.widgets.render import png
     from pplab.views.widgets.svg import timeline_svg
 

@@ -45,7 +45,7 @@ import torch
 
 import pplab
 from pplab.base.checkpoint_files import step_directory
-from pplab.model import LlamaConfig
+from pplab.models.llama import LlamaConfig
 
 # GPU tolerances: cuBLAS may pick other kernels (another summation order) than the CPU reference,
 # so fp32 results agree to rounding, not bitwise. TF32 stays off (torch's default for matmul).
@@ -223,7 +223,7 @@ def action_timed_three_ways(device: str) -> dict:
 
     import torch
 
-    from pplab.model import LlamaConfig
+    from pplab.models.llama import LlamaConfig
     from pplab.models.partition import build_stage
     from pplab.rank.rank_context import rank_context
 

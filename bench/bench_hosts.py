@@ -2,7 +2,7 @@
 slowed: step time and bubble measured vs predicted at 0, 1, 5 and 20 ms delay (tc netem), or,
 where the kernel has no netem, at rates of 100, 20, 10 and 5 Mbit/s (a token bucket, tbf).
 
-Two "hosts", one rank each (`pplab.cluster.namespaces.NamespaceHosts`), `Lab.connect`, the
+Two "hosts", one rank each (`pplab.drivers.cluster.namespaces.NamespaceHosts`), `Lab.connect`, the
 tiny model, 1F1B with 8 microbatches of 4 x 64 tokens, real mode. For each link: pplab
 measures it on the lab (one-way time of a message of a quarter and of a whole activation:
 latency and bandwidth), the simulator predicts the step from the per-stage compute costs of
@@ -30,7 +30,7 @@ import torch
 
 import pplab
 from pplab.drivers.cluster.namespaces import NamespaceHosts
-from pplab.simulator import costs_from_timeline
+from pplab.planning.simulator import costs_from_timeline
 
 RESULTS = Path(__file__).parent / "results" / "hosts.json"
 CONFIG = pplab.LlamaConfig.tiny()

@@ -41,8 +41,8 @@ started = time.monotonic()
 import torch
 import torch.distributed as dist
 import pplab
-from pplab import exercises
-from pplab.model import loss_fn
+from pplab.course import exercises
+from pplab.models.llama import loss_fn
 lab = pplab.Lab(n_ranks=2, device="cpu", op_timeout=60, verbose=False)
 lab_start = time.monotonic() - started
 {solution}
@@ -134,7 +134,7 @@ def main() -> None:
     parser.add_argument("--out", default=str(RESULT_PATH))
     args = parser.parse_args()
     from hub_harness import missing_for_a_hub, workshop_hub
-    from pplab.machine import measure_load
+    from pplab.base.machine import measure_load
 
     missing = missing_for_a_hub()
     if missing:

@@ -14,7 +14,7 @@ and gradients and two fp32 moments, 4 x 4 bytes per parameter element this rank 
 FSDP stores torch.chunk(rows, dp)[dp rank] of each parameter and TP splits the blocks'
 projections by rows (column-parallel) or columns (row-parallel).
 
-Per rank, the bytes sent in a step in each dimension (`pplab.mesh.communicated_bytes`: a
+Per rank, the bytes sent in a step in each dimension (`pplab.rank.mesh.communicated_bytes`: a
 collective counts its full buffer) against the formulas:
   pp: m x activation bytes forward (all but the last stage) + m x the same backward (all but the first)
   dp: all-gathers per unit (`all_gathers_per_unit`) x the stage's parameter bytes + one
@@ -41,7 +41,7 @@ import torch
 
 import pplab
 from pplab.data import batches
-from pplab.model import LlamaModel
+from pplab.models.llama import LlamaModel
 from pplab.models.partition import layer_ranges
 from pplab.rank.mesh import Mesh, all_gathers_per_unit, communicated_bytes
 from pplab.schedules import Schedule

@@ -8,7 +8,7 @@ torch's schedules for all three (a mesh with dp or tp needs them). Each configur
 `--steps` steps per round (AdamW, clipping, no evaluation, no checkpoint), the three in
 interleaved rounds (the order reversed every other round); throughput is the global batch's
 tokens over the round's wall time from the client, the median over rounds. The bytes are those
-of one recorded step (`pplab.mesh.communicated_bytes`: a collective counts its full buffer).
+of one recorded step (`pplab.rank.mesh.communicated_bytes`: a collective counts its full buffer).
 
 Run: python bench/bench_mesh_training.py [--rounds 5] [--steps 5]   (about two minutes)
 Writes bench/results/mesh_training.json.

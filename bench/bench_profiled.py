@@ -34,7 +34,7 @@ import torch
 
 from measuring import load
 from pplab.drivers.local import run_ranks
-from pplab.model import LlamaConfig
+from pplab.models.llama import LlamaConfig
 from pplab.trace import read_profiler_traces
 
 RESULTS = Path(__file__).parent / "results" / "profiled.json"

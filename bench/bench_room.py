@@ -31,8 +31,8 @@ def main() -> None:
                         help="stop when a seat takes this many times one seat alone (default 6)")
     parser.add_argument("--out", default=RESULT_PATH, help=f"where the JSON goes (default {RESULT_PATH})")
     args = parser.parse_args()
+    from pplab.base.machine import measure_load
     from pplab.course.drill import drill, drill_table
-    from pplab.machine import measure_load
 
     machine = measure_load()
     print(f"the machine: {machine.describe()}")

@@ -27,9 +27,9 @@ import torch.distributed as dist
 
 import pplab
 from pplab.data import batches
+from pplab.planning.simulator import Costs, simulate
 from pplab.schedules import Schedule, theory
 from pplab.session.on_rank import built_pipeline
-from pplab.simulator import Costs, simulate
 
 RESULTS = Path(__file__).parent / "results" / "runtime.json"
 CONFIG = pplab.LlamaConfig.tiny()

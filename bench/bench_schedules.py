@@ -36,6 +36,7 @@ import pplab
 from pplab.data import batches
 from pplab.planning.balance import search_balance, stage_costs
 from pplab.planning.search import search
+from pplab.planning.simulator import Costs, _Simulation, simulate
 from pplab.schedules import build, validate
 from pplab.schedules.compiled import no_cyclic_gc
 from pplab.schedules.validation import (
@@ -44,7 +45,6 @@ from pplab.schedules.validation import (
     _check_runs_to_the_end,
     _check_sends_meet_receives,
 )
-from pplab.simulator import Costs, _Simulation, simulate
 
 RESULTS = Path(__file__).parent / "results" / "schedules.json"
 SIZES = [(8, 32, 25), (32, 128, 7), (128, 512, 3)]  # p, m, repeats

@@ -27,8 +27,8 @@ from pathlib import Path
 
 from measuring import load
 from pplab.planning.search import search
+from pplab.planning.simulator import Costs
 from pplab.planning.zero_bubble_heuristic import best_heuristic
-from pplab.simulator import Costs
 
 RESULTS = Path(__file__).parent / "results" / "search_vs_zero_bubble.json"
 

@@ -1,7 +1,7 @@
 """What-ifs that come true: each single change the analyzer predicts from one real run, made and measured.
 
 The run: 2 ranks (a RankPool), a 256-wide 8-layer model cut unevenly (2 and 6 layers), 1F1B,
-4 microbatches of 4 x 64 tokens, real mode (no timing pads). `pplab.bubble.explain` reads one
+4 microbatches of 4 x 64 tokens, real mode (no timing pads). `pplab.planning.bubble.explain` reads one
 of its steps (the other steps as evidence; one-device profiles of its stages at 4 and 2 sequences
 per microbatch, for what a split backward and half a microbatch cost) and predicts the step
 after one change at a time:
@@ -96,7 +96,7 @@ def main() -> None:
         measured, steps, schedule = measure(pool, batch, args.rounds)
     timelines = [step.timeline for step in steps]
     middle = len(timelines) // 2
-    report = pplab.bubble.explain(timelines[middle], schedule,
+    report = pplab.planning.bubble.explain(timelines[middle], schedule,
                                   steps=[t for i, t in enumerate(timelines) if i != middle],
                                   profile=profiles)
     predicted = {s.change: s.predicted_step_time / report.predicted_as_is for s in report.suggestions}

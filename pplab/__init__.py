@@ -15,14 +15,14 @@ The folders are the floors; lower floors never import higher ones:
     pplab/cli/               the `pplab` command, one module per subcommand
 
 Every name below loads its module on first use: `import pplab` is instant, and
-`import pplab.schedules` (or `trace`, `simulator`) loads neither torch nor the
-cluster layer (ipyparallel) nor matplotlib. Schedules are used from their own
-module, as the notebooks do: `from pplab.schedules import build, theory`; the public
-modules of the upper floors by their short names: `from pplab import viz, checkpoint`,
-`import pplab.checkpoint` or `from pplab.viz import save` (each is the module itself, not a copy).
+`import pplab.schedules` (or `trace`, `planning.simulator`) loads neither torch nor the
+cluster layer (ipyparallel) nor matplotlib. A public module has one path, the folder it
+lives in: `from pplab.schedules import build, theory`, `from pplab.views import viz`,
+`pplab.rank.checkpoint.latest(...)` (the floors load on first use, after a bare `import pplab`).
 
-The public API is `__all__` here and the `__all__` of each public module (`_MODULES`);
-the notebooks, their solutions and the README use nothing else (tests/test_course.py).
+The public API is `__all__` here and the `__all__` of each module in `PUBLIC_MODULES`; each
+name is public at one path; the README's surface table lists them all (tests/test_surface.py),
+and the notebooks, their solutions and the docs use nothing else (tests/test_course.py).
 """
 
 import importlib as _importlib
@@ -32,7 +32,7 @@ from typing import TYPE_CHECKING as _TYPE_CHECKING
 
 from pplab._version import __version__  # noqa: F401  (written in _version.py alone)
 
-# public name -> the module that defines it
+# public name -> the module that defines it: the entry points the lessons use, each at this one path
 _EXPORTS = {
     "LlamaConfig": "pplab.models.llama",
     "LlamaModel": "pplab.models.llama",
@@ -45,8 +45,6 @@ _EXPORTS = {
     "Costs": "pplab.planning.simulator",
     "Event": "pplab.trace.timeline",
     "Timeline": "pplab.trace.timeline",
-    "TrainOptions": "pplab.base.config",
-    "load_model": "pplab.rank.checkpoint",
     "Mesh": "pplab.rank.mesh",
     "profile": "pplab.rank.profiler",
     "hop_costs_on_rank": "pplab.rank.profiler",  # run on two ranks: the time of one hop between them
@@ -60,115 +58,105 @@ _EXPORTS = {
     "Pipeline": "pplab.session",  # what lab.pipeline(...) and pool.pipeline(...) build
     "cleanup": "pplab.drivers.cluster",
 }
-# public module -> where it lives (`pplab.viz`, `from pplab import checkpoint`)
-_MODULES = {
-    "model": "pplab.models.llama", "data": "pplab.data", "schedules": "pplab.schedules",
-    "trace": "pplab.trace",
-    "simulator": "pplab.planning.simulator", "comm": "pplab.rank.comm", "viz": "pplab.views.viz",
-    "widgets": "pplab.views.widgets",
-    "exercises": "pplab.course.exercises", "checks": "pplab.rank.checks",
-    "checkpoint": "pplab.rank.checkpoint",
-    "train": "pplab.rank.train", "mesh": "pplab.rank.mesh", "faults": "pplab.rank.faults",
-    "cluster": "pplab.drivers.cluster", "session": "pplab.session",
-    "hf": "pplab.models.hf",  # Hugging Face models as stages (pip install 'pplab[hf]')
-    "traced": "pplab.models.traced",  # any module, cut by torch's tracer
-    "text": "pplab.data.text",  # documents, a byte-level BPE, packed sequences (tokenizers: the hf extra)
-    "run": "pplab.session.run",  # one training run from one configuration: run.train(...), RunConfig
-    "bubble": "pplab.planning.bubble",  # where a measured step's bubble went, and what would shrink it
-    "machine": "pplab.base.machine",  # how busy this machine is: what waits and predictions scale with
-    "hub": "pplab.course.hub",  # a workshop on JupyterHub (pip install 'pplab[hub]')
-}
+# The public modules, each at its one path (the folder it lives in); the names their __all__ holds.
+PUBLIC_MODULES = (
+    "pplab.schedules", "pplab.trace", "pplab.data", "pplab.data.text",
+    "pplab.models.llama", "pplab.models.hf", "pplab.models.traced",
+    "pplab.planning.bubble", "pplab.base.machine",
+    "pplab.rank.comm", "pplab.rank.checks", "pplab.rank.checkpoint", "pplab.rank.train", "pplab.rank.mesh",
+    "pplab.rank.faults",
+    "pplab.drivers.cluster", "pplab.session", "pplab.session.run",
+    "pplab.course.exercises", "pplab.course.hub",
+    "pplab.views.viz", "pplab.views.widgets",
+)
+# the floors: `pplab.rank.mesh.apply_fsdp` after a bare `import pplab` (each loads on first use)
+_FLOORS = ("base", "schedules", "models", "data", "trace", "planning", "rank", "drivers", "session", "course",
+           "views", "cli")
 
-__all__ = [*_EXPORTS, *_MODULES]
+__all__ = [*_EXPORTS]
 
 if _TYPE_CHECKING:  # what static checkers and editors see
-    from pplab import data, schedules, session, trace
-    from pplab.base import machine
-    from pplab.base.config import TrainOptions
-    from pplab.course import exercises, hub
-    from pplab.data import text
-    from pplab.drivers import cluster
     from pplab.drivers.cluster import cleanup
-    from pplab.models import hf, traced
-    from pplab.models import llama as model
     from pplab.models.llama import LlamaConfig, LlamaModel, build_model, generate
     from pplab.models.partition import build_stage, layer_ranges
-    from pplab.planning import bubble, simulator
     from pplab.planning.balance import search_balance, stage_costs
     from pplab.planning.prediction import predict
     from pplab.planning.search import search
     from pplab.planning.simulator import Costs, simulate
-    from pplab.rank import checkpoint, checks, comm, faults, mesh, train
-    from pplab.rank.checkpoint import load_model
     from pplab.rank.mesh import Mesh
     from pplab.rank.profiler import hop_costs_on_rank, profile
     from pplab.rank.reference import reference_step
-    from pplab.session import Pipeline, RankPool, TorchrunRanks, run
+    from pplab.session import Pipeline, RankPool, TorchrunRanks
     from pplab.trace.timeline import Event, Timeline
-    from pplab.views import viz, widgets
     from pplab.views.lab import Lab
 
 
-class _PublicModules:
-    """`import pplab.viz`, `from pplab.checkpoint import load_model`: a public module by its short
-    name is the module itself (one object, in sys.modules under both names), and so is a module
-    inside a public package (`pplab.cluster.records` is `pplab.drivers.cluster.records`)."""
+class _LastReleasesModules:
+    """`import pplab.viz`, `from pplab.checkpoint import load_model`: the last release's short names
+    of the public modules, each the module at its one path now (the same object, in sys.modules under
+    both names), with a DeprecationWarning naming that path (pplab.base.renames)."""
+
+    specs = {}  # a module's own spec, kept while its old name is imported
 
     @staticmethod
     def find_spec(fullname: str, path=None, target=None):
         package, _, rest = fullname.partition(".")
         short, _, inner = rest.partition(".")
-        # pplab.base holds the table of moved modules: finding it must not look the table up
-        if package != "pplab" or short == "base" or short not in {**_MODULES, **_moved_modules()} \
-                or _MODULES.get(short) == f"pplab.{short}":
+        # pplab.base holds the table: finding it, or any floor, must not look the table up
+        if package != "pplab" or short in _FLOORS or short not in _moved_modules():
             return None
-        return _spec_from_loader(fullname, _PublicModules)
+        return _spec_from_loader(fullname, _LastReleasesModules)
 
     @staticmethod
     def create_module(spec):
         short, _, inner = spec.name.removeprefix("pplab.").partition(".")
-        return _importlib.import_module(_module_of(short) + (f".{inner}" if inner else ""))
+        module = _importlib.import_module(_module_of(short) + (f".{inner}" if inner else ""))
+        _LastReleasesModules.specs[module.__name__] = module.__spec__
+        return module
 
     @staticmethod
     def exec_module(module):
-        pass  # it ran when it was imported under its own name
+        # it ran when it was imported under its own name, which its spec keeps (the import of the old
+        # name wrote that name's spec over it: `importlib.reload` would look for the old name)
+        module.__spec__ = _LastReleasesModules.specs.pop(module.__name__)
 
 
-_sys.meta_path.insert(0, _PublicModules)
+_sys.meta_path.insert(0, _LastReleasesModules)
+
 
 def _moved_modules() -> dict:
-    """Public modules that joined another, kept for one release (pplab.base.renames): short name -> row."""
+    """The last release's short names of modules (pplab.base.renames): short name -> row."""
     from pplab.base.renames import rows
 
     return rows("module", "pplab")
 
 
 def _module_of(short: str) -> str:
-    """Where the public module `short` lives (a moved one's old module, with a DeprecationWarning)."""
-    moved = _moved_modules().get(short)
-    if moved is not None:
-        from pplab.base.renames import warn
+    """The module a short name of the last release stands for, said in a DeprecationWarning."""
+    from pplab.base.renames import warn
 
-        warn(moved, stacklevel=3)  # the user's line
-        return f"{moved.new}.{moved.old}"  # the old module lives on inside the one that holds it now
-    return _MODULES[short]
+    moved = _moved_modules()[short]
+    warn(moved, stacklevel=3)  # the user's line
+    return moved.new
 
 
 def __getattr__(name: str):
-    from pplab.base.renames import renamed_attribute
+    if name in _FLOORS:  # pplab.rank.mesh: each floor, and each public module in it, loads on first use
+        return _importlib.import_module(f"pplab.{name}")
+    if name in _EXPORTS:
+        value = getattr(_importlib.import_module(_EXPORTS[name]), name)
+        globals()[name] = value  # found directly from now on
+        return value
+    from pplab.base.renames import renamed_attribute, resolve
 
     renamed = renamed_attribute("pplab", name)
     if renamed is not None:
-        return __getattr__(renamed.new.rpartition(".")[2])
-    if name in _MODULES or name in _moved_modules():
+        return resolve(renamed.new)
+    if name in _moved_modules():
         return _importlib.import_module(_module_of(name))
-    if name not in _EXPORTS:
-        raise AttributeError(f"module 'pplab' has no attribute {name!r}")
-    value = getattr(_importlib.import_module(_EXPORTS[name]), name)
-    globals()[name] = value  # found directly from now on
-    return value
+    raise AttributeError(f"module 'pplab' has no attribute {name!r}")
 
 
 def __dir__() -> list[str]:
-    """The public names (the floors' own modules, bound here once imported, are not among them)."""
+    """The public names (the floors, bound here once imported, are not among them)."""
     return sorted({*__all__, *(name for name in globals() if name.startswith("__"))})

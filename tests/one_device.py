@@ -4,7 +4,7 @@ own clip_grad_norm_, so that a pipeline's training can be compared step by step.
 import torch
 
 from pplab.data import batches, split_microbatches
-from pplab.model import LlamaConfig, build_model, loss_fn
+from pplab.models.llama import LlamaConfig, build_model, loss_fn
 from pplab.models.partition import layer_ranges, stage_of_parameter
 from pplab.rank.train import TrainOptions, make_optimizer
 

@@ -11,9 +11,9 @@ import hashlib
 import json
 from pathlib import Path
 
+from pplab.planning.simulator import Costs, simulate
 from pplab.schedules import TORCH_SCHEDULES, Action, build, from_torch, validate
 from pplab.schedules.schedule import Schedule
-from pplab.simulator import Costs, simulate
 
 GOLDEN = Path(__file__).parent / "data" / "schedule_grid.json"
 # torch's schedules at their fewest stages per rank: GPipe and 1F1B at 1, the others at 2

@@ -17,9 +17,10 @@ import os
 import pytest
 import torch
 
-from pplab.drivers.cluster import LabError, RankDiedError, RankFailedError
+from pplab.drivers.cluster import LabError
 from pplab.drivers.cluster.gloo_adapter import gloo_transport_failed
 from pplab.drivers.cluster.ipyparallel_adapter import catch_up_on_engines, engine_died, results_per_engine
+from pplab.session import RankDiedError, RankFailedError
 
 # -- functions that run on the ranks ------------------------------------------------------
 

@@ -21,7 +21,7 @@ import pytest
 CHROMIUM = "/usr/lib/chromium/chromium-headless-shell"  # Debian's chromium-headless-shell
 STEPS = 6
 CELLS = [
-    "import pplab\nfrom pplab.simulator import Costs\nlab = pplab.Lab(n_ranks=2)",
+    "import pplab\nfrom pplab.planning.simulator import Costs\nlab = pplab.Lab(n_ranks=2)",
     "pipe = lab.pipeline(pplab.LlamaConfig.tiny(), schedule='1f1b', n_microbatches=4,\n"
     "                    timing=Costs(forward=0.05, backward=0.1))\ndash = pipe.dashboard()\ndash",
     f"results = dash.run_steps({STEPS})",

@@ -7,10 +7,10 @@ import shutil
 import pytest
 import torch
 
-from pplab import checkpoint
 from pplab.data import batches
-from pplab.model import LlamaConfig, build_model
+from pplab.models.llama import LlamaConfig, build_model
 from pplab.models.partition import build_stage
+from pplab.rank import checkpoint
 from pplab.rank.checkpoint import Checkpointer, CheckpointError, rank_module
 from pplab.rank.rank_pipeline import PipelineSpec, RankPipeline
 from pplab.rank.reference import reference_step

@@ -19,9 +19,9 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from pplab import checkpoint
-from pplab.model import LlamaConfig
+from pplab.models.llama import LlamaConfig
 from pplab.models.partition import build_stage
+from pplab.rank import checkpoint
 from pplab.rank.checkpoint import Checkpointer, CheckpointError, rank_module
 from pplab.rank.rank_pipeline import PipelineSpec, RankPipeline
 from pplab.rank.train import RankTrainer, TrainOptions, build_and_train_on_rank, make_optimizer

@@ -14,8 +14,8 @@ import torch
 import pplab
 from pplab import Timeline
 from pplab.drivers.cluster import records
+from pplab.planning.simulator import Costs, simulate
 from pplab.schedules import build
-from pplab.simulator import Costs, simulate
 
 
 @pytest.fixture(scope="module")

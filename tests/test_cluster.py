@@ -23,13 +23,11 @@ import pytest
 import torch
 
 import pplab
+from pplab.base.machine import LoadWatch, measure_load
 from pplab.drivers.cluster import (
     LabError,
     LabNeedsRestartError,
     LabStartError,
-    RankDiedError,
-    RankFailedError,
-    RankTimeoutError,
     publish,
     rank_context,
     records,
@@ -44,7 +42,7 @@ from pplab.drivers.cluster.plan import (
     plan_room,
 )
 from pplab.drivers.cluster.status import RankInfo, RankTable
-from pplab.machine import LoadWatch, measure_load
+from pplab.session import RankDiedError, RankFailedError, RankTimeoutError
 from timing import SLACK, slack, within
 
 # -- functions that run on the ranks ------------------------------------------------------
@@ -376,7 +374,7 @@ def test_an_engine_whose_first_describe_request_was_lost_is_asked_again(monkeypa
 
     client = {engine_id: SimpleNamespace(apply_async=lambda fn, e=engine_id: Request(e))
               for engine_id in (3, 7)}
-    from pplab.machine import MachineLoad
+    from pplab.base.machine import MachineLoad
 
     asking = pplab.Lab.__new__(pplab.Lab)  # only what _describe reads
     asking.start_timeout, asking.machine_load = 5.0, MachineLoad(2, 0.0, 1.0)
@@ -394,8 +392,8 @@ def test_an_engine_whose_first_describe_request_was_lost_is_asked_again(monkeypa
 
 
 def test_an_error_breaks_the_process_group_by_its_type_or_its_cause():
-    from pplab.comm import PipelineTimeoutError
     from pplab.drivers.cluster.engine import breaks_process_group
+    from pplab.rank.comm import PipelineTimeoutError
 
     class LookalikeError(Exception):
         pass
@@ -529,8 +527,8 @@ def heartbeat_patience(arguments: list[str]) -> float:
 
 @pytest.mark.quick
 def test_the_controllers_patience_with_a_silent_engine_grows_with_the_load_it_started_under():
+    from pplab.base.machine import MachineLoad
     from pplab.drivers.cluster.launchers import controller_args
-    from pplab.machine import MachineLoad
 
     quiet = MachineLoad(cores=2, busy_cores=0.0, share=1.0, ready=1.0)
     crowded = MachineLoad(cores=2, busy_cores=2.0, share=0.4, ready=5.0)  # a thread gets 40 % of a core
@@ -801,7 +799,7 @@ def test_connect_uses_engines_of_a_cluster_started_elsewhere(tmp_path):
             assert_healthy(lab)
         finally:
             lab.stop()
-        with pytest.raises(pplab.cluster.LabError, match="connect again with pplab.Lab.connect"):
+        with pytest.raises(pplab.drivers.cluster.LabError, match="connect again with pplab.Lab.connect"):
             lab.restart()
         # Without its cluster file a connected lab cannot restart engines, and says why.
         os.rename(cluster.cluster_file, cluster.cluster_file + ".moved")
@@ -810,7 +808,7 @@ def test_connect_uses_engines_of_a_cluster_started_elsewhere(tmp_path):
                                     cluster_id=cluster.cluster_id, n_ranks=2, device="cpu",
                                     verbose=False)
             try:
-                with pytest.raises(pplab.cluster.LabError, match=r"its cluster file could not be "
+                with pytest.raises(pplab.drivers.cluster.LabError, match=r"its cluster file could not be "
                                                                  r"read \(FileNotFoundError"):
                     lab.restart()
                 assert lab.state == "running"  # refused before anything changed
@@ -917,7 +915,7 @@ def test_an_engine_that_dies_at_start_fails_the_start_at_once(ipython_dir, monke
 
     monkeypatch.setattr(launchers, "ENGINE_ARGS", [*launchers.ENGINE_ARGS, "--no-such-flag"])
     before = {p.pid for p in lab_processes(ipython_dir)}  # other tests' labs may be running
-    with within(30), pytest.raises(pplab.cluster.LabStartError,  # not the whole start_timeout
+    with within(30), pytest.raises(pplab.drivers.cluster.LabStartError,  # not the whole start_timeout
                                    match=r"engine \d \(pid \d+\) exited with status 2 during start-up"):
         pplab.Lab(n_ranks=2, device="cpu", verbose=False, start_timeout=60)
     assert {p.pid for p in lab_processes(ipython_dir)} <= before
@@ -949,7 +947,7 @@ def test_a_controller_that_does_not_answer_fails_the_start_after_start_timeout(i
     monkeypatch.setattr(ipp.Cluster, "start_controller", start_and_freeze)
     before = {p.pid for p in lab_processes(ipython_dir)}  # other tests' labs may be running
     began = time.monotonic()
-    with LoadWatch() as during, pytest.raises(pplab.cluster.LabStartError) as failed:
+    with LoadWatch() as during, pytest.raises(pplab.drivers.cluster.LabStartError) as failed:
         pplab.Lab(n_ranks=2, device="cpu", verbose=False, start_timeout=2)
     took = time.monotonic() - began
     waited = float(re.search(r"the controller did not answer the client within (\d+) "
@@ -999,7 +997,7 @@ def test_connect_to_a_cluster_id_with_no_files_says_which_clusters_have_them_at_
     security.mkdir()
     (security / "ipcontroller-ours-client.json").write_text("{}")
     started = time.monotonic()
-    with pytest.raises(pplab.cluster.LabStartError,
+    with pytest.raises(pplab.drivers.cluster.LabStartError,
                        match=r"cluster_id='theirs': .*ipcontroller-theirs-client.json does not exist "
                              r"\(clusters with files there: ours\)"):
         pplab.Lab.connect(profile=None, profile_dir=str(tmp_path), cluster_id="theirs", verbose=False)
@@ -1024,7 +1022,7 @@ def test_connect_to_a_controller_that_does_not_answer_names_its_address(tmp_path
         "task_scheme": "leastload", "curve_serverkey": None,
         **{channel: port for channel in ("control", "mux", "task", "iopub", "notification", "broadcast")}}))
     started = time.monotonic()
-    with pytest.raises(pplab.cluster.LabStartError,
+    with pytest.raises(pplab.drivers.cluster.LabStartError,
                        match=rf"the controller of cluster 'gone' does not answer at "
                              rf"tcp://127.0.0.1:{port} .* within \d+ s"):  # 2 s at this machine's pace
         pplab.Lab.connect(profile=None, profile_dir=str(tmp_path), cluster_id="gone", verbose=False)

@@ -42,12 +42,14 @@ def test_every_driver_and_its_calls_have_what_the_contract_asks_with_its_paramet
 
 
 @pytest.mark.quick
-def test_the_labs_errors_are_the_errors_every_driver_raises():
-    assert issubclass(errors.RankFailedError, RankFailedError)
-    assert issubclass(errors.RankDiedError, RankDiedError)
-    assert issubclass(errors.RankTimeoutError, RankTimeoutError) and issubclass(RankTimeoutError,
-                                                                                TimeoutError)
+def test_the_labs_errors_are_the_errors_every_driver_raises_one_class_each():
+    from pplab.drivers import local, torchrun
+    for driver in (calls, local, torchrun):
+        for kind in (RankFailedError, RankDiedError, RankTimeoutError):
+            assert getattr(driver, kind.__name__, kind) is kind, (driver.__name__, kind.__name__)
+    assert issubclass(RankTimeoutError, TimeoutError)
     assert all(issubclass(kind, RankError) for kind in (errors.LabStartError, errors.LabNeedsRestartError))
+    assert not {"RankFailedError", "RankDiedError", "RankTimeoutError"} & set(vars(errors))
 
 
 @pytest.mark.quick

@@ -45,16 +45,15 @@ def test_the_contents_table_lists_every_notebook_in_order():
 
 @functools.cache  # imports every public module: once, and only where a test asks
 def public_api() -> dict[str, set[str]]:
-    """Each public module ("pplab", "pplab.viz", ...) -> the names its __all__ makes public."""
+    """Each public module ("pplab", "pplab.views.viz", ...) -> the names its __all__ makes public."""
     api = {"pplab": set(pplab.__all__)}
-    for short, module in pplab._MODULES.items():
-        api[f"pplab.{short}"] = set(importlib.import_module(module).__all__)
+    for module in pplab.PUBLIC_MODULES:
+        api[module] = set(importlib.import_module(module).__all__)
     return api
 
 
-# Every public module is importable by its short name (`from pplab.viz import save`, `import pplab.model`),
-# wherever its file lives.
-IMPORTABLE = {"pplab"} | {f"pplab.{short}" for short in pplab._MODULES}
+# A public module is imported at its one path (`from pplab.views.viz import save`, `import pplab.rank.mesh`).
+IMPORTABLE = {"pplab", *pplab.PUBLIC_MODULES}
 
 
 def where_public(name: str) -> str:
@@ -67,11 +66,21 @@ def python_of(source: str) -> str:
     return "\n".join("" if line.lstrip().startswith(("%", "!")) else line for line in source.splitlines())
 
 
+def _dotted(node) -> list[str] | None:
+    """`a.b.c` as ["a", "b", "c"]; None for a chain that starts anywhere but at a name."""
+    parts = []
+    while isinstance(node, ast.Attribute):
+        parts.append(node.attr)
+        node = node.value
+    return [node.id, *reversed(parts)] if isinstance(node, ast.Name) else None
+
+
 def non_public_uses(source: str, modules: dict[str, str] | None = None) -> list[str]:
     """What `source` takes from pplab that no public module's __all__ has, each with where it is public.
 
-    `modules`: the names earlier cells bound to public modules (`from pplab import viz`: "viz" ->
-    "pplab.viz"), updated with this cell's; `pplab` is the package wherever it appears.
+    `modules`: the names earlier cells bound to public modules (`from pplab.views import viz`: "viz" ->
+    "pplab.views.viz"), updated with this cell's; `pplab` is the package wherever it appears. A path
+    (`pplab.rank.mesh.apply_fsdp`) is read from its longest public module on.
     """
     tree = ast.parse(python_of(source))
     modules = {"pplab": "pplab"} if modules is None else modules
@@ -87,23 +96,25 @@ def non_public_uses(source: str, modules: dict[str, str] | None = None) -> list[
                 modules[alias.asname or "pplab"] = alias.name if alias.asname else "pplab"
         elif isinstance(node, ast.ImportFrom) and (node.module or "").split(".")[0] == "pplab":
             for alias in node.names:
-                if node.module not in IMPORTABLE:
+                if f"{node.module}.{alias.name}" in api:  # a public module, used by its name
+                    modules[alias.asname or alias.name] = f"{node.module}.{alias.name}"
+                elif node.module not in IMPORTABLE:
                     found.append(f"from {node.module} import {alias.name}: {where_public(alias.name)}")
                 elif alias.name not in api[node.module]:
                     found.append(f"{node.module}.{alias.name}: not in its __all__, "
                                  f"{where_public(alias.name)}")
-                elif f"{node.module}.{alias.name}" in api:  # a public module, used by its name
-                    modules[alias.asname or alias.name] = f"{node.module}.{alias.name}"
-    for node in ast.walk(tree):  # attribute paths: pplab.data.batches, viz.plot_timeline, ...
-        if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id in modules:
-            module = modules[node.value.id]
-            if node.attr not in api[module]:
-                found.append(f"{module}.{node.attr}: not in its __all__, {where_public(node.attr)}")
-        elif (isinstance(node, ast.Attribute) and isinstance(node.value, ast.Attribute)
-              and isinstance(node.value.value, ast.Name) and modules.get(node.value.value.id) == "pplab"
-              and f"pplab.{node.value.attr}" in api and node.attr not in api[f"pplab.{node.value.attr}"]):
-            found.append(f"pplab.{node.value.attr}.{node.attr}: not in its __all__, "
-                         f"{where_public(node.attr)}")
+    inner = {id(node.value) for node in ast.walk(tree) if isinstance(node, ast.Attribute)}
+    for node in ast.walk(tree):  # whole attribute paths: pplab.data.batches, viz.plot_timeline, ...
+        if not isinstance(node, ast.Attribute) or id(node) in inner:
+            continue
+        parts = _dotted(node)
+        if parts is None or parts[0] not in modules:
+            continue
+        path = modules[parts[0]].split(".") + parts[1:]
+        cut = max(cut for cut in range(1, len(path)) if ".".join(path[:cut]) in api)
+        module, name = ".".join(path[:cut]), path[cut]
+        if name not in api[module]:
+            found.append(f"{module}.{name}: not in its __all__, {where_public(name)}")
     return found
 
 
@@ -136,32 +147,34 @@ def test_the_public_api_check_names_what_is_not_public_and_where_it_is():
     bad = """%%px
 import pplab
 from pplab.rank.mesh import apply_fsdp
-from pplab import viz, checks
+from pplab.views import viz
+from pplab.rank import checks
 from pplab.schedules import build, not_a_schedule_name
-from pplab.viz import plot_timeline, plot_nothing
+from pplab.views.viz import plot_timeline, plot_nothing
 viz.plot_timeline(pplab.data.batches, pplab.data._split_tokens)
 checks.gradient_stats([])
 pplab.rank.runtime.gradient_stats
 """
     modules = {}
-    assert non_public_uses("from pplab import viz as v", modules) == [] and modules["v"] == "pplab.viz"
+    assert non_public_uses("from pplab.views import viz as v", modules) == []
+    assert modules["v"] == "pplab.views.viz"
     assert non_public_uses("v.save(v.plot_nothing())", modules) == [  # a later cell, no import of its own
-        "pplab.viz.plot_nothing: not in its __all__, public nowhere"]
-    assert non_public_uses("pplab.mesh.apply_fsdp\npplab.run_ranks") == [
-        "pplab.run_ranks: not in its __all__, public nowhere"]
+        "pplab.views.viz.plot_nothing: not in its __all__, public nowhere"]
+    assert non_public_uses("pplab.rank.mesh.apply_fsdp\npplab.run_ranks\npplab.viz.save") == [
+        "pplab.run_ranks: not in its __all__, public nowhere",
+        "pplab.viz: not in its __all__, public nowhere"]  # the last release's short name
     assert sorted(non_public_uses(bad)) == [
-        "from pplab.rank.mesh import apply_fsdp: public as pplab.mesh.apply_fsdp",
         "pplab.data._split_tokens: not in its __all__, public nowhere",
         "pplab.rank: not in its __all__, public nowhere",
         "pplab.schedules.not_a_schedule_name: not in its __all__, public nowhere",
-        "pplab.viz.plot_nothing: not in its __all__, public nowhere",
+        "pplab.views.viz.plot_nothing: not in its __all__, public nowhere",
     ]
 
 
 @pytest.mark.quick
 def test_a_checker_whose_inputs_are_gone_says_which_cell_to_run_again(tmp_path):
-    from pplab import exercises
-    from pplab.hf import Layout
+    from pplab.course import exercises
+    from pplab.models.hf import Layout
 
     said = str(exercises.check_layout(Layout(embed="model.embed_tokens", blocks="model.layers",
                                              norm="model.norm",

@@ -45,7 +45,8 @@ for name in ("gpipe", "1f1b", "zb-h1"):
 slow = lab.pipeline(config, "1f1b", n_microbatches=4,
                     timing=pplab.Costs(**SLOW_STAGE))  # the drill's: stage 1 four times slower
 steps = [slow.step().timeline for _ in range(3)]  # each explained with the others as evidence
-reports = [pplab.bubble.explain(step, slow.schedule, steps=[other for other in steps if other is not step])
+reports = [pplab.planning.bubble.explain(step, slow.schedule,
+                                         steps=[other for other in steps if other is not step])
            for step in steps]
 stragglers = [report.straggler for report in reports]
 verdicts = [report.verdict.text() for report in reports]  # the evidence, should a verdict be wrong

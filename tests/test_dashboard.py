@@ -11,8 +11,8 @@ from timing import slack
 pytest.importorskip("ipywidgets")
 
 import pplab  # noqa: E402
-from pplab.machine import LoadWatch, measure_load  # noqa: E402
-from pplab.simulator import Costs  # noqa: E402
+from pplab.base.machine import LoadWatch, measure_load  # noqa: E402
+from pplab.planning.simulator import Costs  # noqa: E402
 
 CONFIG = pplab.LlamaConfig.tiny()
 TIMING = Costs(forward=0.05, backward=0.1)  # a 1F1B step of 4 microbatches on 2 ranks: about 0.75 s
@@ -65,7 +65,7 @@ def test_a_waiting_rank_shows_whom_it_waits_for_while_it_waits(lab2):
     # (a full run's other worker made it over 2 s): the forwards last 2.5 times the stretch. The
     # dashboard takes this test's reading (`load=`): two readings of a loaded machine differed by
     # more than 2.5 times in a full run, and the threshold outgrew the forwards.
-    from pplab.machine import measure_load
+    from pplab.base.machine import measure_load
 
     reading = measure_load()
     slow = min(max(2.0, 2.5 * reading.scale(0.6)), 0.75 * lab2.op_timeout)

@@ -16,7 +16,7 @@ from pplab.data import (
     pad_sequences,
     split_microbatches,
 )
-from pplab.model import IGNORE_INDEX, loss_fn
+from pplab.models.llama import IGNORE_INDEX, loss_fn
 
 
 @pytest.mark.quick

@@ -11,8 +11,8 @@ import dataclasses
 
 import pytest
 
-from pplab import simulator
-from pplab.model import LlamaConfig
+from pplab.models.llama import LlamaConfig
+from pplab.planning import simulator
 from pplab.rank.rank_pipeline import PipelineSpec
 from pplab.schedules import (
     SCHEDULE_NAMES,

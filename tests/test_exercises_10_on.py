@@ -13,7 +13,7 @@ def test_the_checker_says_what_is_right_and_what_is_wrong(exercise_kernel, stem,
 
 
 def test_a_check_run_after_the_notebooks_last_cell_stopped_its_lab_says_which_cell_to_re_run(lab_factory):
-    from pplab import exercises
+    from pplab.course import exercises
 
     lab = lab_factory(2)
     lab.stop()  # as every lab exercise's last cell does: a learner then re-runs a check after Run All

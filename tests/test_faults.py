@@ -9,8 +9,8 @@ import re
 import pytest
 
 import pplab
-from pplab import faults
-from pplab.drivers.cluster import RankDiedError, RankFailedError
+from pplab.rank import faults
+from pplab.session import RankDiedError, RankFailedError
 from timing import SLACK, slack, within
 
 CONFIG = pplab.LlamaConfig.tiny()

@@ -12,8 +12,8 @@ import torch
 transformers = pytest.importorskip("transformers")
 
 from pplab.data import batches  # noqa: E402
-from pplab.hf import HFModel, Layout  # noqa: E402
-from pplab.model import loss_fn  # noqa: E402
+from pplab.models.hf import HFModel, Layout  # noqa: E402
+from pplab.models.llama import loss_fn  # noqa: E402
 from pplab.rank.checkpoint import step_directory  # noqa: E402
 from pplab.rank.rank_pipeline import PipelineSpec  # noqa: E402
 from pplab.rank.reference import reference_step  # noqa: E402

@@ -12,7 +12,7 @@ import pytest
 
 import pplab
 from pplab.data import batches
-from pplab.model import LlamaConfig
+from pplab.models.llama import LlamaConfig
 from pplab.session import RankPool
 from ranks import pool
 
@@ -53,7 +53,7 @@ def test_both_runtimes_stay_exact_with_messages_through_host_memory(host_pool, s
 
 def test_training_through_host_memory_equals_the_direct_path_bitwise(host_pool):
     transformers = pytest.importorskip("transformers")
-    from pplab.hf import HFModel
+    from pplab.models.hf import HFModel
 
     # A tied weight: its gradients summed between the two ends, through the host too.
     config = HFModel.of(transformers.Qwen3Config(

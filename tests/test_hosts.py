@@ -16,8 +16,8 @@ import time
 import pytest
 
 import pplab
+from pplab.base.machine import LoadWatch
 from pplab.drivers.cluster.namespaces import INTERFACE, NamespaceHosts
-from pplab.machine import LoadWatch
 from timing import slack, within
 
 WHY_NOT = NamespaceHosts.why_not()
@@ -54,7 +54,7 @@ def lab(hosts):
 
 def test_a_wrong_interface_name_is_refused_within_seconds_naming_the_ones_there(hosts):
     # Checked before any rank waits: well within the 60 s a rank would wait for a peer.
-    with within(15), pytest.raises(pplab.cluster.RankFailedError,
+    with within(15), pytest.raises(pplab.session.RankFailedError,
                                    match=r"gloo_ifname='eth9': host pplab-\w+-h\d has no such network "
                                          r"interface; it has lo, pplab0, pplab1"):
         pplab.Lab.connect(**{**hosts.connect_options(), "gloo_ifname": "eth9"}, n_ranks=4, op_timeout=60,
@@ -125,7 +125,7 @@ def test_a_slow_link_is_predicted_from_the_link_pplab_measures(two_hosts):
     step (seen in a full run: one step 1.0x its prediction, the next three 1.2-1.4x): load only
     ever adds time, so the step closest to the quiet machine's is compared, within 15 % when the
     machine was quiet through the steps (a busy one makes gloo's threads answer the link late)."""
-    from pplab.simulator import costs_from_timeline
+    from pplab.planning.simulator import costs_from_timeline
 
     hosts, lab = two_hosts
     microbatch_size, seq_len, m = 4, 64, 8
@@ -200,7 +200,7 @@ def test_a_rank_killed_mid_step_is_named_by_its_peer(two_hosts):
            r"waited \d+ s for the (activation|gradient) of microbatch \d+ from rank 1) " \
            r"\(action 0(SEND|RECV)_[FB]\d+\)"
     with within(5 + lab.grace, plus=8), pytest.raises(
-            (pplab.cluster.RankFailedError, pplab.cluster.RankDiedError), match=lost):
+            (pplab.session.RankFailedError, pplab.session.RankDiedError), match=lost):
         running.result()
     assert lab.state.startswith("needs restart")
     # The controller stops hearing the dead engine's heartbeat: the lab's status says so.

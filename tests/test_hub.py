@@ -1,6 +1,6 @@
 """A workshop on a real JupyterHub: seats that are Unix accounts, the room behind the hub's login.
 
-The quick tests read what `pplab.hub` gives the hub and each seat's server (this server's spawner
+The quick tests read what `pplab.course.hub` gives the hub and each seat's server (this server's spawner
 and the two cluster spawners, whose own code builds the pod and the Slurm script). The slow one
 starts a hub as `pplab workshop start` does, on free loopback ports with three seat accounts and an
 instructor made for it, and drives it in headless Chromium: three attendees log in and run exercise
@@ -123,7 +123,7 @@ def test_workshop_init_writes_a_hub_config_and_a_readme_and_refuses_what_cannot_
     assert "20 seat(s) of 2 rank(s) on 4 GPU(s): up to 10 rank(s) per GPU, each rank capped at 9.0%" in said
     assert "seat-20: GPUs 2,3" in said and "sudo pplab workshop start" in said
     config = (tmp_path / "w" / "jupyterhub_config.py").read_text()
-    assert "pplab.hub.configure(" in config and "'seat-01'" in config and "gpus=4" in config
+    assert "pplab.course.hub.configure(" in config and "'seat-01'" in config and "gpus=4" in config
     compile(config, "jupyterhub_config.py", "exec")
     assert "/services/pplab-room/" in (tmp_path / "w" / "README.md").read_text()
     seats = list(csv.DictReader(open(tmp_path / "w" / "seats.csv")))

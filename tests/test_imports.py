@@ -17,10 +17,10 @@ import pytest
 
 import pplab
 
-CORE = ["pplab.base.arguments", "pplab.model", "pplab.data", "pplab.schedules", "pplab.trace.timeline",
+CORE = ["pplab.base.arguments", "pplab.models.llama", "pplab.data", "pplab.schedules", "pplab.trace.timeline",
         "pplab.trace",
-        "pplab.trace.profiled", "pplab.bubble", "pplab.base.formatting",
-        "pplab.models.partition", "pplab.simulator", "pplab.planning.prediction", "pplab.comm",
+        "pplab.trace.profiled", "pplab.planning.bubble", "pplab.base.formatting",
+        "pplab.models.partition", "pplab.planning.simulator", "pplab.planning.prediction", "pplab.rank.comm",
         "pplab.rank.runtime",
         "pplab.rank.step_clock", "pplab.rank.memory", "pplab.rank.split_backward", "pplab.rank.shards",
         "pplab.rank.gradients",
@@ -28,16 +28,17 @@ CORE = ["pplab.base.arguments", "pplab.model", "pplab.data", "pplab.schedules", 
         "pplab.drivers.torchrun", "pplab.rank.torch_pp",
         "pplab.rank.checkpoint", "pplab.base.checkpoint_files", "pplab.rank.train", "pplab.rank.mesh",
         "pplab.rank.profiler",
-        "pplab.rank.faults", "pplab.rank.rank_context", "pplab.rank.tied", "pplab.hf", "pplab.traced",
-        "pplab.text",
+        "pplab.rank.faults", "pplab.rank.rank_context", "pplab.rank.tied", "pplab.models.hf",
+        "pplab.models.traced",
+        "pplab.data.text",
         "pplab.session.on_rank"]  # train and the session's rank side run under torchrun: no Jupyter either
 UPPER_FLOORS = ["ipyparallel", "IPython", "ipywidgets", "matplotlib", "pplab.drivers.cluster", "pplab.course",
                 "pplab.views",
-                # the hf extra: loaded on its path only, even by pplab.hf
+                # the hf extra: loaded on its path only, even by pplab.models.hf
                 "transformers", "safetensors", "tokenizers", "datasets"]
 PURE_PYTHON = ["pplab", "pplab.schedules", "pplab.trace.timeline", "pplab.trace", "pplab.trace.profiled",
                "pplab.base.formatting",
-               "pplab.simulator",
+               "pplab.planning.simulator",
                "pplab.planning.prediction", "pplab.base.checkpoint_files", "pplab.rank.rank_context",
                # not even torch (the CLI builds its flags from run's fields)
                "pplab.base.config", "pplab.session.run", "pplab.cli"]
@@ -112,7 +113,7 @@ def test_the_top_level_names_load_on_first_use():
               # a fresh kernel's lab starts without importing torch (1-2 s): the engines import their own
               "assert 'torch' not in sys.modules, 'pplab.Lab imports torch'\n"
               "assert 'matplotlib' not in sys.modules\n"
-              "pplab.viz\n"
+              "pplab.views.viz\n"
               "assert 'matplotlib' in sys.modules\n")
     done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr
@@ -128,7 +129,7 @@ def test_every_advertised_name_resolves_and_dir_lists_it():
     # The schedule API is used from its module, not from the top level.
     assert pplab.schedules is schedules
     assert not hasattr(pplab, "build_schedule") and not hasattr(pplab, "Schedule")
-    assert pplab.cluster.LabError.__name__ == "LabError"
+    assert pplab.drivers.cluster.LabError.__name__ == "LabError"
     with pytest.raises(AttributeError, match="no attribute 'not_a_name'"):
         pplab.not_a_name  # noqa: B018
 

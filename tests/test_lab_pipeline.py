@@ -128,14 +128,14 @@ def test_a_broken_process_group_makes_the_lab_ask_for_a_restart(fragile_lab):
     """Every rank times out: the lab says the group is broken. (A lab with 3 s of grace: on a busy
     machine the second rank's report can come more than the shared lab's 1 s after the first.)"""
     def every_rank_times_out():
-        from pplab.comm import PipelineTimeoutError
+        from pplab.rank.comm import PipelineTimeoutError
 
         raise PipelineTimeoutError(f"rank {my_rank()} waited 1 s for the activation of microbatch 0")
 
-    with pytest.raises(pplab.cluster.RankFailedError, match="The process group is broken"):
+    with pytest.raises(pplab.session.RankFailedError, match="The process group is broken"):
         fragile_lab.run(every_rank_times_out)
     assert fragile_lab.state != "running"
-    with pytest.raises(pplab.cluster.LabNeedsRestartError):
+    with pytest.raises(pplab.drivers.cluster.LabNeedsRestartError):
         fragile_lab.run(lambda: None)
     fragile_lab.restart()
     assert fragile_lab.run(my_rank) == [0, 1]

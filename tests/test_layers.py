@@ -144,7 +144,7 @@ def test_the_floors_are_what_the_readme_says():
 
 
 def test_pplab_itself_imports_modules_by_where_they_live():
-    """Inside pplab, no import goes through a public short name (pplab.model for pplab.models.llama):
+    """Inside pplab, no import goes through a public short name (pplab.models.llama for pplab.models.llama):
     those hide a module's floor from these checks."""
     aliases = sorted(f"{module}: {name}" for module in MODULES for name in IMPORTS[module]
                      if name not in MODULES)

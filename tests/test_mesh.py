@@ -237,7 +237,7 @@ import functools
 from pplab.rank.checks import compare_with_reference
 from pplab.data import batches
 from pplab.drivers.torchrun import run_as_torchrun_rank
-from pplab.model import LlamaConfig
+from pplab.models.llama import LlamaConfig
 from pplab.rank.rank_pipeline import PipelineSpec, run_jobs_on_rank, split_for_ranks
 from pplab.session.results import merge_steps
 from pplab.rank.reference import reference_step

@@ -11,7 +11,7 @@ import torch
 
 from one_device import single_device_training
 from pplab.data import batches, split_microbatches
-from pplab.model import LlamaConfig, build_model, loss_fn
+from pplab.models.llama import LlamaConfig, build_model, loss_fn
 from pplab.rank.checkpoint import load_model, step_directory
 from pplab.rank.train import TrainOptions
 from ranks import pool

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 import pplab
-from pplab.model import IGNORE_INDEX, LlamaModel, RotaryEmbedding, apply_rotary, loss_fn
+from pplab.models.llama import IGNORE_INDEX, LlamaModel, RotaryEmbedding, apply_rotary, loss_fn
 
 pytestmark = pytest.mark.quick  # starts no process (conftest makes sure)
 

@@ -5,11 +5,11 @@ import pytest
 import pplab
 from pplab.data import batches
 from pplab.planning.prediction import Profile, StageProfile, predict
+from pplab.planning.simulator import Costs
 from pplab.rank.profiler import profile
 from pplab.rank.rank_pipeline import PipelineSpec, run_jobs_on_rank, split_for_ranks
 from pplab.schedules import build, theory
 from pplab.session.results import merge_steps
-from pplab.simulator import Costs
 from ranks import run_ranks
 
 CONFIG = pplab.LlamaConfig.tiny()
@@ -125,7 +125,7 @@ def test_a_link_whose_late_receive_waits_a_hop_is_a_rendezvous_in_the_prediction
 def test_a_prediction_says_what_a_busy_machine_does_to_it():
     from dataclasses import replace
 
-    from pplab.machine import MachineLoad
+    from pplab.base.machine import MachineLoad
 
     schedule, profiled = build("1f1b", 4, 8), replace(uniform(4), machine=MachineLoad(8, 0.0, 1.0))
     quiet = predict(schedule, profiled, machine=MachineLoad(8, 0.5, 1.0))

@@ -17,10 +17,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from pplab.bubble import explain, named_schedule
-from pplab.machine import LoadWatch
-from pplab.model import LlamaConfig
-from pplab.simulator import Costs
+from pplab.base.machine import LoadWatch
+from pplab.models.llama import LlamaConfig
+from pplab.planning.bubble import explain, named_schedule
+from pplab.planning.simulator import Costs
 from pplab.trace import TraceImportError, from_profiler, read_profiler_traces
 from ranks import run_ranks
 

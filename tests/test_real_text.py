@@ -11,7 +11,7 @@ import torch
 
 import pplab
 from pplab.cli import main
-from pplab.text import BPETokenizer, PackedText, load_tokenizer, read_documents
+from pplab.data.text import BPETokenizer, PackedText, load_tokenizer, read_documents
 
 # Documents written here: a small world the model can learn in a few hundred CPU steps.
 WORDS = ["river", "mountain", "forest", "lantern", "harbour", "meadow"]
@@ -125,7 +125,7 @@ def test_a_config_file_reads_seed_003s_names_and_refuses_unknown_keys(capsys, tm
     code, err = refused(capsys, "--config", str(config))
     assert code == 2 and "unknown key 'stepz'; the keys are " in err and "batch_size" in err
     # The configuration is one dataclass, RunConfig: what --print-config writes, it reads back.
-    read = pplab.run.RunConfig.from_toml(tmp_path / "printed.toml")
+    read = pplab.session.run.RunConfig.from_toml(tmp_path / "printed.toml")
     assert (read.pp, read.n_virtual, read.n_microbatches, read.betas) == (2, 2, 4, (0.9, 0.99))
     assert printed.endswith(read.to_toml())
 
@@ -133,7 +133,7 @@ def test_a_config_file_reads_seed_003s_names_and_refuses_unknown_keys(capsys, tm
 def printed(capsys, *argv: str):
     """The configuration `pplab train ... --print-config` resolves (in this process), read back."""
     assert main(["train", *argv, "--print-config"]) == 0
-    return pplab.run.RunConfig.of(tomllib.loads(capsys.readouterr().out))
+    return pplab.session.run.RunConfig.of(tomllib.loads(capsys.readouterr().out))
 
 
 def run_train(*arguments: str, cwd) -> subprocess.CompletedProcess:
@@ -163,5 +163,6 @@ def test_a_bpe_run_learns_the_text_and_its_checkpoint_generates_it(texts, tmp_pa
                                        f'"{tmp_path / "run" / "tokenizer.json"}"\n[training]\nsteps = '
                                        '3\nbatch_size = 8\nseq_len = 32\neval_every = 0\n')
     by_flags, by_file = printed(capsys, *short), printed(capsys, "--config", str(tmp_path / "run.toml"))
-    assert by_flags == by_file == pplab.run.RunConfig.from_toml(tmp_path / "run.toml"), (by_flags, by_file)
+    from_toml = pplab.session.run.RunConfig.from_toml(tmp_path / "run.toml")
+    assert by_flags == by_file == from_toml, (by_flags, by_file)
     assert by_file.steps == 3 and by_file.tokenizer == str(tmp_path / "run" / "tokenizer.json")

@@ -5,7 +5,7 @@ import torch
 
 import pplab
 from pplab.data import batches
-from pplab.model import loss_fn
+from pplab.models.llama import loss_fn
 
 pytestmark = pytest.mark.quick  # starts no process (conftest makes sure)
 

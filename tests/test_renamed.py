@@ -28,7 +28,7 @@ pytestmark = pytest.mark.quick
     (lambda: pplab.Lab.connect(ranks=0), "ranks", r"n_ranks=0 must be at least 1"),
     (lambda: pplab.RankPool(world_size=0), "world_size", r"n_ranks=0 must be at least 1"),
     (lambda: pplab.RankPool(2, init_timeout=0), "init_timeout", r"op_timeout=0 must be a positive number"),
-    (lambda: pplab.cluster.NamespaceHosts(hosts=0), "hosts", r"n_hosts=0 must be at least 1"),
+    (lambda: pplab.drivers.cluster.NamespaceHosts(hosts=0), "hosts", r"n_hosts=0 must be at least 1"),
     (lambda: PipelineSpec.create(CONFIG, "1f1b", 2, microbatches=0), "microbatches",
      r"n_microbatches=0 must be at least 1"),
     (lambda: SessionLab.pipeline(RANKS, CONFIG, "1f1b", microbatches=0), "microbatches",
@@ -93,11 +93,13 @@ def test_the_profiler_traces_reader_joined_pplab_trace():
 
 
 def test_the_memory_table_moved_to_the_session_the_client_side():
-    """pipe.memory()'s table is drawn on the client: it left pplab.mesh (the ranks'
+    """pipe.memory()'s table is drawn on the client: it left pplab.rank.mesh (the ranks'
     floor), one more release there."""
-    from pplab import mesh, session
+    from pplab import session
+    from pplab.rank import mesh
 
-    with pytest.warns(DeprecationWarning, match=r"pplab.mesh.MemoryTable is now pplab.session.MemoryTable"):
+    with pytest.warns(DeprecationWarning,
+                      match=r"pplab.rank.mesh.MemoryTable is now pplab.session.MemoryTable"):
         assert mesh.MemoryTable is session.MemoryTable
     assert "MemoryTable" not in mesh.__all__ and "MemoryTable" in session.__all__
 
@@ -131,13 +133,29 @@ def test_the_last_releases_flags_still_work_and_name_the_new_one(capsys):
            "the next release" in err
 
 
-@pytest.mark.parametrize("short", sorted(pplab._MODULES))
-def test_every_public_module_imports_by_its_short_name(short):
-    module = importlib.import_module(f"pplab.{short}")
-    assert module is getattr(pplab, short) and sys.modules[f"pplab.{short}"] is module
-    name = module.__all__[0] if getattr(module, "__all__", None) else None
-    if name is not None:  # `from pplab.<short> import <name>` too
-        assert getattr(importlib.import_module(f"pplab.{short}"), name) is getattr(module, name)
+@pytest.mark.parametrize("module", pplab.PUBLIC_MODULES)
+def test_every_public_module_is_at_one_path_and_its_last_release_name_says_so(module):
+    import warnings
+
+    from pplab.base.renames import rows
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # its one path: imported and reached, without a warning
+        imported = importlib.import_module(module)
+        reached = pplab
+        for part in module.split(".")[1:]:
+            reached = getattr(reached, part)
+    assert reached is imported and imported.__name__ == imported.__spec__.name == module
+    shorts = {row.new: old for old, row in rows("module", "pplab").items() if row.why == "one path"}
+    short = shorts.get(module)
+    if short is None:  # pplab.schedules, pplab.trace, ...: their path was always their folder's
+        assert module.count(".") == 1
+        return
+    sys.modules.pop(f"pplab.{short}", None)
+    vars(pplab).pop(short, None)
+    with pytest.warns(DeprecationWarning, match=rf"pplab.{short} is now {module} \(one path\)"):
+        assert importlib.import_module(f"pplab.{short}") is imported
+    assert imported.__spec__.name == module  # the old name's import left the module's own spec
 
 
 def test_pplab_train_and_run_train_start_from_the_same_defaults():
@@ -161,9 +179,9 @@ def test_one_default_bound_for_a_wait_between_ranks_everywhere():
     import inspect
 
     from pplab.base.arguments import OP_TIMEOUT
-    from pplab.comm import StageLink
     from pplab.drivers.local import run_ranks
     from pplab.drivers.torchrun import TorchrunRanks, run_as_torchrun_rank
+    from pplab.rank.comm import StageLink
     from pplab.rank.runtime import RankRuntime
 
     takers = [pplab.Lab.__init__, pplab.Lab.connect, pplab.RankPool.__init__, run_ranks,
@@ -197,7 +215,7 @@ def test_an_events_communication_kinds_are_the_schedules_messages_and_the_collec
 
 
 @pytest.mark.quick
-@pytest.mark.parametrize("module", ["pplab.cluster", "pplab.session"])
+@pytest.mark.parametrize("module", ["pplab.drivers.cluster", "pplab.session"])
 def test_one_lab_a_user_sees_the_others_say_where_it_is(module):
     from pplab.drivers.cluster.lab import Lab as ClusterLab
 
@@ -281,5 +299,7 @@ def test_every_row_of_the_one_rename_table_is_taken_where_it_says(row):
             resolve(row.new)
     else:
         assert row.kind == "module" and row.where == "pplab"
-        assert importlib.import_module(f"{row.new}.{row.old}") and row.new in {
-            f"pplab.{short}" for short in pplab._MODULES}
+        sys.modules.pop(f"pplab.{row.old}", None)
+        vars(pplab).pop(row.old, None)
+        with pytest.warns(DeprecationWarning, match=re.escape(said(row))):
+            assert getattr(pplab, row.old) is importlib.import_module(row.new)

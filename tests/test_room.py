@@ -24,7 +24,7 @@ from pplab.course import room
 ATTENDEE = textwrap.dedent("""
     import sys
     import pplab
-    from pplab import exercises
+    from pplab.course import exercises
 
     def warmup_forwards(rank, n_ranks, n_microbatches):
         return min(n_ranks - 1 - rank, n_microbatches) if {right} else n_ranks - 1 - rank

@@ -8,9 +8,9 @@ import pytest
 import torch
 
 import pplab
-from pplab.comm import PipelineTimeoutError
 from pplab.data import batches
 from pplab.rank.checks import check_gradient_flow, compare_with_reference
+from pplab.rank.comm import PipelineTimeoutError
 from pplab.rank.rank_pipeline import PipelineSpec, run_jobs_on_rank, split_for_ranks
 from pplab.schedules import Action, Schedule, build, from_text
 from pplab.session import RankFailedError
@@ -154,7 +154,7 @@ def test_bad_microbatches_are_refused_on_the_client(overrides, message):
     spec = PipelineSpec.create(CONFIG, "1f1b", 2, 2)
     with pytest.raises(ValueError, match=message):
         split_for_ranks(spec, [(ids, targets), (ids, targets)])
-    targets[0, 0] = pplab.model.IGNORE_INDEX  # padding is not out of vocabulary
+    targets[0, 0] = pplab.models.llama.IGNORE_INDEX  # padding is not out of vocabulary
     if "first_target" in overrides:
         split_for_ranks(spec, [(ids, targets), (ids, targets)])
 
@@ -214,7 +214,7 @@ def test_timing_mode_pads_every_action_and_ranks_share_one_clock():
 
 @pytest.mark.quick
 def test_nccl_matching_order_is_checked_on_schedules():
-    from pplab.comm import in_order_mismatch
+    from pplab.rank.comm import in_order_mismatch
 
     for name, v in (("gpipe", 1), ("1f1b", 1), ("zb-h1", 1), ("interleaved-1f1b", 2)):
         assert in_order_mismatch(build(name, 4, 8, v)) is None, name

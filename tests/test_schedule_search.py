@@ -9,12 +9,12 @@ import pplab
 from pplab.data import batches
 from pplab.planning.balance import search_balance, stage_costs
 from pplab.planning.search import NothingFitsError, list_schedule, search
+from pplab.planning.simulator import Costs, simulate
 from pplab.planning.zero_bubble_heuristic import best_heuristic
 from pplab.rank.checks import compare_with_reference
 from pplab.rank.rank_pipeline import PipelineSpec, run_jobs_on_rank, split_for_ranks
 from pplab.schedules import Schedule, add_communication, v_placement, validate
 from pplab.session.results import merge_steps
-from pplab.simulator import Costs, simulate
 from ranks import run_ranks
 from timing import slack
 

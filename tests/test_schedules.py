@@ -85,7 +85,7 @@ def test_the_release_rule_b_or_w_frees_a_forward():
 
 def test_theory_the_timeline_and_the_search_count_activations_by_the_one_release_rule():
     from pplab.planning.search import _peaks
-    from pplab.simulator import Costs, simulate
+    from pplab.planning.simulator import Costs, simulate
 
     costs = Costs(forward=1.0, input_grad=1.0, weight_grad=0.5, latency=0.25)
     for schedule in (build("1f1b", 4, 8), build("zb-h1", 4, 8), build("interleaved-1f1b", 2, 4, 2),
@@ -689,7 +689,7 @@ def test_from_torch_rejects_bad_input(args, message):
 
 
 def test_theory_gives_no_textbook_number_when_messages_are_moved():
-    from pplab.simulator import simulate
+    from pplab.planning.simulator import simulate
 
     # GPipe's compute order, but rank 0 sends both activations only after both forwards.
     late_sends = from_text(["0F0 0F1 0SEND_F0 0SEND_F1 0RECV_B0 0B0 0RECV_B1 0B1",
@@ -711,7 +711,7 @@ def test_positions_in_errors_are_those_of_the_hand_written_compute_order():
 
 
 def test_measured_costs_within_one_percent_count_as_the_same():
-    from pplab.simulator import Costs
+    from pplab.planning.simulator import Costs
 
     schedule = build("1f1b", 2, 4)
     noisy = theory(schedule, Costs(forward=[0.0501, 0.0500], backward=[0.1, 0.1002]))

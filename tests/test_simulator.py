@@ -6,8 +6,8 @@ import math
 import pytest
 
 from pplab import Event, Timeline
+from pplab.planning.simulator import Costs, DeadlockError, simulate
 from pplab.schedules import Schedule, ScheduleError, build, from_text, theory
-from pplab.simulator import Costs, DeadlockError, simulate
 
 pytestmark = pytest.mark.quick  # starts no process (conftest makes sure)
 
@@ -204,9 +204,9 @@ def test_a_simulated_timeline_makes_its_events_when_read_and_pickles_with_them()
 ])
 def test_schedules_without_an_integer_form_take_the_readable_path(lists):
     """Faults the integer form cannot hold are simulated (or refused) as the readable path does."""
+    from pplab.planning.simulator import _Simulation
     from pplab.schedules import Action
     from pplab.schedules.compiled import compile_schedule
-    from pplab.simulator import _Simulation
 
     actions = [[Action.parse(word) for word in line.split()] for line in lists]
     n_stages = max(a.stage for acts in actions for a in acts) + 1

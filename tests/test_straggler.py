@@ -9,9 +9,9 @@ import random
 
 import pytest
 
-from pplab.bubble import named_schedule
+from pplab.planning.bubble import named_schedule
+from pplab.planning.simulator import Costs, simulate
 from pplab.planning.straggler import straggler_verdict
-from pplab.simulator import Costs, simulate
 from pplab.trace.timeline import Event, Timeline
 
 pytestmark = pytest.mark.quick

@@ -13,6 +13,7 @@ import sys
 import pytest
 
 from pplab.planning.search import search
+from pplab.planning.simulator import Costs
 from pplab.schedules import (
     Action,
     Kind,
@@ -23,7 +24,6 @@ from pplab.schedules import (
     from_text,
     from_torch,
 )
-from pplab.simulator import Costs
 
 
 def searched(n_ranks: int, n_microbatches: int, costs: Costs) -> Schedule:

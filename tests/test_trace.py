@@ -171,8 +171,8 @@ def test_chrome_trace_without_pplab_extras_is_read_from_ts_and_dur():
 
 
 def test_chrome_trace_never_puts_overlapping_slices_on_one_track():
+    from pplab.planning.simulator import Costs, simulate
     from pplab.schedules import build
-    from pplab.simulator import Costs, simulate
 
     timeline = simulate(build("1f1b", 2, 4), Costs(latency=3.0))   # sends overlap on the wire
     trace = timeline.to_chrome_trace()

@@ -6,9 +6,9 @@ The models live in toy_models.py, which the ranks import by name; every run is o
 import pytest
 
 from pplab.data import batches
+from pplab.models.traced import TracedModel
 from pplab.rank.checkpoint import step_directory
 from pplab.rank.rank_pipeline import PipelineSpec
-from pplab.traced import TracedModel
 from ranks import pool
 from toy_models import BranchyLM, TinyLM, TwoStreamLM
 

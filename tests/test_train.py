@@ -4,7 +4,7 @@ import pytest
 
 from one_device import single_device_training
 from pplab.data import CharTokenizer, batches
-from pplab.model import LlamaConfig, generate
+from pplab.models.llama import LlamaConfig, generate
 from pplab.rank.rank_pipeline import PipelineSpec
 from pplab.rank.train import TrainOptions, build_and_train_on_rank, lr_factor
 from ranks import pool, run_ranks

@@ -11,13 +11,10 @@ import pytest  # noqa: E402
 from matplotlib.figure import Figure  # noqa: E402
 
 import pplab  # noqa: E402
-from pplab import (  # noqa: E402
-    Event,
-    Timeline,
-    viz,  # noqa: E402
-)
+from pplab import Event, Timeline  # noqa: E402
+from pplab.planning.simulator import Costs, simulate  # noqa: E402
 from pplab.schedules import build, theory  # noqa: E402
-from pplab.simulator import Costs, simulate  # noqa: E402
+from pplab.views import viz  # noqa: E402
 
 pytestmark = pytest.mark.quick  # starts no process (conftest makes sure)
 
@@ -161,7 +158,8 @@ def test_plot_bubbles_measured_against_theory(tmp_path):
 def test_public_names():
     assert pplab.simulate is simulate and pplab.Costs is Costs
     assert pplab.Event is Event and pplab.Timeline is Timeline
-    assert pplab.viz is viz and not {"Event", "Timeline"} & set(pplab.trace.__all__)  # one path: the top
+    # one path: the top
+    assert pplab.views.viz is viz and not {"Event", "Timeline"} & set(pplab.trace.__all__)
 
 
 # ---------------------------------------------------------------- layering

@@ -9,9 +9,9 @@ import dataclasses
 
 import pytest
 
-from pplab.bubble import explain, named_schedule
+from pplab.planning.bubble import explain, named_schedule
 from pplab.planning.prediction import Profile, StageProfile
-from pplab.simulator import Costs, simulate
+from pplab.planning.simulator import Costs, simulate
 from pplab.trace.timeline import Timeline
 
 pytestmark = pytest.mark.quick

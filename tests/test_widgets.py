@@ -4,9 +4,9 @@ import pytest
 
 pytest.importorskip("ipywidgets")
 
+from pplab.planning.simulator import Costs, costs_from_timeline, simulate  # noqa: E402
 from pplab.rank.runtime import Boundary  # noqa: E402
 from pplab.schedules import build, theory  # noqa: E402
-from pplab.simulator import Costs, costs_from_timeline, simulate  # noqa: E402
 from pplab.trace import Now  # noqa: E402
 from pplab.views.widgets import (  # noqa: E402
     BubblesView,

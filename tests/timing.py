@@ -3,7 +3,7 @@
 A test that times pplab (a refusal comes within seconds, a stalled rank is named within its
 timeout) asserts a behaviour: that nothing waited for a timeout it should not have. What the
 work itself takes depends on what else runs (the suite shares 2 cores, beside other work), so
-the bound is a quiet machine's, stretched by the slowdown `pplab.machine` reads before, during and
+the bound is a quiet machine's, stretched by the slowdown `pplab.base.machine` reads before, during and
 after the block (the largest). SLACK is what "at once" may take on a quiet machine: well below every
 length it tells apart (a lab's start, a call's own timeout, a wait that never ends).
 """
@@ -13,7 +13,7 @@ from __future__ import annotations
 import time
 from contextlib import contextmanager
 
-from pplab.machine import LoadWatch, measure_load
+from pplab.base.machine import LoadWatch, measure_load
 
 SLACK = 5.0
 

@@ -1,7 +1,7 @@
 # EXERCISE: torch's PipelineStage and ScheduleGPipe, and each rank's step
 import torch
 from torch.distributed.pipelining import PipelineStage, ScheduleGPipe
-from pplab.model import loss_fn
+from pplab.models.llama import loss_fn
 
 def train_step(module, rank, n_ranks, tokens, targets, n_microbatches):
     if tokens.shape[0] % n_microbatches:  # every rank, before any step: nobody is left waiting

@@ -1,5 +1,5 @@
 # EXERCISE: where the Phi model keeps its parts
-my_layout = pplab.hf.Layout(
+my_layout = pplab.models.hf.Layout(
     embed="model.embed_tokens",
     blocks="model.layers",
     norm="model.final_layernorm",    # not "model.norm": Phi names its final norm differently

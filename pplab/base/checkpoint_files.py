@@ -85,7 +85,7 @@ def resolve(path: str | Path) -> Path:
         return newest
     if path.name.startswith((PREFIX, f".{PREFIX}")) or (path / ".metadata").exists():
         raise CheckpointError(f"checkpoint {str(path)!r} is incomplete (no {MANIFEST}): its save "
-                              f"did not finish; load an earlier one (pplab.checkpoint.latest(root))")
+                              f"did not finish; load an earlier one (pplab.rank.checkpoint.latest(root))")
     raise CheckpointError(f"no loadable checkpoint in {str(path)!r}: it holds no {PREFIX}N "
                           f"directory with a readable {MANIFEST}; train without resume to make one")
 

@@ -29,7 +29,7 @@ PARAM_DTYPES = ("float32", "bfloat16")  # bf16: weights, activations and gradien
 
 
 @dataclass(frozen=True)
-class Kind:
+class ValueKind:
     """What a field holds: how a flag's text becomes a value, and which values it takes."""
 
     said: str                              # "a whole number >= 1", in errors
@@ -74,33 +74,35 @@ def _numbers(text: str, of: Callable[[str], object]) -> tuple:
     return tuple(of(part.strip()) for part in text.split(","))
 
 
-COUNT = Kind("a whole number >= 1", _whole, lambda v: _is_int(v) and v >= 1, "4")
-COUNT_OR_ZERO = Kind("a whole number >= 0", _whole, lambda v: _is_int(v) and v >= 0, "0")
-INTEGER = Kind("a whole number", _whole, _is_int, "0")
-POSITIVE = Kind("a number > 0", _real, lambda v: _is_real(v) and v > 0, "0.001")
-NUMBER_OR_ZERO = Kind("a number >= 0", _real, lambda v: _is_real(v) and v >= 0, "0")
-BETAS = Kind("two numbers in [0, 1)", lambda text: _numbers(text, _real),
-             lambda v: isinstance(v, (tuple, list)) and len(v) == 2 and all(_is_real(b) and 0 <= b < 1
-                                                                            for b in v),
-             "0.9,0.95")
-LAYERS = Kind("layers per stage, whole numbers >= 1", lambda text: _numbers(text, _whole),
-              lambda v: isinstance(v, (tuple, list)) and len(v) > 0 and all(COUNT.valid(n) for n in v), "3,5")
-TEXT = Kind("a text", str, lambda v: isinstance(v, str), "'tiny'")
-PATH = Kind("a text or a path", str, lambda v: isinstance(v, (str, os.PathLike)), "'run'")  # kept as text
-CLIP_NORM = Kind("a norm > 0 (None: no clipping; 0 in a file or a flag)", lambda text: _real(text) or None,
-                 lambda v: _is_real(v) and v > 0, "1.0")
-SWITCH = Kind("true or false", str, lambda v: isinstance(v, bool), "true")
+COUNT = ValueKind("a whole number >= 1", _whole, lambda v: _is_int(v) and v >= 1, "4")
+COUNT_OR_ZERO = ValueKind("a whole number >= 0", _whole, lambda v: _is_int(v) and v >= 0, "0")
+INTEGER = ValueKind("a whole number", _whole, _is_int, "0")
+POSITIVE = ValueKind("a number > 0", _real, lambda v: _is_real(v) and v > 0, "0.001")
+NUMBER_OR_ZERO = ValueKind("a number >= 0", _real, lambda v: _is_real(v) and v >= 0, "0")
+BETAS = ValueKind("two numbers in [0, 1)", lambda text: _numbers(text, _real),
+                  lambda v: isinstance(v, (tuple, list)) and len(v) == 2 and all(_is_real(b) and 0 <= b < 1
+                                                                                 for b in v),
+                  "0.9,0.95")
+LAYERS = ValueKind("layers per stage, whole numbers >= 1", lambda text: _numbers(text, _whole),
+                   lambda v: isinstance(v, (tuple, list)) and len(v) > 0 and all(COUNT.valid(n) for n in v),
+                   "3,5")
+TEXT = ValueKind("a text", str, lambda v: isinstance(v, str), "'tiny'")
+PATH = ValueKind("a text or a path", str, lambda v: isinstance(v, (str, os.PathLike)), "'run'")  # as text
+CLIP_NORM = ValueKind("a norm > 0 (None: no clipping; 0 in a file or a flag)",
+                      lambda text: _real(text) or None, lambda v: _is_real(v) and v > 0, "1.0")
+SWITCH = ValueKind("true or false", str, lambda v: isinstance(v, bool), "true")
 
 
-def choice(*names: str) -> Kind:
+def choice(*names: str) -> ValueKind:
     """One of `names`."""
-    return Kind(f"one of {', '.join(map(repr, names))}", str, lambda v: v in names, repr(names[0]), names)
+    return ValueKind(f"one of {', '.join(map(repr, names))}", str, lambda v: v in names, repr(names[0]),
+                     names)
 
 
 KINDS = {int: COUNT, float: POSITIVE, str: TEXT, bool: SWITCH}
 
 
-def option(default, help: str, section: str, kind: Kind | None = None, metavar: str | None = None,
+def option(default, help: str, section: str, kind: ValueKind | None = None, metavar: str | None = None,
            optional: bool | None = None, example: str | None = None):
     """A configuration field: its default, its help (the flag's and the reader's), the TOML table it
     sits in, and its kind (by default from the default's type: an int a count, a float > 0).

@@ -27,7 +27,7 @@ import os
 import time
 from dataclasses import dataclass
 
-__all__ = ["LoadWatch", "MachineLoad", "measure_load"]
+__all__ = ["measure_load", "LoadWatch"]
 
 WINDOW_SECONDS = 0.2  # long enough for /proc/stat's 10 ms ticks to count a core's use to 5 %
 

@@ -24,8 +24,8 @@ class Renamed:
     kind "keyword": `where` is the function (module and qualified name), `new` its new keyword;
     "flag": `where` is "pplab", the command, `new` the new flag; "attribute": `where` is the
     module as users name it, `new` the full path of what to use now; "module": `where` is "pplab",
-    `old` a public module's short name, `new` the public module that holds it now (the old module
-    lives on inside it, as `new.old`)."""
+    `old` a public module's short name (`pplab.<old>`), `new` the module it stands for now, which
+    `import pplab.<old>` hands out."""
 
     kind: str
     where: str
@@ -58,19 +58,31 @@ RENAMED = (
     Renamed("attribute", "pplab", "PipelineRun", "pplab.Pipeline"),
     Renamed("attribute", "pplab.session", "PipelineRun", "pplab.session.Pipeline"),
     Renamed("attribute", "pplab.session", "Lab", "pplab.Lab", "with live views"),
-    Renamed("attribute", "pplab.cluster", "Lab", "pplab.Lab", "the same lab, with pipelines and live views"),
+    Renamed("attribute", "pplab.drivers.cluster", "Lab", "pplab.Lab",
+            "the same lab, with pipelines and live views"),
     Renamed("attribute", "pplab.trace", "Event", "pplab.Event"),
     Renamed("attribute", "pplab.trace", "Timeline", "pplab.Timeline"),
     Renamed("attribute", "pplab.trace", "COMM_KINDS", "pplab.trace.COMM_EVENT_KINDS",
             "it holds the collectives too, unlike pplab.schedules.COMM_KINDS"),
     Renamed("attribute", "pplab.drivers.local", "LocalRankError", "pplab.session.RankError",
             "every driver raises it"),
-    Renamed("attribute", "pplab.mesh", "MemoryTable", "pplab.session.MemoryTable",
+    Renamed("attribute", "pplab.rank.mesh", "MemoryTable", "pplab.session.MemoryTable",
             "the table is drawn on the client"),
     Renamed("attribute", "pplab.rank.train", "train_on_rank", "pplab.rank.train.build_and_train_on_rank"),
     Renamed("attribute", "pplab.views.lab", "NotebookPipeline",
             "pplab.views.notebook_pipeline.NotebookPipeline"),
+    Renamed("attribute", "pplab", "TrainOptions", "pplab.rank.train.TrainOptions", "one path"),
+    Renamed("attribute", "pplab", "load_model", "pplab.rank.checkpoint.load_model", "one path"),
     Renamed("module", "pplab", "profiled", "pplab.trace"),
+    # the short names of the last release's public modules: each has one path now, its folder's
+    *(Renamed("module", "pplab", short, new, "one path") for short, new in (
+        ("model", "pplab.models.llama"), ("simulator", "pplab.planning.simulator"),
+        ("comm", "pplab.rank.comm"), ("viz", "pplab.views.viz"), ("widgets", "pplab.views.widgets"),
+        ("exercises", "pplab.course.exercises"), ("checks", "pplab.rank.checks"),
+        ("checkpoint", "pplab.rank.checkpoint"), ("train", "pplab.rank.train"), ("mesh", "pplab.rank.mesh"),
+        ("faults", "pplab.rank.faults"), ("cluster", "pplab.drivers.cluster"), ("hf", "pplab.models.hf"),
+        ("traced", "pplab.models.traced"), ("text", "pplab.data.text"), ("run", "pplab.session.run"),
+        ("bubble", "pplab.planning.bubble"), ("machine", "pplab.base.machine"), ("hub", "pplab.course.hub"))),
 )
 
 

@@ -109,7 +109,7 @@ def _plan(args: argparse.Namespace) -> int:
     room = plan_room(args.plan, args.n_ranks, args.gpus, gpu_memory_gib=args.gpu_memory,
                      rank_memory_gib=args.rank_memory)
     print(room.describe())
-    print(f"seat s: pplab.Lab(n_ranks={room.n_ranks}, gpus=pplab.cluster.plan_room({room.n_seats}, "
+    print(f"seat s: pplab.Lab(n_ranks={room.n_ranks}, gpus=pplab.drivers.cluster.plan_room({room.n_seats}, "
           f"{room.n_ranks}, {room.gpu_count}).gpus(s), gpu_memory_fraction={room.memory_fraction:.4g})")
     for seat in range(room.n_seats):
         print(f"  seat {seat}: gpus={room.gpus(seat)}")
@@ -144,7 +144,8 @@ def add_to(commands, ranks_run: argparse.ArgumentParser) -> argparse.ArgumentPar
                                "each an attendee's lessons on a 2-rank lab (pplab.course.drill)")
     run_room.add_argument("--plan", type=positive_int, metavar="N",
                           help="instead: print a room of N seats dealt round the server's GPUs (--gpus), "
-                               "each seat's GPUs and each rank's memory cap (pplab.cluster.plan_room)")
+                               "each seat's GPUs and each rank's memory cap "
+                               "(pplab.drivers.cluster.plan_room)")
     run_room.add_argument("--gpus", type=positive_int, metavar="G", help="with --plan: the server's GPUs")
     run_room.add_argument("--n-ranks", type=positive_int, default=2, metavar="R",
                           help="with --plan: ranks per attendee's lab (default 2)")

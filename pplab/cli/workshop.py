@@ -1,4 +1,5 @@
-"""`pplab workshop`: a workshop on JupyterHub in one command (pplab.hub): init a folder, start its hub."""
+"""`pplab workshop`: a workshop on JupyterHub in one command (pplab.course.hub): init a folder, start
+its hub."""
 
 from __future__ import annotations
 

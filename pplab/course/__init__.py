@@ -6,3 +6,7 @@ and the table an instructor reads) and `drill` (a room's capacity, measured: N a
 once). The notebook's `pplab.Lab` (floor 7) writes its records into the room; the drivers below know
 nothing of rooms or lessons.
 """
+
+from pplab.base.lazy import submodules_on_first_use
+
+__getattr__ = submodules_on_first_use(__name__)  # pplab.course.<module> after a bare `import pplab`

@@ -1,11 +1,11 @@
 """The room: what every attendee's lab and exercise checks write to a folder the instructor names.
 
 An instructor running a workshop on one server sets `PPLAB_ROOM=/some/shared/folder` for every
-attendee (the workshop's hub does, `pplab.hub`). From then on, each attendee's lab writes one small
+attendee (the workshop's hub does, `pplab.course.hub`). From then on, each attendee's lab writes one small
 JSON file there when it starts, runs, restarts and stops (device, GPUs, ranks, its processes, last
 activity), and each exercise checker appends its verdict. Nothing is sent anywhere: the attendees
 only write files, and the instructor reads them (`pplab room FOLDER`, the hub's room service, or
-`pplab.widgets.RoomView` in a notebook). Without `PPLAB_ROOM` nothing is written.
+`pplab.views.widgets.RoomView` in a notebook). Without `PPLAB_ROOM` nothing is written.
 
 A room is one of two kinds:
 

@@ -1,7 +1,7 @@
 """The room as a web page: the table, what the room trusts or refused, and the grades to download.
 
 `pplab room FOLDER` serves it on loopback; the workshop's hub serves it behind its login
-(`pplab.hub`). The page re-reads itself in place, so a reload that fails keeps the last table.
+(`pplab.course.hub`). The page re-reads itself in place, so a reload that fails keeps the last table.
 """
 
 from __future__ import annotations

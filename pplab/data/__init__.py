@@ -18,10 +18,10 @@ from pathlib import Path
 import torch
 
 from pplab.base.arguments import check_positive_int
+from pplab.base.lazy import submodules_on_first_use
 from pplab.models.llama import IGNORE_INDEX
 
-__all__ = ["Batch", "CharTokenizer", "IGNORE_INDEX", "SPLITS", "HELDOUT_FRACTION", "default_corpus",
-           "load_text", "pad_sequences", "batches", "packed_batches", "hf_batches", "split_microbatches"]
+__all__ = ["CharTokenizer", "batches", "packed_batches", "split_microbatches"]
 
 Batch = tuple[torch.Tensor, torch.Tensor]  # (input_ids, target_ids), int64 [batch, seq]
 
@@ -239,3 +239,6 @@ def split_microbatches(batch: Batch, n_microbatches: int) -> list[Batch]:
         raise ValueError(f"n_microbatches={n_microbatches} does not divide the batch size {size}; "
                          f"use one of {divisors} or change the batch size")
     return list(zip(input_ids.chunk(n_microbatches), target_ids.chunk(n_microbatches)))
+
+
+__getattr__ = submodules_on_first_use(__name__)  # pplab.data.text after a bare `import pplab`

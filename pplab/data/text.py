@@ -26,8 +26,7 @@ import torch
 from pplab.base.arguments import check_positive_int
 from pplab.data import HELDOUT_FRACTION, Batch, CharTokenizer
 
-__all__ = ["BPETokenizer", "PackedText", "read_documents", "load_tokenizer", "join_documents",
-           "cut_sequences", "TOKENIZER_FILE"]
+__all__ = ["BPETokenizer", "PackedText", "read_documents", "load_tokenizer"]
 
 TOKENIZER_FILE = "tokenizer.json"  # its name beside a run's checkpoints
 

@@ -7,8 +7,8 @@ training and checkpoints — takes it where it takes a `LlamaConfig`.
 
 A stage holds the model's own modules at the model's own dotted paths, so its parameter
 names are the model's (`model.layers.5.mlp.up_proj.weight`) and a checkpoint exports
-back to a directory that `transformers` loads (`pplab.checkpoint.export_pretrained`). A rank builds only its
-stages: on the
+back to a directory that `transformers` loads (`pplab.rank.checkpoint.export_pretrained`). A rank
+builds only its stages: on the
 meta device, then allocated, then either filled from the directory's safetensors files
 (reading only the stage's tensors) or initialised by the model's own `_init_weights`,
 module by module, each under a seed drawn from (seed, module path). So every cut holds
@@ -124,7 +124,8 @@ class HFModel:
         if self.layout is None and model_type not in LAYOUTS:
             raise ValueError(f"model_type={model_type!r} has no known layout (known: "
                              f"{', '.join(sorted(LAYOUTS))}). Its modules: {self._module_outline()}. "
-                             f"Describe where its parts are: HFModel.of(config, layout=pplab.hf.Layout("
+                             f"Describe where its parts are: HFModel.of(config, "
+                             f"layout=pplab.models.hf.Layout("
                              f"embed=..., blocks=..., norm=..., head=..., rotary=... or positions=...))")
         model = self.meta_model()
         for role, path in self.layout_.parts().items():

@@ -21,8 +21,7 @@ from torch import nn
 
 from pplab.base.arguments import check_positive_int
 
-__all__ = ["LlamaConfig", "LlamaModel", "build_model", "generate", "loss_fn", "IGNORE_INDEX", "RMSNorm",
-           "RotaryEmbedding", "Attention", "MLP", "DecoderLayer"]
+__all__ = ["loss_fn"]
 
 IGNORE_INDEX = -100  # target value the loss skips (padding)
 INIT_STD = 0.02
@@ -69,7 +68,7 @@ class LlamaConfig:
         """Width of one attention head."""
         return self.hidden_size // self.num_attention_heads
 
-    # --- the model description every pipeline takes (pplab.hf.HFModel has the same) ---------
+    # --- the model description every pipeline takes (pplab.models.hf.HFModel has the same) ---------
 
     tied = ()  # no weight is shared between the first and the last stage
     sum_tied_gradients = True
@@ -284,7 +283,7 @@ def generate(model: LlamaModel, prompt_ids: list[int], max_new_tokens: int) -> l
     """Greedy continuation of `prompt_ids` by a full model: the prompt and the new token ids."""
     if not (model.is_first and model.is_last):
         raise ValueError("generate needs the full model (embedding and LM head); load one with "
-                         "pplab.checkpoint.load_model(...)")
+                         "pplab.rank.checkpoint.load_model(...)")
     check_positive_int("max_new_tokens", max_new_tokens)
     if not prompt_ids:
         raise ValueError("give a prompt of at least one token id")

@@ -5,7 +5,7 @@ norm and LM head, and each owns a contiguous run of layers. Stages are built on
 the meta device and then materialised, so a rank allocates only what it owns,
 and their parameter names are the full model's, so checkpoints line up.
 
-The model is described by a `LlamaConfig` (pplab's own) or a `pplab.hf.HFModel` (a
+The model is described by a `LlamaConfig` (pplab's own) or a `pplab.models.hf.HFModel` (a
 Hugging Face decoder); both answer the same questions: sizes (`num_hidden_layers`,
 `hidden_size`, `vocab_size`, `max_position_embeddings`), `build_stage`, `build_model`,
 `parameter_names`, `part_of(name)`, `tied` weights and a manifest `record()`.
@@ -62,7 +62,7 @@ def _checked_balance(balance: Sequence[int], n_layers: int, n_stages: int,
 
 def as_model(model):
     """The model description a pipeline takes: a LlamaConfig, an HFModel or a TracedModel as it is; a
-    Hugging Face config or a directory holding one as a `pplab.hf.HFModel` (importing transformers only
+    Hugging Face config or a directory holding one as a `pplab.models.hf.HFModel` (importing transformers only
     then)."""
     if isinstance(model, LlamaConfig) or hasattr(model, "build_stage"):
         return model
@@ -71,7 +71,7 @@ def as_model(model):
 
         return HFModel.of(model)
     own = (" For a module of your own, describe how to build and cut it: "
-           "pplab.traced.TracedModel(make=YourModel, "
+           "pplab.models.traced.TracedModel(make=YourModel, "
            "split_at=['layers.4'])") if hasattr(model, "forward") else ""
     raise TypeError(f"cannot pipeline a {type(model).__name__}: give a pplab.LlamaConfig, a transformers "
                     f"causal-LM config, or a directory holding a config.json (save_pretrained).{own}")

@@ -16,9 +16,9 @@ Weights: `make()` is the only place that knows a module's initial values and buf
 so each rank calls it (under `torch.manual_seed(seed)`, as the one-device reference
 does), traces the whole, and keeps only its stages: the whole model is on every rank
 while it builds. A factory that loads weights from a file loads them the same way.
-For Hugging Face decoders `pplab.hf.HFModel` builds only a rank's own stages.
+For Hugging Face decoders `pplab.models.hf.HFModel` builds only a rank's own stages.
 
-Floor 1, beside `pplab.model` and `pplab.hf`: it answers the questions every model
+Floor 1, beside `pplab.models.llama` and `pplab.models.hf`: it answers the questions every model
 description answers (see `pplab.models.partition`).
 """
 
@@ -119,8 +119,9 @@ class TracedModel:
             reason = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
             raise ValueError(f"torch's tracer cannot trace {type(model).__name__}'s forward: {reason}. "
                              f"Make its forward traceable (no data-dependent Python control flow), or, for "
-                             f"a Hugging Face decoder, describe its parts with pplab.hf.HFModel.of(config, "
-                             f"layout=pplab.hf.Layout(...))") from None
+                             f"a Hugging Face decoder, describe its parts with "
+                             f"pplab.models.hf.HFModel.of(config, "
+                             f"layout=pplab.models.hf.Layout(...))") from None
         if pipe.num_stages != len(self.split_at) + 1:
             raise ValueError(f"split_at={list(self.split_at)!r} cut the forward into {pipe.num_stages} "
                              f"stages, not {len(self.split_at) + 1}: give each name once, in forward order")

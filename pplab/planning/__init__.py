@@ -3,3 +3,7 @@ and `simulator`, `prediction` (step time, bubble and memory from measured costs)
 fastest schedule and balance, with `list_scheduling` and the zero-bubble paper's heuristic,
 `zero_bubble_heuristic`), `bubble` (where a measured step's bubble went) and `straggler` (which
 rank computes too long, a verdict a busy machine does not flip)."""
+
+from pplab.base.lazy import submodules_on_first_use
+
+__getattr__ = submodules_on_first_use(__name__)  # pplab.planning.<module> after a bare `import pplab`

@@ -32,12 +32,12 @@ from typing import Sequence
 from pplab.base.formatting import wrapped
 from pplab.planning.prediction import Profile
 from pplab.planning.simulator import costs_from_timeline, simulate
-from pplab.planning.straggler import STRAGGLER_RATIO, StragglerVerdict, straggler_verdict
+from pplab.planning.straggler import StragglerVerdict, straggler_verdict
 from pplab.planning.whatif import RunModel, Suggestion, named_schedule, step_spread, suggestions
 from pplab.schedules import Schedule, theory
 from pplab.trace.timeline import Event, Timeline
 
-__all__ = ["STRAGGLER_RATIO", "BubbleReport", "RankBubble", "Wait", "Suggestion", "explain", "named_schedule"]
+__all__ = ["explain", "named_schedule"]
 
 LOADED_SPREAD = 0.2  # an action typically this much over its best: the run's machine was busy
 _FEEDS = {"F": ("F", -1), "B": ("B", +1), "I": ("I", +1)}  # an action's input: (producer kind, stage step)

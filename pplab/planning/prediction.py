@@ -13,7 +13,7 @@ timeline the step time, the bubble, and each rank's peak memory: its stages' sta
 plus the most activation bytes it holds at once.
 
 The simulator gives every rank a core of its own. A prediction also reads the machine
-(`pplab.machine`): where the ranks outnumber the cores no other process is using, they take
+(`pplab.base.machine`): where the ranks outnumber the cores no other process is using, they take
 turns, and the step can be no shorter than all their compute spread over those cores; where
 the load changed since the profile, every cost scaled with it. Both are said in its notes, with
 the step time they imply, rather than a quiet machine's number presented as the answer.
@@ -60,7 +60,8 @@ class Profile(ShownAsText):
     seq_len: int
     latency: float = 0.0  # seconds from posting a message to its arrival (see `with_link`)
     send_cost: float = 0.0  # seconds the sender spends posting a message
-    link: str = "buffered"  # how a message moves (`pplab.simulator.Costs.link`), as measured by `with_link`
+    # how a message moves (`pplab.planning.simulator.Costs.link`), as measured by `with_link`
+    link: str = "buffered"
     machine: MachineLoad | None = None  # how busy the machine was while it was measured
 
     def costs(self, split_backward: bool) -> Costs:

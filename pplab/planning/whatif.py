@@ -1,6 +1,6 @@
 """What-ifs from one measured run: the step after one change at a time, on the run's own costs.
 
-`pplab.bubble.explain` reads a run; this module answers "and if ...?" for the changes a user can
+`pplab.planning.bubble.explain` reads a run; this module answers "and if ...?" for the changes a user can
 make with the same ranks: twice the microbatches at half the size, stages rebalanced, another
 schedule (gpipe, 1f1b, zb-h1), interleaved with 2 stages per rank. Each is simulated on a model
 of the run (`RunModel`) built from what the run measured:

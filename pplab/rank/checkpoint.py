@@ -419,7 +419,8 @@ def export_model(path: str | Path, out: str | Path) -> Path:
 
 
 def export_pretrained(path: str | Path, out: str | Path) -> Path:
-    """Write a checkpoint of a Hugging Face model (pplab.hf) as a directory that `from_pretrained` loads."""
+    """Write a checkpoint of a Hugging Face model (pplab.models.hf) as a directory that
+    `from_pretrained` loads."""
     model = load_model(path)
     if not hasattr(model, "save_pretrained"):
         raise CheckpointError(f"checkpoint {str(path)!r} is of pplab's own model, not a Hugging Face one: "

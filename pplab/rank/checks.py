@@ -17,8 +17,7 @@ from pplab.rank.gradients import gradient_stats
 from pplab.rank.reference import ReferenceResult
 from pplab.rank.runtime import Boundary
 
-__all__ = ["check_gradient_flow", "compare_with_reference", "gradient_stats", "GradientFlowReport",
-           "ParityReport", "BoundaryTable"]
+__all__ = ["check_gradient_flow", "compare_with_reference", "gradient_stats"]
 
 
 # --- gradient flow -------------------------------------------------------------------------

@@ -44,7 +44,7 @@ from pplab.rank.host_messages import HOST, from_host, messages_through_host, to_
 from pplab.schedules import Action, Kind, Schedule
 from pplab.trace.timeline import Event
 
-__all__ = ["StageLink", "PipelineTimeoutError", "encode_header", "decode_header", "MAX_DIMS"]
+__all__ = ["encode_header", "decode_header", "MAX_DIMS"]
 
 MAX_DIMS = 6
 _DTYPES = [torch.float32, torch.float16, torch.bfloat16, torch.float64]

@@ -3,8 +3,8 @@
 To learn what a pipeline does when one rank misbehaves, arm a fault on a lab
 pipeline and step it:
 
-    pplab.faults.stall(pipe, "1F3", seconds=30)  # rank of stage 1 sleeps inside forward 3
-    pplab.faults.die(pipe, "1B2")                # that rank's process is SIGKILLed at backward 2
+    pplab.rank.faults.stall(pipe, "1F3", seconds=30)  # rank of stage 1 sleeps inside forward 3
+    pplab.rank.faults.die(pipe, "1B2")                # that rank's process is SIGKILLed at backward 2
     pipe.step()                                  # the peers' waits fail, naming rank, peer and action
 
 A fault is armed, for one pipeline, on the rank that runs the action's stage, and fires once,
@@ -25,7 +25,7 @@ import os
 import signal
 import time
 
-__all__ = ["stall", "die", "FAULTS"]
+__all__ = ["stall", "die"]
 
 FAULTS = ("stall", "die")
 

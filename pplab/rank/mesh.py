@@ -37,9 +37,8 @@ from pplab.rank.memory import SavedBytes
 from pplab.rank.shards import local_tensor
 from pplab.trace.timeline import Event
 
-__all__ = ["Mesh", "MeshPlace", "parallelize_stage", "apply_tensor_parallel",
-           "apply_activation_checkpointing",
-           "apply_fsdp", "memory_held", "optimizer_state_bytes", "communicated_bytes", "all_gathers_per_unit"]
+__all__ = ["MeshPlace", "parallelize_stage", "apply_tensor_parallel", "apply_activation_checkpointing",
+           "apply_fsdp", "communicated_bytes", "all_gathers_per_unit"]
 
 MESH_DIMS = ("pp", "dp", "tp")  # outermost first: the order of the global rank layout
 
@@ -74,7 +73,7 @@ class Mesh:
             return mesh
         if not isinstance(mesh, Mapping):
             raise ValueError(f"mesh={mesh!r}: give sizes by name, e.g. mesh={{'pp': 2, 'dp': 2}}, "
-                             f"or a pplab.mesh.Mesh")
+                             f"or a pplab.rank.mesh.Mesh")
         options = [f.name for f in fields(cls)]
         unknown = sorted(set(mesh) - set(options))
         if unknown:
@@ -493,7 +492,7 @@ def __getattr__(name: str):
     """Names that moved up to the client's floor (pplab.base.renames), served one more release."""
     from pplab.base.renames import renamed_attribute, resolve
 
-    row = renamed_attribute("pplab.mesh", name)
+    row = renamed_attribute("pplab.rank.mesh", name)
     if row is not None:
         return resolve(row.new)
     raise AttributeError(f"module 'pplab.rank.mesh' has no attribute {name!r}")

@@ -29,19 +29,23 @@ class RankContext:
 
 
 class RankError(RuntimeError):
-    """A call on the ranks failed. Every driver raises the same three kinds (below), so that code
-    written against one driver catches the others' failures too; a driver may add detail in a
-    subclass (the lab's errors also say when only a restart helps).
+    """A call on the ranks failed. Every driver raises the same three kinds (below), one class each,
+    so that code written against one driver catches the others' failures too.
 
     `causes` holds one line per failing rank, without tracebacks; `raised` the exception type and
-    message of each rank that raised (empty when none did)."""
+    message of each rank that raised (empty when none did); `summary`, what happened and the fix
+    without tracebacks, is given by a driver that wrote one (the lab's say when only a restart helps)."""
 
     def __init__(self, message: str = "", causes: dict[int, str] | None = None,
-                 raised: dict[int, tuple[str, str]] | None = None, ranks: list[int] | None = None):
+                 raised: dict[int, tuple[str, str]] | None = None, ranks: list[int] | None = None,
+                 *, summary: str | None = None):
         super().__init__(message)
         self.causes = dict(causes or {})  # rank -> what went wrong there, in one line
         self.raised = dict(raised or {})  # rank -> (exception type, message), for the ranks that raised
         self.ranks = sorted(self.causes if ranks is None else ranks)  # the ranks that failed, died or ran on
+        # Kept apart when the error is built, so that it is never cut out of the message's text
+        # afterwards (where a rank's own message could hold anything).
+        self._summary = None if summary is None else summary.strip()
 
     def first_raised(self) -> tuple[str, str] | None:
         """(exception type, message) of the lowest rank that raised, or None when none raised."""
@@ -50,13 +54,33 @@ class RankError(RuntimeError):
     @property
     def summary(self) -> str:
         """What happened and the fix, without the ranks' tracebacks (for a status line)."""
+        if self._summary is not None:
+            return self._summary
         if not self.causes:
             return str(self).splitlines()[0] if str(self) else type(self).__name__
         return "\n".join(f"rank {rank} {cause}" for rank, cause in sorted(self.causes.items()))
 
 
 class RankFailedError(RankError):
-    """A rank raised an exception (others may have died or failed too: see `causes`)."""
+    """A rank raised an exception (others may have died or failed too: see `causes`).
+
+    `rank` is the first rank that raised, `ename`/`evalue`/`traceback` its exception, and
+    `still_running` the ranks that had not finished when the error was raised."""
+
+    def __init__(self, message: str = "", causes: dict[int, str] | None = None,
+                 raised: dict[int, tuple[str, str]] | None = None, ranks: list[int] | None = None,
+                 *, summary: str | None = None, first: int | None = None, traceback: str = "",
+                 still_running: list[int] = ()):
+        super().__init__(message, causes, raised, ranks, summary=summary)
+        self.still_running = list(still_running)
+        self.causes.update({rank: "still running" for rank in self.still_running})
+        self.rank = first if first is not None else (min(self.raised) if self.raised else None)
+        self.ename, self.evalue = self.raised.get(self.rank, ("", ""))
+        self.traceback = traceback
+
+    def first_raised(self) -> tuple[str, str] | None:
+        """(exception type, message) of the first rank that raised, or None when none raised."""
+        return self.raised.get(self.rank)
 
 
 class RankDiedError(RankError):

@@ -65,7 +65,7 @@ class PipelineSpec:
     (`pplab.session.drivers`); their defaults are written here and in `create`, the same.
     """
 
-    config: LlamaConfig  # the model: a LlamaConfig or a pplab.hf.HFModel (see pplab.models.partition)
+    config: LlamaConfig  # the model: a LlamaConfig or a pplab.models.hf.HFModel (see pplab.models.partition)
     schedule: Schedule
     seed: int = 0
     balance: Sequence[int] | None = None

@@ -198,7 +198,7 @@ class RankRuntime:
             tell.starting([action])
             with record_function(action.profiler_label):  # what a torch.profiler trace will show
                 started = clock()
-                strike(action)  # a fault armed on purpose (pplab.faults) fires inside its action
+                strike(action)  # a fault armed on purpose (pplab.rank.faults) fires inside its action
                 with dropout_streams.microbatch(action.microbatch):
                     event_extra = self._compute(action, state, inputs, targets, boundary_shapes)
                 pad_to_cost(self.timing, action, started, clock)

@@ -1,6 +1,6 @@
 """Tensors that may be sharded: FSDP's and TP's DTensors, their local part and their whole.
 
-pplab's own runtime holds plain tensors; on a mesh (`pplab.mesh`) parameters and gradients
+pplab's own runtime holds plain tensors; on a mesh (`pplab.rank.mesh`) parameters and gradients
 are DTensors. These helpers treat both alike. Floor 3.
 """
 

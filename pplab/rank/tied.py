@@ -27,7 +27,7 @@ from pplab.rank.comm import PipelineTimeoutError
 from pplab.rank.host_messages import from_host, messages_through_host, to_host
 from pplab.trace.timeline import Event
 
-TIED_TAG = 1 << 30  # above every pipeline message's tag (pplab.comm.message_tag)
+TIED_TAG = 1 << 30  # above every pipeline message's tag (pplab.rank.comm.message_tag)
 
 
 def tie_on_rank(stages: dict[int, nn.Module], tied, n_stages: int) -> None:

@@ -299,7 +299,7 @@ class TorchRankRuntime:
         With `record=False` (and no timing mode) torch's own PipelineStage runs, untouched:
         the baseline the recording's overhead is measured against.
 
-        On a mesh (`place`, a `pplab.mesh.MeshPlace`), `rank` is the global rank, the stages talk
+        On a mesh (`place`, a `pplab.rank.mesh.MeshPlace`), `rank` is the global rank, the stages talk
         over the pipeline's own group, and `collectives` (a `CollectiveLog`) records dp and tp.
         `tied` (a `pplab.rank.tied.TiedGradients`) sums a tied weight's gradients after the step.
         """

@@ -47,7 +47,7 @@ from pplab.rank.rank_pipeline import PipelineSpec, RankPipeline
 from pplab.rank.reference import as_microbatches
 from pplab.trace.timeline import Event, Now
 
-__all__ = ["TrainOptions", "TrainRecord", "TrainHistory", "RankTrainer", "train_batch"]
+__all__ = ["TrainOptions", "train_batch"]
 
 
 def lr_factor(options: TrainOptions, step_index: int) -> float:

@@ -60,7 +60,5 @@ from pplab.schedules.torch_csv import check_torch_runs, read_torch_csv, write_to
 from pplab.schedules.torch_plans import TORCH_SCHEDULES, TorchPlan, from_torch, torch_plan
 from pplab.schedules.validation import check_runnable, validate
 
-__all__ = ["Kind", "Action", "COMM_KINDS", "Schedule", "ScheduleError", "DeadlockError", "from_lists",
-           "loop_placement", "v_placement", "schedule_name", "SCHEDULE_NAMES", "ALL_SCHEDULE_NAMES",
-           "Dependencies", "add_communication", "from_text", "build", "validate", "check_runnable", "Theory",
-           "theory", "TORCH_SCHEDULES", "torch_plan", "from_torch", "check_torch_runs"]
+__all__ = ["Action", "Schedule", "ScheduleError", "DeadlockError", "build", "from_text", "from_torch",
+           "theory", "validate", "schedule_name", "check_torch_runs", "SCHEDULE_NAMES"]

@@ -22,6 +22,10 @@ with `.ranks`, `.causes` (one line per rank) and `.summary`.
 
 import importlib as _importlib
 
+from pplab.base.lazy import submodules_on_first_use
+
+_submodule = submodules_on_first_use(__name__)
+
 # Each name loads its module on first use: a rank that imports `pplab.session.on_rank`
 # loads neither the drivers nor ipyparallel.
 _EXPORTS = {"Lab": "pplab.session.drivers", "RankPool": "pplab.session.drivers",
@@ -34,7 +38,10 @@ _EXPORTS = {"Lab": "pplab.session.drivers", "RankPool": "pplab.session.drivers",
             **{name: "pplab.rank.rank_context"
                for name in ("RankError", "RankFailedError", "RankDiedError", "RankTimeoutError")}}
 
-__all__ = [name for name in _EXPORTS if name != "Lab"]  # one Lab a user sees: pplab.Lab
+# RankPool, TorchrunRanks and Pipeline are public at the top (pplab.RankPool), the one Lab a user sees
+# is pplab.Lab: here, what every driver raises, and the session's tables and job files.
+__all__ = ["RankError", "RankFailedError", "RankDiedError", "RankTimeoutError", "MemoryTable",
+           "read_torchtitan"]
 
 
 def __getattr__(name: str):
@@ -46,5 +53,5 @@ def __getattr__(name: str):
     if row is not None and row.new.startswith("pplab.session."):
         name = row.new.rpartition(".")[2]
     if name not in _EXPORTS:
-        raise AttributeError(f"module 'pplab.session' has no attribute {name!r}")
+        return _submodule(name)  # pplab.session.run after a bare `import pplab`
     return getattr(_importlib.import_module(_EXPORTS[name]), name)

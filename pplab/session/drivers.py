@@ -71,8 +71,8 @@ _BuildsPipelines.pipeline.__doc__ = (
     "Build a pipeline's stages on every rank, everything checked first; step it with `.step()`.\n\n"
     + keywords_help(_BuildsPipelines.pipeline, RunConfig, {
         "config": "the model: a `pplab.LlamaConfig`; a Hugging Face causal-LM config or a local directory "
-                  "holding one (config.json, optionally *.safetensors); or a `pplab.hf.HFModel` (a layout of "
-                  "your own, tied sums off): see pplab.hf",
+                  "holding one (config.json, optionally *.safetensors); or a `pplab.models.hf.HFModel` "
+                  "(a layout of your own, tied sums off): see pplab.models.hf",
         "allow_empty": "let a stage have no layers",
         "op_timeout": "seconds one wait between ranks may take (default: the driver's `op_timeout`)",
         "timing": "timing mode: a `pplab.Costs`, each compute action padded to its cost",

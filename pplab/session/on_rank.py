@@ -64,7 +64,7 @@ def step_on_rank(pipeline_id: str, data: dict, return_grads: bool,
     while the step runs (see `pplab.rank.rank_context.Feed`), for live views.
     """
     pipeline = built_pipeline(pipeline_id)
-    with faults.in_pipeline(pipeline_id):  # the faults armed for this pipeline may fire (pplab.faults)
+    with faults.in_pipeline(pipeline_id):  # the faults armed for this pipeline may fire (pplab.rank.faults)
         if live_interval is None:
             return pipeline.step(data, return_grads=return_grads)
         with Feed(live_interval) as feed:  # the events go out on the stream; the result says how many
@@ -73,7 +73,7 @@ def step_on_rank(pipeline_id: str, data: dict, return_grads: bool,
 
 def train_on_rank(pipeline_id: str, options: TrainOptions, until: int | None,
                   live_interval: float) -> TrainHistory:
-    """Train the pipeline `pipeline_id` (the loop of `pplab.train`), publishing each step as it ends.
+    """Train the pipeline `pipeline_id` (the loop of `pplab.rank.train`), publishing each step as it ends.
 
     The rank keeps its trainer (optimizer, LR schedule, step) between calls, so a call
     with the same options (whatever the last one resumed from) goes on where the last
@@ -93,7 +93,7 @@ def train_on_rank(pipeline_id: str, options: TrainOptions, until: int | None,
 
 
 def memory_on_rank(pipeline_id: str) -> dict:
-    """The bytes this rank holds for its stages (see pplab.mesh.memory_held), AdamW's state measured."""
+    """The bytes this rank holds for its stages (see pplab.rank.mesh.memory_held), AdamW's state measured."""
     stages = built_pipeline(pipeline_id).stages.values()
     return {**memory_held(stages), "optimizer": optimizer_state_bytes(stages),
             "rank": rank_context().rank}

@@ -154,7 +154,7 @@ class Pipeline:
 
     def train(self, steps: int | None = None, until: int | None = None, show: bool = True,
               live_interval: float = 0.25, **options) -> TrainHistory:
-        """Train on every rank (AdamW, warm-up + cosine, global-norm clipping; see pplab.train).
+        """Train on every rank (AdamW, warm-up + cosine, global-norm clipping; see pplab.rank.train).
 
         `steps` is the training's length (the LR schedule's horizon); `until` stops earlier (a
         later call with the same options goes on). Other keywords are `TrainOptions`

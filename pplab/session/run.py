@@ -28,8 +28,8 @@ from pplab.base.config import (
     LAYERS,
     PARAM_DTYPES,
     PATH,
-    Kind,
     TrainOptions,
+    ValueKind,
     choice,
     option,
     sections_of,
@@ -42,7 +42,8 @@ if TYPE_CHECKING:
     from pplab.rank.train import TrainHistory
 
 # A schedule by name (flags, files), or in Python a Schedule itself (built, written, searched).
-SCHEDULE = Kind("a schedule's name, or a Schedule", str, lambda v: isinstance(v, (str, Schedule)), "'1f1b'")
+SCHEDULE = ValueKind("a schedule's name, or a Schedule", str, lambda v: isinstance(v, (str, Schedule)),
+                     "'1f1b'")
 
 __all__ = ["RunConfig", "train"]
 

@@ -16,8 +16,7 @@ collectives alone; `Now` marks what a rank is doing at the moment of a live view
 from pplab.trace.profiled import ImportedRun, TraceImportError, from_profiler, read_profiler_traces
 from pplab.trace.timeline import COLLECTIVE_KINDS, COMM_EVENT_KINDS, Now
 
-__all__ = ["Now", "COMM_EVENT_KINDS", "COLLECTIVE_KINDS", "from_profiler", "read_profiler_traces",
-           "ImportedRun", "TraceImportError"]
+__all__ = ["from_profiler", "read_profiler_traces", "COMM_EVENT_KINDS", "TraceImportError"]
 
 def __getattr__(name: str):
     """The last release's names (pplab.base.renames): Event and Timeline have one path now, the top

@@ -14,11 +14,11 @@ class NotebookPipeline(Pipeline):
 
     def dashboard(self, batch: Batch | Sequence[Batch] | None = None, stalled_after: float = 2.0,
                   load: MachineLoad | None = None):
-        """A live dashboard of this pipeline (pplab.widgets.Dashboard): display it, then run steps.
+        """A live dashboard of this pipeline (pplab.views.widgets.Dashboard): display it, then run steps.
 
         `batch`: the data of every step (default: the pipeline's); `stalled_after`: seconds a
         wait lasts before its rank shows red, on a quiet machine; `load`: the
-        `pplab.machine.measure_load()` reading to stretch it by (default: one taken at each run).
+        `pplab.base.machine.measure_load()` reading to stretch it by (default: one taken at each run).
         """
         from pplab.views.widgets import Dashboard
 

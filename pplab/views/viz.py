@@ -26,8 +26,7 @@ from matplotlib.transforms import blended_transform_factory
 from pplab.base.formatting import byte_unit, format_bytes
 from pplab.trace.timeline import Event, Timeline
 
-__all__ = ["plot_timeline", "compare_timelines", "plot_memory", "plot_bubbles", "plot_training", "save",
-           "kind_colours"]
+__all__ = ["plot_timeline", "compare_timelines", "plot_bubbles", "plot_memory", "plot_training", "save"]
 
 # ---------------------------------------------------------------- style
 
@@ -425,7 +424,7 @@ def _bubble_of(value: float | Timeline) -> float:
 def plot_training(records: Sequence, title: str | None = None) -> Figure:
     """Training loss per step, held-out loss at each evaluation, and the learning rate (right axis).
 
-    `records` are `pplab.train.TrainRecord`s (anything with step, loss, lr, eval_loss).
+    `records` are `pplab.rank.train.TrainRecord`s (anything with step, loss, lr, eval_loss).
     """
     fig = _new_figure(7.0, 3.0)
     ax = fig.add_subplot()

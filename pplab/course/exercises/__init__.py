@@ -15,7 +15,7 @@ the lab for the next try.
     a schedule's text, one line per rank                 -> check_schedule (on a lab)
     clip_global_norm(parameters, max_norm)               -> check_clipping (on a 2-rank lab)
     gpipe_step_time(forward, backward, n_microbatches, latency) -> check_gpipe_time
-    a pplab.hf.Layout for a Hugging Face family pplab does not know -> check_layout
+    a pplab.models.hf.Layout for a Hugging Face family pplab does not know -> check_layout
     pack_documents(token_lists, seq_len, bos, eos)       -> check_packing
     idle_share(timeline, rank)                           -> check_idle_share
     mesh_groups(rank, pp, dp, tp)                        -> check_mesh_groups

@@ -217,8 +217,8 @@ def _run_on_lab(lab, name: str, on_rank, learner_code, *args):
     """Run `on_rank(learner_code, *args)` on every rank, where the learner's function finds the
     names it uses as in the notebook; a failure (a deadlock's timeout among them) becomes a
     verdict naming the ranks, and the lab is restarted for the next try."""
-    from pplab.drivers.cluster import LabError
     from pplab.drivers.cluster.gloo_adapter import gloo_transport_said
+    from pplab.rank.rank_context import RankError
 
     if getattr(learner_code, "__code__", None) is None:
         return Verdict(name, False, f"give a function defined with def, not {type(learner_code).__name__}")
@@ -236,7 +236,7 @@ def _run_on_lab(lab, name: str, on_rank, learner_code, *args):
             lab.view.push(shared, block=True)
         call = lab.run_async(on_rank, learner_code, *args, timeout=lab.op_timeout + 60)
         return call.result()
-    except LabError as error:
+    except RankError as error:
         if getattr(error, "ename", "") == "NotImplementedError":
             _restart_if_needed(lab)
             return Verdict(name, False, NOT_WRITTEN)
@@ -375,7 +375,7 @@ def check_schedule(lab, lines, n_microbatches: int = 4, max_in_flight: int | Non
                 return Verdict(name, False, f"rank {rank} holds the activations of {peak} "
                                             f"microbatches at once (after {at}); the limit is "
                                             f"{max_in_flight}: run a backward sooner")
-    from pplab.drivers.cluster import LabError
+    from pplab.rank.rank_context import RankError
 
     try:
         pipe = lab.pipeline(LlamaConfig.tiny(), schedule=schedule)
@@ -383,7 +383,7 @@ def check_schedule(lab, lines, n_microbatches: int = 4, max_in_flight: int | Non
             report = pipe.check_parity()
         finally:
             pipe.close()
-    except LabError as error:
+    except RankError as error:
         restarted = _restart_if_needed(lab)
         return Verdict(name, False, error.summary
                        + ("\n(The lab was restarted for your next try.)" if restarted else ""))

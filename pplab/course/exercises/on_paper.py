@@ -180,7 +180,7 @@ def _role_hint(role: str) -> str:
 
 @reported
 def check_layout(layout, directory) -> Verdict:
-    """`layout`, a `pplab.hf.Layout`, must say where the model saved in `directory` keeps its parts,
+    """`layout`, a `pplab.models.hf.Layout`, must say where the model saved in `directory` keeps its parts,
     so that its stages, cut two ways and chained in this process, compute exactly what the whole
     `transformers` model computes on one device: the loss and every parameter's gradient."""
     import torch
@@ -193,8 +193,8 @@ def check_layout(layout, directory) -> Verdict:
     if layout is None or layout is ... or (isinstance(layout, Layout) and ... in vars(layout).values()):
         return Verdict(name, False, NOT_WRITTEN.replace("`raise NotImplementedError`", "each `...`"))
     if not isinstance(layout, Layout):
-        return Verdict(name, False, "give a pplab.hf.Layout(embed=..., blocks=..., norm=..., head=..., "
-                                    f"...), not a {type(layout).__name__}")
+        return Verdict(name, False, "give a pplab.models.hf.Layout(embed=..., blocks=..., norm=..., "
+                                    f"head=..., ...), not a {type(layout).__name__}")
     if not (Path(directory) / "config.json").is_file():  # the checker's input is gone, not the answer wrong
         return Verdict(name, False, f"the model this checks against is gone ({directory} holds no "
                                     "config.json: the kernel restarted, or a cell removed it). Re-run the "
@@ -234,7 +234,7 @@ def check_layout(layout, directory) -> Verdict:
                                         "differs from the whole model's")
     return Verdict(name, True, "cut in two and in three, the stages give the whole model's loss "
                                f"({reference.loss:.6f}) and every one of its {len(reference.grads)} "
-                               "parameters' gradients: lab.pipeline(pplab.hf.HFModel.of(directory, "
+                               "parameters' gradients: lab.pipeline(pplab.models.hf.HFModel.of(directory, "
                                "layout=...)) will pipeline it")
 
 
@@ -309,7 +309,7 @@ def _layout_hint(error: BaseException) -> str:
 def check_packing(pack_documents) -> Verdict:
     """`pack_documents(token_lists, seq_len, bos, eos)` -> (inputs, targets), each [sequences, seq_len]:
     the documents' token ids joined as `<bos> ids <eos>` one after another and cut into training
-    sequences the way `pplab.text.PackedText` cuts them (`join_documents`, then `cut_sequences`)."""
+    sequences the way `pplab.data.text.PackedText` cuts them (`join_documents`, then `cut_sequences`)."""
     import random
 
     from pplab.data.text import cut_sequences, join_documents

@@ -2,8 +2,8 @@
 
 In the hub's own `jupyterhub_config.py` (`pplab workshop init DIR` writes one):
 
-    import pplab.hub
-    pplab.hub.configure(c, seats=20, instructors=["teacher"], room="/srv/pplab-room",
+    import pplab.course.hub
+    pplab.course.hub.configure(c, seats=20, instructors=["teacher"], room="/srv/pplab-room",
                         notebooks="/opt/pplab/notebooks", gpus="auto")
 
 Each seat is a Unix account (seat-01 .. seat-20) that logs in with its own password (PAM); its
@@ -29,7 +29,7 @@ from pplab.course.hub.hook import prepare_seat
 from pplab.course.hub.seats import Workshop, count_gpus, seat_names
 from pplab.course.room import make_room
 
-__all__ = ["configure", "Workshop", "prepare_seat", "ROOM_SERVICE", "INSTRUCTORS_ROLE"]
+__all__ = ["configure", "Workshop"]
 
 ROOM_SERVICE = "pplab-room"  # the room's page, at /services/pplab-room/
 INSTRUCTORS_ROLE = "pplab-instructors"  # who may open it

@@ -1,6 +1,6 @@
 """The room's page as a service of the workshop's hub: behind the hub's login, for its instructors.
 
-The hub starts it (`c.JupyterHub.services`, see `pplab.hub.configure`) with the room's folder and
+The hub starts it (`c.JupyterHub.services`, see `pplab.course.hub.configure`) with the room's folder and
 tells it where to listen and how to reach the hub (JUPYTERHUB_* variables). A browser that is not
 logged in is sent to the hub's login page; a user without the instructors' role
 (`access:services!service=pplab-room`) is refused by the hub (403). It serves what `pplab room`

@@ -1,7 +1,7 @@
 """A workshop's folder: the hub's `jupyterhub_config.py`, the seats' accounts, a README for the
 instructor; and the hub started from it (`pplab workshop init` / `start` / `remove-users`).
 
-    DIR/jupyterhub_config.py   the hub's configuration: pplab.hub.configure(c, ...), edit at will
+    DIR/jupyterhub_config.py   the hub's configuration: pplab.course.hub.configure(c, ...), edit at will
     DIR/README.md              what the instructor does, for this workshop
     DIR/seats.csv              account, password, GPUs (root only: the accounts made by --make-users)
     DIR/room/                  the room's folder (made with its seats when the hub starts)
@@ -68,10 +68,10 @@ def _config_text(workshop: Workshop, instructors: list[str], gpus: int | str, bi
     seats = list(workshop.seats)
     return f'''# The hub of a pplab workshop, written by `pplab workshop init`.
 # Run it with `pplab workshop start {workshop.room.parent}`. Edit at will: it is JupyterHub's own
-# config file (https://jupyterhub.readthedocs.io); pplab.hub fills in the rest.
-import pplab.hub
+# config file (https://jupyterhub.readthedocs.io); pplab.course.hub fills in the rest.
+import pplab.course.hub
 
-pplab.hub.configure(
+pplab.course.hub.configure(
     c,
     seats={seats!r},  # the attendees' Unix accounts, one seat each
     instructors={instructors!r},  # they open the room's page (/services/pplab-room/) and are the hub's admins

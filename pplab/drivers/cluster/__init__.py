@@ -20,26 +20,24 @@ rendezvous and lifecycle only: pipelines on a lab are the session's
 
 import importlib
 
-from pplab.drivers.cluster.errors import (
-    LabError,
-    LabNeedsRestartError,
-    LabStartError,
-    RankDiedError,
-    RankFailedError,
-    RankTimeoutError,
-)
+from pplab.drivers.cluster.errors import LabError, LabNeedsRestartError, LabStartError
 from pplab.drivers.cluster.namespaces import NamespaceHosts
 from pplab.drivers.cluster.plan import RoomPlan, gpus_for_seat, plan_room
 from pplab.drivers.cluster.records import cleanup
 from pplab.drivers.cluster.status import RankInfo, RankTable
-from pplab.rank.rank_context import RankContext, RankEvent, publish, rank_context
 
-__all__ = [
-    "cleanup", "gpus_for_seat", "plan_room", "RoomPlan", "NamespaceHosts", "publish", "rank_context",
-    "RankContext", "RankCall", "RankEvent",
-    "RankInfo", "RankTable", "LabError", "LabStartError", "LabNeedsRestartError",
-    "RankFailedError", "RankDiedError", "RankTimeoutError",
-]
+# a call's failures: one class each, every driver's, public in pplab.session
+from pplab.rank.rank_context import (  # noqa: F401
+    RankContext,
+    RankDiedError,
+    RankEvent,
+    RankFailedError,
+    RankTimeoutError,
+    publish,
+    rank_context,
+)
+
+__all__ = ["LabError", "NamespaceHosts", "rank_context", "publish", "plan_room"]
 
 # The Lab and its calls import torch (2 s): `pplab cleanup`, which needs only the records, should not.
 _IMPORTED_WHEN_USED = {"Lab": "pplab.drivers.cluster.lab", "RankCall": "pplab.drivers.cluster.calls"}
@@ -50,7 +48,7 @@ def __getattr__(name: str):
     if name == "Lab":
         from pplab.base.renames import renamed_attribute
 
-        renamed_attribute("pplab.cluster", name)
+        renamed_attribute("pplab.drivers.cluster", name)
     if name in _IMPORTED_WHEN_USED:
         return getattr(importlib.import_module(_IMPORTED_WHEN_USED[name]), name)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -18,10 +18,16 @@ from typing import Iterator
 
 from pplab.base.machine import busy_note, measure_load
 from pplab.drivers.cluster.engine import PROCESS_GROUP_BROKEN_KEY, event_key
-from pplab.drivers.cluster.errors import RESTART_HINT, RankDiedError, RankFailedError, RankTimeoutError
+from pplab.drivers.cluster.errors import RESTART_HINT
 from pplab.drivers.cluster.ipyparallel_adapter import engine_died, results_per_engine
 from pplab.drivers.cluster.status import RankGroup
-from pplab.rank.rank_context import RankEvent, StillRunningError
+from pplab.rank.rank_context import (
+    RankDiedError,
+    RankEvent,
+    RankFailedError,
+    RankTimeoutError,
+    StillRunningError,
+)
 
 POLL_SECONDS = 0.1  # how often a waiting client looks for dead ranks and new events
 GRACE_STRETCH_AT_MOST = 3.0  # how far a busy machine stretches the grace after a rank's failure
@@ -191,9 +197,11 @@ class RankCall:
         summary = "\n".join(lines)
         self._ranks.record_errors({rank: self._per_rank[rank].exception() for rank in failed})
         raised = {rank: _remote_parts(self._per_rank[rank].exception())[:2] for rank in failed}
-        return RankFailedError(f"{summary}\n\nRemote traceback (rank {first}):\n{traceback}",
-                               summary=summary, rank=first, ename=ename, evalue=evalue,
-                               traceback=traceback, still_running=running, raised=raised)
+        causes = {rank: f"failed: {ename}: {(evalue.splitlines() or [''])[0]}"
+                  for rank, (ename, evalue) in raised.items()}
+        return RankFailedError(f"{summary}\n\nRemote traceback (rank {first}):\n{traceback}", causes, raised,
+                               sorted(raised), summary=summary, first=first, traceback=traceback,
+                               still_running=running)
 
     def _process_group_notes(self, failed: list[int]) -> dict[int, str]:
         """rank -> why, for the failed ranks that said their error broke the process group."""
@@ -230,7 +238,8 @@ class RankCall:
                 (_remote_parts(self._per_rank[rank].exception()) for rank in failed)]
         self._ranks.record_errors({rank: self._per_rank[rank].exception() for rank in failed})
         lines = [f"{reason}.{note}", *(f"Then {line}" if line.startswith("rank ") else line for line in seen)]
-        return RankDiedError("\n".join([*lines, RESTART_HINT]), ranks=died)
+        message = "\n".join([*lines, RESTART_HINT])
+        return RankDiedError(message, dict.fromkeys(died, "died (its process ended)"), summary=message)
 
     def _timed_out(self, running: list[int]) -> RankTimeoutError:
         finished = [rank for rank in range(len(self._per_rank)) if rank not in running]
@@ -241,4 +250,6 @@ class RankCall:
             who += f" (ranks {finished} had finished)"
         lines = [f"{self._name} timed out after {self._timeout:g} s.", f"{who}.",
                  "A rank blocked in a collective or a recv cannot be interrupted.", RESTART_HINT]
-        return RankTimeoutError("\n".join(lines), ranks=running)
+        message = "\n".join(lines)
+        return RankTimeoutError(message, dict.fromkeys(running, "still running past the call's timeout"),
+                                summary=message)

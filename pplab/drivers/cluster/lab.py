@@ -49,7 +49,7 @@ from pplab.drivers.cluster.progress import Progress
 from pplab.drivers.cluster.status import RankGroup, RankInfo, RankTable
 from pplab.drivers.contract import arguments_by_rank, call_name
 from pplab.drivers.cores import check_cores
-from pplab.rank.rank_context import RankEvent
+from pplab.rank.rank_context import RankError, RankEvent
 
 TEARDOWN_SECONDS = 5.0
 DESCRIBE_ASK_AGAIN_SECONDS = 10.0  # see Lab._describe
@@ -94,13 +94,14 @@ class Lab:
         controller_ip: the controller listens on loopback only unless you change this.
         fork: start engines by forking one process that imported torch (default on Linux).
         gpus: the CUDA devices of the ranks, one per rank (e.g. [2, 3]: each attendee of a
-            workshop its own; see pplab.cluster.gpus_for_seat; [0, 0]: two ranks share GPU 0);
+            workshop its own; see pplab.drivers.cluster.gpus_for_seat; [0, 0]: two ranks share GPU 0);
             default: rank r on GPU r % (the host's GPUs).
         host_messages: copy each message through host memory and send it over gloo. Default
             (None): where ranks share a GPU (NCCL holds one rank per device), else NCCL between
             GPUs; True also on CPU, where it runs the same path as ranks that share a GPU.
         gpu_memory_fraction: the share of its GPU's memory each rank may take (on CPU: no effect), so
-            that in a room one attendee cannot take a GPU from the others (see pplab.cluster.plan_room).
+            that in a room one attendee cannot take a GPU from the others (see
+            pplab.drivers.cluster.plan_room).
         cores: one core per rank to keep its threads on (e.g. [0, 1]), where every rank can have a core
             of its own; default: none (see pplab.drivers.cores for when pinning pays).
         """
@@ -494,7 +495,7 @@ class Lab:
         try:
             if self.client is not None and self._view is not None and not self._ranks.broken:
                 self.run(engine.teardown_rank, timeout=TEARDOWN_SECONDS)
-        except LabError as error:  # the call marked the ranks broken: the shutdown kills them
+        except RankError as error:  # the call marked the ranks broken: the shutdown kills them
             if self._verbose:
                 first_line = str(error).splitlines()[0]
                 print(f"pplab: the ranks did not leave their process group ({first_line})")

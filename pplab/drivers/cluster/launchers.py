@@ -84,7 +84,7 @@ CONNECT_SECONDS = 10  # for a connected cluster's controller to answer, on a qui
 
 # ipyparallel reports a process it sees die (as our restart's SIGKILL) by dumping its log
 # into the notebook; pplab reports what matters itself, so only its errors get through.
-_ipyparallel_log = logging.getLogger("pplab.cluster.ipyparallel")
+_ipyparallel_log = logging.getLogger("pplab.drivers.cluster.ipyparallel")
 _ipyparallel_log.setLevel(logging.ERROR)
 
 

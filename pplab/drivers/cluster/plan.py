@@ -149,12 +149,13 @@ def check_memory_fraction(fraction: object) -> float | None:
         return None
     if isinstance(fraction, bool) or not isinstance(fraction, (int, float)) or not 0 < fraction <= 1:
         raise ValueError(f"gpu_memory_fraction={fraction!r}: give the share of a GPU's memory each rank may "
-                         "take, between 0 and 1 (e.g. 0.1; pplab.cluster.plan_room computes it for a room)")
+                         "take, between 0 and 1 (e.g. 0.1; pplab.drivers.cluster.plan_room computes it "
+                         "for a room)")
     return float(fraction)
 
 
 # A workshop's hub gives each seat its GPUs (CUDA_VISIBLE_DEVICES) and this cap for every rank of
-# its labs (pplab.hub), so that a lesson's unchanged `pplab.Lab(n_ranks=2)` stays within its seat.
+# its labs (pplab.course.hub), so that a lesson's unchanged `pplab.Lab(n_ranks=2)` stays within its seat.
 MEMORY_FRACTION_ENV = "PPLAB_GPU_MEMORY_FRACTION"
 
 

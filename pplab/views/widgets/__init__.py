@@ -21,5 +21,4 @@ from pplab.views.widgets.room import RoomView
 from pplab.views.widgets.training import TrainingView
 from pplab.views.widgets.whatif import WhatIf
 
-__all__ = ["Dashboard", "TimelineView", "BubblesView", "ShapesView", "GradientsView", "MemoryView",
-           "WhereView", "WhatIf", "TrainingView", "RoomView"]
+__all__ = ["Dashboard", "WhatIf", "TimelineView", "RoomView"]
