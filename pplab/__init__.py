@@ -20,7 +20,7 @@ cluster layer (ipyparallel) nor matplotlib. A public module has one path, the fo
 lives in: `from pplab.schedules import build, theory`, `from pplab.views import viz`,
 `pplab.rank.checkpoint.latest(...)` (the floors load on first use, after a bare `import pplab`).
 
-The public API is `__all__` here and the `__all__` of each module in `PUBLIC_MODULES`; each
+The public API is `__all__` here and the `__all__` of each module in `_PUBLIC_MODULES`; each
 name is public at one path; the README's surface table lists them all (tests/test_surface.py),
 and the notebooks, their solutions and the docs use nothing else (tests/test_course.py).
 """
@@ -59,7 +59,7 @@ _EXPORTS = {
     "cleanup": "pplab.drivers.cluster",
 }
 # The public modules, each at its one path (the folder it lives in); the names their __all__ holds.
-PUBLIC_MODULES = (
+_PUBLIC_MODULES = (
     "pplab.schedules", "pplab.trace", "pplab.data", "pplab.data.text",
     "pplab.models.llama", "pplab.models.hf", "pplab.models.traced",
     "pplab.planning.bubble", "pplab.base.machine",

@@ -125,7 +125,7 @@ def test_simulate_writes_the_predicted_timeline_trace_and_numbers(tmp_path):
 
 def test_simulate_maps_weight_and_latency_onto_the_cost_model(tmp_path):
     done = run_simulate("zb-h1", "--n-ranks", "2", "--n-microbatches", "4", "--forward", "1,2",
-                        "--weight", "0.5", "--latency", "0.25", "--out", str(tmp_path))
+                        "--weight-grad", "0.5", "--latency", "0.25", "--out", str(tmp_path))
     assert done.returncode == 0, done.stdout + done.stderr
     costs = Costs(forward=(1.0, 2.0), backward=(2.0, 4.0), weight_grad=0.5, latency=0.25)
     numbers = json.loads((tmp_path / "zb-h1.json").read_text())
@@ -143,9 +143,10 @@ def test_simulate_maps_weight_and_latency_onto_the_cost_model(tmp_path):
     (("1f1b", "--n-ranks", "2", "--n-microbatches", "-3"), "argument --n-microbatches: '-3'"),
     (("interleaved-1f1b", "--n-ranks", "2", "--n-microbatches", "4", "--n-virtual", "1"),
      "--n-virtual 1: interleaved-1f1b runs 2 or more stages per rank"),
-    (("1f1b", "--n-ranks", "2", "--n-microbatches", "4", "--weight", "1"), "--weight given, but 1f1b runs"),
-    (("zb-h1", "--n-ranks", "2", "--n-microbatches", "4", "--weight", "3"),
-     "--weight 3 exceeds the whole backward 2"),
+    (("1f1b", "--n-ranks", "2", "--n-microbatches", "4", "--weight-grad", "1"),
+     "--weight-grad given, but 1f1b runs"),
+    (("zb-h1", "--n-ranks", "2", "--n-microbatches", "4", "--weight-grad", "3"),
+     "--weight-grad 3 exceeds the whole backward 2"),
     (("gpipe", "--n-ranks", "2", "--n-microbatches", "4", "--forward", "1,2,3"),
      "--forward has 3 values but gpipe on 2 ranks has 2 stages"),
 ])

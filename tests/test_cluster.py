@@ -738,6 +738,35 @@ def test_the_process_group_timeout_turns_a_blocked_recv_into_an_error(fragile_la
     assert_healthy(fragile_lab)
 
 
+def all_reduce_alone():
+    """Rank 1 enters a collective that rank 0 never joins."""
+    import torch
+    import torch.distributed as dist
+
+    if dist.get_rank() == 1:
+        dist.all_reduce(torch.zeros(1))
+    return "done"
+
+
+@pytest.mark.timeout(90)
+def test_the_process_group_timeout_follows_op_timeout_set_on_a_running_lab(fragile_lab):
+    """A collective gives up at the new bound, not at the one the group was made with (a timeout
+    never fires early, so the wait proves it)."""
+    made_with = fragile_lab.op_timeout
+    fragile_lab.op_timeout = made_with + 3
+    started = time.monotonic()
+    with pytest.raises(RankFailedError) as caught:
+        fragile_lab.run(all_reduce_alone, timeout=fragile_lab.op_timeout + 30)
+    waited = time.monotonic() - started
+    assert made_with + 3 - 0.5 <= waited < fragile_lab.op_timeout + slack(), (made_with, waited)
+    assert caught.value.rank == 1
+    fragile_lab.op_timeout = made_with  # not running: kept for the restart's new group
+    fragile_lab.restart()
+    assert_healthy(fragile_lab)
+    with pytest.raises(ValueError, match=r"op_timeout=0 must be a positive number of seconds"):
+        fragile_lab.op_timeout = 0
+
+
 LATE_RANK = """
 import sys, time, torch, torch.distributed as dist
 from pplab.drivers.cluster.engine import _join_process_group

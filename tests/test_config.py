@@ -1,6 +1,10 @@
 """One configuration: every field of a run, walked through Python, a TOML file, the `pplab train`
 flags, `--config`, a rebuild and the ranks' side, arrives with the same value; a bad value is
-refused by its name on every path. A field added without a value here fails the first test."""
+refused by its name on every path. A field added without a value here fails the first test.
+
+And every option written once: each field of every family (TrainOptions, PipelineOptions,
+LabOptions, Costs) has its help, kind and default in one place; every function and flag that takes
+it has its default, or says why not (`takes_options`, `add_option_flag`)."""
 
 import dataclasses
 import inspect
@@ -10,8 +14,9 @@ import re
 import pytest
 import tomllib
 
-from pplab.base.config import TrainOptions
-from pplab.cli import main
+from pplab.base.config import LabOptions, PipelineOptions, TrainOptions, takes_options
+from pplab.cli import build_parser, main
+from pplab.planning.simulator import Costs
 from pplab.session.drivers import Lab, RankPool
 from pplab.session.run import RunConfig
 
@@ -112,8 +117,7 @@ def test_lab_pipeline_keywords_have_the_fields_names_defaults_and_help():
     for pipeline in (Lab.pipeline, RankPool.pipeline):
         keywords = inspect.signature(pipeline).parameters
         shared = [name for name in keywords if name in FIELDS]
-        assert sorted(shared) == ["balance", "impl", "n_microbatches", "n_virtual", "param_dtype", "schedule",
-                                  "seed"]
+        assert sorted(shared) == sorted(f.name for f in dataclasses.fields(PipelineOptions))
         for name in shared:
             default = dataclasses.fields(RunConfig)[FIELDS.index(name)].default
             if name == "n_microbatches":  # a Schedule given by itself brings its own count
@@ -167,7 +171,139 @@ def test_a_path_is_taken_where_a_file_or_folder_is_meant_and_kept_as_text(tmp_pa
     assert RunConfig(clip=0).clip is None  # as a file or a flag says it
 
 
-def test_train_options_are_a_run_configs_training_part():
+def test_a_run_config_is_train_and_pipeline_options_and_the_models_layout():
     trained = [f.name for f in dataclasses.fields(TrainOptions)]
-    assert trained == FIELDS[:len(trained)]
+    piped = [f.name for f in dataclasses.fields(PipelineOptions)]
+    assert FIELDS == piped + trained + ["model", "pp", "dp", "tp"]
     assert RunConfig().training() == TrainOptions()
+
+
+# -- every family, every taker -------------------------------------------------------------------
+
+FAMILIES = [TrainOptions, PipelineOptions, LabOptions, Costs]
+
+
+@pytest.mark.parametrize("family", FAMILIES, ids=lambda family: family.__name__)
+def test_every_option_has_a_help_a_section_and_a_default_of_its_kind(family):
+    for field in dataclasses.fields(family):
+        meta = field.metadata
+        assert meta["help"] and meta["section"] and meta["kind"], (family.__name__, field.name)
+        meta["kind"].check(field.name, field.default, optional=meta["optional"])
+
+
+def test_the_labs_keywords_are_every_lab_option_with_its_default_and_help():
+    keywords = inspect.signature(Lab.__init__).parameters
+    for field in dataclasses.fields(LabOptions):
+        assert keywords[field.name].default == field.default, field.name
+        said = " ".join(field.metadata["help"].split())
+        assert said in " ".join(Lab.__init__.__doc__.split()), field.name
+
+
+def test_a_default_that_differs_without_a_reason_is_refused_at_import():
+    with pytest.raises(TypeError, match=r"wait takes LabOptions's options: default op_timeout=5 "
+                                        r"\(the field's: 60.0\)"):
+        @takes_options(LabOptions)
+        def wait(op_timeout=5): ...
+    with pytest.raises(TypeError, match=r"default op_timeout=60.0 is the field's default: leave it out"):
+        @takes_options(LabOptions, differs={"op_timeout": "no reason left"})
+        def wait_again(op_timeout=LabOptions.op_timeout): ...
+    with pytest.raises(TypeError, match=r"it lacks n_virtual; it lacks param_dtype"):
+        @takes_options(PipelineOptions, every=True, differs={"n_microbatches": "None: counted"})
+        def build(schedule="1f1b", n_microbatches=None, impl="pplab", seed=0, balance=None): ...
+
+    @takes_options(LabOptions, differs={"n_ranks": "4: more to see"})
+    def shown(n_ranks=4, grace=LabOptions.grace): ...
+
+    assert shown.__takes_options__ == {LabOptions: {"n_ranks": "4: more to see"}}
+
+
+# Options whose name means the same wherever it appears (a `device` may be a torch.device, `steps`
+# a count of anything): a keyword or a flag of that name takes the option's default or says why.
+WATCHED = {"n_ranks", "op_timeout", "start_timeout", "grace", "threads", "cores", "gpu_memory_fraction",
+           "backend", "n_microbatches", "n_virtual", "impl", "param_dtype", "balance", "seq_len",
+           "batch_size", *(field.name for field in dataclasses.fields(Costs))}
+# Floor 1's builders count what they are given: `from_text(lines)` and `from_lists(actions)` read the
+# microbatches off the actions, `Timeline(events)` the ranks off the events.
+COUNTED_FROM_WHAT_THEY_ARE_GIVEN = {"pplab.schedules.communication.from_text",
+                                    "pplab.schedules.schedule.from_lists",
+                                    "pplab.trace.timeline.Timeline.__init__"}
+
+
+def _functions():
+    """Every function and method pplab defines, with its module's name."""
+    import importlib
+    import pkgutil
+
+    import pplab
+
+    for found in pkgutil.walk_packages(pplab.__path__, "pplab."):
+        if found.name.endswith("__main__"):
+            continue
+        module = importlib.import_module(found.name)
+        for value in vars(module).values():
+            if getattr(value, "__module__", None) != module.__name__:
+                continue
+            if inspect.isfunction(value):
+                yield value
+            elif inspect.isclass(value):
+                yield from (getattr(member, "__func__", member) for member in vars(value).values()
+                            if inspect.isfunction(getattr(member, "__func__", member)))
+
+
+def test_no_keyword_takes_an_option_with_another_default_unless_it_says_why():
+    defaults = {field.name: (family, field.default) for family in FAMILIES
+                for field in dataclasses.fields(family) if field.name in WATCHED}
+    unexplained = set()
+    for function in _functions():
+        where = f"{function.__module__}.{function.__qualname__}"
+        for name, parameter in inspect.signature(function).parameters.items():
+            if name not in defaults or parameter.default is inspect.Parameter.empty:
+                continue
+            family, default = defaults[name]
+            if parameter.default != default and family not in getattr(function, "__takes_options__", {}) \
+                    and where not in COUNTED_FROM_WHAT_THEY_ARE_GIVEN:
+                unexplained.add(f"{where}({name}={parameter.default!r}), {family.__name__}'s: {default!r}")
+    assert not unexplained, sorted(unexplained)
+
+
+def _flags():
+    """(command, action) for every flag of every `pplab` command."""
+    import argparse
+
+    parsers = [("pplab", build_parser())]
+    while parsers:
+        command, parser = parsers.pop()
+        for action in parser._actions:
+            if isinstance(action, argparse._SubParsersAction):
+                parsers += list(action.choices.items())
+            elif action.option_strings:
+                yield command, action
+
+
+def test_every_flag_of_an_option_is_made_from_its_field():
+    names = {field.name for family in FAMILIES for field in dataclasses.fields(family)}
+    hand_written = [f"{command} {action.option_strings[0]}" for command, action in _flags()
+                    if action.dest in names & WATCHED and not hasattr(action, "option_of")]
+    assert hand_written == []
+    n_ranks = [command for command, action in _flags() if action.dest == "n_ranks"]
+    assert sorted(n_ranks) == ["demo", "init", "room", "search", "simulate", "train"]  # init: a workshop's
+
+
+@pytest.mark.parametrize("command", ["simulate", "search"])
+def test_every_cost_field_is_a_flag_whose_value_reaches_the_cost_model(command):
+    from pplab.cli.simulate import costs_from_flags
+
+    changed = {"forward": ("0.5,1", (0.5, 1.0)), "backward": ("3", 3.0), "input_grad": ("2", 2.0),
+               "weight_grad": ("1", 1.0), "latency": ("0.25", 0.25), "bandwidth": ("1e6", 1e6),
+               "activation_bytes": ("4096", 4096), "link_contention": (None, True),
+               "link": ("rendezvous", "rendezvous")}
+    assert sorted(changed) == sorted(field.name for field in dataclasses.fields(Costs))
+    sizes = ["--n-ranks", "2", "--n-microbatches", "4"] + (["zb-h1"] if command == "simulate" else [])
+    for name, (text, value) in changed.items():
+        flag = ["--" + name.replace("_", "-")] + ([] if text is None else [text])
+        args = build_parser().parse_args([command, *sizes, *flag])
+        if name == "input_grad":
+            args.weight_grad = 1.0  # I with W: B is their sum
+        if name == "bandwidth":
+            args.activation_bytes = 4096  # a bandwidth prices a message's bytes
+        assert getattr(costs_from_flags(args), name) == value, name

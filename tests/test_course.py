@@ -47,13 +47,13 @@ def test_the_contents_table_lists_every_notebook_in_order():
 def public_api() -> dict[str, set[str]]:
     """Each public module ("pplab", "pplab.views.viz", ...) -> the names its __all__ makes public."""
     api = {"pplab": set(pplab.__all__)}
-    for module in pplab.PUBLIC_MODULES:
+    for module in pplab._PUBLIC_MODULES:
         api[module] = set(importlib.import_module(module).__all__)
     return api
 
 
 # A public module is imported at its one path (`from pplab.views.viz import save`, `import pplab.rank.mesh`).
-IMPORTABLE = {"pplab", *pplab.PUBLIC_MODULES}
+IMPORTABLE = {"pplab", *pplab._PUBLIC_MODULES}
 
 
 def where_public(name: str) -> str:

@@ -150,7 +150,7 @@ def test_a_bpe_run_learns_the_text_and_its_checkpoint_generates_it(texts, tmp_pa
     evaluations = [r["eval_loss"] for r in records if r["eval_loss"] is not None]
     assert evaluations[-1] < evaluations[0] < records[0]["loss"] - 3.0, (records[0]["loss"], evaluations)
     tokenizer = load_tokenizer(str(tmp_path / "run"))  # saved beside the checkpoints
-    model = pplab.load_model(tmp_path / "run")
+    model = pplab.rank.checkpoint.load_model(tmp_path / "run")
     text = tokenizer.decode(pplab.generate(model, [tokenizer.bos_id, *tokenizer.encode("the")], 24))
     words = text.replace(".", " ").split()
     assert any(word in WORDS for word in words) and set(words) <= {"the", "is", "near", *WORDS}, text

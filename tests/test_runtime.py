@@ -161,7 +161,8 @@ def test_bad_microbatches_are_refused_on_the_client(overrides, message):
 
 @pytest.mark.quick
 def test_a_bad_microbatch_count_is_named_as_the_caller_typed_it():
-    with pytest.raises(ValueError, match=r"^n_microbatches=0 must be at least 1, e.g. n_microbatches=4"):
+    with pytest.raises(ValueError,
+                       match=r"^n_microbatches=0: give a whole number >= 1, e.g. n_microbatches=4"):
         PipelineSpec.create(CONFIG, "1f1b", 2, 0)
 
 

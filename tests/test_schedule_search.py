@@ -302,7 +302,7 @@ def test_the_exact_search_says_what_it_cannot_do_and_what_it_did_not_prove(monke
     from pplab.cli import main
     from pplab.planning.exact import SolverMissingError, exact_schedule
 
-    assert main(["search", "--n-ranks", "4", "--n-microbatches", "8", "--forward", "1", "--weight", "1",
+    assert main(["search", "--n-ranks", "4", "--n-microbatches", "8", "--forward", "1", "--weight-grad", "1",
                  "--exact", "--quiet"]) == 0
     assert "proved optimal: step 27" in capsys.readouterr().out
 

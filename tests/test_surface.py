@@ -18,7 +18,7 @@ MOST_NAMES = 120
 def public_names() -> set[tuple[str, str]]:
     """(module, name) for every public name: pplab.__all__ and each public module's __all__."""
     found = {("pplab", name) for name in pplab.__all__}
-    for module in pplab.PUBLIC_MODULES:
+    for module in pplab._PUBLIC_MODULES:
         found |= {(module, name) for name in importlib.import_module(module).__all__}
     return found
 
@@ -50,9 +50,9 @@ def test_fewer_than_120_public_names_each_at_one_path():
 
 
 def test_a_public_module_has_one_path_its_folder_and_no_other_answers_to_it():
-    for module in pplab.PUBLIC_MODULES:
+    for module in pplab._PUBLIC_MODULES:
         assert importlib.import_module(module).__name__ == module
-    assert set(pplab.__all__).isdisjoint(name.rpartition(".")[2] for name in pplab.PUBLIC_MODULES)
+    assert set(pplab.__all__).isdisjoint(name.rpartition(".")[2] for name in pplab._PUBLIC_MODULES)
 
 
 def test_one_class_per_error_and_one_lab_a_user_meets():

@@ -171,7 +171,7 @@ def test_the_command_line_searches_writes_the_csv_and_simulates_it(tmp_path, cap
     from pplab.cli import main
 
     csv_path, out = tmp_path / "found.csv", tmp_path / "simulated"
-    costs = ["--forward", "1", "--weight", "1", "--latency", "1.5"]
+    costs = ["--forward", "1", "--weight-grad", "1", "--latency", "1.5"]
     assert main(["search", "--n-ranks", "4", "--n-microbatches", "8", *costs, "--memory-limit", "4",
                  "--csv", str(csv_path), "--quiet"]) == 0
     said = capsys.readouterr().out

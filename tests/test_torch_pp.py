@@ -108,7 +108,7 @@ def test_a_schedule_only_torch_runs_is_named_canonically_by_either_implementatio
 
 @pytest.mark.quick
 def test_impl_is_checked():
-    with pytest.raises(ValueError, match="impl='jax': choose one of 'pplab', 'torch'"):
+    with pytest.raises(ValueError, match="impl='jax': give one of 'pplab', 'torch', e.g. impl='pplab'"):
         PipelineSpec.create(CONFIG, "1f1b", 2, 4, impl="jax")
 
 

@@ -184,10 +184,11 @@ def imported_modules(module_name: str) -> set[str]:
     ("trace.profiled", {"pplab.trace.timeline"}),
     ("base.formatting", set()),
     ("planning.simulator", {"pplab.schedules", "pplab.schedules.communication", "pplab.schedules.compiled",
-                   "pplab.trace.timeline"}),  # communication: the runtime's comm-batch rule
+                            "pplab.trace.timeline",  # communication: the runtime's comm-batch rule
+                            "pplab.base.config"}),  # Costs' fields are options
     ("views.viz", {"pplab.trace.timeline", "pplab.base.formatting"}),
     ("planning.search", {"pplab.schedules", "pplab.planning.simulator", "pplab.trace.timeline",
-                         "pplab.base.formatting",
+                         "pplab.base.formatting", "pplab.base.config",
                          "pplab.planning.list_scheduling", "pplab.planning.zero_bubble_heuristic",
                          "pplab.planning.exact"}),
     # (OR-Tools on use)

@@ -9,11 +9,6 @@ from __future__ import annotations
 
 import math
 
-# Seconds ONE wait between ranks (joining the group, a collective, a P2P op) may take unless the
-# user says otherwise: every driver, pipeline and runtime starts from this one number. Roomy, for
-# a workshop server's busy cores; a fault demo passes a short one.
-OP_TIMEOUT = 60.0
-
 
 def check_positive_int(name: str, value: object, example: int = 4) -> int:
     """Return `value` if it is a whole number >= 1, else raise naming `name`."""

@@ -1,11 +1,15 @@
-"""Floor 1, the options of a training run, each written once: its name, default, help, section and kind.
+"""Floor 1, every option, each written once: its name, default, help, section and kind.
 
-A field is declared with `option(default, help, section, kind)`. Everything else is read from the
-fields: `TrainOptions` (how to train, what every rank agrees on) and `pplab.session.run.RunConfig`
-(that, and the model and its layout) check their values by kind; the `pplab train` flags are made
-from them (`--batch-size` from `batch_size`, its help, default and check); a TOML file's keys are
-their names, in tables named by their sections; `lab.pipeline`'s keywords have the same names and
-defaults. `tests/test_config.py` walks every field through all of them.
+A field is declared with `option(default, help, section, kind)` in one of the families: `TrainOptions`
+(how to train, what every rank agrees on), `PipelineOptions` (the schedule and what a pipeline is
+built with), `LabOptions` (how ranks start and wait, whichever driver holds them) and the cost
+model's `pplab.planning.simulator.Costs`. Everything else is read from the fields:
+`pplab.session.run.RunConfig` (a training run: train, pipeline, and the model's layout) checks its
+values by kind; the commands' flags are made from them (`--batch-size` from `batch_size`, its help,
+default and check); a TOML file's keys are their names, in tables named by their sections. A function
+that takes options as keywords (`lab.pipeline`, `pplab.Lab`, `PipelineSpec.create`, ...) says so with
+`takes_options`, which checks at import that it takes every field with the field's default, or says
+why not. `tests/test_config.py` walks every field of every family through all of them.
 
 Pure Python (no torch): the command line reads these fields before it decides to start anything.
 """
@@ -15,15 +19,16 @@ from __future__ import annotations
 import math
 import os
 from collections.abc import Callable
-from dataclasses import dataclass, field, fields
+from dataclasses import MISSING, dataclass, field, fields
 
 from pplab.base.checkpoint_files import check_config, read_manifest, resume_path
+from pplab.schedules.names import SCHEDULE_NAMES, TORCH_ONLY_NAMES
 
-__all__ = ["TrainOptions", "option", "SECTIONS"]
+__all__ = ["TrainOptions", "PipelineOptions", "LabOptions", "option", "takes_options", "SECTIONS"]
 
 # The tables of a TOML file, in the order `to_toml` writes them (a reader's grouping: the keys are
 # the fields' names, whatever table they sit in).
-SECTIONS = ("model", "parallel", "schedule", "data", "optimizer", "run")
+SECTIONS = ("model", "parallel", "schedule", "data", "optimizer", "run", "lab", "costs")
 IMPLEMENTATIONS = ("pplab", "torch")  # the hand-written runtime, torch.distributed.pipelining
 PARAM_DTYPES = ("float32", "bfloat16")  # bf16: weights, activations and gradients; the loss in fp32
 
@@ -99,6 +104,39 @@ def choice(*names: str) -> ValueKind:
                      names)
 
 
+def _per_stage(text: str, of: Callable[[str], object] = None):
+    values = _numbers(text, of or _real)
+    return values[0] if len(values) == 1 else values
+
+
+def _each_of(kind: ValueKind, value) -> bool:
+    """One value of `kind`, or a non-empty sequence of them (one per stage)."""
+    values = value if isinstance(value, (tuple, list)) else (value,)
+    return len(values) > 0 and all(kind.valid(v) for v in values)
+
+
+PER_STAGE = ValueKind("a duration >= 0, or one per stage separated by commas", _per_stage,
+                      lambda v: _each_of(NUMBER_OR_ZERO, v), "1,1,2,1")
+PER_STAGE_BYTES = ValueKind("bytes >= 1, or one count per stage separated by commas",
+                            lambda text: _per_stage(text, _whole), lambda v: _each_of(COUNT, v), "1048576")
+INDICES = ValueKind("whole numbers >= 0, one per rank", lambda text: _numbers(text, _whole),
+                    lambda v: isinstance(v, (tuple, list)) and len(v) > 0
+                    and all(COUNT_OR_ZERO.valid(n) for n in v), "0,1")
+FRACTION = ValueKind("a share in (0, 1]", _real, lambda v: _is_real(v) and 0 < v <= 1, "0.45")
+OPTIONAL_SWITCH = ValueKind("true, false or None (decided for you)", str,
+                            lambda v: v is None or isinstance(v, bool), "true")
+
+
+def _is_schedule(value) -> bool:
+    from pplab.schedules import Schedule  # the same floor's; loaded when a value is checked
+
+    return isinstance(value, Schedule)
+
+
+# A schedule by name (flags, files), or in Python a Schedule itself (built, written, searched).
+SCHEDULE = ValueKind("a schedule's name, or a Schedule", str, lambda v: isinstance(v, str) or _is_schedule(v),
+                     "'1f1b'")
+
 KINDS = {int: COUNT, float: POSITIVE, str: TEXT, bool: SWITCH}
 
 
@@ -117,6 +155,58 @@ def option(default, help: str, section: str, kind: ValueKind | None = None, meta
                                             "example": example})
 
 
+def takes_options(family, every: bool = False, differs: dict[str, str] | None = None):
+    """Decorate a function (or a dataclass) whose keywords are options of `family`: checked now, at
+    import, each keyword named as a field defaults to the field's default, but those `differs` names,
+    each with the reason its default differs (and it must differ); a keyword without a default is
+    always given, and says nothing. `every`: the function takes every field of the family, so that a
+    field added to it cannot be left out by mistake.
+
+    The family and the reasons stay on the function (`__takes_options__`), for tests/test_config.py."""
+    import inspect
+
+    differs = dict(differs or {})
+
+    def checked(function):
+        name = getattr(function, "__qualname__", function)
+        if isinstance(function, type):  # a dataclass: its fields are its keywords
+            defaults = {each.name: each.default for each in fields(function)}
+        else:
+            defaults = {key: parameter.default
+                        for key, parameter in inspect.signature(function).parameters.items()}
+        defaults = {key: value for key, value in defaults.items()
+                    if value is not inspect.Parameter.empty and value is not MISSING}
+        options = {each.name: each.default for each in fields(family)}
+        wrong = []
+        for key in sorted(options.keys() & defaults.keys()):
+            same = defaults[key] == options[key]
+            if same == (key in differs):
+                wrong.append(f"{key}={defaults[key]!r}" + (" is the field's default: leave it out of differs"
+                                                           if same else f" (the field's: {options[key]!r})"))
+        taken = defaults.keys() | {key for key in _keywords(function)}
+        missing = sorted(options.keys() - taken) if every else []
+        unknown = sorted(differs.keys() - options.keys())
+        if wrong or missing or unknown:
+            raise TypeError(f"{name} takes {family.__name__}'s options: "
+                            + "; ".join([*(f"default {w}" for w in wrong),
+                                         *(f"it lacks {m}" for m in missing),
+                                         *(f"differs names {u}, not a field" for u in unknown)])
+                            + ". Write the field's default, or say why it differs in takes_options(...)")
+        function.__takes_options__ = {**getattr(function, "__takes_options__", {}), family: differs}
+        return function
+
+    return checked
+
+
+def _keywords(function) -> list[str]:
+    """The names a function (or a dataclass) takes."""
+    import inspect
+
+    if isinstance(function, type):
+        return [each.name for each in fields(function)]
+    return list(inspect.signature(function).parameters)
+
+
 def keywords_help(function, config_class, own: dict[str, str], indent: int = 8, width: int = 104) -> str:
     """A table of `function`'s keywords for its docstring, in its signature's order: each keyword that
     is a field of `config_class` with that field's help (written once, in the field), the others with
@@ -125,6 +215,10 @@ def keywords_help(function, config_class, own: dict[str, str], indent: int = 8, 
     import textwrap
 
     helps = {each.name: each.metadata["help"] for each in fields(config_class) if "help" in each.metadata}
+    defaults = {each.name: each.default for each in fields(config_class)}
+    for family, differs in getattr(function, "__takes_options__", {}).items():  # why a default differs
+        helps.update({name: f"{helps[name]} (default {reason.format(default=defaults[name])})"
+                      for name, reason in differs.items() if name in helps and family is config_class})
     names = [name for name in inspect.signature(function).parameters if name != "self"]
     missing = [name for name in names if name not in own and name not in helps]
     twice = [name for name in own if name in helps]
@@ -138,6 +232,13 @@ def keywords_help(function, config_class, own: dict[str, str], indent: int = 8, 
         lines += [" " * indent + f"{name:{column}s}{wrapped[0]}",
                   *(" " * (indent + column) + line for line in wrapped[1:])]
     return "\n".join(lines)
+
+
+def check_option(family, name: str, value: object) -> None:
+    """Raise a ValueError naming `name` and `value`, with an example, if `value` is not of the kind of
+    the field `name` of the dataclass `family` (None passes where the field is optional)."""
+    each = next(each for each in fields(family) if each.name == name)
+    each.metadata["kind"].check(name, value, each.metadata["optional"], each.metadata["example"])
 
 
 def check_fields(options) -> None:
@@ -220,6 +321,70 @@ class TrainOptions:
             path = resume_path(self.resume, self.checkpoint_dir)
             if config is not None:
                 check_config(path, read_manifest(path), config.record())
+
+
+@dataclass(frozen=True)
+class PipelineOptions:
+    """What a pipeline is built with: its schedule, its runtime and its stages' weights; a training
+    run's (RunConfig) and `lab.pipeline(...)`'s."""
+
+    param_dtype: str = option("float32", "the stages' weights and activations (bfloat16: a pipeline alone; "
+                                         "the loss in fp32)", "model", choice(*PARAM_DTYPES))
+    seed: int = option(0, "the model's initialisation: each parameter from (seed, its name)", "model",
+                       INTEGER)
+    schedule: str = option("1f1b", f"one of {', '.join(SCHEDULE_NAMES)}; with impl torch also "
+                                   f"{', '.join(TORCH_ONLY_NAMES)} (any case; torch's class names work too); "
+                                   "in Python also a Schedule", "schedule", SCHEDULE, "NAME")
+    impl: str = option("pplab", "the hand-written runtime (pplab), or torch.distributed.pipelining's "
+                                "schedules (torch)", "schedule", choice(*IMPLEMENTATIONS))
+    n_microbatches: int = option(4, "microbatches per pipeline per step (a Schedule brings its own)",
+                                 "schedule", metavar="N")
+    n_virtual: int = option(1, "stages per rank (interleaved and torch's multi-stage schedules: 2+)",
+                            "schedule", metavar="N")
+    balance: tuple[int, ...] | None = option(
+        None, "layers per stage (3,5 on the command line, [3, 5] in Python; default: as even as possible)",
+        "schedule", LAYERS, "L1,L2,...")
+
+
+@dataclass(frozen=True)
+class LabOptions:
+    """How ranks start and wait, whichever driver holds them: `pplab.Lab`'s keywords, and those of
+    `pplab.RankPool`, `pplab.TorchrunRanks` and the commands that start ranks that take them."""
+
+    n_ranks: int = option(2, "ranks (processes): one per pipeline stage, or pp x dp x tp on a mesh (under "
+                             "torchrun: its --nproc_per_node)", "lab", metavar="N")
+    op_timeout: float = option(60.0, "seconds ONE wait between ranks (a rendezvous, a collective, a P2P op) "
+                                     "may take before it gives up (roomy, for a workshop server's busy "
+                                     "cores); a call's own bound is run(fn, timeout=...)", "lab")
+    start_timeout: float = option(120.0, "seconds the ranks may take to start and join their process group, "
+                                         "at a quiet machine's pace (stretched by this one's load)", "lab")
+    grace: float = option(3.0, "seconds the other ranks get to finish after the first rank raises", "lab")
+    threads: int | None = option(1, "torch threads per rank (None keeps torch's default)", "lab", COUNT,
+                                 optional=True)
+    backend: str = option("auto", "auto (nccl between GPUs, else gloo), gloo or nccl", "lab",
+                          choice("auto", "gloo", "nccl"))
+    device: str = option("auto", "auto (cuda where there are GPUs, else cpu), cpu or cuda", "lab",
+                         choice("auto", "cpu", "cuda"))
+    gpus: tuple[int, ...] | None = option(
+        None, "the CUDA devices of the ranks, one per rank (2,3: a workshop's attendee their own; 0,0: two "
+              "ranks share GPU 0; see pplab.drivers.cluster.plan_room); default: rank r on GPU r % the "
+              "host's GPUs", "lab", INDICES, "G1,G2,...")
+    cores: tuple[int, ...] | None = option(
+        None, "one core per rank to keep its threads on (0,1), where every rank can have a core of its "
+              "own; default: none, the kernel places them (see pplab.drivers.cores)", "lab", INDICES,
+        "C1,C2,...")
+    gpu_memory_fraction: float | None = option(
+        None, "the share of its GPU's memory each rank may take (on CPU: no effect), so that in a room one "
+              "attendee cannot take a GPU from the others; default: PPLAB_GPU_MEMORY_FRACTION where a "
+              "workshop's hub set it, else no cap", "lab", FRACTION)
+    host_messages: bool | None = option(
+        None, "copy each message through host memory and send it over gloo; default (None): where ranks "
+              "share a GPU (NCCL holds one rank per device); True also on CPU, where it runs the same path",
+        "lab", OPTIONAL_SWITCH)
+
+
+# Every driver, pipeline and runtime starts from this one number (a fault demo passes a short one).
+OP_TIMEOUT = LabOptions.op_timeout
 
 
 def sections_of(options) -> dict[str, list[str]]:

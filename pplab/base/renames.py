@@ -55,6 +55,7 @@ RENAMED = (
     Renamed("flag", "pplab", "--ranks", "--n-ranks"),
     Renamed("flag", "pplab", "--microbatches", "--n-microbatches"),
     Renamed("flag", "pplab", "--virtual", "--n-virtual"),
+    Renamed("flag", "pplab", "--weight", "--weight-grad", "the cost model's field, weight_grad"),
     Renamed("attribute", "pplab", "PipelineRun", "pplab.Pipeline"),
     Renamed("attribute", "pplab.session", "PipelineRun", "pplab.session.Pipeline"),
     Renamed("attribute", "pplab.session", "Lab", "pplab.Lab", "with live views"),

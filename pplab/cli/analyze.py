@@ -7,7 +7,8 @@ import json
 from pathlib import Path
 
 from pplab._version import __version__
-from pplab.cli.options import add_run_flag, arguments_as_json
+from pplab.base.config import PipelineOptions
+from pplab.cli.options import add_option_flag, arguments_as_json
 
 
 def run(args: argparse.Namespace) -> int:
@@ -65,6 +66,10 @@ def _schedule(args: argparse.Namespace, n_ranks: int):
     return job.schedule()
 
 
+# Why the run's schedule and microbatches have no default: they are the run's, or its job file's.
+_THE_RUNS = "needed, unless --torchtitan-config brings it"
+
+
 def add_to(commands, ranks_run: argparse.ArgumentParser) -> argparse.ArgumentParser:
     """This command's flags, on the `pplab` parser's subcommands."""
     run_analyze = commands.add_parser(
@@ -76,10 +81,11 @@ def add_to(commands, ranks_run: argparse.ArgumentParser) -> argparse.ArgumentPar
                     "what one change would gain.")
     run_analyze.add_argument("traces", metavar="TRACES", nargs="+",
                              help="the ranks' trace files, or their folder")
-    add_run_flag(run_analyze, "schedule", default=None,
-                 help="the schedule the run used (pplab's or torch's name, any spelling)")
-    add_run_flag(run_analyze, "n_microbatches", default=None, help="microbatches per step of the run")
-    add_run_flag(run_analyze, "n_virtual")
+    add_option_flag(run_analyze, PipelineOptions, "schedule", default=None, because=_THE_RUNS,
+                    when="the run's")
+    add_option_flag(run_analyze, PipelineOptions, "n_microbatches", default=None, because=_THE_RUNS,
+                    when="the run's")
+    add_option_flag(run_analyze, PipelineOptions, "n_virtual", when="the run's")
     run_analyze.add_argument("--torchtitan-config", metavar="JOB.toml", default=None,
                              help="the torchtitan job's TOML the run came from: its schedule (or schedule "
                                   "CSV) and microbatches, instead of --schedule and --n-microbatches")

@@ -9,7 +9,8 @@ import time
 from pathlib import Path
 
 from pplab._version import __version__
-from pplab.cli.options import add_run_flag, arguments_as_json, bubble_figure, number, positive_int
+from pplab.base.config import LabOptions, PipelineOptions, TrainOptions
+from pplab.cli.options import add_option_flag, arguments_as_json, bubble_figure, positive_int
 from pplab.planning.simulator import Costs, simulate
 from pplab.schedules import theory
 
@@ -124,22 +125,26 @@ def run(args: argparse.Namespace) -> int:
     return 1 if failures else 0
 
 
+# Why the demo starts 4 ranks with 8 microbatches where a run starts 2 with 4.
+_EVERY_BUBBLE = "4 ranks, 8 microbatches (a run's: 2, 4), each schedule's bubble large enough to see"
+
+
 def add_to(commands, ranks_run: argparse.ArgumentParser) -> argparse.ArgumentParser:
     """This command's flags, on the `pplab` parser's subcommands."""
     run_demo = commands.add_parser("demo", help="every schedule on local ranks, checked and drawn (CPU)",
                                    parents=[ranks_run])
-    run_demo.add_argument("--n-ranks", type=positive_int, default=4, metavar="N",
-                          help="local ranks to start (default 4; torchrun decides its own)")
-    add_run_flag(run_demo, "n_microbatches", default=8)
-    run_demo.add_argument("--microbatch-size", type=positive_int, default=2)
-    run_demo.add_argument("--seq-len", type=positive_int, default=32)
-    run_demo.add_argument("--forward", type=number, default=0.05,
-                          help="timing mode: seconds per forward (backward takes twice as long)")
+    add_option_flag(run_demo, LabOptions, "n_ranks", default=4, because=_EVERY_BUBBLE)
+    add_option_flag(run_demo, PipelineOptions, "n_microbatches", default=8, because=_EVERY_BUBBLE)
+    run_demo.add_argument("--microbatch-size", type=positive_int, default=2,
+                          help="sequences per microbatch (default 2)")
+    add_option_flag(run_demo, TrainOptions, "seq_len", default=32, because="short, quick on CPU")
+    add_option_flag(run_demo, Costs, "forward", default=0.05,
+                    because="timing mode, the seconds a forward takes on the ranks (a backward twice that)")
     run_demo.add_argument("--steps", type=positive_int, default=1,
                           help="steps of each schedule on the same ranks (no optimizer: each must "
                                "repeat the first)")
-    add_run_flag(run_demo, "seed")
-    add_run_flag(run_demo, "impl")
+    add_option_flag(run_demo, PipelineOptions, "seed")
+    add_option_flag(run_demo, PipelineOptions, "impl")
     run_demo.add_argument("--out", default="pplab-demo",
                           help="folder for pictures, traces and report.json")
     run_demo.set_defaults(handler=run)

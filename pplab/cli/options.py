@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import re
 
 from pplab.base.config import COUNT, NUMBER_OR_ZERO, POSITIVE, sections_of
 
@@ -42,39 +43,56 @@ def bubble_figure(value: float | None) -> str:
     return "n/a" if value is None else f"{value:.3f}"
 
 
-def add_field_flags(parser: argparse.ArgumentParser, config_class, skip=(), **changed) -> None:
+def add_field_flags(parser: argparse.ArgumentParser, config_class, skip=(), title: str | None = None,
+                    **changed) -> None:
     """A flag for each field of the dataclass `config_class` (pplab.base.config.option's fields; those in
-    `skip`
-    left out), grouped by section as `--help` shows them: `--batch-size` for `batch_size`, with the
-    field's help, default and check. `changed` gives a field's flag other argparse settings
-    (`n_microbatches={"default": 8}`)."""
-    by_name = {each.name: each for each in dataclasses.fields(config_class)}
+    `skip` left out), grouped by section as `--help` shows them: `--batch-size` for `batch_size`, with
+    the field's help, default and check. `changed` gives a field's flag other argparse settings, a
+    default other than the field's with its reason (`backward={"default": None, "because": "..."}`).
+    `title`: the groups' title ("{section}" in it); by default a --config file's tables."""
     for section, names in sections_of(config_class).items():
-        group = parser.add_argument_group(f"{section} (a --config file's [{section}] table)")
+        group = parser.add_argument_group((title or "{section} (a --config file's [{section}] table)")
+                                          .format(section=section))
         for name in names:
             if name not in skip:
-                add_field_flag(group, by_name[name], **changed.get(name, {}))
+                add_option_flag(group, config_class, name, **changed.get(name, {}))
 
 
-def add_run_flag(parser: argparse.ArgumentParser, name: str, **settings) -> None:
-    """The flag of the run's field `name` (pplab.session.run.RunConfig), on another command: its help,
-    kind and default, but for the argparse `settings` given (`default=8`, `required=True`)."""
-    from pplab.session.run import RunConfig
+def add_option_flag(parser: argparse.ArgumentParser, family, name: str, because: str | None = None,
+                    when: str | None = None, **settings) -> argparse.Action:
+    """The flag of the option `name` of `family` (a dataclass of pplab.base.config.option fields), on any
+    command: its help, kind and default, but for the argparse `settings` given. A default other than
+    the field's (`default=8`) needs `because`, the reason, shown in the help ("default 8: ...");
+    without one the parser is not built (tests/test_config.py builds every command's). `when`: where
+    the flag counts on this command ("with --plan"), before the field's help."""
+    field = next(each for each in dataclasses.fields(family) if each.name == name)
+    default = settings.get("default", field.default)
+    if default != field.default and not settings.get("required") and because is None:
+        raise ValueError(f"--{name.replace('_', '-')}: default {default!r}, not {family.__name__}.{name}'s "
+                         f"{field.default!r}: say why with because=...")
+    action = add_field_flag(parser, field, because=because, when=when, **settings)
+    action.option_of = (family, name)  # what tests/test_config.py walks
+    return action
 
-    add_field_flag(parser, next(f for f in dataclasses.fields(RunConfig) if f.name == name), **settings)
 
-
-def add_field_flag(parser: argparse.ArgumentParser, field: dataclasses.Field, **settings) -> None:
-    """One field's flag (see add_field_flags)."""
+def add_field_flag(parser: argparse.ArgumentParser, field: dataclasses.Field, because: str | None = None,
+                   when: str | None = None, **settings) -> argparse.Action:
+    """One field's flag (see add_field_flags); `because`: why its default here is not the field's;
+    `when`: where it counts."""
     kind, default = field.metadata["kind"], settings.pop("default", field.default)
     shown = "" if default is None or settings.get("required") else f" (default {_shown(default)})"
+    if because is not None:  # why it is not the field's
+        shown = f" (default: {because})" if default is None else f" (default {_shown(default)}: {because})"
     metavar = field.metadata["metavar"] or ("{" + ",".join(kind.choices) + "}" if kind.choices else None)
-    flag = dict(help=field.metadata["help"] + shown, default=default, metavar=metavar)
+    said = field.metadata["help"]
+    if because is not None:  # the field's own "(default: ...)" is not this flag's
+        said = re.sub(r" \(default: [^()]*\)$", "", said)
+    flag = dict(help=(f"{when}: " if when else "") + said + shown, default=default, metavar=metavar)
     if isinstance(default, bool):
         flag = dict(help=flag["help"].removesuffix(" (default False)"), action="store_true", default=default)
     else:
         flag["type"] = text_of_kind(kind)
-    parser.add_argument("--" + field.name.replace("_", "-"), **{**flag, **settings})
+    return parser.add_argument("--" + field.name.replace("_", "-"), **{**flag, **settings})
 
 
 def text_of_kind(kind):

@@ -5,7 +5,8 @@ from __future__ import annotations
 import argparse
 import functools
 
-from pplab.cli.options import number, positive_int
+from pplab.base.config import LabOptions
+from pplab.cli.options import add_option_flag, number, positive_int
 
 
 def run(args: argparse.Namespace) -> int:
@@ -147,8 +148,7 @@ def add_to(commands, ranks_run: argparse.ArgumentParser) -> argparse.ArgumentPar
                                "each seat's GPUs and each rank's memory cap "
                                "(pplab.drivers.cluster.plan_room)")
     run_room.add_argument("--gpus", type=positive_int, metavar="G", help="with --plan: the server's GPUs")
-    run_room.add_argument("--n-ranks", type=positive_int, default=2, metavar="R",
-                          help="with --plan: ranks per attendee's lab (default 2)")
+    add_option_flag(run_room, LabOptions, "n_ranks", when="with --plan, of an attendee's lab")
     run_room.add_argument("--gpu-memory", type=functools.partial(number, positive=True), metavar="GIB",
                           help="with --plan: one GPU's memory, to refuse a room that does not fit")
     run_room.add_argument("--rank-memory", type=functools.partial(number, positive=True), metavar="GIB",

@@ -6,7 +6,8 @@ import argparse
 import functools
 from pathlib import Path
 
-from pplab.cli.options import add_run_flag, number, positive_int
+from pplab.base.config import LabOptions, PipelineOptions
+from pplab.cli.options import add_option_flag, number
 from pplab.cli.simulate import add_cost_flags, costs_from_flags
 
 
@@ -34,10 +35,10 @@ def add_to(commands, ranks_run: argparse.ArgumentParser) -> argparse.ArgumentPar
                     "under a memory limit; print them fastest first and, with --csv, write the fastest as "
                     "the CSV that torch's runtime and torchtitan load. Durations are in cost units, each one "
                     "number or one per stage separated by commas.")
-    run_search.add_argument("--n-ranks", type=positive_int, required=True, metavar="N", help="ranks")
-    add_run_flag(run_search, "n_microbatches", required=True)
-    add_run_flag(run_search, "n_virtual", default=None,
-                 help="stages per rank (default: from the per-stage costs, else 1)")
+    add_option_flag(run_search, LabOptions, "n_ranks", required=True)
+    add_option_flag(run_search, PipelineOptions, "n_microbatches", required=True)
+    add_option_flag(run_search, PipelineOptions, "n_virtual", default=None,
+                    because="from the per-stage costs, else 1")
     add_cost_flags(run_search)
     run_search.add_argument("--memory-limit", type=functools.partial(number, positive=True), default=None,
                             help="per rank, in microbatches of the rank's activations (default: none)")

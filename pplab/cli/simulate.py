@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import functools
 import json
 from pathlib import Path
 
 from pplab._version import __version__
-from pplab.cli.options import add_run_flag, arguments_as_json, bubble_figure, number, per_stage, positive_int
+from pplab.base.config import LabOptions, PipelineOptions
+from pplab.cli.options import add_field_flags, add_option_flag, arguments_as_json, bubble_figure
 from pplab.planning.simulator import Costs, simulate
 from pplab.schedules import SCHEDULE_NAMES, Kind, Schedule, build, schedule_name, theory, validate
 
@@ -113,7 +113,7 @@ def _from_torchtitan(args: argparse.Namespace):
 
 
 def _costs(args: argparse.Namespace, schedule, job=None) -> Costs:
-    """The cost model the options describe; --weight only where the schedule runs W on its own. A
+    """The cost model the options describe; --weight-grad only where the schedule runs W on its own. A
     torchtitan job's model, where pplab knows it, sets the forward: one unit per layer of a stage."""
     forward = args.forward
     if job is not None and job.model is not None and args.forward == 1.0:
@@ -124,36 +124,48 @@ def _costs(args: argparse.Namespace, schedule, job=None) -> Costs:
         print("  costs: the forward of one layer is 1 unit; the stages hold "
               f"{', '.join(str(end - start) for start, end in ranges)} of the "
               f"{job.model.num_hidden_layers} layers")
-    if args.weight is not None and Kind.W not in _compute_kinds(schedule):
-        raise ValueError(f"--weight given, but {schedule.name} runs the whole backward "
-                         f"(B) in one pass, so there is no weight-gradient pass to time; leave --weight "
+    halves = [flag for flag in ("input_grad", "weight_grad") if getattr(args, flag) is not None]
+    if halves and Kind.W not in _compute_kinds(schedule):
+        flag = "--" + halves[0].replace("_", "-")
+        raise ValueError(f"{flag} given, but {schedule.name} runs the whole backward "
+                         f"(B) in one pass, so there is no split of it to time; leave {flag} "
                          f"out, or simulate a zero-bubble schedule (zb-h1)")
     if args.bandwidth is not None and args.activation_bytes is None:
         raise ValueError(f"--bandwidth {args.bandwidth:g} needs the size of a message: give "
                          f"--activation-bytes (bytes per activation crossing a stage boundary)")
-    for option, value in (("forward", forward), ("backward", args.backward), ("weight", args.weight)):
+    for option in COST_FLAGS:
+        value = forward if option == "forward" else getattr(args, option)
         if isinstance(value, tuple) and len(value) != schedule.n_stages:
-            raise ValueError(f"--{option} has {len(value)} values but {schedule.name} on "
+            raise ValueError(f"--{option.replace('_', '-')} has {len(value)} values but {schedule.name} on "
                              f"{schedule.n_ranks} ranks has {schedule.n_stages} stages; give one value "
                              f"per stage or a single number")
-    return costs_from_flags(args, forward, bandwidth=args.bandwidth, activation_bytes=args.activation_bytes)
+    return costs_from_flags(args, forward_of_stages=forward)
 
 
-def costs_from_flags(args: argparse.Namespace, forward=None, **link) -> Costs:
-    """The cost model of the duration flags (`add_cost_flags`; `forward` instead of --forward where
-    given): the backward is twice the forward unless given, and W, part of it, may not exceed it."""
-    forward = args.forward if forward is None else forward
-    backward = args.backward if args.backward is not None else _times(2, forward)
-    if args.weight is not None:
-        per_stage = [len(v) for v in (forward, backward, args.weight) if isinstance(v, tuple)]
+# The cost model's options, each a flag (`add_cost_flags`): Costs' fields.
+COST_FLAGS = [field.name for field in dataclasses.fields(Costs)]
+
+
+def costs_from_flags(args: argparse.Namespace, forward_of_stages=None) -> Costs:
+    """The cost model of the cost flags (`add_cost_flags`; `forward_of_stages` instead of --forward
+    where given): the backward is twice the forward unless given (or both its halves are), and W,
+    part of it, may not exceed it."""
+    given = {name: getattr(args, name) for name in COST_FLAGS}
+    if forward_of_stages is not None:
+        given["forward"] = forward_of_stages
+    if given["backward"] is None and None in (given["input_grad"], given["weight_grad"]):
+        given["backward"] = _times(2, given["forward"])
+    if given["weight_grad"] is not None and given["input_grad"] is None:
+        per_stage = [len(v) for v in (given["forward"], given["backward"], given["weight_grad"])
+                     if isinstance(v, tuple)]
         for stage in range(min(per_stage, default=1)):
-            weight, whole = _stage_value(args.weight, stage), _stage_value(backward, stage)
+            weight, whole = _stage_value(given["weight_grad"], stage), _stage_value(given["backward"], stage)
             if weight > whole:
-                raise ValueError(f"--weight {weight:g} exceeds the whole backward {whole:g} on stage "
+                raise ValueError(f"--weight-grad {weight:g} exceeds the whole backward {whole:g} on stage "
                                  f"{stage} (--backward, default twice --forward): W is part of the "
-                                 f"backward, the input-gradient pass I the rest; give a smaller --weight "
-                                 f"or a larger --backward")
-    return Costs(forward=forward, backward=backward, weight_grad=args.weight, latency=args.latency, **link)
+                                 f"backward, the input-gradient pass I the rest; give a smaller "
+                                 f"--weight-grad or a larger --backward")
+    return Costs(**given)
 
 
 def _times(factor: float, value):
@@ -195,16 +207,14 @@ def _one_or_all(values: list[float]):
 
 
 def add_cost_flags(parser: argparse.ArgumentParser) -> None:
-    """The cost model's durations, as `pplab simulate` and `pplab search` take them."""
-    parser.add_argument("--forward", type=per_stage, default=1.0,
-                        help="forward F of one stage (an interleaved chunk is a stage; default 1)")
-    parser.add_argument("--backward", type=per_stage, default=None,
-                        help="whole backward B (default twice the forward)")
-    parser.add_argument("--weight", type=per_stage, default=None,
-                        help="zero-bubble schedules: the weight-gradient pass W, part of the "
-                             "backward (the input-gradient pass I is the rest; default half)")
-    parser.add_argument("--latency", type=number, default=0.0,
-                        help="time a message between ranks takes (default 0)")
+    """The cost model's options (Costs' fields), as `pplab simulate` and `pplab search` take them:
+    durations in cost units, or seconds to compare with a measured run."""
+    add_field_flags(parser, Costs, title="the cost model (pplab.Costs)",
+                    backward={"because": "twice --forward, or --input-grad + --weight-grad"})
+
+
+# Why the sizes have no default here: a CSV and a torchtitan job bring their own.
+_SIZES = "a schedule's name needs it; a CSV or --torchtitan-config brings its own"
 
 
 def add_to(commands, ranks_run: argparse.ArgumentParser) -> argparse.ArgumentParser:
@@ -220,21 +230,15 @@ def add_to(commands, ranks_run: argparse.ArgumentParser) -> argparse.ArgumentPar
                                                                    "'-', '_' or nothing between words), or "
                                                                    "a torch compute-only CSV (FILE.csv, as "
                                                                    "Schedule.to_torch_csv writes it)")
-    run_simulate.add_argument("--n-ranks", type=positive_int, default=None, metavar="N",
-                              help="ranks (needed for a named schedule; a CSV brings its own)")
-    add_run_flag(run_simulate, "n_microbatches", default=None,
-                 help="microbatches per step (needed for a named schedule; a CSV brings its own)")
-    add_run_flag(run_simulate, "n_virtual", default=None,
-                 help="stages per rank (interleaved-1f1b: default 2; others: 1)")
+    add_option_flag(run_simulate, LabOptions, "n_ranks", default=None, because=_SIZES)
+    add_option_flag(run_simulate, PipelineOptions, "n_microbatches", default=None, because=_SIZES)
+    add_option_flag(run_simulate, PipelineOptions, "n_virtual", default=None,
+                    because="2 for interleaved-1f1b, else 1")
     add_cost_flags(run_simulate)
     run_simulate.add_argument("--torchtitan-config", metavar="JOB.toml", default=None,
                               help="a torchtitan job's TOML: its schedule (or schedule CSV), pipeline "
                                    "degree, microbatches and model, instead of SCHEDULE and the sizes; the "
                                    "fields pplab does not model are listed")
-    run_simulate.add_argument("--bandwidth", type=functools.partial(number, positive=True), default=None,
-                              help="bytes per cost unit of a link (needs --activation-bytes)")
-    run_simulate.add_argument("--activation-bytes", type=positive_int, default=None,
-                              help="bytes of an activation (or its gradient) crossing a stage boundary")
     run_simulate.add_argument("--out", default="pplab-simulate",
                               help="folder for the picture, the trace and the JSON (default pplab-simulate)")
     run_simulate.set_defaults(handler=run)

@@ -12,7 +12,9 @@ import time
 from pathlib import Path
 
 from pplab._version import __version__
-from pplab.cli.options import add_field_flags, arguments_as_json, number, positive_int
+from pplab.base.config import LabOptions
+from pplab.cli.options import add_field_flags, add_option_flag, arguments_as_json, number
+from pplab.session.run import RUN_TIMEOUT
 
 
 def run(args: argparse.Namespace) -> int:
@@ -129,11 +131,9 @@ def add_to(commands, ranks_run: argparse.ArgumentParser) -> argparse.ArgumentPar
                     "clipping, held-out evaluation, distributed checkpoints; a mesh with --dp and --tp. "
                     "Runs --n-ranks local processes, or one rank per process under torchrun "
                     "(torchrun --standalone --nproc_per_node=N -m pplab train ...).")
-    run_train.add_argument("--n-ranks", type=positive_int, default=2, metavar="N",
-                           help="local ranks to start: pp = N / (dp x tp) (default 2; "
-                                "torchrun decides its own)")
-    run_train.add_argument("--timeout", type=functools.partial(number, positive=True), default=3600.0,
-                           help="local ranks: seconds the whole training may take (default 3600)")
+    add_option_flag(run_train, LabOptions, "n_ranks", when="local ranks to start, pp = N / (dp x tp)")
+    run_train.add_argument("--timeout", type=functools.partial(number, positive=True), default=RUN_TIMEOUT,
+                           help=f"local ranks: seconds the whole training may take (default {RUN_TIMEOUT:g})")
     run_train.add_argument("--report", default=None, help="write every step's record as JSON to this file")
     run_train.add_argument("--config", default=None,
                            help="a TOML file of the options below (their names, with _ for -; in tables or "

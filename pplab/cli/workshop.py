@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import argparse
 
-from pplab.cli.options import positive_int
+from pplab.base.config import LabOptions
+from pplab.cli.options import add_option_flag
 
 
 def run(args: argparse.Namespace) -> int:
@@ -54,8 +55,7 @@ def add_to(commands, ranks_run: argparse.ArgumentParser) -> argparse.ArgumentPar
                       help="an account that may open the room's page (repeat for several)")
     init.add_argument("--gpus", type=_gpus, default="auto",
                       help="the server's GPUs to deal round the seats ('auto': all it has; 0: labs on CPU)")
-    init.add_argument("--n-ranks", type=positive_int, default=2, metavar="R",
-                      help="ranks of a lesson's lab, for the plan of the GPUs (default 2)")
+    add_option_flag(init, LabOptions, "n_ranks", when="of a lesson's lab, for the plan of the GPUs")
     init.add_argument("--notebooks", help="the course to copy into each seat's home "
                                           "(default: pplab's notebooks/)")
     init.add_argument("--make-users", action="store_true",

@@ -37,7 +37,8 @@ from collections.abc import Sequence
 from datetime import timedelta
 from multiprocessing import connection
 
-from pplab.base.arguments import OP_TIMEOUT, check_positive_int, check_positive_seconds
+from pplab.base.arguments import check_positive_int, check_positive_seconds
+from pplab.base.config import LabOptions, takes_options
 from pplab.base.renames import renamed_keywords
 from pplab.drivers.contract import arguments_by_rank, call_name, error_report, one_line
 from pplab.drivers.cores import check_cores, pin_this_process
@@ -60,6 +61,9 @@ from pplab.rank.rank_context import (
 # preload less: pplab.drivers.cluster.forkserver.ENGINE_IMPORTS.
 RANK_IMPORTS = ["torch", "torch.distributed", "torch._dynamo", "torch.distributed.checkpoint",
                 "torch.distributed.pipelining", "pplab.rank.rank_pipeline", "pplab.rank.train"]
+
+# Why a pool's backend defaults to gloo where a lab's decides for itself (pplab.base.config.LabOptions).
+_CPU_FIRST = "gloo: the command line's, the tests' and the benches' ranks, on CPU unless told"
 
 
 def process_context():
@@ -139,8 +143,10 @@ def _rank_main(rank, world_size, rendezvous, backend, op_timeout, fn, args, resu
         raise SystemExit(1)
 
 
+@takes_options(LabOptions, differs={"backend": _CPU_FIRST})
 def run_ranks(n_ranks: int, fn, *args, backend: str = "gloo", timeout: float = 120.0,
-              op_timeout: float = OP_TIMEOUT, grace: float = 3.0, pool: RankPool | None = None) -> list:
+              op_timeout: float = LabOptions.op_timeout, grace: float = LabOptions.grace,
+              pool: RankPool | None = None) -> list:
     """Run `fn(rank, world_size, *args)` on `pool`, or in `n_ranks` fresh processes; results by rank.
 
     `timeout`: how long this call may take; `op_timeout` (fresh processes): how long one wait
@@ -289,9 +295,11 @@ class RankPool:
     """
 
     @renamed_keywords
+    @takes_options(LabOptions, differs={"backend": _CPU_FIRST,
+                                        "host_messages": "False: its ranks share no GPU unless told"})
     def __init__(self, n_ranks: int, *, backend: str = "gloo", timeout: float = 120.0,
-                 op_timeout: float = OP_TIMEOUT, grace: float = 3.0, cores: Sequence[int] | None = None,
-                 host_messages: bool = False):
+                 op_timeout: float = LabOptions.op_timeout, grace: float = LabOptions.grace,
+                 cores: Sequence[int] | None = LabOptions.cores, host_messages: bool = False):
         """`timeout`: how long a call may take (the default of `run(..., timeout=)`); `op_timeout`:
         how long ONE wait between ranks may take (joining the group, a collective, a P2P op).
         `cores`: one core per rank to keep its threads on (e.g. [0, 1]; default: none, the kernel

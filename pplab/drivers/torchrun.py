@@ -14,7 +14,7 @@ import os
 import socket
 from datetime import timedelta
 
-from pplab.base.arguments import OP_TIMEOUT
+from pplab.base.config import LabOptions, takes_options
 from pplab.base.renames import renamed_keywords
 from pplab.drivers.contract import arguments_by_rank, error_report, one_line
 from pplab.rank.rank_context import (
@@ -42,7 +42,8 @@ class TorchrunRanks:
     state = "running"
 
     @renamed_keywords
-    def __init__(self, op_timeout: float = OP_TIMEOUT):
+    @takes_options(LabOptions)
+    def __init__(self, op_timeout: float = LabOptions.op_timeout):
         """Join torchrun's process group: on GPUs where there are any (NCCL with one GPU per process;
         gloo, messages through host memory, where processes outnumber the GPUs and share them), else
         gloo on CPU. `op_timeout`: seconds one wait between ranks (the rendezvous, a collective, a
@@ -143,7 +144,8 @@ class _FinishedCall:
 
 
 @renamed_keywords
-def run_as_torchrun_rank(fn, *args, op_timeout: float = OP_TIMEOUT):
+@takes_options(LabOptions)
+def run_as_torchrun_rank(fn, *args, op_timeout: float = LabOptions.op_timeout):
     """Join torchrun's process group, call `fn(rank, world_size, *args, device=...)`, and give rank 0
     the results by rank (None on the other ranks); `op_timeout` as for `TorchrunRanks`."""
     with TorchrunRanks(op_timeout) as ranks:

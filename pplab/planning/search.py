@@ -42,6 +42,7 @@ import time
 from dataclasses import dataclass, field, replace
 from typing import Sequence
 
+from pplab.base.config import PipelineOptions, takes_options
 from pplab.base.formatting import ShownAsText, format_bytes, text_table
 from pplab.planning.exact import Proof
 from pplab.planning.list_scheduling import empty_pipeline, list_schedule
@@ -142,6 +143,7 @@ class NothingFitsError(ValueError):
     """No schedule the search can build fits the memory limit (the message says what would)."""
 
 
+@takes_options(PipelineOptions, differs={"n_virtual": "None: 1, or as many as the costs give per rank"})
 def search(n_ranks: int, n_microbatches: int, costs: Costs, memory_limit: float | None = None,
            saved_bytes: Sequence[int] | None = None, n_virtual: int | None = None,
            split_backward: bool = True, include_torch: bool = True, show: bool | None = None,

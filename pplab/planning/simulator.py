@@ -42,6 +42,7 @@ from collections import defaultdict
 from dataclasses import dataclass, replace
 from typing import Sequence, Union
 
+from pplab.base.config import NUMBER_OR_ZERO, PER_STAGE, PER_STAGE_BYTES, POSITIVE, choice, option
 from pplab.schedules import (
     COMPUTE_KINDS,
     SEND_KINDS,
@@ -90,16 +91,27 @@ class Costs:
     activation_bytes[s] / bandwidth``; without a bandwidth, just the latency.
     """
 
-    forward: PerStage = 1.0
-    backward: PerStage | None = None  # None: input_grad + weight_grad when both are given, else 2.0
-    input_grad: PerStage | None = None
-    weight_grad: PerStage | None = None
-    latency: float = 0.0
-    bandwidth: float | None = None
-    activation_bytes: int | Sequence[int] | None = None
-    link_contention: bool = False  # True: a link carries one message at a time (see the module docstring)
-    # how a message moves: "buffered" (at its send) or "rendezvous" (see the module docstring)
-    link: str = "buffered"
+    forward: PerStage = option(1.0, "the forward F of one stage (an interleaved chunk is a stage)", "costs",
+                               PER_STAGE, "T")
+    backward: PerStage | None = option(None, "the whole backward B (default: input_grad + weight_grad when "
+                                             "both are given, else 2)", "costs", PER_STAGE, "T")
+    input_grad: PerStage | None = option(None, "zero-bubble schedules: the input-gradient pass I, part of "
+                                               "the backward (default: the backward less W, else half)",
+                                         "costs", PER_STAGE, "T")
+    weight_grad: PerStage | None = option(None, "zero-bubble schedules: the weight-gradient pass W, part of "
+                                                "the backward (default: the backward less I, else half)",
+                                          "costs", PER_STAGE, "T")
+    latency: float = option(0.0, "the time a message between ranks takes", "costs", NUMBER_OR_ZERO)
+    bandwidth: float | None = option(None, "bytes a link carries per unit of time (needs activation_bytes; "
+                                           "default: a message costs its latency alone)", "costs", POSITIVE,
+                                     optional=True)
+    activation_bytes: int | Sequence[int] | None = option(
+        None, "bytes of an activation (or its gradient) crossing a stage boundary", "costs", PER_STAGE_BYTES,
+        "BYTES")
+    link_contention: bool = option(False, "a link carries one message at a time (see pplab.planning."
+                                          "simulator)", "costs")
+    link: str = option("buffered", "how a message moves: buffered (at its send) or rendezvous (once its "
+                                   "receive is posted too)", "costs", choice(*LINKS))
 
     def __post_init__(self):
         if self.backward is None:

@@ -26,6 +26,7 @@ import statistics
 from dataclasses import dataclass
 from typing import Callable, Sequence
 
+from pplab.base.config import takes_options
 from pplab.planning.prediction import Profile
 from pplab.planning.simulator import Costs, simulate
 from pplab.schedules import Kind, Schedule, build, from_torch, torch_plan
@@ -139,6 +140,7 @@ class RunModel:
                      weight_grad=tuple(x * (1 - self.input_share[r]) + o for x, r in zip(iw, ranks)),
                      latency=self.latency)
 
+    @takes_options(Costs, differs={"forward": "None: the run's"})
     def step_time(self, schedule: Schedule | None = None, forward: Sequence[float] | None = None,
                   backward: Sequence[float] | None = None) -> float:
         """The simulated step of `schedule` (default: the run's) on these costs (default: the run's)."""

@@ -38,7 +38,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from pplab.base.arguments import OP_TIMEOUT
+from pplab.base.config import LabOptions, takes_options
 from pplab.base.machine import busy_note
 from pplab.rank.host_messages import HOST, from_host, messages_through_host, to_host
 from pplab.schedules import Action, Kind, Schedule
@@ -88,8 +88,10 @@ class Mailbox:
 class StageLink:
     """One rank's P2P endpoint in a pipeline: posts batches of sends and receives, bounded waits."""
 
+    @takes_options(LabOptions, differs={"device": "the rank's torch.device, its pipeline's"})
     def __init__(self, schedule: Schedule, rank: int, device: torch.device,
-                 op_timeout: float = OP_TIMEOUT, handshake: bool = True, group=None, record: bool = True):
+                 op_timeout: float = LabOptions.op_timeout, handshake: bool = True, group=None,
+                 record: bool = True):
         """`op_timeout`: seconds one wait (a receive, a send's completion) may take before it gives up."""
         self.schedule, self.rank, self.device = schedule, rank, torch.device(device)
         self.op_timeout, self.handshake, self.group, self.record = op_timeout, handshake, group, record

@@ -19,8 +19,8 @@ from dataclasses import dataclass
 import torch
 from torch.profiler import record_function
 
-from pplab.base.arguments import OP_TIMEOUT, check_positive_int
-from pplab.base.config import IMPLEMENTATIONS, PARAM_DTYPES
+from pplab.base.arguments import check_positive_int
+from pplab.base.config import OP_TIMEOUT, LabOptions, PipelineOptions, check_option, takes_options
 from pplab.base.renames import renamed_keywords
 from pplab.data import Batch
 from pplab.models import dropout_streams
@@ -57,51 +57,59 @@ def make_first_calls() -> None:
     torch.load(buffer)
 
 
+@takes_options(LabOptions)
+@takes_options(PipelineOptions)
 @dataclass
 class PipelineSpec:
     """What every rank must agree on to run a pipeline.
 
-    Its fields, but the schedule, are the keywords of `lab.pipeline(...)`, which documents them
-    (`pplab.session.drivers`); their defaults are written here and in `create`, the same.
+    Its fields, but the schedule, are keywords of `lab.pipeline(...)`, which documents them
+    (`pplab.session.drivers`); those that are options take their defaults from their fields
+    (pplab.base.config: PipelineOptions, LabOptions), as `create` does, checked at import.
     """
 
     config: LlamaConfig  # the model: a LlamaConfig or a pplab.models.hf.HFModel (see pplab.models.partition)
     schedule: Schedule
-    seed: int = 0
-    balance: Sequence[int] | None = None
+    seed: int = PipelineOptions.seed
+    balance: Sequence[int] | None = PipelineOptions.balance
     allow_empty: bool = False
     op_timeout: float = OP_TIMEOUT
     timing: Costs | None = None
     record: bool = True
-    impl: str = "pplab"  # the hand-written runtime, or "torch": torch.distributed.pipelining
+    impl: str = PipelineOptions.impl  # the hand-written runtime, or "torch": torch.distributed.pipelining
     mesh: Mesh | None = None  # PP as one dimension of a mesh with FSDP (dp) and TP (tp)
-    param_dtype: str = "float32"  # the stages' parameters (and so their activations): "bfloat16" too
+    param_dtype: str = PipelineOptions.param_dtype  # the stages' parameters (so their activations)
 
     @classmethod
     @renamed_keywords
+    @takes_options(LabOptions)
+    @takes_options(PipelineOptions, every=True, differs={
+        "n_microbatches": "None: a Schedule's own count; {default} for a schedule's name"})
     def create(cls, config: LlamaConfig, schedule: str | Schedule, n_ranks: int,
-               n_microbatches: int | None = None, n_virtual: int = 1, *, impl: str = "pplab",
-               seed: int = 0, balance: Sequence[int] | None = None, allow_empty: bool = False,
+               n_microbatches: int | None = None, n_virtual: int = PipelineOptions.n_virtual, *,
+               impl: str = PipelineOptions.impl, seed: int = PipelineOptions.seed,
+               balance: Sequence[int] | None = PipelineOptions.balance, allow_empty: bool = False,
                op_timeout: float = OP_TIMEOUT, timing: Costs | None = None, record: bool = True,
-               mesh: Mesh | dict | None = None, param_dtype: str = "float32") -> "PipelineSpec":
+               mesh: Mesh | dict | None = None,
+               param_dtype: str = PipelineOptions.param_dtype) -> "PipelineSpec":
         """Build (or take) the schedule, validate it and check it fits the model, before any rank runs.
 
         The arguments are those of `lab.pipeline(...)` (pplab.session.drivers), with `n_ranks`
         the number of ranks. With a `mesh` (e.g. {"pp": 2, "dp": 2}), the `n_ranks` ranks form
         that mesh and the schedule is one pipeline's, over the mesh's pp ranks.
         """
-        if impl not in IMPLEMENTATIONS:
-            raise ValueError(f"impl={impl!r}: choose one of {', '.join(map(repr, IMPLEMENTATIONS))}")
+        for name, value in (("impl", impl), ("param_dtype", param_dtype), ("n_virtual", n_virtual),
+                            ("seed", seed), ("balance", balance)):
+            check_option(PipelineOptions, name, value)
+        if n_microbatches is None and isinstance(schedule, str):
+            n_microbatches = PipelineOptions.n_microbatches
         config = as_model(config)
         if mesh is not None and not isinstance(config, LlamaConfig):
             raise ValueError(f"mesh={mesh!r} with a {type(config).__name__}: the mesh's "
                              "tensor-parallel plans and sharded training know pplab's own model "
                              "only; pipeline it without a mesh")
         if n_microbatches is not None:
-            check_positive_int("n_microbatches", n_microbatches, example=4)
-        if param_dtype not in PARAM_DTYPES:
-            raise ValueError(f"param_dtype={param_dtype!r}: choose one of "
-                             f"{', '.join(map(repr, PARAM_DTYPES))}")
+            check_option(PipelineOptions, "n_microbatches", n_microbatches)
         if param_dtype != "float32" and mesh is not None:
             raise ValueError(f"param_dtype={param_dtype!r} makes plain bf16 stages for a pipeline alone; "
                              "on a mesh use FSDP's mixed precision instead: mesh={..., "
@@ -111,8 +119,6 @@ class PipelineSpec:
             mesh.check(config, n_ranks, impl)
             n_ranks = mesh.pp
         if impl == "torch" and isinstance(schedule, str):
-            if n_microbatches is None:
-                raise ValueError(f"schedule={schedule!r} needs n_microbatches=<count>")
             from pplab.rank.torch_pp import torch_schedule
 
             schedule = torch_schedule(schedule, n_ranks, n_microbatches, n_virtual)
@@ -120,8 +126,6 @@ class PipelineSpec:
             _check_matches(schedule, n_ranks, n_microbatches, n_virtual)
             check_torch_runs(schedule)
         elif isinstance(schedule, str):
-            if n_microbatches is None:
-                raise ValueError(f"schedule={schedule!r} needs n_microbatches=<count>")
             schedule = build(schedule, n_ranks, n_microbatches, n_virtual)
         else:
             _check_matches(schedule, n_ranks, n_microbatches, n_virtual)

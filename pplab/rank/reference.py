@@ -14,6 +14,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from pplab.base.config import PipelineOptions, takes_options
 from pplab.data import Batch, split_microbatches
 from pplab.models import dropout_streams
 from pplab.models.llama import LlamaConfig, LlamaModel, loss_fn
@@ -41,8 +42,11 @@ def as_microbatches(batch: Batch | Sequence[Batch], n_microbatches: int | None) 
     return microbatches
 
 
+@takes_options(PipelineOptions, differs={
+    "n_microbatches": "None: the microbatches as given (a list of batches, or one batch whole)"})
 def reference_step(model: LlamaModel | LlamaConfig, batch: Batch | Sequence[Batch],
-                   n_microbatches: int | None = None, seed: int = 0) -> ReferenceResult:
+                   n_microbatches: int | None = None,
+                   seed: int = PipelineOptions.seed) -> ReferenceResult:
     """Loss and every parameter's gradient of one step on one device, microbatched like a pipeline.
 
     `model` is a built model (its gradients are overwritten; a `transformers` causal LM

@@ -28,7 +28,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.profiler import record_function
 
-from pplab.base.arguments import OP_TIMEOUT
+from pplab.base.config import LabOptions, takes_options
 from pplab.models import dropout_streams
 from pplab.models.llama import loss_fn
 from pplab.planning.simulator import Costs
@@ -135,8 +135,9 @@ class _StepState:
 class RankRuntime:
     """Runs one rank's action list of a schedule with that rank's stage modules."""
 
+    @takes_options(LabOptions, differs={"device": "the rank's torch.device, its pipeline's"})
     def __init__(self, schedule: Schedule, rank: int, stages: dict[int, nn.Module],
-                 device="cpu", op_timeout: float = OP_TIMEOUT, record: bool = True,
+                 device="cpu", op_timeout: float = LabOptions.op_timeout, record: bool = True,
                  timing: Costs | None = None, group=None, tied=None):
         """`tied`: a `pplab.rank.tied.TiedGradients` when this rank holds one end of a tied weight."""
         missing = set(schedule.stages_of(rank)) - set(stages)

@@ -13,12 +13,11 @@ import importlib
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
-from pplab.base.config import keywords_help
+from pplab.base.config import LabOptions, PipelineOptions, keywords_help, takes_options
 from pplab.base.renames import renamed_keywords
 from pplab.drivers.cluster.lab import Lab as _ClusterLab
 from pplab.drivers.local import RankPool as _LocalPool
 from pplab.drivers.torchrun import TorchrunRanks as _TorchrunRanks
-from pplab.session.run import RunConfig
 
 if TYPE_CHECKING:  # imported when a pipeline is built: they import torch (1-2 s in a fresh kernel),
     # which a lab's start needs no more than a pool's (the engines import their own)
@@ -46,13 +45,16 @@ class _BuildsPipelines:
     pipeline_class = ImportedOnUse("pplab.session.pipeline:Pipeline")
 
     @renamed_keywords
-    def pipeline(self, config: LlamaConfig, schedule: str | Schedule = "1f1b",
-                 n_microbatches: int | None = None,
-                 n_virtual: int = 1, *, impl: str = "pplab", seed: int = 0,
-                 balance: Sequence[int] | None = None,
+    @takes_options(LabOptions, differs={"op_timeout": "None: the driver's own op_timeout"})
+    @takes_options(PipelineOptions, every=True, differs={
+        "n_microbatches": "None: a Schedule's own count; {default} for a schedule's name"})
+    def pipeline(self, config: LlamaConfig, schedule: str | Schedule = PipelineOptions.schedule,
+                 n_microbatches: int | None = None, n_virtual: int = PipelineOptions.n_virtual, *,
+                 impl: str = PipelineOptions.impl, seed: int = PipelineOptions.seed,
+                 balance: Sequence[int] | None = PipelineOptions.balance,
                  allow_empty: bool = False, op_timeout: float | None = None, timing: Costs | None = None,
                  record: bool = True, mesh: Mesh | dict | None = None,
-                 param_dtype: str = "float32") -> Pipeline:
+                 param_dtype: str = PipelineOptions.param_dtype) -> Pipeline:
         # The docstring is made below: its keywords that are a run's fields say what their field says.
         from pplab.rank.rank_pipeline import PipelineSpec
 
@@ -64,12 +66,11 @@ class _BuildsPipelines:
         return self.pipeline_class(self, spec)
 
 
-# lab.pipeline's keywords: those that are a run's fields (schedule, n_microbatches, n_virtual, impl, seed,
-# balance, param_dtype) take their field's name, default (tests/test_config.py) and help; the rest are its
-# own.
+# lab.pipeline's keywords: the pipeline's options (PipelineOptions) take their field's name, default
+# (checked by takes_options) and help; the rest are its own.
 _BuildsPipelines.pipeline.__doc__ = (
     "Build a pipeline's stages on every rank, everything checked first; step it with `.step()`.\n\n"
-    + keywords_help(_BuildsPipelines.pipeline, RunConfig, {
+    + keywords_help(_BuildsPipelines.pipeline, PipelineOptions, {
         "config": "the model: a `pplab.LlamaConfig`; a Hugging Face causal-LM config or a local directory "
                   "holding one (config.json, optionally *.safetensors); or a `pplab.models.hf.HFModel` "
                   "(a layout of your own, tied sums off): see pplab.models.hf",

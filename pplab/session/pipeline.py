@@ -17,6 +17,7 @@ from collections.abc import Sequence
 from pplab._version import __version__
 from pplab.base.arguments import check_positive_seconds
 from pplab.base.checkpoint_files import CheckpointError, read_manifest, resume_path
+from pplab.base.config import takes_options
 from pplab.data import Batch, batches
 from pplab.drivers.contract import PerRank
 from pplab.models.llama import LlamaConfig
@@ -118,6 +119,7 @@ class Pipeline:
         mesh = self.spec.mesh
         return [mesh.label(r) if mesh else f"rank {r}" for r in range(self.spec.world_size)]
 
+    @takes_options(TrainOptions, differs={"seq_len": "32: a short batch, quick on CPU, to show a step"})
     def default_batch(self, microbatch_size: int = 2, seq_len: int = 32, seed: int = 0) -> Batch:
         """A batch of the embedded corpus that splits into this pipeline's
         microbatches (of every dp replica)."""

@@ -17,35 +17,27 @@ import dataclasses
 import json
 import os
 import warnings
-from collections.abc import Sequence
 from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 from pplab.base.config import (
-    IMPLEMENTATIONS,
-    INTEGER,
-    LAYERS,
-    PARAM_DTYPES,
     PATH,
+    PipelineOptions,
     TrainOptions,
-    ValueKind,
-    choice,
     option,
     sections_of,
 )
 from pplab.base.renames import keyword_renames, renamed_keywords, rows
 from pplab.schedules import Schedule
-from pplab.schedules.names import SCHEDULE_NAMES, TORCH_ONLY_NAMES
 
 if TYPE_CHECKING:
     from pplab.rank.train import TrainHistory
 
-# A schedule by name (flags, files), or in Python a Schedule itself (built, written, searched).
-SCHEDULE = ValueKind("a schedule's name, or a Schedule", str, lambda v: isinstance(v, (str, Schedule)),
-                     "'1f1b'")
-
 __all__ = ["RunConfig", "train"]
+
+# Seconds a whole training run on local ranks may take (`pplab train --timeout`), unless told.
+RUN_TIMEOUT = 3600.0
 
 # Older names for two of them (pplab.base.renames), read in files and dicts and shown as the canonical
 # name (a schedule's name may be spelled the older way too, "interleaved_1f1b": schedule_name reads
@@ -54,34 +46,16 @@ ALIASES = keyword_renames("pplab.session.run.RunConfig.__init__")
 
 
 @dataclass(frozen=True)
-class RunConfig(TrainOptions):
-    """Everything a training run takes (TrainOptions' fields, and the model and its layout)."""
+class RunConfig(TrainOptions, PipelineOptions):
+    """Everything a training run takes: how to train (TrainOptions), the pipeline (PipelineOptions),
+    and the model and its layout."""
 
     model: str = option("tiny", "tiny, small, or a config.json (pplab's fields, or a Hugging "
                                 "Face config)", "model",
                         PATH)
-    param_dtype: str = option("float32", "the stages' weights and activations (bfloat16: a pipeline alone; "
-                                         "the loss in fp32)", "model", choice(*PARAM_DTYPES))
-    seed: int = option(0, "the model's initialisation: each parameter from (seed, its "
-                          "name)", "model", INTEGER)
     pp: int = option(2, "ranks along the pipeline; the run takes pp x dp x tp ranks", "parallel")
     dp: int = option(1, "FSDP replicas (a mesh; impl torch)", "parallel")
     tp: int = option(1, "tensor-parallel ranks (a mesh; impl torch)", "parallel")
-    schedule: str | Schedule = option("1f1b", f"one of {', '.join(SCHEDULE_NAMES)}; with impl torch also "
-                                              f"{', '.join(TORCH_ONLY_NAMES)} (any case; torch's class names "
-                                              "work too); in Python also a "
-                                              "Schedule", "schedule", SCHEDULE, "NAME")
-    impl: str = option("pplab", "the hand-written runtime (pplab), or torch.distributed.pipelining's "
-                                "schedules (torch)", "schedule", choice(*IMPLEMENTATIONS))
-    n_microbatches: int = option(4, "microbatches per pipeline per step (a Schedule "
-                                    "brings its own)", "schedule",
-                                 metavar="N")
-    n_virtual: int = option(1, "stages per rank (interleaved and torch's multi-stage "
-                               "schedules: 2+)", "schedule",
-                            metavar="N")
-    balance: Sequence[int] | None = option(
-        None, "layers per stage (3,5 on the command line, [3, 5] in Python; default: as even as possible)",
-        "schedule", LAYERS, "L1,L2,...")
 
     def __post_init__(self):
         super().__post_init__()
@@ -273,7 +247,7 @@ def _vocabulary(tokenizer: str, bpe_size: int) -> int | None:
     return load_tokenizer(tokenizer).vocab_size
 
 
-def train(config: RunConfig | None = None, *, timeout: float = 3600.0, show: bool = True,
+def train(config: RunConfig | None = None, *, timeout: float = RUN_TIMEOUT, show: bool = True,
           **keywords) -> TrainHistory:
     """Train as `config` (and/or keywords: RunConfig's fields) says, on local ranks, or on the processes
     torchrun started (each process calls it: rank 0 gets the history, the others None)."""

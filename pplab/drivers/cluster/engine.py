@@ -183,6 +183,19 @@ def breaking_errors() -> tuple[type[BaseException], ...]:
     return PipelineTimeoutError, dist.DistBackendError
 
 
+def set_op_timeout(seconds: float) -> None:
+    """Give the process group's collectives a new bound (`lab.op_timeout = ...` on a running lab).
+
+    torch sets a group's timeout when it is made; its `_set_pg_timeout` (private, in torch 2.13)
+    changes it after for collectives; gloo's raw send/recv keep the first one (its pairs were made
+    with it). tests/test_cluster.py checks that a collective then gives up at the new bound, so a
+    torch that drops it fails there."""
+    import torch.distributed as dist
+    from torch.distributed.distributed_c10d import _set_pg_timeout
+
+    _set_pg_timeout(datetime.timedelta(seconds=seconds), dist.group.WORLD)
+
+
 def teardown_rank() -> None:
     """Leave the process group, so that the engine can stop cleanly."""
     import torch.distributed as dist

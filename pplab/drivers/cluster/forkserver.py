@@ -73,11 +73,11 @@ def start_engine(index: int, engine_argv: list[str]) -> int:
         os._exit(code)  # never fall back into the supervisor's code
 
 
-def stop_engines(children: dict[int, int], grace: float = GRACE_SECONDS) -> None:
-    """SIGTERM every engine, give them `grace` s, then SIGKILL the rest and reap them all."""
+def stop_engines(children: dict[int, int], kill_after: float = GRACE_SECONDS) -> None:
+    """SIGTERM every engine, give them `kill_after` s, then SIGKILL the rest and reap them all."""
     for pid in children:
         _signal(pid, signal.SIGTERM)
-    deadline = time.monotonic() + grace
+    deadline = time.monotonic() + kill_after
     while children and time.monotonic() < deadline:
         reap(children)
         time.sleep(0.05)
@@ -145,7 +145,7 @@ def main(argv: list[str]) -> int:
         if command == "":
             listening = False  # nobody will ask again (stdin closed, or never open)
         elif command and command.startswith(f"{ENGINES_COMMAND} "):
-            stop_engines(children, grace=0)  # a restart: ranks may be stuck in a wait
+            stop_engines(children, kill_after=0)  # a restart: ranks may be stuck in a wait
             os.environ["IPP_CLUSTER_ID"] = command.split()[1]
             children = fork_engines(count, engine_argv)
     stop_engines(children)

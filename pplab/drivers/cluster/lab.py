@@ -25,7 +25,8 @@ from collections.abc import Sequence
 from dataclasses import replace
 from typing import Callable, Iterator
 
-from pplab.base.arguments import OP_TIMEOUT, check_positive_int, check_positive_seconds
+from pplab.base.arguments import check_positive_int, check_positive_seconds
+from pplab.base.config import LabOptions, keywords_help, takes_options
 from pplab.base.machine import busy_note, measure_load
 from pplab.base.renames import renamed_keywords
 from pplab.drivers.cluster import engine, records
@@ -78,33 +79,17 @@ class Lab:
     _stopped = True  # until a start begins (also for __del__ of a lab whose arguments failed)
 
     @renamed_keywords
-    def __init__(self, n_ranks: int = 2, *, backend: str = "auto", device: str = "auto",
-                 op_timeout: float = OP_TIMEOUT, threads: int | None = 1, grace: float = 3.0,
-                 start_timeout: float = 120.0, controller_ip: str = "127.0.0.1",
+    @takes_options(LabOptions, every=True)
+    def __init__(self, n_ranks: int = LabOptions.n_ranks, *, backend: str = LabOptions.backend,
+                 device: str = LabOptions.device, op_timeout: float = LabOptions.op_timeout,
+                 threads: int | None = LabOptions.threads, grace: float = LabOptions.grace,
+                 start_timeout: float = LabOptions.start_timeout, controller_ip: str = "127.0.0.1",
                  fork: bool | None = None, profile_dir: str | None = None,
-                 gpus: Sequence[int] | None = None, cores: Sequence[int] | None = None,
-                 host_messages: bool | None = None, gpu_memory_fraction: float | None = None,
+                 gpus: Sequence[int] | None = LabOptions.gpus, cores: Sequence[int] | None = LabOptions.cores,
+                 host_messages: bool | None = LabOptions.host_messages,
+                 gpu_memory_fraction: float | None = LabOptions.gpu_memory_fraction,
                  activate: bool = True, verbose: bool = True):
-        """Start a local lab: a controller and `n_ranks` engines joined in one process group.
-
-        op_timeout: seconds ONE wait between ranks (a rendezvous, a collective, a P2P op) may take
-            before it gives up; `lab.run(fn, timeout=...)` is how long this client waits for a call.
-        threads: torch threads per rank (None keeps torch's default).
-        grace: seconds the other ranks get to finish after the first rank raises.
-        controller_ip: the controller listens on loopback only unless you change this.
-        fork: start engines by forking one process that imported torch (default on Linux).
-        gpus: the CUDA devices of the ranks, one per rank (e.g. [2, 3]: each attendee of a
-            workshop its own; see pplab.drivers.cluster.gpus_for_seat; [0, 0]: two ranks share GPU 0);
-            default: rank r on GPU r % (the host's GPUs).
-        host_messages: copy each message through host memory and send it over gloo. Default
-            (None): where ranks share a GPU (NCCL holds one rank per device), else NCCL between
-            GPUs; True also on CPU, where it runs the same path as ranks that share a GPU.
-        gpu_memory_fraction: the share of its GPU's memory each rank may take (on CPU: no effect), so
-            that in a room one attendee cannot take a GPU from the others (see
-            pplab.drivers.cluster.plan_room).
-        cores: one core per rank to keep its threads on (e.g. [0, 1]), where every rank can have a core
-            of its own; default: none (see pplab.drivers.cores for when pinning pays).
-        """
+        # The docstring is made below the class: the options' help is their fields' (LabOptions).
         check_positive_int("n_ranks", n_ranks, example=2)
         self._configure(n_ranks=n_ranks, backend=backend, device=device, op_timeout=op_timeout,
                         threads=threads, grace=grace, start_timeout=start_timeout,
@@ -136,11 +121,14 @@ class Lab:
 
     @classmethod
     @renamed_keywords
+    @takes_options(LabOptions, differs={"n_ranks": "None: every engine of the cluster"})
     def connect(cls, profile: str | None = "default", cluster_id: str = "", *,
                 profile_dir: str | None = None, n_ranks: int | None = None,
-                backend: str = "auto", device: str = "auto", op_timeout: float = OP_TIMEOUT,
-                threads: int | None = 1, grace: float = 3.0, start_timeout: float = 120.0,
-                gloo_ifname: str | None = None, host_messages: bool | None = None, activate: bool = True,
+                backend: str = LabOptions.backend, device: str = LabOptions.device,
+                op_timeout: float = LabOptions.op_timeout, threads: int | None = LabOptions.threads,
+                grace: float = LabOptions.grace, start_timeout: float = LabOptions.start_timeout,
+                gloo_ifname: str | None = None, host_messages: bool | None = LabOptions.host_messages,
+                activate: bool = True,
                 verbose: bool = True, restart_engines: Callable[[], None] | None = None) -> "Lab":
         """Make ranks of the engines of a cluster you started (ipcluster, any launcher, many hosts).
 
@@ -168,7 +156,7 @@ class Lab:
         """Check and keep the options shared by Lab() and Lab.connect()."""
         self._requested = {"n_ranks": n_ranks, "backend": backend, "device": device,
                            "host_messages": host_messages}
-        self.op_timeout = check_positive_seconds("op_timeout", op_timeout)
+        self._op_timeout = check_positive_seconds("op_timeout", op_timeout)
         self.grace = check_positive_seconds("grace", grace)
         self.start_timeout = check_positive_seconds("start_timeout", start_timeout)
         # A start's waits are start_timeout at a quiet machine's pace, stretched by this one's load.
@@ -340,6 +328,21 @@ class Lab:
         if self._stopped:
             return "stopped"
         return f"needs restart: {self._ranks.broken}" if self._ranks.broken else "running"
+
+    @property
+    def op_timeout(self) -> float:
+        """Seconds ONE wait between ranks may take. Set on a running lab, the ranks' process group takes
+        the new bound at once for its collectives, and a pipeline built after for its own waits (one
+        built before keeps its bound). gloo's raw `dist.send`/`dist.recv` keep the bound the group was
+        made with until `lab.restart()`, which makes the group with this one."""
+        return self._op_timeout
+
+    @op_timeout.setter
+    def op_timeout(self, seconds: float) -> None:
+        seconds = check_positive_seconds("op_timeout", seconds)
+        if self.state == "running" and seconds != self._op_timeout:
+            self.run(engine.set_op_timeout, seconds, timeout=TEARDOWN_SECONDS)
+        self._op_timeout = seconds
 
     @property
     def world_size(self) -> int:
@@ -528,6 +531,16 @@ class Lab:
     def __repr__(self) -> str:
         return (f"<Lab {self.world_size} ranks, {self.backend} on {self.device}, "
                 f"cluster {self.cluster_id!r}: {self.state}>")
+
+
+Lab.__init__.__doc__ = (
+    "Start a local lab: a controller and `n_ranks` engines joined in one process group.\n\n"
+    + keywords_help(Lab.__init__, LabOptions, {
+        "controller_ip": "the controller listens on loopback only unless you change this",
+        "fork": "start engines by forking one process that imported torch (default on Linux)",
+        "profile_dir": "the ipyparallel profile's folder (default: one of pplab's own)",
+        "activate": "make %%px cells run on this lab's engines",
+        "verbose": "print the start's progress and the ready line"}) + "\n")
 
 
 def _local_gpu_count(backend: str, device: str) -> int:

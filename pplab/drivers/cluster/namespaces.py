@@ -36,6 +36,7 @@ import time
 import uuid
 
 from pplab.base.arguments import check_positive_int
+from pplab.base.config import LabOptions, takes_options
 from pplab.base.machine import recent_load
 from pplab.base.renames import renamed_keywords
 from pplab.drivers.cluster.launchers import controller_args, engine_args  # as a local lab's
@@ -53,8 +54,9 @@ class NamespaceHosts:
     """`n_hosts` network namespaces joined by a bridge, a controller on the first, engines on each."""
 
     @renamed_keywords
+    @takes_options(LabOptions)
     def __init__(self, n_hosts: int = 2, engines_per_host: int = 2, subnets: tuple[str, str] | None = None,
-                 start_timeout: float = 120.0):
+                 start_timeout: float = LabOptions.start_timeout):
         check_positive_int("n_hosts", n_hosts, example=2)
         check_positive_int("engines_per_host", engines_per_host, example=2)
         self.tag = uuid.uuid4().hex[:6]

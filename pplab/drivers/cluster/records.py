@@ -93,12 +93,12 @@ def with_descendants(entries: list[dict]) -> list[psutil.Process]:
     return processes
 
 
-def stop_processes(entries: list[dict], grace: float = 2.0) -> list[int]:
-    """Stop the live processes among `entries` and their children: SIGTERM, SIGKILL after `grace` s."""
+def stop_processes(entries: list[dict], kill_after: float = 2.0) -> list[int]:
+    """Stop the live processes among `entries` and their children: SIGTERM, SIGKILL after `kill_after` s."""
     processes = with_descendants(entries)
     for process in processes:
         _send(process, signal.SIGTERM)
-    still_alive = wait_until_exited(processes, timeout=grace)
+    still_alive = wait_until_exited(processes, timeout=kill_after)
     for process in still_alive:
         _send(process, signal.SIGKILL)
     wait_until_exited(still_alive, timeout=5)

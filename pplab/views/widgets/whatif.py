@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import ipywidgets as widgets
 
+from pplab.base.config import LabOptions, PipelineOptions, takes_options
 from pplab.planning.simulator import Costs, costs_from_timeline, simulate
 from pplab.schedules import SCHEDULE_NAMES, Kind, Schedule, build, schedule_name, theory
 from pplab.trace.timeline import Timeline
@@ -20,11 +21,19 @@ _SLIDER = dict(continuous_update=True, readout_format=".3g", style={"description
                layout=widgets.Layout(width="420px"))
 
 
+# Why the panel starts at 4 ranks and 8 microbatches where a run starts at 2 and 4.
+_SEEN = "4 ranks, 8 microbatches: a bubble large enough to see, and room for the sliders to shrink it"
+
+
 class WhatIf(widgets.VBox):
     """Move the sliders; the simulated timeline and its bubble redraw (see the module docstring)."""
 
-    def __init__(self, schedule: str | Schedule = "1f1b", n_ranks: int = 4, n_microbatches: int = 8,
-                 n_virtual: int | None = None, costs: Costs | None = None,
+    @takes_options(Costs, differs={"activation_bytes": "1 MiB: a message the bandwidth slider can price"})
+    @takes_options(LabOptions, differs={"n_ranks": _SEEN})
+    @takes_options(PipelineOptions, differs={"n_microbatches": _SEEN,
+                                             "n_virtual": "None: 2 for interleaved-1f1b, else 1"})
+    def __init__(self, schedule: str | Schedule = PipelineOptions.schedule, n_ranks: int = 4,
+                 n_microbatches: int = 8, n_virtual: int | None = None, costs: Costs | None = None,
                  measured: Timeline | None = None, activation_bytes: int = 1 << 20):
         self.custom = schedule if isinstance(schedule, Schedule) else None
         if self.custom is not None:
