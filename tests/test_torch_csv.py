@@ -1,6 +1,7 @@
 """Schedules as torch's CSV: written from any pplab schedule, read back equal, refused with the
 action and the reason, and run by torch's own runtime (`_PipelineScheduleRuntime._load_csv`) in
-a torchrun script with no pplab code on the ranks, its gradients those of one device."""
+a torchrun script with no pplab code on the ranks, its gradients those of one device; in both
+formats, compute-only and compute+comms, and what torch lowers a schedule to, read back."""
 
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ import sys
 import pytest
 
 from pplab.planning.search import search
-from pplab.planning.simulator import Costs
+from pplab.planning.simulator import Costs, simulate
 from pplab.schedules import (
     Action,
     Kind,
@@ -23,7 +24,10 @@ from pplab.schedules import (
     check_torch_runs,
     from_text,
     from_torch,
+    lowered_by_torch,
+    validate,
 )
+from pplab.schedules.torch_csv import _stand_in_runtime
 
 
 def searched(n_ranks: int, n_microbatches: int, costs: Costs) -> Schedule:
@@ -80,6 +84,60 @@ def test_what_torchs_csv_cannot_hold_is_refused_naming_the_cell_and_why(tmp_path
     assert not (tmp_path / "never.csv").exists()
 
 
+LOWERED = {"1f1b": (2, 4, 1), "interleaved-1f1b": (4, 8, 2), "zb-h1": (4, 8, 1), "gpipe": (2, 4, 1)}
+
+
+@pytest.mark.quick
+@pytest.mark.parametrize("name", LOWERED)
+@pytest.mark.parametrize("defer", [False, True], ids=["early receives", "deferred receives"])
+def test_what_torch_lowers_a_schedule_to_is_read_valid_and_round_trips_through_both(name, defer, tmp_path):
+    schedule = build(name, *LOWERED[name])
+    lowered = lowered_by_torch(schedule, defer_pp_recv=defer)
+    validate(lowered)
+    assert lowered.compute_only().actions == schedule.compute_only().actions  # torch keeps the order
+    assert lowered.has_communication and lowered.stage_actions is not None
+    for rank, extra in enumerate(lowered.stage_actions):  # every stage of the rank: gathered, freed
+        texts = [text for _, text in extra]
+        for stage in schedule.stages_of(rank):
+            assert {f"{stage}UNSHARD", f"{stage}RESHARD", f"{stage}REDUCE_GRAD"} <= set(texts)
+    path = lowered.to_torch_csv(tmp_path / "lowered.csv", format="compute_comms")
+    assert Schedule.from_torch_csv(path, lowered.name, format="compute_comms") == lowered
+    runtime = _stand_in_runtime(schedule)  # torch reads pplab's file as the one it wrote
+    runtime._load_csv(str(path), format="compute_comms")
+    runtime._dump_csv(str(tmp_path / "again.csv"), format="compute_comms")
+    assert (tmp_path / "again.csv").read_text() == path.read_text()
+
+
+@pytest.mark.quick
+def test_torchs_early_receives_cost_an_interleaved_step_that_deferred_ones_do_not():
+    """In pplab's model of a message (a rank's receive holds it until the message arrives), torch's
+    lowering of interleaved-1F1B, each receive posted as early as it can be, stalls the pipeline
+    behind receives that wait (the cascade of pytorch issue 172668); deferred, it runs as fast as
+    the compute order allows."""
+    schedule = build("interleaved-1f1b", 4, 8, 2)
+    costs = Costs(latency=0.1)
+    bound = simulate(schedule.compute_only(), costs).step_time()
+    early = simulate(lowered_by_torch(schedule), costs).step_time()
+    deferred = simulate(lowered_by_torch(schedule, defer_pp_recv=True), costs).step_time()
+    assert early > 1.5 * bound and deferred == pytest.approx(bound), (bound, early, deferred)
+
+
+@pytest.mark.quick
+def test_a_format_torch_does_not_have_is_refused_and_a_compute_comms_file_holds_its_messages(tmp_path):
+    schedule = build("1f1b", 2, 4)
+    with pytest.raises(ValueError, match=r"format='comms': give one of 'compute_only', 'compute_comms'"):
+        schedule.to_torch_csv(tmp_path / "x.csv", format="comms")
+    path = schedule.to_torch_csv(tmp_path / "own.csv", format="compute_comms")  # pplab's own order
+    read = Schedule.from_torch_csv(path, format="compute_comms")
+    assert read.actions == schedule.actions and read.has_communication
+    assert read.stage_actions == (((0, "0UNSHARD"), (16, "0REDUCE_GRAD"), (16, "0RESHARD")),
+                                  ((0, "1UNSHARD"), (16, "1REDUCE_GRAD"), (16, "1RESHARD")))
+    path.write_text("0F0,(0F1;0B0)OVERLAP_F_B\n1F0,1B0\n")
+    with pytest.raises(ScheduleError, match=r"cell 2: '\(0F1;0B0\)OVERLAP_F_B' is one of torch's actions "
+                                            r"pplab does not model"):
+        Schedule.from_torch_csv(path, format="compute_comms")
+
+
 # Plain torch on the ranks: a stack of Linear + Tanh blocks, one per stage, in float64; each rank
 # reads its stages off its own row of the CSV; torch's runtime loads the file and runs it; rank 0
 # gathers every stage's gradients and compares them with one device's.
@@ -117,7 +175,7 @@ for path in sys.argv[2:]:
     modules = {index: block(index) for index in mine}
     stages = [PipelineStage(modules[index], index, n_stages, torch.device("cpu")) for index in mine]
     runtime = _PipelineScheduleRuntime(stages, N_MICROBATCHES, loss_fn=loss_fn, scale_grads=True)
-    runtime._load_csv(path)
+    runtime._load_csv(path, format="compute_comms" if path.endswith(".comms.csv") else "compute_only")
     losses = []
     first, last = 0 in mine, n_stages - 1 in mine
     runtime.step(*([inputs] if first else []), target=targets if last else None,
@@ -151,6 +209,11 @@ def test_torchs_runtime_runs_pplabs_schedules_from_the_csv_exact_against_one_dev
                          "1F0 1I0 1F1 1I1 1W0 1W1 1F2 1I2 1F3 1I3 1W2 1W3"])
     paths = [schedule.to_torch_csv(tmp_path / f"{label}.csv")
              for label, schedule in (("searched", found), ("v", shaped_v), ("by-hand", by_hand))]
+    # and as compute+comms: torch's own lowering read back and written, and pplab's order of messages
+    interleaved = build("interleaved-1f1b", 2, 4, 2)
+    paths += [schedule.to_torch_csv(tmp_path / f"{label}.comms.csv", format="compute_comms")
+              for label, schedule in (("lowered-deferred", lowered_by_torch(interleaved, defer_pp_recv=True)),
+                                      ("pplabs-order", build("1f1b", 2, 4)))]
     script, out = tmp_path / "run_csv.py", tmp_path / "results.json"
     script.write_text(TORCHRUN_SCRIPT)
     done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone",
@@ -160,7 +223,7 @@ def test_torchs_runtime_runs_pplabs_schedules_from_the_csv_exact_against_one_dev
                           env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert done.returncode == 0, done.stdout + done.stderr[-4000:]
     results = json.loads(out.read_text())
-    assert [results[str(path)]["stages"] for path in paths] == [2, 4, 2]
+    assert [results[str(path)]["stages"] for path in paths] == [2, 4, 2, 4, 2]
     for path in paths:
         assert results[str(path)]["same_names"], results
         assert results[str(path)]["max_difference"] < 1e-12, (path.name, results[str(path)])
@@ -208,3 +271,21 @@ def test_a_lab_runs_a_searched_schedule_on_torchs_runtime_exactly(lab2):
         assert order == [[str(a) for a in acts if a.is_compute] for acts in listed.actions]
     finally:
         pipe.close()
+
+
+def test_a_csv_file_names_the_schedule_and_torch_runs_a_lowered_one_as_written(lab2, tmp_path):
+    """`schedule="FILE.csv"` (also `pplab train --schedule FILE.csv`): a file with its messages runs
+    on torch's runtime in its own order, exactly."""
+    import pplab
+
+    lowered = lowered_by_torch(build("interleaved-1f1b", 2, 4, 2), defer_pp_recv=True)
+    path = lowered.to_torch_csv(tmp_path / "lowered.csv", format="compute_comms")
+    pipe = lab2.pipeline(pplab.LlamaConfig.tiny(), schedule=str(path), impl="torch")
+    try:
+        assert pipe.schedule.stage_actions == lowered.stage_actions
+        parity = pipe.check_parity()
+        assert parity.passed and parity.max_abs_diff == 0.0, str(parity)
+    finally:
+        pipe.close()
+    with pytest.raises(ScheduleError, match=r"no such file \(a schedule ending in .csv is read as torch's"):
+        lab2.pipeline(pplab.LlamaConfig.tiny(), schedule=str(tmp_path / "nowhere.csv"), impl="torch")

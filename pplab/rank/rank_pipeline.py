@@ -32,6 +32,7 @@ from pplab.rank.reference import as_microbatches
 from pplab.rank.runtime import RankRuntime, RankStep
 from pplab.rank.tied import TiedGradients, tie_on_rank
 from pplab.schedules import Schedule, build, check_runnable, check_torch_runs, validate
+from pplab.schedules.torch_csv import read_either_csv
 from pplab.trace.timeline import Event
 
 
@@ -101,6 +102,8 @@ class PipelineSpec:
         for name, value in (("impl", impl), ("param_dtype", param_dtype), ("n_virtual", n_virtual),
                             ("seed", seed), ("balance", balance)):
             check_option(PipelineOptions, name, value)
+        if isinstance(schedule, str) and schedule.endswith(".csv"):  # a file torch's runtime reads
+            schedule = read_either_csv(schedule)
         if n_microbatches is None and isinstance(schedule, str):
             n_microbatches = PipelineOptions.n_microbatches
         config = as_model(config)

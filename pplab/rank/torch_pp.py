@@ -343,9 +343,11 @@ class TorchRankRuntime:
         # those of the mean loss, as pplab's runtime and the single-device reference compute.
         self.torch_schedule = schedule_class(self.torch_stages[0] if single else self.torch_stages,
                                              schedule.n_microbatches, loss_fn=loss_fn, scale_grads=True)
-        if not plan:
+        if not plan:  # a schedule read with its messages (compute_comms) runs in its own order
+            format = "compute_only" if schedule.stage_actions is None else "compute_comms"
             with tempfile.TemporaryDirectory() as folder:
-                self.torch_schedule._load_csv(str(schedule.to_torch_csv(Path(folder) / "schedule.csv")))
+                path = schedule.to_torch_csv(Path(folder) / "schedule.csv", format)
+                self.torch_schedule._load_csv(str(path), format=format)
 
     def _example_arguments(self, index: int, activation_shape) -> dict:
         """A stage's input and output, for torch's `input_args` and `output_args`: zeros of the

@@ -21,8 +21,9 @@ inside `from_torch`). The modules, each building on the ones before:
 * `textbook` — `theory`: the textbook bubble and peak in-flight activations;
 * `torch_plans` — `TORCH_SCHEDULES` (torch's schedules by canonical name: torch's class
   name and stages per rank) and `from_torch`: torch.distributed.pipelining's plans as schedules;
-* `torch_csv` — any schedule as the CSV torch's runtime and torchtitan run
-  (`Schedule.to_torch_csv`, `Schedule.from_torch_csv`), and `check_torch_runs`.
+* `torch_csv` — any schedule as the CSV torch's runtime and torchtitan run, compute-only or with
+  its sends and receives (`Schedule.to_torch_csv`, `Schedule.from_torch_csv`); `check_torch_runs`,
+  and `lowered_by_torch`: what torch's runtime will execute for a compute order.
 
 The integer form `validate` and `simulate` loop over (`compiled`) reads the same rules,
 once per (kind, stage).
@@ -56,9 +57,9 @@ from pplab.schedules.schedule import (
     v_placement,
 )
 from pplab.schedules.textbook import Theory, peak_inflight_at, theory
-from pplab.schedules.torch_csv import check_torch_runs, read_torch_csv, write_torch_csv
+from pplab.schedules.torch_csv import check_torch_runs, lowered_by_torch, read_torch_csv, write_torch_csv
 from pplab.schedules.torch_plans import TORCH_SCHEDULES, TorchPlan, from_torch, torch_plan
 from pplab.schedules.validation import check_runnable, validate
 
 __all__ = ["Action", "Schedule", "ScheduleError", "DeadlockError", "build", "from_text", "from_torch",
-           "theory", "validate", "schedule_name", "check_torch_runs", "SCHEDULE_NAMES"]
+           "theory", "validate", "schedule_name", "check_torch_runs", "lowered_by_torch"]

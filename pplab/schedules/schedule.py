@@ -33,6 +33,12 @@ class Schedule:
     A schedule never changes once made: ``actions`` is a tuple of tuples, and
     every transformation (``compute_only``, ``add_communication``) returns a
     new schedule.
+
+    ``stage_actions`` holds, per rank, torch's actions of a whole stage that a lowered schedule
+    carries (``UNSHARD``, ``RESHARD``, ``REDUCE_GRAD``: FSDP's gather and free, the gradients'
+    reduction), each as (its position among the rank's actions, its text): pplab keeps them to
+    write the file back, and takes them as free; a schedule made from other lists
+    (``with_actions``) has none.
     """
 
     actions: tuple[tuple[Action, ...], ...]
@@ -42,6 +48,7 @@ class Schedule:
     n_virtual: int = 1
     name: str = "custom"
     placement: tuple[int, ...] | None = None
+    stage_actions: tuple[tuple[tuple[int, str], ...], ...] | None = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "actions", tuple(tuple(acts) for acts in self.actions))
@@ -58,6 +65,12 @@ class Schedule:
         if self.placement is not None:
             object.__setattr__(self, "placement", tuple(self.placement))
             _check_placement(self.placement, self.n_ranks, self.n_virtual)
+        if self.stage_actions is not None:
+            stage_actions = tuple(tuple((int(at), str(text)) for at, text in of) for of in self.stage_actions)
+            object.__setattr__(self, "stage_actions", stage_actions)
+            if len(self.stage_actions) != self.n_ranks:
+                raise ScheduleError(f"schedule {self.name!r} has stage actions for {len(self.stage_actions)} "
+                                    f"ranks, not {self.n_ranks}")
 
     def __getstate__(self) -> dict:
         # The integer form validate/simulate keep with a schedule is a cache: it does not travel.
@@ -97,21 +110,23 @@ class Schedule:
         return Schedule(actions, self.n_ranks, self.n_microbatches, self.n_stages,
                         self.n_virtual, self.name, self.placement)
 
-    def to_torch_csv(self, path) -> Path:
-        """Write this schedule as torch's compute-only CSV, which torch's `_PipelineScheduleRuntime`
-        and torchtitan (`pipeline_parallel_schedule_csv`) run; the path written (see
+    def to_torch_csv(self, path, format: str = "compute_only") -> Path:
+        """Write this schedule as torch's CSV, which torch's `_PipelineScheduleRuntime` and
+        torchtitan (`pipeline_parallel_schedule_csv`) run: "compute_only" (torch adds the sends and
+        receives) or "compute_comms" (this schedule's own order of them); the path written (see
         `pplab.schedules.torch_csv`)."""
         from pplab.schedules import write_torch_csv  # the package's, loaded after this module
 
-        return write_torch_csv(self, path)
+        return write_torch_csv(self, path, format)
 
     @classmethod
-    def from_torch_csv(cls, path, name: str | None = None) -> Schedule:
-        """Read torch's compute-only CSV back as a schedule, with pplab's sends and receives added
-        (`name`: the file's stem unless given)."""
+    def from_torch_csv(cls, path, name: str | None = None, format: str = "compute_only") -> Schedule:
+        """Read torch's CSV back as a schedule (`name`: the file's stem unless given): a
+        "compute_only" file with pplab's sends and receives added, a "compute_comms" one with its
+        own, where the file puts them."""
         from pplab.schedules import read_torch_csv  # the package's, loaded after this module
 
-        return read_torch_csv(path, name)
+        return read_torch_csv(path, name, format)
 
     def __str__(self) -> str:
         # One column per rank, like torch's printout: p columns stay readable
