@@ -52,6 +52,8 @@ _EXPORTS = {
     "search": "pplab.planning.search",  # floor 2: it runs the simulator
     "search_balance": "pplab.planning.balance",
     "stage_costs": "pplab.planning.balance",  # a balance's per-stage costs, from per-layer ones
+    "layer_layout": "pplab.models.layouts",  # a balance as torchtitan's or Megatron's layout
+    "balance_of_layout": "pplab.models.layouts",  # and back
     "Lab": "pplab.views.lab",  # engines as ranks, from Jupyter: pipelines with live views
     "RankPool": "pplab.session",  # the same on local processes: command line, tests, scripts
     "TorchrunRanks": "pplab.session",  # in a torchrun script: this process is one rank
@@ -77,6 +79,7 @@ __all__ = [*_EXPORTS]
 
 if _TYPE_CHECKING:  # what static checkers and editors see
     from pplab.drivers.cluster import cleanup
+    from pplab.models.layouts import balance_of_layout, layer_layout
     from pplab.models.llama import LlamaConfig, LlamaModel, build_model, generate
     from pplab.models.partition import build_stage, layer_ranges
     from pplab.planning.balance import search_balance, stage_costs

@@ -40,7 +40,7 @@ def test_demo_runs_every_schedule_checks_it_and_writes_pictures_and_traces(demo_
         assert {e["pid"] for e in trace["traceEvents"] if e.get("ph") == "X"} == {0, 1}
     assert done.stdout.count("parity ok") == 4 and "FAILED" not in done.stdout
     lines = {line.split()[0]: line for line in done.stdout.splitlines() if "parity" in line}
-    assert "(theory 0.250)" in lines["gpipe"]          # (p-1)/(m+p-1) with p=2, m=3
+    assert "(theory 25.0 %)" in lines["gpipe"]          # (p-1)/(m+p-1) with p=2, m=3
     assert "(theory n/a)" in lines["interleaved-1f1b"]
     assert "theory n/a: Megatron's formula needs n_microbatches a multiple of n_ranks" in done.stdout
 
@@ -120,7 +120,7 @@ def test_simulate_writes_the_predicted_timeline_trace_and_numbers(tmp_path):
     assert (tmp_path / "zb-h1.png").stat().st_size > 10_000
     traced = Timeline.from_chrome_trace(tmp_path / "zb-h1.trace.json")
     assert traced.step_time() == pytest.approx(27, rel=1e-6) and traced.n_ranks == 4
-    assert "step time 27" in done.stdout and "(theory 0.111)" in done.stdout
+    assert "step time 27" in done.stdout and "(theory 11.1 %)" in done.stdout
 
 
 def test_simulate_maps_weight_and_latency_onto_the_cost_model(tmp_path):

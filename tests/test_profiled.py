@@ -231,6 +231,14 @@ def test_a_slow_rank_is_named_the_straggler_and_the_waits_are_its(tmp_path):
                  "--out", str(tmp_path / "titan")]) == 0
     from_job = json.loads((tmp_path / "titan" / "report.json").read_text())
     assert from_job["straggler"] == 1 and from_job["step_time"] == numbers["step_time"]
+    # Its schedule changes as the job takes them: a class torch has, or a CSV written for it.
+    said = (tmp_path / "titan" / "report.txt").read_text()
+    assert 'schedule gpipe (' in said and 'pipeline_parallel_schedule = "GPipe"' in said
+    assert f'pipeline_parallel_schedule_csv = "{tmp_path / "titan" / "zb-h1.csv"}"' in said
+    from pplab.schedules import Schedule, build
+
+    written = Schedule.from_torch_csv(tmp_path / "titan" / "zb-h1.csv")
+    assert written.compute_only().actions == build("zb-h1", 2, M).compute_only().actions
     assert {p.name for p in out.iterdir()} >= {"timeline.png", "timeline.trace.json", "report.json",
                                                "report.txt"}
     assert recorded[0]["1f1b-pplab"]

@@ -79,6 +79,21 @@ def test_a_torchtitan_job_reads_as_a_run_and_lists_what_pplab_does_not_model(tmp
         assert RunConfig.from_torchtitan(path) == c
 
 
+@pytest.mark.quick
+def test_a_misspelt_key_is_refused_with_the_key_meant_and_a_job_without_a_model_says_so(tmp_path):
+    path = tmp_path / "typo.toml"
+    path.write_text("[parallelism]\npipeline_paralel_degree = 4\n")
+    with pytest.raises(ValueError, match=r"\[parallelism\] pipeline_paralel_degree is not a torchtitan key; "
+                                         r"did you mean pipeline_parallel_degree\?"):
+        read_torchtitan(path)
+    path.write_text("[parallelism]\npipeline_parallel_degree = 2\n[training]\nglobal_batch_size = 64\n"
+                    "[fancy]\nwhatever = 1\n")  # a key torchtitan has, and a table pplab does not read
+    job = read_torchtitan(path)
+    assert job.unmodeled == {"training.global_batch_size": 64, "fancy.whatever": 1}
+    assert "no [model] name and flavor: the model's sizes are not read" in job.text()
+    assert "None/None" not in job.text()
+
+
 def test_a_jobs_schedule_csv_is_the_schedule_and_what_does_not_fit_is_refused(tmp_path):
     found = from_torch("zbv-zero-bubble", 2, 4, 2)
     found.to_torch_csv(tmp_path / "found.csv")

@@ -334,7 +334,8 @@ class PipelineOptions:
                        INTEGER)
     schedule: str = option("1f1b", f"one of {', '.join(SCHEDULE_NAMES)}; with impl torch also "
                                    f"{', '.join(TORCH_ONLY_NAMES)} (any case; torch's class names work too); "
-                                   "in Python also a Schedule", "schedule", SCHEDULE, "NAME")
+                                   "or a torch CSV (FILE.csv, either format); in Python also a Schedule",
+                            "schedule", SCHEDULE, "NAME")
     impl: str = option("pplab", "the hand-written runtime (pplab), or torch.distributed.pipelining's "
                                 "schedules (torch)", "schedule", choice(*IMPLEMENTATIONS))
     n_microbatches: int = option(4, "microbatches per pipeline per step (a Schedule brings its own)",

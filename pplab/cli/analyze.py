@@ -19,7 +19,7 @@ def run(args: argparse.Namespace) -> int:
 
     run = read_profiler_traces(args.traces, step=args.step)
     n_ranks = run.timeline.n_ranks
-    schedule = _schedule(args, n_ranks)
+    schedule, job = _schedule(args, n_ranks)
     # The trace's other steps weigh in the straggler's verdict: a busy machine slows an action
     # once, rarely every time.
     report = explain(run.timeline, schedule, run.outside, steps=run.other_steps)
@@ -32,6 +32,8 @@ def run(args: argparse.Namespace) -> int:
                                            "simulated on the measured costs")), picture)
     run.timeline.to_chrome_trace(trace)
     said = run.summary().splitlines()[0] + "\n" + report.text()
+    if job is not None:
+        said += "\n" + _for_torchtitan(report, schedule, out)
     text.write_text(said + "\n")
     numbers.write_text(json.dumps(dict(
         command="pplab analyze", pplab_version=__version__, arguments=arguments_as_json(args),
@@ -51,7 +53,7 @@ def _schedule(args: argparse.Namespace, n_ranks: int):
     if not args.torchtitan_config:
         if args.schedule is None or args.n_microbatches is None:
             raise ValueError("give --schedule and --n-microbatches, or --torchtitan-config JOB.toml")
-        return named_schedule(args.schedule, n_ranks, args.n_microbatches, args.n_virtual)
+        return named_schedule(args.schedule, n_ranks, args.n_microbatches, args.n_virtual), None
     if args.schedule is not None or args.n_microbatches is not None:
         raise ValueError("--torchtitan-config brings the schedule and its microbatches: leave --schedule and "
                          "--n-microbatches out")
@@ -63,7 +65,32 @@ def _schedule(args: argparse.Namespace, n_ranks: int):
     if c.pp != n_ranks:
         raise ValueError(f"{args.torchtitan_config}: pipeline_parallel_degree = {c.pp}, but the traces hold "
                          f"{n_ranks} ranks: give the traces of one pipeline")
-    return job.schedule()
+    return job.schedule(), job
+
+
+def _for_torchtitan(report, schedule, out: Path) -> str:
+    """The report's schedule changes as a torchtitan job takes them: a torch schedule class, or, for a
+    schedule torch has no class for, a CSV written beside the report for torch's runtime to run."""
+    from pplab.planning.bubble import named_schedule
+    from pplab.schedules import TORCH_SCHEDULES
+
+    lines = ["in the torchtitan job ([parallelism]):"]
+    for suggestion in sorted(report.suggestions, key=lambda s: -s.gain):
+        words = suggestion.change.split()
+        if words[0] != "schedule":
+            continue
+        name, n_virtual = words[1], 2 if "2 stages per rank" in suggestion.change else 1
+        plan = TORCH_SCHEDULES.get(name)
+        if plan is not None:
+            how = f'pipeline_parallel_schedule = "{plan.torch_name}"'
+        else:
+            changed = named_schedule(name, schedule.n_ranks, schedule.n_microbatches, n_virtual)
+            path = changed.to_torch_csv(out / f"{name}.csv")
+            how = (f'pipeline_parallel_schedule = "_PipelineScheduleRuntime", '
+                   f'pipeline_parallel_schedule_csv = "{path}" (torch has no class for {name}; the CSV was '
+                   f'written for it)')
+        lines.append(f"  {suggestion.change} ({-suggestion.gain:+.0%}): {how}")
+    return "\n".join(lines)
 
 
 # Why the run's schedule and microbatches have no default: they are the run's, or its job file's.

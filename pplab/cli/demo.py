@@ -85,8 +85,8 @@ def run(args: argparse.Namespace) -> int:
         first, textbook = results[0], theory(spec.schedule, costs)
         print(f"  {name:23s} loss {first.loss:.5f}  parity {'ok' if parity_ok else 'FAILED'} (max |grad "
               f"diff| {max(p.max_abs_diff for p in parities):.1e})  gradient flow "
-              f"{'ok' if flow_ok else 'FAILED'}  bubble {first.timeline.bubble_fraction():.3f} (theory "
-              f"{bubble_figure(textbook.bubble_fraction)})  peak in-flight rank 0: "
+              f"{'ok' if flow_ok else 'FAILED'}  bubble {bubble_figure(first.timeline.bubble_fraction())} "
+              f"(theory {bubble_figure(textbook.bubble_fraction)})  peak in-flight rank 0: "
               f"{first.timeline.peak_inflight(0)}")
         if textbook.bubble_fraction is None:  # say why there is no textbook number
             print(f"  {'':23s} theory n/a: {textbook.conditions}")

@@ -39,8 +39,9 @@ def arguments_as_json(args: argparse.Namespace) -> dict:
 
 
 def bubble_figure(value: float | None) -> str:
-    """A bubble fraction as the demo prints it, or "n/a" when theory has no closed form."""
-    return "n/a" if value is None else f"{value:.3f}"
+    """A bubble fraction in percent, as the pictures title it ("11.1 %"), or "n/a" when theory has no
+    closed form."""
+    return "n/a" if value is None else f"{100 * value:.1f} %"
 
 
 def add_field_flags(parser: argparse.ArgumentParser, config_class, skip=(), title: str | None = None,

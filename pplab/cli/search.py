@@ -18,12 +18,14 @@ def run(args: argparse.Namespace) -> int:
     found = search(args.n_ranks, args.n_microbatches, costs_from_flags(args), memory_limit=args.memory_limit,
                    n_virtual=args.n_virtual, show=not args.quiet, exact=args.exact,
                    exact_seconds=args.exact_seconds)
+    print(found.table())  # the candidates, fastest first, as --help says
     print(found)
     if args.csv:
         path = found.schedule.to_torch_csv(Path(args.csv))
         print(f"wrote {path}: torch's compute-only CSV of {found.schedule.name!r}. Run it with torch's "
               f"_PipelineScheduleRuntime._load_csv, torchtitan's pipeline_parallel_schedule_csv, or "
-              f"`pplab simulate {path}`")
+              f"`pplab train --schedule {path} --impl torch --n-ranks {args.n_ranks} --n-microbatches "
+              f"{args.n_microbatches}`; simulate it with `pplab simulate {path}`")
     return 0
 
 

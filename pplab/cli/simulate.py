@@ -57,9 +57,10 @@ def run(args: argparse.Namespace) -> int:
                                     notes=job.notes)
     numbers.write_text(json.dumps(report, indent=2) + "\n")
     print(f"pplab simulate: {name} on a cost model ({sizes}; {_describe(costs, schedule)})")
-    print(f"  step time {timeline.step_time():.4g} (cost units)  bubble {timeline.bubble_fraction():.3f} "
-          f"(theory {bubble_figure(textbook.bubble_fraction)})  peak in-flight per rank "
-          f"{timeline.peak_inflight_per_rank()}")
+    print(f"  step time {timeline.step_time():.4g} (cost units)  "
+          f"bubble {bubble_figure(timeline.bubble_fraction())} "
+          f"(theory {bubble_figure(textbook.bubble_fraction)})  "
+          f"peak in-flight per rank {timeline.peak_inflight_per_rank()}")
     if textbook.bubble_fraction is None:
         print(f"  theory n/a: {textbook.conditions}")
     print(f"  wrote {picture}, {trace} (open in ui.perfetto.dev) and {numbers}")
@@ -85,12 +86,11 @@ def _built(args: argparse.Namespace) -> Schedule:
 
 
 def _from_csv(args: argparse.Namespace) -> Schedule:
-    """The schedule of a torch compute-only CSV; sizes given as flags must be the file's."""
+    """The schedule of a torch CSV (either format); sizes given as flags must be the file's."""
+    from pplab.schedules.torch_csv import read_either_csv
+
     path = Path(args.schedule)
-    if not path.is_file():
-        raise ValueError(f"{args.schedule}: no such file (a schedule ending in .csv is "
-                         "read from torch's CSV)")
-    schedule = Schedule.from_torch_csv(path)
+    schedule = read_either_csv(path)
     for flag, value in (("n_ranks", schedule.n_ranks), ("n_microbatches", schedule.n_microbatches),
                         ("n_virtual", schedule.n_virtual)):
         given = getattr(args, flag)

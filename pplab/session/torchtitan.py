@@ -6,12 +6,15 @@ models onto a `RunConfig`: the pipeline's degree, schedule (torch's class name, 
 `pipeline_parallel_schedule_csv`), microbatches (the local batch over the microbatch size) and
 stages per rank; the data-parallel and tensor-parallel degrees; the batch, sequence length,
 steps, clipping, optimizer and warm-up. Everything else is kept in `unmodeled`, key by key, and
-shown: nothing is dropped silently. A llama3 flavor torchtitan ships (`[model] flavor`) gives
-the model's sizes (`model`), from Meta's published Llama 3 configurations.
+shown: nothing is dropped silently. A key of a table pplab reads that torchtitan does not have but
+that is near one it has (`pipeline_paralel_degree`) is a misspelling that would silently change the
+job: refused, with the key meant. A llama3 flavor torchtitan ships (`[model] flavor`) gives the
+model's sizes (`model`), from Meta's published Llama 3 configurations.
 """
 
 from __future__ import annotations
 
+import difflib
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -32,6 +35,29 @@ LLAMA3_FLAVORS = {
     "8B": (4096, 14336, 32, 32, 8, 128256),
     "70B": (8192, 28672, 80, 64, 8, 128256),
     "405B": (16384, 53248, 126, 128, 8, 128256),
+}
+# torchtitan's keys in the tables pplab reads (its job config's fields, over its recent releases):
+# a key of these tables near one of them is a misspelling.
+TORCHTITAN_KEYS = {
+    "parallelism": {"data_parallel_replicate_degree", "enable_compiled_autograd",
+                    "data_parallel_shard_degree", "fsdp_reshard_after_forward", "tensor_parallel_degree",
+                    "disable_loss_parallel", "enable_async_tensor_parallel", "pipeline_parallel_degree",
+                    "pipeline_parallel_split_points", "module_fqns_per_model_part",
+                    "pipeline_parallel_first_stage_less_layers", "pipeline_parallel_last_stage_less_layers",
+                    "pipeline_parallel_layers_per_stage", "pipeline_parallel_schedule",
+                    "pipeline_parallel_schedule_csv", "pipeline_parallel_microbatch_size",
+                    "context_parallel_degree", "context_parallel_rotate_method", "expert_parallel_degree",
+                    "expert_tensor_parallel_degree"},
+    "training": {"dataset", "dataset_path", "local_batch_size", "global_batch_size", "seq_len", "max_norm",
+                 "steps", "enable_cpu_offload", "mixed_precision_param", "mixed_precision_reduce", "compile",
+                 "gc_freq", "gc_debug", "seed", "deterministic"},
+    "optimizer": {"name", "lr", "beta1", "beta2", "eps", "weight_decay", "implementation",
+                  "early_step_in_backward"},
+    "lr_scheduler": {"warmup_steps", "decay_ratio", "decay_type", "lr_min", "min_lr_factor"},
+    "checkpoint": {"enable", "enable_checkpoint", "folder", "initial_load_path", "initial_load_model_only",
+                   "interval", "last_save_model_only", "export_dtype", "create_seed_checkpoint", "async_mode",
+                   "keep_latest_k", "load_step", "exclude_from_loading"},
+    "model": {"name", "flavor", "tokenizer_path", "hf_assets_path", "converters", "print_after_conversion"},
 }
 # The schedule classes torchtitan takes with a CSV: the file says the order, not the name.
 CSV_RUNTIMES = ("PipelineScheduleSingle", "PipelineScheduleMulti", "_PipelineScheduleRuntime")
@@ -85,6 +111,7 @@ def read_torchtitan(path) -> TorchtitanJob:
         raise ValueError(f"{path} is not TOML: {error}") from None
     values = {f"{table}.{key}": value for table, keys in document.items() if isinstance(keys, dict)
               for key, value in keys.items()}
+    _refuse_misspellings(path, values)
     job = TorchtitanJob(path, RunConfig(), None)
     take = _Taker(values, job)
 
@@ -136,6 +163,19 @@ def read_torchtitan(path) -> TorchtitanJob:
     return job
 
 
+def _refuse_misspellings(path: Path, values: dict) -> None:
+    """Raise a ValueError for a key of a table pplab reads that torchtitan does not have, where one
+    it has is near (a misspelt degree would otherwise leave the job at its default)."""
+    for key in values:
+        table, _, name = key.partition(".")
+        known = TORCHTITAN_KEYS.get(table)
+        if known is None or name in known:
+            continue
+        near = difflib.get_close_matches(name, sorted(known), n=1, cutoff=0.8)
+        if near:
+            raise ValueError(f"{path}: [{table}] {name} is not a torchtitan key; did you mean {near[0]}?")
+
+
 class _Taker:
     """Reads the file's keys, noting each one it maps."""
 
@@ -163,6 +203,9 @@ class _Taker:
 def _flavor(take: _Taker, job: TorchtitanJob) -> LlamaConfig | None:
     """The model's sizes, from a llama3 flavor pplab knows."""
     name, flavor = take("model.name", None), take("model.flavor", None)
+    if name is None and flavor is None:
+        job.notes.append("no [model] name and flavor: the model's sizes are not read")
+        return None
     if name not in (None, "llama3") or flavor not in LLAMA3_FLAVORS:
         for key, value in (("model.name", name), ("model.flavor", flavor)):
             if value is not None:

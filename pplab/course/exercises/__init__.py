@@ -40,4 +40,4 @@ from pplab.course.exercises.verdicts import EXERCISES, NOT_WRITTEN, NOTEBOOK_OF_
 
 __all__ = ["check_stage_forward", "check_send_recv", "check_warmup", "check_torch_step", "check_clipping",
            "check_gpipe_time", "check_schedule", "check_mesh_groups", "check_layout", "check_packing",
-           "check_idle_share", "Verdict"]
+           "check_idle_share"]
