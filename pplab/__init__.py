@@ -49,6 +49,7 @@ _EXPORTS = {
     "profile": "pplab.rank.profiler",
     "hop_costs_on_rank": "pplab.rank.profiler",  # run on two ranks: the time of one hop between them
     "predict": "pplab.planning.prediction",
+    "doctor": "pplab.planning.doctor",  # what torch's runtime will run for a schedule, and its stalls
     "search": "pplab.planning.search",  # floor 2: it runs the simulator
     "search_balance": "pplab.planning.balance",
     "stage_costs": "pplab.planning.balance",  # a balance's per-stage costs, from per-layer ones
@@ -83,6 +84,7 @@ if _TYPE_CHECKING:  # what static checkers and editors see
     from pplab.models.llama import LlamaConfig, LlamaModel, build_model, generate
     from pplab.models.partition import build_stage, layer_ranges
     from pplab.planning.balance import search_balance, stage_costs
+    from pplab.planning.doctor import doctor
     from pplab.planning.prediction import predict
     from pplab.planning.search import search
     from pplab.planning.simulator import Costs, simulate

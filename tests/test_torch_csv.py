@@ -289,3 +289,32 @@ def test_a_csv_file_names_the_schedule_and_torch_runs_a_lowered_one_as_written(l
         pipe.close()
     with pytest.raises(ScheduleError, match=r"no such file \(a schedule ending in .csv is read as torch's"):
         lab2.pipeline(pplab.LlamaConfig.tiny(), schedule=str(tmp_path / "nowhere.csv"), impl="torch")
+
+
+@pytest.mark.quick
+def test_the_doctor_names_the_cascade_a_job_torch_refuses_and_a_deadlocking_order(tmp_path, capsys):
+    import pplab
+    from pplab.cli import main
+
+    diagnosis = pplab.doctor(build("interleaved-1f1b", 4, 8, 2), Costs(latency=0.1))
+    assert diagnosis.runs and diagnosis.step > 1.5 * diagnosis.bound and diagnosis.stalls
+    first = diagnosis.stalls[0]
+    assert first.seconds == max(stall.seconds for stall in diagnosis.stalls) and "RECV" in first.receive
+    assert diagnosis.fix_step == pytest.approx(diagnosis.bound)  # the deferred receives: no stall left
+    assert main(["doctor", "interleaved-1f1b", "--n-ranks", "4", "--n-microbatches", "8", "--latency", "0.1",
+                 "--out", str(tmp_path / "cascade")]) == 0
+    fix = tmp_path / "cascade" / "fix.csv"
+    runtime = _stand_in_runtime(build("interleaved-1f1b", 4, 8, 2))  # torch reads the fix as written
+    runtime._load_csv(str(fix), format="compute_comms")
+    assert json.loads((tmp_path / "cascade" / "report.json").read_text())["fix"]["step"] == \
+        pytest.approx(diagnosis.bound)
+    # Fewer microbatches than stages: torch's 1F1B refuses them, before anything starts.
+    assert main(["doctor", "1f1b", "--n-ranks", "4", "--n-microbatches", "2"]) == 1
+    assert "Number of microbatches (2) must be greater than or equal to the number of stages (4)" in \
+        capsys.readouterr().out
+    # An order written by hand that deadlocks: the ranks and what each waits for.
+    dead = tmp_path / "dead.csv"
+    dead.write_text("0F0,0RECV_B0,0SEND_F0,0B0\n1RECV_F0,1F0,1B0,1SEND_B0\n")
+    assert main(["doctor", str(dead), "--out", str(tmp_path / "dead")]) == 1
+    said = capsys.readouterr().out
+    assert "torch's order deadlocks" in said and "rank 0 at position 1 on 0RECV_B0 waits for 1SEND_B0" in said

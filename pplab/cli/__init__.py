@@ -7,10 +7,10 @@ import argparse
 import sys
 import warnings
 
-from pplab.cli import analyze, cleanup, demo, room, search, simulate, train, workshop
+from pplab.cli import analyze, cleanup, demo, doctor, room, search, simulate, train, workshop
 
 # in the order `pplab --help` lists them
-COMMANDS = (demo, simulate, search, train, analyze, room, workshop, cleanup)
+COMMANDS = (demo, simulate, search, doctor, train, analyze, room, workshop, cleanup)
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -20,14 +20,14 @@ def run(args: argparse.Namespace) -> int:
 
     job = None
     if args.torchtitan_config:
-        job, schedule = _from_torchtitan(args)
+        job, schedule = schedule_of_job(args)
     elif args.schedule is None:
         raise ValueError("give a SCHEDULE (a name, or a torch CSV), or --torchtitan-config JOB.toml")
     else:
-        schedule = _from_csv(args) if args.schedule.endswith(".csv") else _built(args)
+        schedule = schedule_of_csv(args) if args.schedule.endswith(".csv") else built(args)
     name = schedule.name
     validate(schedule)
-    costs = _costs(args, schedule, job)
+    costs = costs_of(args, schedule, job)
     timeline = simulate(schedule, costs)
     textbook = theory(schedule, costs)
     out = Path(args.out)
@@ -67,7 +67,7 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def _built(args: argparse.Namespace) -> Schedule:
+def built(args: argparse.Namespace) -> Schedule:
     """The named schedule, at the sizes the flags give."""
     name = schedule_name(args.schedule)
     for flag in ("n_ranks", "n_microbatches"):
@@ -85,7 +85,7 @@ def _built(args: argparse.Namespace) -> Schedule:
     return build(name, args.n_ranks, args.n_microbatches, n_virtual)
 
 
-def _from_csv(args: argparse.Namespace) -> Schedule:
+def schedule_of_csv(args: argparse.Namespace) -> Schedule:
     """The schedule of a torch CSV (either format); sizes given as flags must be the file's."""
     from pplab.schedules.torch_csv import read_either_csv
 
@@ -100,7 +100,7 @@ def _from_csv(args: argparse.Namespace) -> Schedule:
     return schedule
 
 
-def _from_torchtitan(args: argparse.Namespace):
+def schedule_of_job(args: argparse.Namespace):
     """A torchtitan job's schedule at its sizes; what pplab read and left out is printed first."""
     from pplab.session.torchtitan import read_torchtitan
 
@@ -112,7 +112,7 @@ def _from_torchtitan(args: argparse.Namespace):
     return job, job.schedule()
 
 
-def _costs(args: argparse.Namespace, schedule, job=None) -> Costs:
+def costs_of(args: argparse.Namespace, schedule, job=None) -> Costs:
     """The cost model the options describe; --weight-grad only where the schedule runs W on its own. A
     torchtitan job's model, where pplab knows it, sets the forward: one unit per layer of a stage."""
     forward = args.forward
