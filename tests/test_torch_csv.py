@@ -209,11 +209,13 @@ def test_torchs_runtime_runs_pplabs_schedules_from_the_csv_exact_against_one_dev
                          "1F0 1I0 1F1 1I1 1W0 1W1 1F2 1I2 1F3 1I3 1W2 1W3"])
     paths = [schedule.to_torch_csv(tmp_path / f"{label}.csv")
              for label, schedule in (("searched", found), ("v", shaped_v), ("by-hand", by_hand))]
-    # and as compute+comms: torch's own lowering read back and written, and pplab's order of messages
-    interleaved = build("interleaved-1f1b", 2, 4, 2)
-    paths += [schedule.to_torch_csv(tmp_path / f"{label}.comms.csv", format="compute_comms")
-              for label, schedule in (("lowered-deferred", lowered_by_torch(interleaved, defer_pp_recv=True)),
-                                      ("pplabs-order", build("1f1b", 2, 4)))]
+    # and as compute+comms: the doctor's fix for interleaved-1F1B (torch's deferred receives, read back
+    # and written), and pplab's own order of messages
+    import pplab
+
+    fix = pplab.doctor(build("interleaved-1f1b", 2, 4, 2), Costs(latency=0.1))
+    paths += [fix.write_fix(tmp_path / "doctors-fix.comms.csv"),
+              build("1f1b", 2, 4).to_torch_csv(tmp_path / "pplabs-order.comms.csv", format="compute_comms")]
     script, out = tmp_path / "run_csv.py", tmp_path / "results.json"
     script.write_text(TORCHRUN_SCRIPT)
     done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone",
