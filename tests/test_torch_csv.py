@@ -310,6 +310,12 @@ def test_the_doctor_names_the_cascade_a_job_torch_refuses_and_a_deadlocking_orde
     runtime._load_csv(str(fix), format="compute_comms")
     assert json.loads((tmp_path / "cascade" / "report.json").read_text())["fix"]["step"] == \
         pytest.approx(diagnosis.bound)
+    # A torchtitan job's schedule, as torchtitan names it, at its sizes.
+    job = tmp_path / "job.toml"
+    job.write_text('[parallelism]\npipeline_parallel_degree = 4\n'
+                   'pipeline_parallel_schedule = "Interleaved1F1B"\n[training]\nlocal_batch_size = 8\n')
+    assert main(["doctor", "--torchtitan-config", str(job), "--out", str(tmp_path / "job")]) == 0
+    assert "doctor: interleaved-1f1b on 4 ranks, 8 stages, 8 microbatches" in capsys.readouterr().out
     # Fewer microbatches than stages: torch's 1F1B refuses them, before anything starts.
     assert main(["doctor", "1f1b", "--n-ranks", "4", "--n-microbatches", "2"]) == 1
     assert "Number of microbatches (2) must be greater than or equal to the number of stages (4)" in \
