@@ -180,6 +180,7 @@ def imported_modules(module_name: str) -> set[str]:
     ("trace.timeline", {"pplab.schedules.actions"}),  # which pass frees a forward's activations
     # the event model, the reader
     ("trace.__init__", {"pplab.trace", "pplab.trace.timeline", "pplab.trace.profiled",
+                        "pplab.trace.flight_recorder",
                         "pplab.base.renames"}),  # (the moved names' warning)
     ("trace.profiled", {"pplab.trace.timeline"}),
     ("base.formatting", set()),

@@ -13,6 +13,15 @@ from pplab.cli.options import add_option_flag, arguments_as_json
 
 def run(args: argparse.Namespace) -> int:
     """Read a profiled run's traces and explain its bubble: picture, Chrome trace, JSON and a report."""
+    if args.flight_recorder:  # a hung job: where each rank stands, from torch's flight recorder
+        from pplab.trace import read_flight_recorder
+
+        if args.traces:
+            raise ValueError("--flight-recorder reads a hung job's records alone: leave TRACES out")
+        print(read_flight_recorder(args.flight_recorder).text())
+        return 0
+    if not args.traces:
+        raise ValueError("give the ranks' TRACES (files or their folder), or --flight-recorder DIR")
     from pplab.planning.bubble import explain
     from pplab.trace.profiled import read_profiler_traces
     from pplab.views import viz  # matplotlib only when drawing
@@ -106,8 +115,12 @@ def add_to(commands, ranks_run: argparse.ArgumentParser) -> argparse.ArgumentPar
                     "per rank, or their folder), and explain each rank's bubble: the schedule's "
                     "own, waits for messages, a straggler, time outside the pipeline; then predict "
                     "what one change would gain.")
-    run_analyze.add_argument("traces", metavar="TRACES", nargs="+",
+    run_analyze.add_argument("traces", metavar="TRACES", nargs="*",
                              help="the ranks' trace files, or their folder")
+    run_analyze.add_argument("--flight-recorder", metavar="DIR", default=None,
+                             help="instead: a hung job's flight recorder files (rank<r>.json, as "
+                                  "pplab.trace.flight_recorder.dump_on_hang writes them): where each rank "
+                                  "stands, and who never came")
     add_option_flag(run_analyze, PipelineOptions, "schedule", default=None, because=_THE_RUNS,
                     when="the run's")
     add_option_flag(run_analyze, PipelineOptions, "n_microbatches", default=None, because=_THE_RUNS,

@@ -16,7 +16,9 @@ queued behind it on its rank. `doctor(schedule)` asks torch's own lowering what 
   validated, to write as torch's compute+comms CSV (`Diagnosis.write_fix`).
 
 The times are the simulator's, in the costs given (seconds, or cost units), with pplab's model
-of a message: a receive holds its rank until the message has arrived.
+of a message: a receive holds its rank until the message has arrived, as a receive posted on
+NCCL's stream holds the operations behind it. torch's runtime on gloo posts receives that do not
+block: there an order this model calls a deadlock may run, and its stalls are smaller.
 """
 
 from __future__ import annotations
@@ -82,7 +84,9 @@ class Diagnosis(ShownAsText):
         if self.refused is not None:
             return "\n".join([*lines, f"  torch's runtime cannot run it: {self.refused}"])
         if self.deadlock is not None:
-            return "\n".join([*lines, f"  torch's order deadlocks: {self.deadlock}"])
+            said = (f"  torch's order deadlocks where a receive holds what is queued behind it (NCCL's "
+                    f"stream order; gloo's receives do not block, and it may run there): {self.deadlock}")
+            return "\n".join([*lines, said])
         cost = self.step / self.bound - 1
         lines.append(f"  torch's order: step {self.step:.4g}, the compute order's bound {self.bound:.4g} "
                      f"({cost:+.1%}); peak activations per rank {self.peak}")

@@ -13,10 +13,11 @@ that communicates (a schedule's messages and the mesh's collectives), `COLLECTIV
 collectives alone; `Now` marks what a rank is doing at the moment of a live view.
 """
 
+from pplab.trace.flight_recorder import read_flight_recorder
 from pplab.trace.profiled import ImportedRun, TraceImportError, from_profiler, read_profiler_traces
 from pplab.trace.timeline import COLLECTIVE_KINDS, COMM_EVENT_KINDS, Now
 
-__all__ = ["from_profiler", "read_profiler_traces", "COMM_EVENT_KINDS", "TraceImportError"]
+__all__ = ["from_profiler", "read_profiler_traces", "TraceImportError", "read_flight_recorder"]
 
 def __getattr__(name: str):
     """The last release's names (pplab.base.renames): Event and Timeline have one path now, the top
