@@ -14,6 +14,9 @@ action padded to its cost: F 20 ms, B 40 ms, or I and W 20 ms each):
 Each is simulated with the calibrated latency and measured (median of the steps after the first),
 and checked exact against one device. The error is measured / simulated - 1.
 
+Then torch's own runtime (`impl="torch"`) runs torch's early and deferred orders on the same ranks,
+over gloo, whose receives do not block: what the doctor's `transport="gloo"` assumes (no stall).
+
 Run: python bench/bench_lowering.py [--steps 5] [--out FILE]. Writes bench/results/lowering.json.
 """
 
@@ -48,9 +51,9 @@ CASES = [
 ]
 
 
-def measured_step(pool, schedule, costs, steps: int) -> tuple[float, bool]:
+def measured_step(pool, schedule, costs, steps: int, impl: str = "pplab") -> tuple[float, bool]:
     """The median step after the first on `pool` in timing mode, and whether it was exact."""
-    pipe = pool.pipeline(pplab.LlamaConfig.tiny(), schedule=schedule, timing=costs)
+    pipe = pool.pipeline(pplab.LlamaConfig.tiny(), schedule=schedule, timing=costs, impl=impl)
     try:
         times = [pipe.step().timeline.step_time() for _ in range(steps)]
         return statistics.median(times[1:]), pipe.check_parity().passed
@@ -73,7 +76,7 @@ def main() -> int:
     parser.add_argument("--steps", type=int, default=5)
     parser.add_argument("--out", type=Path, default=RESULT_PATH)
     args = parser.parse_args()
-    rows, pools = [], {}
+    rows, pools, on_gloo = [], {}, []
     try:
         for label, make, costs in CASES:
             schedule = make()
@@ -94,12 +97,23 @@ def main() -> int:
                 print(f"{label:48s} {order:38s} simulated {simulated:.3f} s  measured {measured:.3f} s  "
                       f"({measured / simulated - 1:+.1%}){'' if exact else '  NOT EXACT'}", flush=True)
             rows.append(row)
+        # torch's own runtime: its early receives against its deferred ones
+        for label, make, costs in CASES[:2]:
+            schedule = make()
+            pool = pools[schedule.n_ranks]
+            early, _ = measured_step(pool, lowered_by_torch(schedule), costs, args.steps, impl="torch")
+            deferred, _ = measured_step(pool, lowered_by_torch(schedule, True), costs, args.steps,
+                                        impl="torch")
+            on_gloo.append(dict(case=label, early_s=early, deferred_s=deferred, ratio=early / deferred))
+            print(f"{label:48s} torch's runtime on gloo: early {early:.3f} s, deferred {deferred:.3f} s "
+                  f"(x{early / deferred:.2f})", flush=True)
     finally:
         for pool in pools.values():
             pool.stop()
     args.out.write_text(json.dumps(dict(
         bench="bench_lowering", machine=platform.node(), cpus=os.cpu_count(), load=load(),
         steps=args.steps, timing=dict(whole=vars(WHOLE), split=vars(SPLIT)), cases=rows,
+        torchs_runtime_on_gloo=on_gloo,
         largest_error=max(abs(order["error"]) for row in rows for order in row["orders"][1:]),
     ), indent=2) + "\n")
     print(f"wrote {args.out}")

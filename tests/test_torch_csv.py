@@ -303,6 +303,11 @@ def test_the_doctor_names_the_cascade_a_job_torch_refuses_and_a_deadlocking_orde
     first = diagnosis.stalls[0]
     assert first.seconds == max(stall.seconds for stall in diagnosis.stalls) and "RECV" in first.receive
     assert diagnosis.fix_step == pytest.approx(diagnosis.bound)  # the deferred receives: no stall left
+    on_gloo = pplab.doctor(build("interleaved-1f1b", 4, 8, 2), Costs(latency=0.1), transport="gloo")
+    # gloo: receives never block
+    assert on_gloo.step == on_gloo.bound and not on_gloo.stalls and on_gloo.fix is None
+    with pytest.raises(ValueError, match=r"transport='mpi': give one of 'nccl', 'gloo'"):
+        pplab.doctor(build("1f1b", 2, 4), transport="mpi")
     assert main(["doctor", "interleaved-1f1b", "--n-ranks", "4", "--n-microbatches", "8", "--latency", "0.1",
                  "--out", str(tmp_path / "cascade")]) == 0
     fix = tmp_path / "cascade" / "fix.csv"

@@ -32,7 +32,7 @@ def run(args: argparse.Namespace) -> int:
               f"  torch's runtime cannot run it: {refusal}")
         return 1
     costs = simulate.costs_of(args, schedule, job)
-    diagnosis: Diagnosis = doctor(schedule, costs)
+    diagnosis: Diagnosis = doctor(schedule, costs, args.transport)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     report = dict(command="pplab doctor", pplab_version=__version__, arguments=arguments_as_json(args),
@@ -105,6 +105,10 @@ def add_to(commands, ranks_run: argparse.ArgumentParser) -> argparse.ArgumentPar
                     because="2 for the schedules with several stages per rank, else 1")
     run_doctor.add_argument("--torchtitan-config", metavar="JOB.toml", default=None,
                             help="a torchtitan job's TOML: its schedule and sizes, instead of SCHEDULE")
+    run_doctor.add_argument("--transport", choices=("nccl", "gloo"), default="nccl",
+                            help="how a posted receive behaves: nccl (it holds what is queued behind it on "
+                                 "its stream), gloo (it does not; torch's order then runs at the compute "
+                                 "order's pace); default nccl, a GPU job's")
     simulate.add_cost_flags(run_doctor)
     run_doctor.add_argument("--out", default="pplab-doctor",
                             help="folder for the fix, its picture and the report (default pplab-doctor)")

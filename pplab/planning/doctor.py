@@ -36,6 +36,9 @@ from pplab.trace.timeline import Timeline
 __all__ = ["doctor", "Diagnosis", "Stall"]
 
 NOTICED = 0.01  # a fix counts when it saves at least 1 % of the step
+# How a posted receive behaves: on NCCL's stream it holds what is queued behind it; gloo's does not
+# block (torch's runtime on gloo ran torch's early and deferred orders alike: bench_lowering.py).
+TRANSPORTS = ("nccl", "gloo")
 
 
 @dataclass(frozen=True)
@@ -54,6 +57,7 @@ class Diagnosis(ShownAsText):
 
     schedule: Schedule
     costs: Costs
+    transport: str = "nccl"
     refused: str | None = None  # why torch's runtime cannot run the schedule
     deadlock: str | None = None  # the lowered order's deadlock, named
     lowered: Schedule | None = None
@@ -90,7 +94,11 @@ class Diagnosis(ShownAsText):
         cost = self.step / self.bound - 1
         lines.append(f"  torch's order: step {self.step:.4g}, the compute order's bound {self.bound:.4g} "
                      f"({cost:+.1%}); peak activations per rank {self.peak}")
-        if self.stalls:
+        if self.transport == "gloo":
+            lines.append("  on gloo torch's receives do not block: its order runs at the compute order's "
+                         "pace, no stall (measured: bench/bench_lowering.py); give transport='nccl' for the "
+                         "stalls a GPU job meets")
+        elif self.stalls:
             lines.append(f"  {len(self.stalls)} stall(s), a receive waited at while the next compute did not "
                          f"need it (the largest first):")
             rows = [(stall.rank, stall.receive, stall.blocked, f"{stall.seconds:.3g}")
@@ -110,22 +118,31 @@ class Diagnosis(ShownAsText):
         return "\n".join(lines)
 
 
-def doctor(schedule: Schedule, costs: Costs | None = None) -> Diagnosis:
+def doctor(schedule: Schedule, costs: Costs | None = None, transport: str = "nccl") -> Diagnosis:
     """Diagnose what torch's runtime will run for `schedule` in `costs` (by default the simulator's: a
     forward 1, a backward 2, messages free): its compute order as torch lowers it, or, for a schedule
-    read with its messages (a compute+comms CSV), that order as written."""
+    read with its messages (a compute+comms CSV), that order as written. `transport`: "nccl" (a
+    posted receive holds what is queued behind it) or "gloo" (it does not: no stalls, no fix)."""
+    if transport not in TRANSPORTS:
+        raise ValueError(f"transport={transport!r}: give one of {', '.join(map(repr, TRANSPORTS))}")
     costs = costs or Costs()
     compute = schedule.compute_only()
-    diagnosis = Diagnosis(schedule, costs)
+    diagnosis = Diagnosis(schedule, costs, transport)
     try:  # a file with its messages (compute_comms) runs as written; a compute order, as torch lowers it
         lowered = schedule if schedule.stage_actions is not None else lowered_by_torch(compute)
     except (ValueError, ScheduleError) as error:
         diagnosis.refused = str(error)
         return diagnosis
     try:
-        validate(lowered)
+        validate(lowered if transport == "nccl" else compute)  # gloo: only the compute order can deadlock
     except DeadlockError as error:
         diagnosis.deadlock = str(error)
+        return diagnosis
+    if transport == "gloo":  # receives that do not block: the compute order's pace
+        diagnosis.lowered, timeline = lowered, simulate(compute, costs)
+        diagnosis.step = diagnosis.bound = timeline.step_time()
+        diagnosis.peak = timeline.peak_inflight_per_rank()
+        diagnosis.timelines["torch's order"] = timeline
         return diagnosis
     timeline = simulate(lowered, costs)
     diagnosis.lowered, diagnosis.step = lowered, timeline.step_time()
