@@ -4,9 +4,12 @@ rank's recorder written by `dump_on_hang` while it waits, and the report naming 
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
+
+import pytest
 
 from pplab.cli import main
 from pplab.trace import read_flight_recorder
@@ -71,3 +74,24 @@ def test_a_hang_in_sends_and_receives_says_what_gloo_cannot_record(tmp_path):
     assert findings[0] == "no rank has an operation pending in the recorder"
     assert findings[1].startswith("gloo records collectives only (torch 2.13)")
     assert "pplab doctor" in findings[1]
+
+
+@pytest.mark.quick
+def test_collectives_are_numbered_per_process_group(tmp_path):
+    """A rank far ahead in one group is still named absent from another group's collective."""
+    def entry(name, group, collective, retired):
+        return {"profiling_name": name, "pg_id": group, "collective_seq_id": collective, "p2p_seq_id": 0,
+                "is_p2p": False, "retired": retired, "state": "scheduled"}
+
+    pp = [entry("nccl:all_reduce", 1, 1, True)]
+    dp = [entry("nccl:all_reduce", 2, n, True) for n in range(1, 41)]
+    (tmp_path / "rank0.json").write_text(json.dumps({"entries": pp + dp}))
+    stuck = entry("nccl:all_reduce", 1, 2, False)
+    (tmp_path / "rank1.json").write_text(json.dumps({"entries": pp + [stuck]}))
+    record = read_flight_recorder(tmp_path)
+    assert record.backend == "nccl"
+    assert record.findings() == ["rank 1 waits in nccl:all_reduce (collective #2 of group 1); rank 0 never "
+                                 "entered it (its last: collective #1)"]
+    (tmp_path / "rank2.json").write_text("{}")
+    with pytest.raises(ValueError, match=r"rank2.json: not a flight recorder dump"):
+        read_flight_recorder(tmp_path)

@@ -28,16 +28,21 @@ def test_the_layouts_place_the_embedding_first_and_the_head_and_loss_last():
 def test_megatrons_repetitions_commas_and_empty_stages_are_read():
     assert pplab.balance_of_layout("Et*3|(tt|)*2,t*2L") == (3, 2, 2, 2)
     assert pplab.balance_of_layout("E||t|L") == (0, 0, 1, 0)
+    assert pplab.balance_of_layout("Et |\n\ttL") == (1, 1)  # whitespace is cosmetic, as commas are
 
 
 @pytest.mark.parametrize("written, said", [
-    ("tE|tL", r"the embedding \(E\) is on stage 0; pplab's model has it first"),
-    ("Et|Lt", r"the loss \(L\) is on stage 1"),
+    ("tE|tL", r"stage 0 holds 'tE'; pplab's model has one embedding \(E\), first on stage 0"),
+    ("EEt|tL", r"stage 0 holds 'EEt'; pplab's model has one embedding"),
+    ("Et|Lt", r"stage 1 holds 'Lt'; pplab's model has one loss \(L\), last on stage 1"),
+    ("Et|tLL", r"stage 1 holds 'tLL'"),
     ("Et|tm|L", r"stage 1 holds 'm'; pplab's model has E .* t .* and L"),
-    ("t|tL", r"has the embedding \(E\) first and the loss \(L\) last; write both"),
+    ("t|tL", r"stage 0 holds 't'; pplab's model has one embedding"),
+    ("E(t|L", r"a repetition pplab cannot read"),
     ([["tok_embeddings", "layers.1"], ["layers.0", "norm", "output"]], r"the layers are \[1, 0\]"),
-    ([["layers.0"], ["tok_embeddings", "layers.1", "norm", "output"]], r"'tok_embeddings' is in part 1"),
-    ([["tok_embeddings", "layers.0", "norm"], ["layers.1", "output"]], r"'norm' is in part 0"),
+    ([["layers.0"], ["tok_embeddings", "layers.1", "norm", "output"]], r"'tok_embeddings' first in"),
+    ([["tok_embeddings", "layers.0", "norm"], ["layers.1", "output"]], r"'norm', 'output' last in the last"),
+    ([["tok_embeddings", "layers.0"], ["norm", "layers.1", "norm", "output"]], r"'norm' is in part 1, place"),
     ([["tok_embeddings", "blocks.0"], ["norm", "output"]], r"part 0 holds 'blocks.0'"),
     (42, r"give Megatron's layout string"),
 ])

@@ -123,7 +123,14 @@ INDICES = ValueKind("whole numbers >= 0, one per rank", lambda text: _numbers(te
                     lambda v: isinstance(v, (tuple, list)) and len(v) > 0
                     and all(COUNT_OR_ZERO.valid(n) for n in v), "0,1")
 FRACTION = ValueKind("a share in (0, 1]", _real, lambda v: _is_real(v) and 0 < v <= 1, "0.45")
-OPTIONAL_SWITCH = ValueKind("true, false or None (decided for you)", str,
+def _switch_or_none(text: str):
+    said = {"true": True, "false": False, "none": None}
+    if text.strip().lower() not in said:
+        raise ValueError(text)
+    return said[text.strip().lower()]
+
+
+OPTIONAL_SWITCH = ValueKind("true, false or None (decided for you)", _switch_or_none,
                             lambda v: v is None or isinstance(v, bool), "true")
 
 
@@ -179,7 +186,9 @@ def takes_options(family, every: bool = False, differs: dict[str, str] | None = 
         options = {each.name: each.default for each in fields(family)}
         wrong = []
         for key in sorted(options.keys() & defaults.keys()):
-            same = defaults[key] == options[key]
+            # (True == 1 in Python: a switch's default is not a count's)
+            same = (defaults[key] == options[key]
+                    and isinstance(defaults[key], bool) == isinstance(options[key], bool))
             if same == (key in differs):
                 wrong.append(f"{key}={defaults[key]!r}" + (" is the field's default: leave it out of differs"
                                                            if same else f" (the field's: {options[key]!r})"))
@@ -217,7 +226,7 @@ def keywords_help(function, config_class, own: dict[str, str], indent: int = 8, 
     helps = {each.name: each.metadata["help"] for each in fields(config_class) if "help" in each.metadata}
     defaults = {each.name: each.default for each in fields(config_class)}
     for family, differs in getattr(function, "__takes_options__", {}).items():  # why a default differs
-        helps.update({name: f"{helps[name]} (default {reason.format(default=defaults[name])})"
+        helps.update({name: f"{helps[name]} (default {reason.replace('{default}', str(defaults[name]))})"
                       for name, reason in differs.items() if name in helps and family is config_class})
     names = [name for name in inspect.signature(function).parameters if name != "self"]
     missing = [name for name in names if name not in own and name not in helps]

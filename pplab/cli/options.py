@@ -88,7 +88,8 @@ def add_field_flag(parser: argparse.ArgumentParser, field: dataclasses.Field, be
     said = field.metadata["help"]
     if because is not None:  # the field's own "(default: ...)" is not this flag's
         said = re.sub(r" \(default: [^()]*\)$", "", said)
-    flag = dict(help=(f"{when}: " if when else "") + said + shown, default=default, metavar=metavar)
+    said = ((f"{when}: " if when else "") + said + shown).replace("%", "%%")  # argparse %-formats help
+    flag = dict(help=said, default=default, metavar=metavar)
     if isinstance(default, bool):
         flag = dict(help=flag["help"].removesuffix(" (default False)"), action="store_true", default=default)
     else:

@@ -71,7 +71,7 @@ def _counts(balance: Sequence[int]) -> list[int]:
 
 
 def _megatron_counts(text: str) -> tuple[int, ...]:
-    expanded = _expand(text.replace(",", "").replace(" ", ""))
+    expanded = _expand(re.sub(r"[\s,]", "", text), text)
     stages = expanded.split("|")
     counts = []
     for stage, symbols in enumerate(stages):
@@ -79,26 +79,27 @@ def _megatron_counts(text: str) -> tuple[int, ...]:
         if unknown:
             raise ValueError(f"layout {text!r}: stage {stage} holds {''.join(sorted(unknown))!r}; pplab's "
                              "model has E (the embedding), t (a decoder layer) and L (the loss)")
-        if "E" in symbols and (stage != 0 or not symbols.startswith("E")):
-            raise ValueError(f"layout {text!r}: the embedding (E) is on stage {stage}; pplab's model has "
-                             "it first on stage 0")
-        if "L" in symbols and (stage != len(stages) - 1 or not symbols.endswith("L")):
-            raise ValueError(f"layout {text!r}: the loss (L) is on stage {stage}; pplab's model has it "
-                             f"last on stage {len(stages) - 1}")
+        first, last = stage == 0, stage == len(stages) - 1
+        if symbols.count("E") != first or (first and not symbols.startswith("E")):
+            raise ValueError(f"layout {text!r}: stage {stage} holds {symbols!r}; pplab's model has one "
+                             "embedding (E), first on stage 0")
+        if symbols.count("L") != last or (last and not symbols.endswith("L")):
+            raise ValueError(f"layout {text!r}: stage {stage} holds {symbols!r}; pplab's model has one "
+                             f"loss (L), last on stage {len(stages) - 1}")
         counts.append(symbols.count("t"))
-    if not stages[0].startswith("E") or not stages[-1].endswith("L"):
-        raise ValueError(f"layout {text!r}: pplab's model has the embedding (E) first and the loss (L) "
-                         "last; write both")
     return tuple(counts)
 
 
-def _expand(text: str) -> str:
+def _expand(text: str, written: str) -> str:
     """Megatron's repetitions written out: `t*3` -> `ttt`, `(tt|)*2` -> `tt|tt|`."""
     pattern = re.compile(r"\(([^()]*)\)\*(\d+)|([A-Za-z])\*(\d+)")
     while True:
         expanded = pattern.sub(lambda m: (m.group(1) if m.group(1) is not None else m.group(3))
                                * int(m.group(2) or m.group(4)), text)
         if expanded == text:
+            if set(text) & set("()*0123456789"):
+                raise ValueError(f"layout {written!r}: a repetition pplab cannot read; write x*N or "
+                                 "(piece)*N")
             return text
         text = expanded
 
@@ -106,19 +107,23 @@ def _expand(text: str) -> str:
 def _torchtitan_counts(parts: list[list[str]], names) -> tuple[int, ...]:
     embedding, layer, tail = names
     pattern = re.compile(re.escape(layer).replace(r"\{\}", r"(\d+)"))
+    if not parts or parts[0][:1] != [embedding] or parts[-1][-len(tail):] != list(tail):
+        raise ValueError(f"module_fqns_per_model_part: pplab's model has {embedding!r} first in the first "
+                         f"part and {', '.join(map(repr, tail))} last in the last, in that order; write them")
     seen, counts = [], []
     for index, part in enumerate(parts):
         count = 0
-        for name in part:
+        for position, name in enumerate(part):
             if name == embedding:
-                if index != 0 or part[0] != embedding:
-                    raise ValueError(f"module_fqns_per_model_part: {embedding!r} is in part {index}; pplab's "
-                                     f"model has the embedding first in part 0")
+                if index != 0 or position != 0:
+                    raise ValueError(f"module_fqns_per_model_part: {embedding!r} is at part {index}, place "
+                                     f"{position}; pplab's model has the embedding once, first in part 0")
                 continue
             if name in tail:
-                if index != len(parts) - 1:
-                    raise ValueError(f"module_fqns_per_model_part: {name!r} is in part {index}; pplab's "
-                                     f"model has {' and '.join(tail)} in the last part")
+                if index != len(parts) - 1 or position < len(part) - len(tail):
+                    raise ValueError(f"module_fqns_per_model_part: {name!r} is in part {index}, place "
+                                     f"{position}; pplab's model has {', '.join(tail)} once each, last in "
+                                     "the last part")
                 continue
             match = pattern.fullmatch(name)
             if match is None:
@@ -130,7 +135,4 @@ def _torchtitan_counts(parts: list[list[str]], names) -> tuple[int, ...]:
     if seen != list(range(len(seen))):
         raise ValueError(f"module_fqns_per_model_part: the layers are {seen}, not each layer once in order "
                          f"(0 to {len(seen) - 1})")
-    if not parts or embedding not in parts[0] or any(name not in parts[-1] for name in tail):
-        raise ValueError(f"module_fqns_per_model_part: pplab's model has {embedding!r} in the first part "
-                         f"and {', '.join(map(repr, tail))} in the last; write them")
     return tuple(counts)

@@ -91,7 +91,7 @@ class Diagnosis(ShownAsText):
             said = (f"  torch's order deadlocks where a receive holds what is queued behind it (NCCL's "
                     f"stream order; gloo's receives do not block, and it may run there): {self.deadlock}")
             return "\n".join([*lines, said])
-        cost = self.step / self.bound - 1
+        cost = self.step / self.bound - 1 if self.bound else 0.0
         lines.append(f"  torch's order: step {self.step:.4g}, the compute order's bound {self.bound:.4g} "
                      f"({cost:+.1%}); peak activations per rank {self.peak}")
         if self.transport == "gloo":
@@ -113,7 +113,8 @@ class Diagnosis(ShownAsText):
                          f"what the runtime runs for the same order as a CSV, as torchtitan's does)")
         if self.fix is not None:
             lines.append(f"  a better order: {self.fix.name}, step {self.fix_step:.4g} "
-                         f"({self.fix_step / self.step - 1:+.1%}), deadlock-free; write it with "
+                         f"({(self.fix_step / self.step - 1) if self.step else 0.0:+.1%}), deadlock-free; "
+                         f"write it with "
                          f".write_fix(path) (torch's compute+comms CSV)")
         return "\n".join(lines)
 
@@ -165,14 +166,20 @@ def doctor(schedule: Schedule, costs: Costs | None = None, transport: str = "ncc
 
 def stalls(lowered: Schedule, timeline: Timeline) -> list[Stall]:
     """Each receive in `lowered`'s simulated `timeline` that a rank waited at while the next compute in
-    its order did not need that message, the largest first."""
+    its order did not need that message, the largest first.
+
+    A rank is free again when its last compute or receive ends (a send costs it nothing: its event
+    is the message's flight); a receive's wait is from then to its message's arrival."""
     found = []
     for rank, actions in enumerate(lowered.actions):
-        events = sorted(timeline.of_rank(rank), key=lambda event: event.start)
-        ended = 0.0
-        for position, (action, event) in enumerate(zip(actions, events)):
-            waited, ended = event.start - ended, event.end
-            if not action.is_comm or action.is_send or waited <= 1e-9:
+        events = {(event.kind, event.stage, event.microbatch): event for event in timeline.of_rank(rank)}
+        free = 0.0
+        for position, action in enumerate(actions):
+            event = events[(action.kind.value, action.stage, action.microbatch)]
+            if action.is_send:
+                continue
+            waited, free = (event.end - free if action.is_comm else 0.0), event.end
+            if waited <= 1e-9:
                 continue
             after = next((later for later in actions[position + 1:] if later.is_compute), None)
             if after is not None and not _needs(after, action):

@@ -71,6 +71,11 @@ class Schedule:
             if len(self.stage_actions) != self.n_ranks:
                 raise ScheduleError(f"schedule {self.name!r} has stage actions for {len(self.stage_actions)} "
                                     f"ranks, not {self.n_ranks}")
+            for rank, (actions, extra) in enumerate(zip(self.actions, stage_actions)):
+                outside = [text for at, text in extra if not 0 <= at <= len(actions)]
+                if outside:
+                    raise ScheduleError(f"schedule {self.name!r}: rank {rank}'s stage actions {outside} "
+                                        f"stand outside its {len(actions)} actions")
 
     def __getstate__(self) -> dict:
         # The integer form validate/simulate keep with a schedule is a cache: it does not travel.

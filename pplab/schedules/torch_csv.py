@@ -133,13 +133,12 @@ def _action(cell: str, path: Path, rank: int, column: int, format: str) -> Actio
     """One cell of a torch CSV as a pplab action, or a ScheduleError saying where and why."""
     where = f"{path}, row {rank + 1} (rank {rank}), cell {column + 1}"
     if _TORCH_ONLY.fullmatch(cell.strip()):
-        if format == "compute_comms":
+        if format == "compute_comms" or not STAGE_ACTION.fullmatch(cell.strip()):
             raise ScheduleError(f"{where}: {cell.strip()!r} is one of torch's actions pplab does not model "
                                 "(an overlapped F and B, or a batch of actions): write them one by one")
         raise ScheduleError(f"{where}: {cell.strip()!r} is one of torch's own actions (FSDP's unshard or "
-                            "reshard, gradient reduction, an overlapped F and B), which a compute-only file "
-                            "does not hold: write F, B, I and W, or read the file with "
-                            "format='compute_comms'")
+                            "reshard, gradient reduction), which a compute-only file does not hold: write F, "
+                            "B, I and W, or read the file with format='compute_comms'")
     try:
         action = Action.parse(cell)
     except ValueError as error:
