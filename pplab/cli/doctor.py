@@ -99,8 +99,9 @@ def add_to(commands, ranks_run: argparse.ArgumentParser) -> argparse.ArgumentPar
     run_doctor.add_argument("schedule", metavar="SCHEDULE", nargs="?", default=None,
                             help="a schedule's name (pplab's or torch's), or a torch CSV (FILE.csv, either "
                                  "format)")
-    add_option_flag(run_doctor, LabOptions, "n_ranks", default=None, because=_SIZES)
-    add_option_flag(run_doctor, PipelineOptions, "n_microbatches", default=None, because=_SIZES)
+    from_file = simulate.SIZES_FROM_FILE  # (the sizes, as simulate takes them)
+    add_option_flag(run_doctor, LabOptions, "n_ranks", default=None, because=from_file)
+    add_option_flag(run_doctor, PipelineOptions, "n_microbatches", default=None, because=from_file)
     add_option_flag(run_doctor, PipelineOptions, "n_virtual", default=None,
                     because="2 for the schedules with several stages per rank, else 1")
     run_doctor.add_argument("--torchtitan-config", metavar="JOB.toml", default=None,
@@ -114,7 +115,3 @@ def add_to(commands, ranks_run: argparse.ArgumentParser) -> argparse.ArgumentPar
                             help="folder for the fix, its picture and the report (default pplab-doctor)")
     run_doctor.set_defaults(handler=run)
     return run_doctor
-
-
-# Why the sizes have no default here: a CSV and a torchtitan job bring their own.
-_SIZES = "a schedule's name needs it; a CSV or --torchtitan-config brings its own"

@@ -214,7 +214,7 @@ def add_cost_flags(parser: argparse.ArgumentParser) -> None:
 
 
 # Why the sizes have no default here: a CSV and a torchtitan job bring their own.
-_SIZES = "a schedule's name needs it; a CSV or --torchtitan-config brings its own"
+SIZES_FROM_FILE = "a schedule's name needs it; a CSV or --torchtitan-config brings its own"
 
 
 def add_to(commands, ranks_run: argparse.ArgumentParser) -> argparse.ArgumentParser:
@@ -230,8 +230,8 @@ def add_to(commands, ranks_run: argparse.ArgumentParser) -> argparse.ArgumentPar
                                                                    "'-', '_' or nothing between words), or "
                                                                    "a torch compute-only CSV (FILE.csv, as "
                                                                    "Schedule.to_torch_csv writes it)")
-    add_option_flag(run_simulate, LabOptions, "n_ranks", default=None, because=_SIZES)
-    add_option_flag(run_simulate, PipelineOptions, "n_microbatches", default=None, because=_SIZES)
+    add_option_flag(run_simulate, LabOptions, "n_ranks", default=None, because=SIZES_FROM_FILE)
+    add_option_flag(run_simulate, PipelineOptions, "n_microbatches", default=None, because=SIZES_FROM_FILE)
     add_option_flag(run_simulate, PipelineOptions, "n_virtual", default=None,
                     because="2 for interleaved-1f1b, else 1")
     add_cost_flags(run_simulate)
