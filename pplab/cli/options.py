@@ -21,17 +21,6 @@ def number(text: str, positive: bool = False) -> float:
     return text_of_kind(POSITIVE if positive else NUMBER_OR_ZERO)(text)
 
 
-def per_stage(text: str) -> float | tuple[float, ...]:
-    """One duration for every stage ("1.5"), or one per stage separated by commas ("1,1,2,1")."""
-    parts = text.split(",")
-    try:
-        values = tuple(number(part.strip()) for part in parts)
-    except argparse.ArgumentTypeError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a duration >= 0, nor one per stage "
-                                         f"separated by commas (e.g. 1 or 1,1,2,1)") from None
-    return values[0] if len(values) == 1 else values
-
-
 def arguments_as_json(args: argparse.Namespace) -> dict:
     """The command's arguments as JSON can hold them."""
     return {key: list(value) if isinstance(value, tuple) else value
