@@ -209,11 +209,12 @@ def test_torchs_runtime_runs_pplabs_schedules_from_the_csv_exact_against_one_dev
                          "1F0 1I0 1F1 1I1 1W0 1W1 1F2 1I2 1F3 1I3 1W2 1W3"])
     paths = [schedule.to_torch_csv(tmp_path / f"{label}.csv")
              for label, schedule in (("searched", found), ("v", shaped_v), ("by-hand", by_hand))]
-    # and as compute+comms: the doctor's fix for interleaved-1F1B (torch's deferred receives, read back
-    # and written), and pplab's own order of messages
+    # and as compute+comms: the doctor's fix for interleaved-1F1B on NCCL (its messages in the order they
+    # move), and pplab's own order of messages
     import pplab
 
-    fix = pplab.doctor(build("interleaved-1f1b", 2, 4, 2), Costs(latency=0.1))
+    fix = pplab.doctor(build("interleaved-1f1b", 2, 4, 2), Costs(latency=0.5))
+    assert fix.fix.name.endswith("its messages in the order they move")
     paths += [fix.write_fix(tmp_path / "doctors-fix.comms.csv"),
               build("1f1b", 2, 4).to_torch_csv(tmp_path / "pplabs-order.comms.csv", format="compute_comms")]
     script, out = tmp_path / "run_csv.py", tmp_path / "results.json"
@@ -298,23 +299,33 @@ def test_the_doctor_names_the_cascade_a_job_torch_refuses_and_a_deadlocking_orde
     import pplab
     from pplab.cli import main
 
-    diagnosis = pplab.doctor(build("interleaved-1f1b", 4, 8, 2), Costs(latency=0.1))
-    assert diagnosis.runs and diagnosis.step > 1.5 * diagnosis.bound and diagnosis.stalls
-    first = diagnosis.stalls[0]
-    assert first.seconds == max(stall.seconds for stall in diagnosis.stalls) and "RECV" in first.receive
-    assert diagnosis.fix_step == pytest.approx(diagnosis.bound)  # the deferred receives: no stall left
-    on_gloo = pplab.doctor(build("interleaved-1f1b", 4, 8, 2), Costs(latency=0.1), transport="gloo")
-    # gloo: receives never block
-    assert on_gloo.step == on_gloo.bound and not on_gloo.stalls and on_gloo.fix is None
-    with pytest.raises(ValueError, match=r"transport='mpi': give one of 'nccl', 'gloo'"):
+    interleaved, costs = build("interleaved-1f1b", 4, 8, 2), Costs(latency=0.1)
+    # torch 2.13 on NCCL, a stream per pair of ranks: its early receives hold only sends to the same peer.
+    on_pairs = pplab.doctor(interleaved, costs)
+    assert on_pairs.runs and on_pairs.step == pytest.approx(on_pairs.bound) and on_pairs.fix is None
+    # Every message of a rank on one stream: the cascade, and an order of the messages without it.
+    coalesced = pplab.doctor(interleaved, costs, transport="nccl-coalesced")
+    assert coalesced.step > 1.2 * coalesced.bound and coalesced.stalls
+    assert coalesced.stalls[0].seconds == max(stall.seconds for stall in coalesced.stalls)
+    assert coalesced.fix.name.endswith("its messages in the order they move")
+    assert coalesced.fix_step == pytest.approx(coalesced.bound)
+    # Large messages wait for their receives: torch's deferred receives deadlock there, never offered.
+    assert coalesced.tried["interleaved-1f1b, as torch lowers it (deferred receives)"] is None
+    # pplab's runtime, where a rank waits at each receive (as measured): the early receives cost most.
+    on_pplab = pplab.doctor(interleaved, costs, transport="pplab")
+    assert on_pplab.step > 1.5 * on_pplab.bound and "RECV" in on_pplab.stalls[0].waits_at
+    assert on_pplab.fix_step == pytest.approx(on_pplab.bound)
+    on_gloo = pplab.doctor(interleaved, costs, transport="gloo")  # messages in no order: no stall
+    assert on_gloo.step == pytest.approx(on_gloo.bound) and not on_gloo.stalls and on_gloo.fix is None
+    with pytest.raises(ValueError, match=r"transport='mpi': give one of 'nccl', 'nccl-coalesced', 'gloo'"):
         pplab.doctor(build("1f1b", 2, 4), transport="mpi")
     assert main(["doctor", "interleaved-1f1b", "--n-ranks", "4", "--n-microbatches", "8", "--latency", "0.1",
-                 "--out", str(tmp_path / "cascade")]) == 0
+                 "--transport", "nccl-coalesced", "--out", str(tmp_path / "cascade")]) == 0
     fix = tmp_path / "cascade" / "fix.csv"
-    runtime = _stand_in_runtime(build("interleaved-1f1b", 4, 8, 2))  # torch reads the fix as written
+    runtime = _stand_in_runtime(interleaved)  # torch reads the fix as written
     runtime._load_csv(str(fix), format="compute_comms")
-    assert json.loads((tmp_path / "cascade" / "report.json").read_text())["fix"]["step"] == \
-        pytest.approx(diagnosis.bound)
+    report = json.loads((tmp_path / "cascade" / "report.json").read_text())
+    assert report["fix"]["step"] == pytest.approx(coalesced.bound) and report["transport"] == "nccl-coalesced"
     # A torchtitan job's schedule, as torchtitan names it, at its sizes.
     job = tmp_path / "job.toml"
     job.write_text('[parallelism]\npipeline_parallel_degree = 4\n'
@@ -330,5 +341,8 @@ def test_the_doctor_names_the_cascade_a_job_torch_refuses_and_a_deadlocking_orde
     dead.write_text("0F0,0RECV_B0,0SEND_F0,0B0\n1RECV_F0,1F0,1B0,1SEND_B0\n")
     assert main(["doctor", str(dead), "--out", str(tmp_path / "dead")]) == 1
     said = capsys.readouterr().out
-    assert "torch's order deadlocks where a receive holds" in said
-    assert "rank 0 at position 1 on 0RECV_B0 waits for 1SEND_B0" in said
+    assert "torch's order deadlocks: schedule 'dead' deadlocks on one stream per pair of ranks" in said
+    assert "rank 0's 0RECV_B0 waits for rank 1 to reach 1SEND_B0" in said
+    assert "rank 0's 0SEND_F0 is queued behind 0RECV_B0 on its stream" in said
+    # gloo's messages wait in no order: the same file runs there (as torch's runtime ran it on gloo).
+    assert main(["doctor", str(dead), "--transport", "gloo", "--out", str(tmp_path / "dead")]) == 0

@@ -10,6 +10,7 @@ from pplab._version import __version__
 from pplab.base.config import LabOptions, PipelineOptions
 from pplab.cli import simulate
 from pplab.cli.options import add_option_flag, arguments_as_json
+from pplab.planning.doctor import TRANSPORTS
 
 
 def run(args: argparse.Namespace) -> int:
@@ -39,8 +40,10 @@ def run(args: argparse.Namespace) -> int:
                   schedule=schedule.name, runs=diagnosis.runs, refused=diagnosis.refused,
                   deadlock=diagnosis.deadlock, step=diagnosis.step, bound=diagnosis.bound,
                   peak_activations=diagnosis.peak,
-                  stalls=[dict(rank=s.rank, waits_at=s.receive, holding_up=s.blocked, seconds=s.seconds)
-                          for s in diagnosis.stalls], fix=None)
+                  transport=args.transport,
+                  stalls=[dict(rank=s.rank, stream_to=s.peer, waits_at=s.waits_at, holding_up=s.blocked,
+                               seconds=s.seconds) for s in diagnosis.stalls],
+                  tried=diagnosis.tried, fix=None)
     print(diagnosis)
     if diagnosis.runs:
         picture = out / "timelines.png"
@@ -92,8 +95,9 @@ def add_to(commands, ranks_run: argparse.ArgumentParser) -> argparse.ArgumentPar
         "doctor", help="what torch's runtime will run for a schedule: deadlocks, stalls, a better order",
         description="Ask torch's own lowering what its runtime will run for a schedule (its sends and "
                     "receives, posted as early as they can be), and report before anything starts: a job "
-                    "it cannot run, an order that deadlocks, the stalls (a receive waited at while the "
-                    "next compute did not need it) and their cost in the simulator's model, the "
+                    "it cannot run, an order that deadlocks, the stalls (an operation that waited for its "
+                    "peer while something ready waited behind it) and their cost in the simulator's model "
+                    "of the transport, the "
                     "activations each rank holds; where an order of the messages removes stalls without "
                     "a deadlock, it is written as torch's compute+comms CSV (fix.csv).")
     run_doctor.add_argument("schedule", metavar="SCHEDULE", nargs="?", default=None,
@@ -106,10 +110,10 @@ def add_to(commands, ranks_run: argparse.ArgumentParser) -> argparse.ArgumentPar
                     because="2 for the schedules with several stages per rank, else 1")
     run_doctor.add_argument("--torchtitan-config", metavar="JOB.toml", default=None,
                             help="a torchtitan job's TOML: its schedule and sizes, instead of SCHEDULE")
-    run_doctor.add_argument("--transport", choices=("nccl", "gloo"), default="nccl",
-                            help="how a posted receive behaves: nccl (it holds what is queued behind it on "
-                                 "its stream), gloo (it does not; torch's order then runs at the compute "
-                                 "order's pace); default nccl, a GPU job's")
+    run_doctor.add_argument("--transport", choices=tuple(TRANSPORTS), default="nccl",
+                            help="how the job's messages run: " + "; ".join(
+                                f"{name}: {transport.said}" for name, transport in TRANSPORTS.items())
+                            + " (default nccl, a GPU job's)")
     simulate.add_cost_flags(run_doctor)
     run_doctor.add_argument("--out", default="pplab-doctor",
                             help="folder for the fix, its picture and the report (default pplab-doctor)")
