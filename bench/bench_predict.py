@@ -17,8 +17,14 @@
 
    All of 1 and 3 twice: with the ranks placed by the kernel (free, the default) and with each
    rank's threads kept on a core of its own (pinned: `RankPool(2, cores=[0, 1])`).
+4. Before you run, as a new user predicts (issue 65): `pplab.predict(schedule, pplab.profile(...))`
+   alone, and with the lab's own costs (`lab=`, its calibration measured once at the start), against
+   the median measured step, on a 2-rank lab: the tiny, 128- and 256-wide models, GPipe, 1F1B, ZB-H1,
+   interleaved 1F1B (v=2), 8 microbatches of 4 x 64 tokens, the schedules interleaved over rounds.
+   Goal: with the lab's costs, every row within 10 %.
 
-Run: python bench/bench_predict.py [--placements free pinned] [--output PATH]   (about ten minutes)
+Run: python bench/bench_predict.py [--placements free pinned] [--parts ...] [--output PATH]
+(about ten minutes; `--parts before-you-run` runs part 4 alone and keeps the file's other parts)
 Writes bench/results/predict.json.
 """
 
@@ -135,21 +141,88 @@ def real_runs(pool: pplab.RankPool, link: dict, modes=("real", "timing"), rounds
     return report
 
 
+BEFORE_YOU_RUN_MODELS = {
+    "tiny": pplab.LlamaConfig.tiny(),
+    "128-wide, 4 layers": pplab.LlamaConfig.tiny(hidden_size=128, intermediate_size=352, num_hidden_layers=4),
+    "256-wide, 8 layers": pplab.LlamaConfig.tiny(hidden_size=256, intermediate_size=704, num_hidden_layers=8)}
+BEFORE_YOU_RUN_SCHEDULES = (("gpipe", 1), ("1f1b", 1), ("zb-h1", 1), ("interleaved-1f1b", 2))
+
+
+def before_you_run(rounds: int) -> dict:
+    """Part 4: predictions from one-device profiles, with and without the lab's costs, against the
+    median measured step (each round runs every schedule once, the first in turn)."""
+    started = time.perf_counter()
+    rows = []
+    with pplab.Lab(n_ranks=2) as lab:
+        calibration = lab.calibrate()
+        print(f"before you run: {calibration}", flush=True)
+        for model, config in BEFORE_YOU_RUN_MODELS.items():
+            profiles = {v: pplab.profile(config, MICROBATCH_SIZE, SEQ_LEN, 2 * v, show=False) for v in (1, 2)}
+            batch = next(batches(MICROBATCH_SIZE * MICROBATCHES, SEQ_LEN))
+            measured = {name: [] for name, _ in BEFORE_YOU_RUN_SCHEDULES}
+            predicted = {}
+            for round_index in range(rounds):
+                first = round_index % len(BEFORE_YOU_RUN_SCHEDULES)
+                order = BEFORE_YOU_RUN_SCHEDULES[first:] + BEFORE_YOU_RUN_SCHEDULES[:first]
+                for name, v in order:
+                    with lab.pipeline(config, schedule=name, n_microbatches=MICROBATCHES,
+                                      n_virtual=v) as pipe:
+                        if name not in predicted:
+                            predicted[name] = (pplab.predict(pipe.schedule, profiles[v]).step_time,
+                                               pplab.predict(pipe.schedule, profiles[v], lab=lab).step_time)
+                        steps = [pipe.step(batch).timeline.step_time() for _ in range(WARMUP + 5)][WARMUP:]
+                    measured[name].append(statistics.median(steps))
+            for name, _ in BEFORE_YOU_RUN_SCHEDULES:
+                step = statistics.median(measured[name])
+                alone, on_lab = predicted[name]
+                rows.append(dict(model=model, schedule=name, predicted_alone_s=alone,
+                                 predicted_with_lab_s=on_lab,
+                                 measured_s=step, measured_per_round_s=measured[name],
+                                 error_alone=alone / step - 1, error_with_lab=on_lab / step - 1))
+                print(f"{model:19s} {name:17s} predicted {alone * 1e3:6.1f} ms alone "
+                      f"({alone / step - 1:+.0%}), "
+                      f"{on_lab * 1e3:6.1f} ms with the lab's costs ({on_lab / step - 1:+.0%}); measured "
+                      f"{step * 1e3:6.1f} ms", flush=True)
+    worst = max(abs(row["error_with_lab"]) for row in rows)
+    return {"calibration": dict(str=str(calibration), scale=calibration.scale, fixed_s=calibration.fixed,
+                                overhead_s=calibration.overhead, latency_s=calibration.latency,
+                                spread=calibration.spread, seconds=calibration.seconds),
+            "rounds": rounds, "rows": rows, "goal": "with the lab's costs, every row within 10 %",
+            "worst_error_with_lab": worst, "worst_error_alone": max(abs(row["error_alone"]) for row in rows),
+            "mean_abs_error_with_lab": statistics.fmean(abs(r["error_with_lab"]) for r in rows),
+            "mean_abs_error_alone": statistics.fmean(abs(r["error_alone"]) for r in rows),
+            "met": worst <= 0.10, "seconds": round(time.perf_counter() - started, 1)}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--placements", nargs="+", choices=("free", "pinned"), default=["free", "pinned"])
     parser.add_argument("--output", default=str(RESULTS))
     parser.add_argument("--modes", nargs="+", choices=("real", "timing"), default=["real", "timing"])
     parser.add_argument("--rounds", type=int, default=ROUNDS)
+    parser.add_argument("--parts", nargs="+", choices=("measured", "before-you-run"),
+                        default=["measured", "before-you-run"],
+                        help="measured: parts 1-3; before-you-run: part 4 (alone, it keeps the file's "
+                             "other parts)")
     args = parser.parse_args()
     started = time.perf_counter()
     torch.set_num_threads(1)
-    report = {"when": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+    output = Path(args.output)
+    kept = json.loads(output.read_text()) if "measured" not in args.parts and output.exists() else {}
+    report = {**kept, "when": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
               "machine": platform.platform(), "torch": torch.__version__,
               "microbatch_size": MICROBATCH_SIZE, "seq_len": SEQ_LEN, "microbatches": MICROBATCHES}
-    report["split_backward"] = split_backward()
-    for label, rows in report["split_backward"]["rows"].items():
-        print(f"(I + W) / B, {label}: " + ", ".join(f"stage {r['stage']} {r['ratio']:.2f}" for r in rows))
+    if "before-you-run" in args.parts:
+        part = report["before_you_run"] = before_you_run(args.rounds)
+        print(f"before you run: worst error {part['worst_error_alone']:+.0%} alone, "
+              f"{part['worst_error_with_lab']:.0%} with the lab's costs: {part['goal']}: "
+              f"{'met' if part['met'] else 'NOT met'}")
+    if "measured" not in args.parts:
+        args.placements = []
+    else:
+        report["split_backward"] = split_backward()
+        for label, rows in report["split_backward"]["rows"].items():
+            print(f"(I + W) / B, {label}: " + ", ".join(f"stage {r['stage']} {r['ratio']:.2f}" for r in rows))
     # The ranks placed by the kernel (the default), and each kept on a core of its own (pplab.drivers.cores)
     placements = {"free": None, "pinned": sorted(os.sched_getaffinity(0))[:2]}
     for placement in args.placements:
@@ -177,7 +250,6 @@ def main() -> None:
                                                                if "memory_error" in row else ""))
             print(f"{placement} {mode}: {runs[mode]['goal']}: {'met' if runs[mode]['met'] else 'NOT met'}")
     report["seconds"] = round(time.perf_counter() - started, 1)
-    output = Path(args.output)
     output.parent.mkdir(exist_ok=True)
     output.write_text(json.dumps(report, indent=2) + "\n")
     print(f"wrote {output}")

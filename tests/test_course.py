@@ -180,3 +180,35 @@ def test_a_checker_whose_inputs_are_gone_says_which_cell_to_run_again(tmp_path):
                                              norm="model.norm",
                                              head="lm_head"), tmp_path / "removed"))
     assert "the model this checks against is gone" in said and "Re-run the notebook's first code cell" in said
+
+
+FIGURE_MAKERS = {"plot_timeline", "compare_timelines", "plot_bubbles", "plot_memory", "plot_training"}
+
+
+def figures_not_shown(source: str) -> list[str]:
+    """Calls in a cell that build a figure (pplab.views.viz's, which never draw by themselves) and
+    throw it away: anywhere but the cell's last statement, outside display(...)."""
+    body = ast.parse(python_of(source)).body
+    shown_last = body[-1] if body and isinstance(body[-1], ast.Expr) else None
+    lost = []
+    for node in ast.walk(ast.Module(body=body, type_ignores=[])):
+        if isinstance(node, ast.Expr) and node is not shown_last and isinstance(node.value, ast.Call):
+            path = _dotted(node.value.func)
+            if path and path[-1] in FIGURE_MAKERS:
+                lost.append(f"line {node.lineno}: {'.'.join(path)}(...)")
+    return lost
+
+
+@pytest.mark.quick
+def test_every_figure_a_notebook_cell_builds_is_shown():
+    assert figures_not_shown("viz.plot_timeline(t)\nprint(1)") == ["line 1: viz.plot_timeline(...)"]
+    assert figures_not_shown("x = 1\nviz.plot_timeline(t)") == []
+    in_a_loop = figures_not_shown("for t in ts:\n    viz.compare_timelines(a, b)\n")
+    assert in_a_loop == ["line 2: viz.compare_timelines(...)"]
+    assert figures_not_shown("display(viz.plot_memory(t))\npipe.close()") == []
+    lost = {f"{path.relative_to(ROOT)} cell {i}: {where}"
+            for path in sorted(NOTEBOOKS.rglob("*.ipynb"))
+            for i, cell in enumerate(nbformat.read(path, as_version=4).cells) if cell.cell_type == "code"
+            for where in figures_not_shown(cell.source)}
+    assert not lost, ("figures built and never shown (make them the cell's last expression, or "
+                      "display(...)):\n" + "\n".join(sorted(lost)))

@@ -139,3 +139,38 @@ def test_a_prediction_says_what_a_busy_machine_does_to_it():
     slower = predict(schedule, profiled, machine=MachineLoad(8, 3.0, 0.5))
     assert slower.shared_step_time == pytest.approx(2 * slower.step_time)
     assert "load changed since the profile" in slower.notes[0] and "2.00x as long" in slower.notes[0]
+
+
+def test_a_labs_calibration_turns_a_profile_into_its_costs_and_says_how_sure(two_stages):
+    from pplab.planning import prediction
+    from ranks import pool
+
+    ranks = pool(2)
+    ranks._calibration = None
+    made = ranks.calibration  # measured on first use, then kept
+    assert ranks.calibration is made and prediction.last_calibration is made
+    assert made.n_ranks == 2 and made.device == "cpu" and made.scale > 0 and made.fixed >= 0
+    assert made.overhead >= 0 and made.latency >= 0 and 0 <= made.spread < 1
+    assert "2 and 8 x 64 tokens" in made.probe and "calibration of 2 ranks on cpu" in str(made)
+    schedule = build("1f1b", 2, 4)
+    on_lab = predict(schedule, two_stages, lab=ranks)
+    costs = made.costs(two_stages, schedule)  # each compute as a rank runs it, plus the runtime's time
+    assert costs.compute_time(pplab.schedules.Kind.F, 0) == pytest.approx(
+        made.scale * two_stages.stages[0].forward + made.fixed + made.overhead)
+    assert costs.latency == made.latency and on_lab.uncertainty == made.spread
+    assert f"± {made.spread:.0%}" in str(on_lab) and "as this lab runs them" in on_lab.how
+    alone = predict(schedule, two_stages)  # no lab: what is left out, and what the last calibration said
+    assert "without a lab" in alone.left_out and "this machine's last calibration" in alone.left_out
+    assert f"left out: {alone.left_out}" in str(alone) and not on_lab.left_out
+    with pytest.raises(ValueError, match="the lab has 2 ranks and schedule '1f1b' 4"):
+        predict(build("1f1b", 4, 4), two_stages, lab=ranks)
+    with pytest.raises(ValueError, match="give a Profile"):
+        predict(schedule, Costs(), lab=ranks)
+    one_device = Costs(forward=[0.004, 0.006], backward=[0.008, 0.012])  # search ranks them as the lab runs
+    as_run = made.apply(one_device)
+    assert as_run.forward[1] == pytest.approx(made.scale * 0.006 + made.fixed + made.overhead)
+    split = made.apply(Costs(forward=0.004, input_grad=0.003, weight_grad=0.005))  # B stays I + W
+    assert split.backward == pytest.approx(split.input_grad + split.weight_grad)
+    found = pplab.search(2, 4, one_device, lab=ranks, improve_seconds=0, show=False)
+    ranked_alone = pplab.search(2, 4, as_run, improve_seconds=0, show=False)
+    assert found.step_time == pytest.approx(ranked_alone.step_time)

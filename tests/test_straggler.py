@@ -96,3 +96,10 @@ def test_a_quiet_machine_decides_exactly():
     named = straggler_verdict([simulate(named_schedule("1f1b", 2, 4), slow)], 2)
     assert (named.rank, named.low) == (1, pytest.approx(1.5))
     assert straggler_verdict([simulate(named_schedule("1f1b", 1, 4), even)], 1) is None
+
+
+def test_an_unbounded_ratio_reads_as_no_upper_bound():
+    from pplab.planning.straggler import StragglerVerdict
+
+    verdict = StragglerVerdict(1, True, 1, 1.49, float("inf"), 0.0, 3)
+    assert "at least 1.49x (no upper bound" in verdict.text() and "inf" not in verdict.text()

@@ -80,9 +80,42 @@ def test_each_gain_carries_the_runs_own_step_to_step_spread():
     report = explain(steps[0], run, steps=steps[1:])
     spread = (steps[1].step_time() - steps[2].step_time()) / 2 / steps[0].step_time()
     assert spread == pytest.approx(0.1)
-    assert all(s.uncertainty == pytest.approx(spread) for s in report.suggestions)
+    assert all(s.uncertainty == pytest.approx(spread) for s in report.suggestions if not s.assumed)
+    assert all(s.uncertainty >= spread - 1e-9 for s in report.suggestions if s.assumed)
     assert "(-" in report.text() and "± 10%)" in report.text()
-    assert all(s.uncertainty == 0 for s in explain(steps[0], run).suggestions)  # one step: no spread to tell
+    one_step = explain(steps[0], run).suggestions  # one step: no spread to tell, only the assumptions'
+    assert all(s.uncertainty == 0 for s in one_step if not s.assumed)
+
+
+def test_a_change_resting_on_an_assumed_cost_is_as_wide_as_the_assumption_and_ranks_below_measured_ones():
+    """Without a profile, zb-h1 (a split backward) and half microbatches rest on assumed costs: each
+    is predicted at the assumption's optimistic end, its uncertainty is how far the gain moves to the
+    far end (ASSUMED_RANGES), and it comes after every measured change, in the list and for `best`."""
+    from pplab.planning.whatif import ASSUMED_RANGES
+
+    run = named_schedule("1f1b", 2, 4)
+    report = explain(simulate(run, Costs(forward=[1.0, 1.2], backward=[2.0, 2.4])), run)
+    now = report.predicted_as_is
+    zb = next(s for s in report.suggestions if s.change == "schedule zb-h1")
+    low, high = ASSUMED_RANGES["split"]
+    split_at = lambda ratio: Costs(forward=[1.0, 1.2], input_grad=[ratio, 1.2 * ratio],  # noqa: E731
+                                   weight_grad=[ratio, 1.2 * ratio])
+    zb_h1 = named_schedule("zb-h1", 2, 4)
+    at = {ratio: simulate(zb_h1, split_at(ratio)).step_time() for ratio in (low, high)}
+    assert zb.predicted_step_time == pytest.approx(at[low]) and zb.gain > 0
+    assert zb.uncertainty == pytest.approx((at[high] - at[low]) / now)
+    assert "I + W costs 1-1.8 x its B" in zb.assumed
+    half = next(s for s in report.suggestions if "half the size" in s.change)
+    assert half.assumed and half.uncertainty > 0
+    kinds = [bool(s.assumed) for s in report.suggestions]
+    assert kinds == sorted(kinds) and kinds.count(True) == 2  # measured ones first
+    assert report.best is None or not report.best.assumed or report.best.gain > report.best.uncertainty
+    assert "assumed: a split backward" in report.text()
+    profiled = Profile((StageProfile(1.0, 2.0, 0.0, 2.0, 0, 0, 0), StageProfile(1.2, 2.4, 1.2, 1.2, 0, 0, 0)),
+                       4, 64)
+    as_run = simulate(run, Costs(forward=[1.0, 1.2], backward=[2.0, 2.4]))
+    measured_split = explain(as_run, run, profile=profiled)
+    assert not next(s for s in measured_split.suggestions if s.change == "schedule zb-h1").assumed
 
 
 def test_half_a_microbatch_costs_what_profiles_at_both_sizes_say():

@@ -81,10 +81,11 @@ def _for_torchtitan(report, schedule, out: Path) -> str:
     """The report's schedule changes as a torchtitan job takes them: a torch schedule class, or, for a
     schedule torch has no class for, a CSV written beside the report for torch's runtime to run."""
     from pplab.planning.bubble import named_schedule
+    from pplab.planning.whatif import ranked
     from pplab.schedules import TORCH_SCHEDULES
 
     lines = ["in the torchtitan job ([parallelism]):"]
-    for suggestion in sorted(report.suggestions, key=lambda s: -s.gain):
+    for suggestion in ranked(report.suggestions):
         words = suggestion.change.split()
         if words[0] != "schedule":
             continue
@@ -98,7 +99,8 @@ def _for_torchtitan(report, schedule, out: Path) -> str:
             how = (f'pipeline_parallel_schedule = "_PipelineScheduleRuntime", '
                    f'pipeline_parallel_schedule_csv = "{path}" (torch has no class for {name}; the CSV was '
                    f'written for it)')
-        lines.append(f"  {suggestion.change} ({-suggestion.gain:+.0%}): {how}")
+        assumed = f", assumed: {suggestion.assumed}" if suggestion.assumed else ""
+        lines.append(f"  {suggestion.change} ({-suggestion.gain:+.0%}{assumed}): {how}")
     return "\n".join(lines)
 
 

@@ -29,7 +29,7 @@ class Balanced(ShownAsText):
 
     def __str__(self) -> str:
         gain = 1 - self.found.step_time / self.even.step_time
-        return (f"balance {list(self.balance)}: step {self.found.step_time:.4g} with "
+        return (f"balance {list(self.balance)}: step {self.found.step_time:.4g} (in the costs' units) with "
                 f"{self.found.schedule.name} ({gain:.1%} faster than the even split "
                 f"{list(self.even_balance)} at {self.even.step_time:.4g}); {len(self.tried)} balances tried")
 

@@ -33,7 +33,7 @@ from pplab.base.formatting import wrapped
 from pplab.planning.prediction import Profile
 from pplab.planning.simulator import costs_from_timeline, simulate
 from pplab.planning.straggler import StragglerVerdict, straggler_verdict
-from pplab.planning.whatif import RunModel, Suggestion, named_schedule, step_spread, suggestions
+from pplab.planning.whatif import RunModel, Suggestion, named_schedule, ranked, step_spread, suggestions
 from pplab.schedules import Schedule, theory
 from pplab.trace.timeline import Event, Timeline
 
@@ -94,9 +94,11 @@ class BubbleReport:
 
     @property
     def best(self) -> Suggestion | None:
-        """The change predicted to help most (None if none helps)."""
-        helping = [s for s in self.suggestions if s.gain > 0.01]
-        return max(helping, key=lambda s: s.gain) if helping else None
+        """The change predicted to help most (None if none helps): a measured change before an assumed
+        one, and an assumed one only where it helps across the assumption's whole range."""
+        helping = [s for s in ranked(self.suggestions)
+                   if s.gain > 0.01 and (not s.assumed or s.gain - s.uncertainty > 0.01)]
+        return helping[0] if helping else None
 
     def waits_caused_by(self, rank: int) -> float:
         """Seconds other ranks waited, at the root, for `rank`."""
@@ -137,11 +139,13 @@ class BubbleReport:
                          f"{self.message_latency * 1e3:.2f} ms (the median of those waited for) and each "
                          f"compute {self.overhead_per_action * 1e3:.2f} ms of the runtime's own; the run as "
                          f"it is predicts {self.predicted_as_is * 1e3:.2f} ms there, and each change is "
-                         "given against that (± how much the run's own steps varied):")
-            for suggestion in sorted(self.suggestions, key=lambda s: -s.gain):
+                         "given against that (± how much the run's own steps varied, and for an assumed "
+                         "cost how much it can be off by); measured changes first:")
+            for suggestion in ranked(self.suggestions):
                 either_way = f" ± {suggestion.uncertainty:.0%}" if suggestion.uncertainty >= 0.005 else ""
+                assumed = f", assumed: {suggestion.assumed}" if suggestion.assumed else ""
                 lines.append(f"  {suggestion.change}: {suggestion.predicted_step_time * 1e3:.2f} ms "
-                             f"({-suggestion.gain:+.0%}{either_way})")
+                             f"({-suggestion.gain:+.0%}{either_way}{assumed})")
             best = self.best
             lines.append(f"most helpful single change: {best.change}" if best else
                          "no single change is predicted to help by more than 1 %")
@@ -181,7 +185,7 @@ def explain(measured: Timeline, schedule: Schedule, outside: list[float | None] 
     costs = costs_from_timeline(measured, schedule.n_stages)  # messages free: the schedule's own idle
     simulated = simulate(schedule, costs)
     simulated.label = "simulated on the measured costs"  # in seconds, not the simulator's cost units
-    latency = _message_latency(measured, schedule)
+    latency = message_latency(measured, schedule)
     waits = _waits(measured, schedule)
     busy = [measured.busy_time(rank) for rank in range(schedule.n_ranks)]
     median_busy = statistics.median(busy)
@@ -194,7 +198,7 @@ def explain(measured: Timeline, schedule: Schedule, outside: list[float | None] 
                           ranks, waits,
                           straggler_verdict([measured, *steps], schedule.n_ranks))
     profiles = [profile] if isinstance(profile, Profile) else list(profile)
-    model = RunModel.of(schedule, costs, latency, _overhead_per_action(measured, schedule), profiles)
+    model = RunModel.of(schedule, costs, latency, overhead_per_action(measured, schedule), profiles)
     report.predicted_as_is = model.step_time()
     report.suggestions = suggestions(model, step_spread([measured, *steps]))
     report.message_latency, report.overhead_per_action = latency, model.overhead
@@ -213,14 +217,14 @@ def explain(measured: Timeline, schedule: Schedule, outside: list[float | None] 
     return report
 
 
-def _message_latency(measured: Timeline, schedule: Schedule) -> float:
+def message_latency(measured: Timeline, schedule: Schedule) -> float:
     """What a message took in this run: the median time from the end of a compute on one rank to
     the start of the compute on another that consumed its result, over those that waited for it."""
     spans = [max(0.0, event.start - producer.end) for event, producer, _ in _late_inputs(measured, schedule)]
     return statistics.median(spans) if spans else 0.0
 
 
-def _overhead_per_action(measured: Timeline, schedule: Schedule) -> float:
+def overhead_per_action(measured: Timeline, schedule: Schedule) -> float:
     """The runtime's own time between two computes of a rank (posting messages, recording): the
     median gap before a compute whose input was already there when its rank became free. A change
     that adds actions (more microbatches, split backwards, more stages) adds that much per action."""

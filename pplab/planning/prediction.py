@@ -138,6 +138,8 @@ class Prediction(ShownAsText):
     machine: MachineLoad | None = None  # the machine it is predicted for
     shared_step_time: float | None = None  # the step the machine allows, where it differs (see notes)
     notes: tuple[str, ...] = ()  # what the machine changes, in sentences
+    uncertainty: float | None = None  # with a lab's calibration: how much its computes varied (a fraction)
+    left_out: str = ""  # without a lab: which of a lab's costs this leaves out, and how much they count
 
     @property
     def peak_bytes(self) -> tuple[int, ...]:
@@ -145,26 +147,45 @@ class Prediction(ShownAsText):
         return tuple(s + a for s, a in zip(self.static_bytes, self.peak_activation_bytes))
 
     def __str__(self) -> str:
-        lines = [f"predicted step {self.step_time * 1e3:.1f} ms, bubble {self.bubble:.1%}"]
+        sure = "" if self.uncertainty is None else f" ± {self.uncertainty:.0%}"
+        lines = [f"predicted step {self.step_time * 1e3:.1f} ms{sure}, bubble {self.bubble:.1%}"]
         lines += [f"  rank {r}: peak {format_bytes(peak)} = static {format_bytes(static)} + activations "
                   f"{format_bytes(act)}" for r, (peak, static, act) in
                   enumerate(zip(self.peak_bytes, self.static_bytes, self.peak_activation_bytes))]
         lines += [f"  note: {note}" for note in self.notes]
+        lines += [f"  left out: {self.left_out}"] if self.left_out else []
         return "\n".join(lines)
 
 
+last_calibration = None  # the last lab calibration made in this process (set by pplab.session.calibrate)
+
+
 def predict(schedule: Schedule, costs: Costs | Profile, memory: Profile | None = None, *,
-            machine: MachineLoad | None = None) -> Prediction:
+            machine: MachineLoad | None = None, lab=None) -> Prediction:
     """Predict `schedule`'s step time, bubble and peak memory per rank.
 
     `costs` is a `Profile` (its costs for this schedule and its bytes) or plain `Costs`
     (then `memory`, a Profile, gives the bytes; without it the memory is not predicted: zeros).
     `machine` is the load the ranks will run under (default: this machine's, read within the last 10 s).
+    `lab`, the lab (or pool of ranks) it will run on: a profile's costs become that lab's
+    (`lab.calibration`, measured on first use: pplab.planning.calibration), and the prediction says
+    how sure it is; without it, the prediction says which of the lab's costs it leaves out.
     """
     profiled_on = costs.machine if isinstance(costs, Profile) else None
+    calibration = None
+    if lab is not None and not isinstance(costs, Profile):
+        raise ValueError("predict(..., lab=...) turns a profile's costs into the lab's: give a Profile "
+                         "(pplab.profile), not Costs")
     if isinstance(costs, Profile):
         memory = costs if memory is None else memory
-        costs = costs.costs_for(schedule)
+        if lab is not None:
+            calibration = lab.calibration
+            if calibration.n_ranks != schedule.n_ranks:
+                raise ValueError(f"the lab has {calibration.n_ranks} ranks and schedule {schedule.name!r} "
+                                 f"{schedule.n_ranks}: predict for a lab of the schedule's ranks")
+            costs = calibration.costs(costs, schedule)
+        else:
+            costs = costs.costs_for(schedule)
     if memory is not None and len(memory.stages) != schedule.n_stages:
         raise ValueError(f"the profile has {len(memory.stages)} stages but the schedule {schedule.name!r} "
                          f"has {schedule.n_stages}: profile with n_stages={schedule.n_stages}")
@@ -185,8 +206,24 @@ def predict(schedule: Schedule, costs: Costs | Profile, memory: Profile | None =
            "(B, or W) ends; static: 4 x parameter bytes (parameters, gradients, AdamW's two moments)")
     machine = machine if machine is not None else recent_load()
     shared, notes = _on_this_machine(timeline, machine, profiled_on)
+    if calibration is not None:
+        how = (f"step time and bubble: pplab's simulator on the profiled costs as this lab runs them "
+               f"({calibration}); " + how.split("; ", 1)[1])
+    left_out = _left_out() if calibration is None and profiled_on is not None else ""
     return Prediction(timeline.step_time(), timeline.bubble_fraction(), activations, static, timeline, how,
-                      machine, shared, notes)
+                      machine, shared, notes, calibration.spread if calibration is not None else None,
+                      left_out)
+
+
+def _left_out() -> str:
+    """What a prediction without a lab leaves out, and how much it counted at the last calibration."""
+    said = ("without a lab (predict(..., lab=lab)) this leaves out what the lab adds: a compute on a rank "
+            "beside the others, the runtime's own time between computes, and the messages' time between "
+            "these ranks")
+    last = last_calibration
+    if last is None:
+        return said + "; on a 2-core CPU lab they added 15-55 % to the step (bench/bench_predict.py)"
+    return said + f"; this machine's last calibration: {last}"
 
 
 def _on_this_machine(timeline: Timeline, machine: MachineLoad,

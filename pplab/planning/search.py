@@ -104,7 +104,7 @@ class Found(ShownAsText):
     def __str__(self) -> str:
         best = self.best_builtin
         limit = "no limit" if self.memory_limit is None else f"limit {_amount(self.memory_limit, self.unit)}"
-        lines = [f"found {self.schedule.name}: step {self.step_time:.4g}, peak "
+        lines = [f"found {self.schedule.name}: step {self.step_time:.4g} (in the costs' units), peak "
                  f"{_amount(max(self.peak_memory), self.unit)} per rank ({limit})"]
         if best is not None and best.schedule is not self.schedule:
             gain = 1 - self.step_time / best.step_time
@@ -123,7 +123,7 @@ class Found(ShownAsText):
         """The fastest `top` candidates that fit and every built-in that ran, as text."""
         rows = sorted((c for c in self.tried if c.step_time is not None), key=lambda c: c.step_time)
         shown = [c for c in rows if c.fits][:top] + [c for c in rows if c.builtin]
-        return text_table(["schedule", "step", "peak", "fits"],
+        return text_table(["schedule", "step (costs' units)", "peak", "fits"],
                           ([c.name, f"{c.step_time:.4g}", _amount(c.peak, self.unit),
                             "yes" if c.fits else "no"]
                            for c in sorted(set(shown), key=lambda c: c.step_time)), right=(1, 2))
@@ -147,7 +147,8 @@ class NothingFitsError(ValueError):
 def search(n_ranks: int, n_microbatches: int, costs: Costs, memory_limit: float | None = None,
            saved_bytes: Sequence[int] | None = None, n_virtual: int | None = None,
            split_backward: bool = True, include_torch: bool = True, show: bool | None = None,
-           improve_seconds: float = 0.5, exact: bool = False, exact_seconds: float = 60.0) -> Found:
+           improve_seconds: float = 0.5, exact: bool = False, exact_seconds: float = 60.0,
+           lab=None) -> Found:
     """The fastest schedule the search finds for these sizes and costs under `memory_limit`.
 
     `costs` are per stage: with sequences of n_ranks * v values the stages are those v per
@@ -163,10 +164,17 @@ def search(n_ranks: int, n_microbatches: int, costs: Costs, memory_limit: float 
     rendezvous does to the one found). `exact=True` also asks a solver (OR-Tools' CP-SAT, the
     `pplab[solver]` extra; one stage per rank) for the fastest schedule and a proof, within
     `exact_seconds`: `found.proof` says whether it is proved optimal, or the best bound.
+    `lab`, the lab the schedule will run on: `costs` are then one device's seconds (a profile's),
+    ranked as that lab runs them (`lab.calibration`, measured on first use).
     """
     started = time.perf_counter()
     _check_sizes(n_ranks, n_microbatches, memory_limit, n_virtual)
     _check_costs(costs)
+    if lab is not None:
+        if lab.calibration.n_ranks != n_ranks:
+            raise ValueError(f"the lab has {lab.calibration.n_ranks} ranks and the search {n_ranks}: "
+                             f"search for n_ranks={lab.calibration.n_ranks}, or give the lab of {n_ranks}")
+        costs = lab.calibration.apply(costs)
     # Candidates are compared on buffered links: a rendezvous needs every send and receive
     # simulated, at several times the cost; `pplab.predict` shows its effect on the one found.
     costs = replace(costs, link="buffered")

@@ -30,6 +30,7 @@ Pure Python on a Timeline: it runs on pplab's own recordings and on imported pro
 
 from __future__ import annotations
 
+import math
 import statistics
 from collections import defaultdict
 from dataclasses import dataclass
@@ -58,8 +59,12 @@ class StragglerVerdict:
 
     def text(self) -> str:
         """One line for a report."""
-        bounds = (f"{self.low:.2f}x" if abs(self.high - self.low) < 0.005
-                  else f"{self.low:.2f}-{self.high:.2f}x ({CONFIDENCE:.0%} bounds)")
+        if math.isinf(self.high):  # the other ranks computed nothing at their slowest
+            bounds = f"at least {self.low:.2f}x (no upper bound; {CONFIDENCE:.0%} bounds)"
+        elif abs(self.high - self.low) < 0.005:
+            bounds = f"{self.low:.2f}x"
+        else:
+            bounds = f"{self.low:.2f}-{self.high:.2f}x ({CONFIDENCE:.0%} bounds)"
         evidence = (f"each action's fastest runs against the other ranks' "
                     f"({self.runs_per_action} run{'s' if self.runs_per_action != 1 else ''} of each action)")
         if self.rank is not None:

@@ -16,14 +16,15 @@ What a run cannot show is taken from one-device profiles of the same stages when
 split into its input and weight halves (I + W is more than B on a CPU: the split walks the graph
 twice); at half that size, what half a microbatch costs (more than half: a layer has costs that
 do not shrink with the batch). Without them, a split backward is taken to cost what the whole one
-does and half a microbatch half a whole one's, and the report says so.
+does and half a microbatch half a whole one's: such a change is "assumed", its uncertainty widened
+by what the assumption can be off by (`ASSUMED_RANGES`), and it ranks below every measured change.
 Floor 2: pure Python.
 """
 
 from __future__ import annotations
 
 import statistics
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Callable, Sequence
 
 from pplab.base.config import takes_options
@@ -32,7 +33,13 @@ from pplab.planning.simulator import Costs, simulate
 from pplab.schedules import Kind, Schedule, build, from_torch, torch_plan
 from pplab.trace.timeline import Timeline
 
-__all__ = ["RunModel", "Suggestion", "named_schedule", "step_spread", "suggestions"]
+__all__ = ["ASSUMED_RANGES", "RunModel", "Suggestion", "named_schedule", "step_spread", "suggestions"]
+
+# What an assumed cost can really be, from one-device profiles of the lessons' models (tiny, 128- and
+# 256-wide, 2 stages, microbatches of 4 x 64 tokens, a 2-core CPU): a split backward's I + W cost
+# 1.00-1.83 x its B, and half a microbatch's F and B 0.53-0.66 x a whole one's. Without a profile,
+# a change resting on one is predicted at the optimistic end and again at the far end.
+ASSUMED_RANGES = {"split": (1.0, 1.8), "halved": (0.5, 0.7)}
 
 
 @dataclass(frozen=True)
@@ -42,7 +49,9 @@ class Suggestion:
     change: str
     predicted_step_time: float
     gain: float  # 1 - predicted / predicted for the run as it is
-    uncertainty: float = 0.0  # the gain is this much either way: how much the run's own steps varied
+    uncertainty: float = 0.0  # the gain is this much either way: how much the run's own steps varied,
+    # widened, for an assumed change, by how much the gain moves across the assumption's range
+    assumed: str = ""  # what the prediction assumed rather than measured ("": nothing)
 
 
 def named_schedule(name: str, n_ranks: int, n_microbatches: int, n_virtual: int = 1) -> Schedule:
@@ -164,35 +173,58 @@ def suggestions(model: RunModel, uncertainty: float = 0.0) -> list[Suggestion]:
     now = model.step_time()
     forward, backward = model.forward, model.backward
     tried = []
+    split_assumed = model.split_from == "assumed"
+    worst_split = replace(model, split_cost=(ASSUMED_RANGES["split"][1],) * p)
 
     def attempt(change: str, name: str, microbatches: int, virtual: int,
-                stage_costs: Callable[[Schedule], tuple[Sequence[float], Sequence[float]]]) -> None:
-        """`stage_costs(changed)`: the changed schedule's forward and backward per stage."""
+                stage_costs: Callable[[RunModel, Schedule], tuple[Sequence[float], Sequence[float]]],
+                assumed: str = "", at_far_end: RunModel | None = None) -> None:
+        """`stage_costs(model, changed)`: the changed schedule's forward and backward per stage;
+        `at_far_end`, for an assumed change, the model at the assumption's far end."""
         try:
             changed = named_schedule(name, p, microbatches, virtual)
-            predicted = model.step_time(changed, *stage_costs(changed))
+            predicted = model.step_time(changed, *stage_costs(model, changed))
+            far = (at_far_end.step_time(changed, *stage_costs(at_far_end, changed)) if at_far_end is not None
+                   else predicted)
         except ValueError:
             return  # a schedule these sizes do not allow
-        tried.append(Suggestion(change, predicted, 1 - predicted / now, uncertainty))
+        width = abs(far - predicted) / now  # how far the gain moves across the assumption's range
+        tried.append(Suggestion(change, predicted, 1 - predicted / now, max(uncertainty, width), assumed))
 
+    halved_assumed = model.halved_from == "assumed"
+    low, high = ASSUMED_RANGES["halved"]
     attempt(f"{2 * m} microbatches of half the size", schedule.name, 2 * m, v,
-            lambda _: ([x * f for x, (f, _) in zip(forward, model.halved)],
-                       [x * b for x, (_, b) in zip(backward, model.halved)]))
+            lambda run, _: ([x * f for x, (f, _) in zip(forward, run.halved)],
+                            [x * b for x, (_, b) in zip(backward, run.halved)]),
+            f"half a microbatch costs {low:g}-{high:g} of a whole one's" if halved_assumed else "",
+            replace(model, halved=((high, high),) * len(forward)) if halved_assumed else None)
     mean_f, mean_b = statistics.fmean(forward), statistics.fmean(backward)
     attempt("stages rebalanced to equal work", schedule.name, m, v,
-            lambda _: ([mean_f] * len(forward), [mean_b] * len(backward)))
+            lambda run, _: ([mean_f] * len(forward), [mean_b] * len(backward)))
     # Each rank keeps its work, split evenly among its stages in the changed schedule (which rank
     # runs which stage comes from its placement: interleaved puts stages r and r + p on rank r).
     per_rank_f, per_rank_b = _per_rank(forward, schedule), _per_rank(backward, schedule)
 
-    def each_rank_split(changed: Schedule):
+    def each_rank_split(run: RunModel, changed: Schedule):
         share = [len(changed.stages_of(r)) for r in range(p)]
         ranks = [changed.stage_to_rank(s) for s in range(changed.n_stages)]
-        return [per_rank_f[r] / share[r] for r in ranks], [per_rank_b[r] / share[r] for r in ranks]
+        # A split run's whole backward is its I + W over the split's cost: on `run`'s, not the model's.
+        redone = [model.split_cost[r] / run.split_cost[r] if _is_split(schedule) else 1.0 for r in range(p)]
+        return ([per_rank_f[r] / share[r] for r in ranks],
+                [per_rank_b[r] * redone[r] / share[r] for r in ranks])
 
+    low, high = ASSUMED_RANGES["split"]
     for name in ("gpipe", "1f1b", "zb-h1"):
         if name != schedule.name:
-            attempt(f"schedule {name}", name, m, 1, each_rank_split)
+            splits = split_assumed and _is_split(named_schedule(name, p, m)) != _is_split(schedule)
+            attempt(f"schedule {name}", name, m, 1, each_rank_split,
+                    f"a split backward's I + W costs {low:g}-{high:g} x its B" if splits else "",
+                    worst_split if splits else None)
     if schedule.name != "interleaved-1f1b" or v != 2:
         attempt("schedule interleaved-1f1b with 2 stages per rank", "interleaved-1f1b", m, 2, each_rank_split)
-    return tried
+    return ranked(tried)
+
+
+def ranked(tried: Sequence[Suggestion]) -> list[Suggestion]:
+    """Measured changes first, then assumed ones, each by its gain: a guess never outranks a measure."""
+    return sorted(tried, key=lambda s: (bool(s.assumed), -s.gain))

@@ -22,6 +22,7 @@ from pplab.drivers.torchrun import TorchrunRanks as _TorchrunRanks
 if TYPE_CHECKING:  # imported when a pipeline is built: they import torch (1-2 s in a fresh kernel),
     # which a lab's start needs no more than a pool's (the engines import their own)
     from pplab.models.llama import LlamaConfig
+    from pplab.planning.calibration import Calibration
     from pplab.planning.simulator import Costs
     from pplab.rank.mesh import Mesh
     from pplab.schedules import Schedule
@@ -64,6 +65,23 @@ class _BuildsPipelines:
                                    op_timeout=self.op_timeout if op_timeout is None else op_timeout,
                                    timing=timing, record=record, mesh=mesh, param_dtype=param_dtype)
         return self.pipeline_class(self, spec)
+
+    _calibration = None
+
+    def calibrate(self, steps: int = 5) -> Calibration:
+        """Measure what these ranks add to a one-device profile, in a few seconds: a compute's time
+        on a rank against its profile, the runtime's own time between computes, a message's time
+        (pplab.session.calibrate). Kept as `calibration`, which `pplab.predict(..., lab=...)` uses."""
+        from pplab.session.calibrate import calibrate
+
+        self._check_usable()
+        self._calibration = calibrate(self, steps)
+        return self._calibration
+
+    @property
+    def calibration(self) -> Calibration:
+        """The ranks' calibration: `calibrate()`'s, made the first time it is asked for."""
+        return self._calibration if self._calibration is not None else self.calibrate()
 
 
 # lab.pipeline's keywords: the pipeline's options (PipelineOptions) take their field's name, default
