@@ -151,7 +151,8 @@ def test_a_labs_calibration_turns_a_profile_into_its_costs_and_says_how_sure(two
     assert ranks.calibration is made and prediction.last_calibration is made
     assert made.n_ranks == 2 and made.device == "cpu" and made.scale > 0 and made.fixed >= 0
     assert made.overhead >= 0 and made.latency >= 0 and 0 <= made.spread < 1
-    assert "64 wide at 8 and 256 wide at 2 x 64 tokens" in made.probe and "calibration of 2 ranks on cpu" in str(made)
+    assert "64 wide at 8 and 256 wide at 2 x 64 tokens" in made.probe
+    assert "calibration of 2 ranks on cpu" in str(made)
     schedule = build("1f1b", 2, 4)
     on_lab = predict(schedule, two_stages, lab=ranks)
     costs = made.costs(two_stages, schedule)  # each compute as a rank runs it, plus the runtime's time
