@@ -10,14 +10,19 @@ the gloo process group is initialised and one barrier is done.
   has not imported torch (the engines have theirs): the kernel imports it when it first
   needs it (a pipeline, a tensor in a result), timed apart as "client torch" and added
   in a second ratio, for a kernel whose next cell uses torch at once.
-* lab, warm kernel: `pplab.Lab(n_ranks=N)` again in this process (ipyparallel is
-  already imported, as for a second lab or a restart).
+* lab, warm kernel, from nothing: `pplab.Lab(n_ranks=N)` in this process with nothing kept
+  (ipyparallel already imported; its controller and fork server started afresh).
+* lab, next in the process: `pplab.Lab(n_ranks=N)` after a lab of this process stopped, which
+  kept its controller and fork server (pplab.drivers.cluster.kept): a learner's second lab.
+  Goal (issue 66): at most 1 s here, and at most 0.25 of torchrun's time.
+* restart: `lab.restart()` of a running lab (new engines forked from the kept fork server, on the
+  same controller). Goal: at most 0.5 s here.
 
 The trials are interleaved (torchrun, lab, lab warm, then the next repeat in
 reverse order) so that a machine getting busier or quieter affects all alike; the
 ratio (lab / torchrun, medians) is the result, not the absolute seconds.
 
-Run: python bench/bench_lab_start.py [--repeats 3] [--n-ranks 2 4]
+Run: python bench/bench_lab_start.py [--repeats 3] [--n-ranks 2 4]   (about five minutes)
 Writes bench/results/lab_start.json.
 """
 
@@ -78,15 +83,31 @@ def time_fresh_lab(ranks: int, environment: dict) -> tuple[float, float]:
     return _ready_value(finished.stdout), _ready_value(finished.stdout, "CLIENT_TORCH ")
 
 
-def time_warm_lab(ranks: int) -> float:
-    """Seconds `pplab.Lab(ranks)` takes in this (warm) process."""
+def time_warm_lab(ranks: int, kept: bool) -> float:
+    """Seconds `pplab.Lab(ranks)` takes in this (warm) process: on what the last lab kept, or with
+    nothing kept (a start from nothing)."""
     import pplab
+    from pplab.drivers.cluster.kept import kept_now, stop_kept
 
+    if kept and kept_now() is None:  # a lab first, to keep its controller and fork server
+        pplab.Lab(n_ranks=ranks, verbose=False).stop()
+    if not kept:
+        stop_kept()
     started = time.perf_counter()
     lab = pplab.Lab(n_ranks=ranks, verbose=False)
     elapsed = time.perf_counter() - started
     lab.stop()
     return elapsed
+
+
+def time_restart(ranks: int) -> float:
+    """Seconds `lab.restart()` takes on a running lab of this process."""
+    import pplab
+
+    with pplab.Lab(n_ranks=ranks, verbose=False) as lab:
+        started = time.perf_counter()
+        lab.restart()
+        return time.perf_counter() - started
 
 
 def _ready_value(stdout: str, prefix: str = "READY ") -> float:
@@ -123,11 +144,13 @@ def time_noop_calls(ranks: int, calls: int) -> dict:
 
 def measure_start(ranks: int, repeats: int, script: str, environment: dict) -> dict:
     """Interleaved trials of the three ways to get N ready ranks; medians and ratios."""
-    trials = {"torchrun": [], "lab_fresh_kernel": [], "lab_warm_kernel": []}
-    client_torch = []  # after each fresh kernel's lab: its own `import torch`
     kinds = {"torchrun": lambda: time_torchrun(ranks, script, environment),
              "lab_fresh_kernel": lambda: time_fresh_lab(ranks, environment),
-             "lab_warm_kernel": lambda: time_warm_lab(ranks)}
+             "lab_warm_kernel": lambda: time_warm_lab(ranks, kept=False),
+             "lab_next_in_process": lambda: time_warm_lab(ranks, kept=True),
+             "restart": lambda: time_restart(ranks)}
+    trials = {kind: [] for kind in kinds}
+    client_torch = []  # after each fresh kernel's lab: its own `import torch`
     order = list(kinds)
     for repeat in range(repeats):
         for kind in order if repeat % 2 == 0 else reversed(order):
@@ -143,7 +166,12 @@ def measure_start(ranks: int, repeats: int, script: str, environment: dict) -> d
     return {"trials_s": trials, "median_s": medians, "client_torch_s": client_torch,
             "ratio_fresh_kernel": medians["lab_fresh_kernel"] / medians["torchrun"],
             "ratio_fresh_kernel_then_client_torch": then_torch / medians["torchrun"],
-            "ratio_warm_kernel": medians["lab_warm_kernel"] / medians["torchrun"]}
+            "ratio_warm_kernel": medians["lab_warm_kernel"] / medians["torchrun"],
+            "ratio_next_in_process": medians["lab_next_in_process"] / medians["torchrun"],
+            "goals": {"next lab <= 1 s": medians["lab_next_in_process"] <= 1.0,
+                      "next lab / torchrun <= 0.25":
+                          medians["lab_next_in_process"] / medians["torchrun"] <= 0.25,
+                      "restart <= 0.5 s": medians["restart"] <= 0.5}}
 
 
 def main() -> int:
@@ -196,6 +224,9 @@ def main() -> int:
               f"{medians['lab_fresh_kernel']:.2f} s (ratio {row['ratio_fresh_kernel']:.2f}) | "
               f"lab, warm kernel {medians['lab_warm_kernel']:.2f} s (ratio {row['ratio_warm_kernel']:.2f}) | "
               f"fresh kernel, then its own torch: ratio {row['ratio_fresh_kernel_then_client_torch']:.2f}")
+        print(f"  N={ranks}: next lab in the process {medians['lab_next_in_process']:.2f} s (ratio "
+              f"{row['ratio_next_in_process']:.2f}) | restart {medians['restart']:.2f} s | goals: "
+              + ", ".join(f"{goal} {'met' if met else 'NOT met'}" for goal, met in row["goals"].items()))
     print(f"  lab.run(noop), 2 ranks: {noop_result['lab_run_ms']:.1f} ms "
           f"(ipyparallel apply alone: {noop_result['ipyparallel_apply_ms']:.1f} ms)")
     print(f"wrote {args.output}")

@@ -7,7 +7,9 @@
   earlier test left it needing a restart). Use it for anything that does not
   break or reconfigure the lab.
 * `lab_factory`: `lab_factory(n_ranks=4, op_timeout=3, ...)` starts a lab of your own;
-  every lab it started is stopped after the test, passed or failed.
+  every lab it started is stopped after the test, passed or failed. A lab that stops cleanly
+  keeps its controller and fork server for the worker's next lab (pplab.drivers.cluster.kept),
+  which so starts in about a second; `fresh_start` gives a test a start from nothing.
 * Notebook kernels (nbmake's, the exercises') talk to their client over Unix sockets
   (`UnixSocketKernelManager`), not TCP ports: no port for another process to take first.
   (This conftest is loaded when tests/ is collected; `pytest notebooks/` alone uses TCP.)
@@ -183,9 +185,11 @@ def ipython_dir(tmp_path_factory):
     previous = os.environ.get("IPYTHONDIR")
     os.environ["IPYTHONDIR"] = path
     yield path
+    from pplab.drivers.cluster.kept import stop_kept
     from ranks import stop_pools
 
     stop_pools()  # the RankPools of tests/ranks.py
+    stop_kept()  # the controller and fork server the last lab kept for a next one
     if previous is None:
         os.environ.pop("IPYTHONDIR", None)
     else:
@@ -292,6 +296,17 @@ def fragile_lab(_fragile_lab):
     # then, and a test that waits for that group's own timeout bounds it by the lab's seconds now.
     lab.op_timeout = max(lab.op_timeout, _fragile_op_timeout())
     return lab
+
+
+@pytest.fixture
+def fresh_start(ipython_dir):
+    """No kept controller or fork server in this worker (pplab.drivers.cluster.kept), before the
+    test or after it: its labs start both afresh, as a fresh kernel's first lab does."""
+    from pplab.drivers.cluster.kept import stop_kept
+
+    stop_kept()
+    yield
+    stop_kept()
 
 
 @pytest.fixture

@@ -327,6 +327,45 @@ def test_cleanup_command_stops_the_lab_a_killed_kernel_left(own_ipython_dir):
     assert again.returncode == 0 and "pplab cleanup: nothing to stop" in again.stdout
 
 
+KEEPING_KERNEL = (
+    "import sys, pplab\n"
+    "from pplab.drivers.cluster.kept import kept_now\n"
+    "pplab.Lab(n_ranks=2, device='cpu', verbose=False).stop()  # keeps its controller and fork server\n"
+    "print(kept_now().fork_server.pid, flush=True)\n"
+    "sys.stdin.readline()  # a kernel between labs, until the test has run `pplab cleanup`\n"
+    "lab = pplab.Lab(n_ranks=2, device='cpu', verbose=False)  # they are gone: a fresh start\n"
+    "print(lab._launcher.reused or 'fresh', lab.run(lambda: 1), flush=True)\n"
+    "lab.stop()\n"
+)
+
+
+@pytest.mark.timeout(180)
+def test_cleanup_command_stops_what_a_running_kernel_keeps_for_its_next_lab(own_ipython_dir):
+    env = {**os.environ, "IPYTHONDIR": own_ipython_dir}
+    kernel = subprocess.Popen([sys.executable, "-c", KEEPING_KERNEL], stdin=subprocess.PIPE,
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    try:
+        server = psutil.Process(int(kernel.stdout.readline()))
+        profile_dir = os.path.join(own_ipython_dir, f"profile_{records.PROFILE_NAME}")
+        [record] = records.read_records(profile_dir)
+        assert record["kept"] and server.pid in {entry["pid"] for entry in record["processes"]}
+        kept = records.with_descendants(record["processes"])
+        done = subprocess.run([sys.executable, "-m", "pplab", "cleanup"], capture_output=True, text=True,
+                              timeout=60, env=env)
+        assert done.returncode == 0, done.stdout + done.stderr
+        assert (f"stopped the kept controller and fork server {record['cluster_id']} of a running kernel"
+                in done.stdout)
+        assert alive(kept) == []
+        kernel.stdin.write("\n")
+        kernel.stdin.flush()
+        out, err = kernel.communicate(timeout=120)
+        assert kernel.returncode == 0, err
+        assert out.strip() == "fresh [1, 1]"
+    finally:
+        kernel.kill()
+        kernel.wait()
+
+
 def test_demo_runs_under_torchrun_with_one_process_per_rank(tmp_path):
     done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone",
                            "--nproc_per_node=2",

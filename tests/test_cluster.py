@@ -32,6 +32,7 @@ from pplab.drivers.cluster import (
     rank_context,
     records,
 )
+from pplab.drivers.cluster.kept import kept_now, stop_kept
 from pplab.drivers.cluster.plan import (
     assign_ranks,
     check_gpus,
@@ -528,15 +529,16 @@ def heartbeat_patience(arguments: list[str]) -> float:
 @pytest.mark.quick
 def test_the_controllers_patience_with_a_silent_engine_grows_with_the_load_it_started_under():
     from pplab.base.machine import MachineLoad
-    from pplab.drivers.cluster.launchers import controller_args
+    from pplab.drivers.cluster.launchers import HEARTBEAT_SECONDS, controller_args
 
     quiet = MachineLoad(cores=2, busy_cores=0.0, share=1.0, ready=1.0)
     crowded = MachineLoad(cores=2, busy_cores=2.0, share=0.4, ready=5.0)  # a thread gets 40 % of a core
     swamped = MachineLoad(cores=2, busy_cores=2.0, share=0.05, ready=40.0)
-    assert heartbeat_patience(controller_args(10.0)) == 10.0
-    assert heartbeat_patience(controller_args(10.0, quiet)) == 10.0
-    assert heartbeat_patience(controller_args(10.0, crowded)) == 25.0
-    assert heartbeat_patience(controller_args(10.0, swamped)) == 40.0  # at most 4 times
+    beat = HEARTBEAT_SECONDS  # the patience is whole beats: at least what was asked, within a beat
+    assert heartbeat_patience(controller_args(10.0)) == pytest.approx(10.0, abs=beat)
+    assert heartbeat_patience(controller_args(10.0, quiet)) == pytest.approx(10.0, abs=beat)
+    assert heartbeat_patience(controller_args(10.0, crowded)) == pytest.approx(25.0, abs=beat)
+    assert heartbeat_patience(controller_args(10.0, swamped)) == pytest.approx(40.0, abs=beat)  # at most 4x
 
 
 def test_a_labs_controller_waits_for_beats_as_long_as_the_load_it_measured_at_its_start_says(lab2):
@@ -569,12 +571,45 @@ def test_start_and_stop_leave_nothing_running(ranks, lab_factory):
     assert roles.count("controller") == 1 and roles.count("engine fork server") == 1
     assert [role for role in roles if role.startswith("rank")] == [f"rank {r}" for r in range(ranks)]
     lab.stop()
-    assert all_gone(pids), "a controller or engine outlived lab.stop()"
-    assert not os.path.exists(record)
+    engines = [entry["pid"] for entry in entries if entry["role"].startswith("rank")]
+    assert all_gone(engines), "an engine outlived lab.stop()"
     assert lab.state == "stopped"
     with pytest.raises(LabError, match="stopped"):
         lab.run(whoami)
     lab.stop()  # stopping twice is fine
+    # The controller and the fork server wait for this process's next lab, on record as kept, and
+    # `pplab cleanup` stops them (as this process does at exit).
+    kept = kept_now()
+    assert kept is not None and {e["role"] for e in kept.launched} >= {"controller", "engine fork server"}
+    with open(record) as file:
+        assert json.load(file)["kept"] is True
+    assert records.cleanup(lab.profile_dir, kept=True, verbose=False) == [lab.cluster_id]
+    assert all_gone(pids), "a controller or fork server outlived pplab cleanup"
+    assert not os.path.exists(record)
+    assert lab_factory(n_ranks=ranks).world_size == ranks  # the next lab sees they are gone: a fresh start
+
+
+@pytest.mark.timeout(120)
+def test_the_next_lab_of_a_process_forks_its_engines_from_the_kept_server_until_the_environment_changes(
+        lab_factory, monkeypatch, capsys):
+    lab_factory(n_ranks=2).stop()
+    kept = kept_now()
+    server = kept.fork_server.pid
+    capsys.readouterr()
+    second = lab_factory(n_ranks=3, verbose=True)  # another size: the server forks as many as asked
+    assert kept_now() is None and second.cluster_id == kept.cluster_id  # taken, not shared
+    said = capsys.readouterr().out
+    ready = ("lab ready: 3 ranks, gloo on cpu; engines forked from this process's kept fork server "
+             f"(pid {server})")
+    assert ready in said
+    assert [r["rank"] for r in second.run(whoami)] == [0, 1, 2]
+    assert {psutil.Process(row.pid).ppid() for row in second.status()} == {server}
+    second.stop()
+    monkeypatch.setenv("PPLAB_TEST_CHANGED", "1")  # what its engines would inherit changed: a fresh start
+    third = lab_factory(n_ranks=2)
+    assert all_gone([server]) and third.cluster_id != kept.cluster_id
+    assert {psutil.Process(row.pid).ppid() for row in third.status()} != {server}
+    assert third.run(lambda: os.environ.get("PPLAB_TEST_CHANGED")) == ["1", "1"]
 
 
 @pytest.mark.timeout(120)
@@ -858,7 +893,7 @@ def test_connect_uses_engines_of_a_cluster_started_elsewhere(tmp_path):
 
 
 @pytest.mark.timeout(120)
-def test_a_start_that_fails_midway_leaves_nothing_running(ipython_dir, monkeypatch):
+def test_a_start_that_fails_midway_leaves_nothing_running(ipython_dir, fresh_start, monkeypatch):
     import ipyparallel as ipp
 
     from conftest import lab_processes
@@ -951,7 +986,8 @@ def test_an_engine_that_dies_at_start_fails_the_start_at_once(ipython_dir, monke
 
 
 @pytest.mark.timeout(120)
-def test_a_controller_that_does_not_answer_fails_the_start_after_start_timeout(ipython_dir, monkeypatch):
+def test_a_controller_that_does_not_answer_fails_the_start_after_start_timeout(ipython_dir, fresh_start,
+                                                                              monkeypatch):
     import ipyparallel as ipp
 
     from conftest import lab_processes
@@ -990,7 +1026,7 @@ def test_a_controller_that_does_not_answer_fails_the_start_after_start_timeout(i
 
 
 @pytest.mark.timeout(120)
-def test_a_controller_that_lost_a_port_is_replaced_before_engines_are_asked_anything(ipython_dir,
+def test_a_controller_that_lost_a_port_is_replaced_before_engines_are_asked_anything(ipython_dir, fresh_start,
                                                                                      monkeypatch):
     """ipyparallel picks free ports, then binds them: on a busy machine another process took one in
     between, a scheduler thread died, and every request to the engines was lost. The start looks at
@@ -1009,6 +1045,7 @@ def test_a_controller_that_lost_a_port_is_replaced_before_engines_are_asked_anyt
     with pplab.Lab(n_ranks=2, device="cpu", verbose=False) as lab:
         assert lab.run(lambda: 1 + 1) == [2, 2]  # the second controller's engines answer
         assert len(controllers) == 2 and gone(controllers[0])
+    stop_kept()  # what the lab kept for a next one
     assert gone(controllers[1])
 
 

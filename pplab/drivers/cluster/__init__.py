@@ -5,12 +5,13 @@
     for event in lab.stream(fn):  # events that ranks publish() while fn runs
         ...
     lab.restart()                 # after a hang or a crash
-    lab.stop()                    # nothing left running
+    lab.stop()                    # engines gone; the controller and fork server kept for the next lab
 
 Modules, top to bottom: `plan` (backend/device, rank order), `errors`,
 `gloo_adapter` and `ipyparallel_adapter` (the one place for what the lab relies on in
 gloo and ipyparallel beyond what they promise), `engine` (what runs on each engine),
-`forkserver` (fast engine start), `records` (on-disk records and `cleanup`), `status`
+`forkserver` (fast engine start), `records` (on-disk records and `cleanup`), `kept` (what a
+stopped lab keeps for the next lab of its process), `status`
 (the ranks of a start and what calls learned about them), `calls` (waiting, errors,
 streaming), `launchers` (a local cluster or a connected one) and `lab` (the Lab itself). The cluster knows
 engines, ranks,

@@ -1,17 +1,18 @@
 """Start engines fast: import torch and ipyparallel once, then fork one engine per rank.
 
-Run as ``python -m pplab.drivers.cluster.forkserver COUNT [ipengine options...]``. Most of an
-engine's start-up is importing torch and ipyparallel; doing it once and forking
-shares that work between all ranks (Linux only: fork after import is unsafe on
-macOS). It forks them when the lab asks (its controller's files are written by then), then
-stays as the engines' supervisor: SIGTERM stops all of them, and it stops them by itself if
-the kernel that started it goes away. A lab's restart asks it for new engines instead of
-starting another one.
+Run as ``python -m pplab.drivers.cluster.forkserver``. Most of an engine's start-up is importing
+torch and ipyparallel; doing it once and forking shares that work between all ranks (Linux only:
+fork after import is unsafe on macOS). It forks a set of engines each time a lab asks (once its
+controller's files are written), then stays as the engines' supervisor: SIGTERM stops all of them,
+and it stops them by itself if the process that started it goes away. A lab's restart, and the
+next lab of the same process, ask it for new engines instead of starting another one
+(pplab.drivers.cluster.kept).
 """
 
 from __future__ import annotations
 
 import importlib
+import json
 import os
 import select
 import signal
@@ -51,7 +52,8 @@ ENGINE_IMPORTS = ["pplab.rank.rank_pipeline", "pplab.rank.train"]
 
 
 def start_engine(index: int, engine_argv: list[str]) -> int:
-    """Fork one engine that asks the controller for engine id `index`; return its pid."""
+    """Fork one engine that asks the controller for engine id `index` (the first free id of the
+    controller, which may have had engines before: a kept one); return its pid."""
     pid = os.fork()
     if pid:
         return pid
@@ -107,13 +109,28 @@ def _signal(pid: int, signum: int) -> None:
 
 
 ENGINES_FOR = "pplab forkserver: engines for cluster"  # the log line that starts each set of engines
-ENGINES_COMMAND = "engines"  # on stdin: "engines CLUSTER_ID" forks a set for that cluster (see main)
+ENGINES_COMMAND = "engines"  # on stdin: "engines {JSON}" forks a set for a cluster (see engines_command)
 
 
-def fork_engines(count: int, engine_argv: list[str]) -> dict[int, int]:
-    """Fork `count` engines of the cluster named in $IPP_CLUSTER_ID; {pid: engine index}."""
-    print(f"{ENGINES_FOR} {os.environ.get('IPP_CLUSTER_ID', '')}", flush=True)
-    return {start_engine(index, engine_argv): index for index in range(count)}
+def engines_for(cluster_id: str, first_id: int) -> str:
+    """The log line that starts a set of engines: one set per cluster and first id."""
+    return f"{ENGINES_FOR} {cluster_id} from id {first_id}"
+
+
+def engines_command(cluster_id: str, profile_dir: str, count: int, first_id: int,
+                    engine_argv: list[str]) -> str:
+    """The line that asks a fork server for `count` engines of a cluster, ids from `first_id`."""
+    asked = dict(cluster_id=cluster_id, profile_dir=profile_dir, count=count, first_id=first_id,
+                 argv=engine_argv)
+    return f"{ENGINES_COMMAND} {json.dumps(asked)}\n"
+
+
+def fork_engines(asked: dict) -> dict[int, int]:
+    """Fork the engines `asked` (an engines_command's JSON) describes; {pid: engine id}."""
+    os.environ["IPP_CLUSTER_ID"], os.environ["IPP_PROFILE_DIR"] = asked["cluster_id"], asked["profile_dir"]
+    print(engines_for(asked["cluster_id"], asked["first_id"]), flush=True)
+    first = asked["first_id"]
+    return {start_engine(index, asked["argv"]): index for index in range(first, first + asked["count"])}
 
 
 def read_command() -> str | None:
@@ -123,13 +140,12 @@ def read_command() -> str | None:
 
 
 def main(argv: list[str]) -> int:
-    """Import, then fork COUNT engines at each `engines CLUSTER_ID` read on stdin and supervise them
-    until stopped, or until the owner goes away.
+    """Import, then fork engines at each `engines {JSON}` read on stdin and supervise them until
+    stopped, or until the owner goes away.
 
-    The lab sends the command once its controller's connection files are whole (an engine that
-    read one half written exited). A restart sends it again: the engines are replaced by COUNT new
-    ones of that cluster, forked from this process, whose imports are done (2 s of CPU saved)."""
-    count, engine_argv = int(argv[0]), argv[1:]
+    A lab sends the command once its controller's connection files are whole (an engine that
+    read one half written exited). A restart, or the owner's next lab, sends it again: the engines
+    are replaced by new ones, forked from this process, whose imports are done (2 s of CPU saved)."""
     owner = os.getppid()
     stop_requested = []
     signal.signal(signal.SIGTERM, lambda *_: stop_requested.append(True))
@@ -146,8 +162,7 @@ def main(argv: list[str]) -> int:
             listening = False  # nobody will ask again (stdin closed, or never open)
         elif command and command.startswith(f"{ENGINES_COMMAND} "):
             stop_engines(children, kill_after=0)  # a restart: ranks may be stuck in a wait
-            os.environ["IPP_CLUSTER_ID"] = command.split()[1]
-            children = fork_engines(count, engine_argv)
+            children = fork_engines(json.loads(command.split(" ", 1)[1]))
     stop_engines(children)
     return 0
 

@@ -27,12 +27,13 @@ from typing import Callable, Iterator
 
 from pplab.base.arguments import check_positive_int, check_positive_seconds
 from pplab.base.config import LabOptions, keywords_help, takes_options
-from pplab.base.machine import busy_note, measure_load
+from pplab.base.machine import busy_note, recent_load
 from pplab.base.renames import renamed_keywords
 from pplab.drivers.cluster import engine, records
 from pplab.drivers.cluster.calls import RankCall
 from pplab.drivers.cluster.errors import RESTART_HINT, LabError, LabNeedsRestartError, LabStartError
 from pplab.drivers.cluster.ipyparallel_adapter import catch_up_on_engines
+from pplab.drivers.cluster.kept import kept_now
 from pplab.drivers.cluster.launchers import ConnectedCluster, LocalCluster
 from pplab.drivers.cluster.plan import (
     RankSpec,
@@ -57,6 +58,7 @@ DESCRIBE_ASK_AGAIN_SECONDS = 10.0  # see Lab._describe
 JOIN_SECONDS = 30.0  # joining the process group at a quiet pace (ranks come apart on a busy machine)
 # while engines register, how often the hub is asked which it has (see _wait_for_engines)
 ASK_HUB_SECONDS = 1.0
+KEPT_LOAD_AGE = 60.0  # seconds: how old a load reading a start on a kept controller may use
 
 _running_labs: weakref.WeakSet = weakref.WeakSet()
 
@@ -91,9 +93,12 @@ class Lab:
                  activate: bool = True, verbose: bool = True):
         # The docstring is made below the class: the options' help is their fields' (LabOptions).
         check_positive_int("n_ranks", n_ranks, example=2)
+        # A start on what this process's last lab kept takes half a second: a reading of the load
+        # from the last minute stretches its waits (measuring afresh would add 0.2 s of spinning).
+        load = recent_load(max_age=KEPT_LOAD_AGE) if kept_now() is not None else None
         self._configure(n_ranks=n_ranks, backend=backend, device=device, op_timeout=op_timeout,
                         threads=threads, grace=grace, start_timeout=start_timeout,
-                        activate=activate, verbose=verbose, host_messages=host_messages)
+                        activate=activate, verbose=verbose, host_messages=host_messages, load=load)
         gpu_count = None
         if gpus is not None:
             import torch
@@ -152,7 +157,7 @@ class Lab:
         return lab
 
     def _configure(self, *, n_ranks, backend, device, op_timeout, threads, grace, start_timeout,
-                   activate, verbose, host_messages=None) -> None:
+                   activate, verbose, host_messages=None, load=None) -> None:
         """Check and keep the options shared by Lab() and Lab.connect()."""
         self._requested = {"n_ranks": n_ranks, "backend": backend, "device": device,
                            "host_messages": host_messages}
@@ -160,7 +165,7 @@ class Lab:
         self.grace = check_positive_seconds("grace", grace)
         self.start_timeout = check_positive_seconds("start_timeout", start_timeout)
         # A start's waits are start_timeout at a quiet machine's pace, stretched by this one's load.
-        self.machine_load = measure_load()
+        self.machine_load = recent_load(max_age=0) if load is None else load  # measured now, and kept
         self.threads = check_threads(threads)
         self._activate = activate
         self._verbose = verbose
@@ -195,7 +200,9 @@ class Lab:
         if self._activate:
             self.activate()
         self._changed("running")
-        progress.finish(f"lab ready: {self.world_size} ranks, {self.placement}")
+        reused = getattr(self._launcher, "reused", "")  # a local lab's kept controller and fork server
+        progress.finish(f"lab ready: {self.world_size} ranks, {self.placement}"
+                        + (f"; {reused}" if reused else ""))
 
     def _start_wait(self) -> float:
         """Seconds a start's wait may take: start_timeout at this machine's measured pace."""

@@ -18,7 +18,8 @@ on the lab never asks which it has. Both offer the same small interface:
 How a local lab starts fast: the controller and a fork server start together;
 the fork server imports torch once and forks one engine per rank while the
 controller comes up; the engines register quickly because the controller's
-heartbeat is short. A restart keeps the fork server and asks it for new engines.
+heartbeat is short. A lab that stops cleanly keeps both (pplab.drivers.cluster.kept): a restart,
+and the next lab of the same process, connect to them and have new engines forked.
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ import json
 import logging
 import math
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -35,14 +37,16 @@ import time
 import uuid
 
 from pplab.base.machine import busy_note, recent_load
+from pplab.drivers.cluster import kept as kept_clusters
 from pplab.drivers.cluster import records
 from pplab.drivers.cluster.errors import LabError, LabStartError
 
-# The controller accepts an engine only after its heart beats: a 250 ms beat instead of
-# 3 s saves seconds at start. (A 100 ms beat started a lab 0.1-0.2 s sooner, but an idle 2-rank
-# lab took 3.5 % of a core, 2.2 % at 250 ms: labs wait idle most of their lives.) Threads instead
-# of processes for its schedulers: fewer processes.
-HEARTBEAT_SECONDS = 0.25
+# The controller accepts an engine only after its heart has answered a beat, seen at the next beat:
+# a 150 ms beat instead of 3 s saves seconds at start, and it is most of a restart on a kept
+# controller (2 ranks: 0.4-0.6 s at 200 ms, 0.40-0.47 s at 150 ms, 0.30 s at 100 ms). An idle 2-rank
+# lab took 1.3 % of a core at 250 and 200 ms, 1.7-1.8 % at 150 ms, 2.5 % at 100 ms: labs wait idle
+# most of their lives. Threads instead of processes for its schedulers: fewer processes.
+HEARTBEAT_SECONDS = 0.15
 # How long the controller goes without an engine's beat before it gives the engine up, on a quiet
 # machine. What falls silent under load is the controller's own loop (an engine's heart is a zmq
 # thread that needs no Python): a starved controller can miss a live engine's beats and give it up.
@@ -110,19 +114,24 @@ class LocalCluster:
         self._launched: list[dict] = []  # controller, fork server, engine launchers, helpers
         self._rank_processes: list[dict] = []
         self._lost_ports = 0  # controllers of the start under way that lost a port (_ports_not_taken)
+        self._next_engine_id = 0  # the controller's next free engine id (a kept one had engines)
+        self._first_engine_id = None  # of the engines this start asked the fork server for
+        self.reused = ""  # what the last start reused (a kept controller and fork server), for the ready line
 
     def start(self, progress) -> set[int]:
         """Start a controller and the engines, all listening on loopback, and connect a client."""
         records.cleanup(self.profile_dir, verbose=self.verbose)  # what killed kernels left
         for folder in ("security", "log"):
             os.makedirs(os.path.join(self.profile_dir, folder), exist_ok=True)
+        kept = kept_clusters.take(self._fingerprint()) if self.fork else None
+        if kept is not None:
+            return self._start_on(kept, progress)
+        self.reused = ""
+        self._next_engine_id, self._first_engine_id = 0, None
         self.cluster_id = new_cluster_id()
         progress.update(f"starting a controller and {self.n_ranks} engines")
-        if self.fork:
-            if self._fork_server_running():  # a restart: the server's imports are done; its log goes on
-                os.replace(self._kept_fork_server_log(), self._fork_server_log())  # under this cluster's name
-            else:  # first of all, so that it imports torch while the controller starts
-                self._fork_server = self._start_fork_server()
+        if self.fork:  # first of all, so that it imports torch while the controller starts
+            self._fork_server = self._start_fork_server()
             # Recorded at once: if the rest of the start fails, stop() and cleanup() find it.
             self._launched = [records.process_entry(self._fork_server.pid, "engine fork server")]
             records.write_record(self.profile_dir, self.cluster_id, self._launched)
@@ -135,7 +144,8 @@ class LocalCluster:
             controller_args=controller_args(HEARTBEAT_PATIENCE_SECONDS, self.machine_load),
             # Engines read the controller's connection file themselves, so they need
             # not wait for the controller before they start.
-            send_engines_connection_env=False, delay=0, log=_ipyparallel_log)
+            send_engines_connection_env=False, delay=0, log=_ipyparallel_log,
+            shutdown_atexit=False)  # pplab's own handlers stop it: the lab's, and a kept one's (kept.py)
         self._cluster.start_controller_sync()
         if not self.fork:
             self._cluster.start_engines_sync(self.n_ranks)
@@ -156,6 +166,26 @@ class LocalCluster:
                                 f"pace).{busy_note()}\n{self.launch_logs()}") from error
         self._lost_ports = 0  # the next start (a restart) has its own tries
         return set()
+
+    def _start_on(self, kept, progress) -> set[int]:
+        """Start on a kept controller and fork server: connect, and have this lab's engines forked.
+        The controller's engines so far (gone, or going) are not to be used."""
+        self.cluster_id, self._cluster, self._fork_server = kept.cluster_id, kept.cluster, kept.fork_server
+        self._launched, self._next_engine_id = kept.launched, kept.next_engine_id
+        self.reused = f"engines forked from this process's kept fork server (pid {kept.fork_server.pid})"
+        records.write_record(self.profile_dir, self.cluster_id, self._launched)  # in use again
+        progress.update(f"{self.n_ranks} engines from the kept controller and fork server")
+        try:
+            self.client = self._cluster.connect_client_sync(timeout=self.start_timeout)
+        except TimeoutError as error:
+            raise LabStartError(f"the kept controller did not answer the client within "
+                                f"{self.start_timeout:.0f} s.{busy_note()}\n{self.launch_logs()}") from error
+        old_engines = set(self.client.ids)
+        self._ask_for_new_engines()
+        return old_engines
+
+    def _fingerprint(self) -> str:
+        return kept_clusters.fingerprint(self.profile_dir, self.controller_ip)
 
     def _ports_not_taken(self) -> list[int]:
         """The ports of the controller's connection files that it does not listen on.
@@ -217,17 +247,18 @@ class LocalCluster:
                                 f"(the last: {missing}): other processes on this machine take free ports "
                                 f"as fast as they appear.\n{self.launch_logs()}")
         progress.update(f"port(s) {missing} were taken before the controller bound them: starting another")
-        self.stop(kill=True, keep_fork_server=self._fork_server_running())
+        self.stop(kill=True, keep=False)
         return self.start(progress)
 
     def check_restart(self, stopped: bool) -> None:
         """A local lab can always start again, stopped or not."""
 
     def restart(self, progress) -> set[int]:
-        """Stop everything (SIGKILL: a rank stuck in a gloo wait leaves no other way) but the fork
-        server, whose imports are done; start afresh, with new engines forked from it."""
+        """Stop the engines (SIGKILL: a rank stuck in a gloo wait leaves no other way) and keep the
+        controller and fork server, whose imports are done; start again on them, with new engines
+        forked (afresh if one of them has gone)."""
         progress.update("stopping the old engines")
-        self.stop(kill=True, keep_fork_server=self._fork_server_running())
+        self.stop(kill=True, keep=True)
         return self.start(progress)
 
     def check_alive(self) -> None:
@@ -277,15 +308,17 @@ class LocalCluster:
         self._launched += [records.process_entry(child.pid, "controller child") for child in helpers]
         records.write_record(self.profile_dir, self.cluster_id, self._launched + processes)
 
-    def stop(self, kill: bool, keep_fork_server: bool = False) -> None:
-        """Close the client and end every process this lab started (SIGKILL if `kill`), the fork
-        server too unless `keep_fork_server` (a restart), which keeps its log aside for the next start."""
+    def stop(self, kill: bool, keep: bool | None = None) -> None:
+        """Close the client and end the engines (SIGKILL if `kill`); keep the controller and fork
+        server for this process's next lab if `keep` (default: unless `kill`, where they run:
+        see pplab.drivers.cluster.kept), else end them too."""
         if self.client is not None:
             self.client.close()
             self.client = None
+        keep = (not kill) if keep is None else keep
+        if keep and self._fork_server_running() and self._cluster is not None:
+            return self._keep(kill)
         ours = self._launched + self._rank_processes
-        if keep_fork_server:
-            ours = [entry for entry in ours if entry["pid"] != self._fork_server.pid]
         if kill:
             records.kill_processes(ours)
         try:
@@ -294,13 +327,24 @@ class LocalCluster:
         finally:  # should ipyparallel's stop fail, still end every process and say why after
             self._cluster = None
             records.stop_processes(ours)  # whatever ipyparallel's stop left, children included
-            if keep_fork_server:  # its log out of the way of the old cluster's files, which go below
-                os.replace(self._fork_server_log(), self._kept_fork_server_log())
-            else:
-                self._reap_fork_server()
+            self._reap_fork_server()
             if self.cluster_id:
                 records.remove_lab_files(self.profile_dir, self.cluster_id)
             self._launched, self._rank_processes = [], []
+
+    def _keep(self, kill: bool) -> None:
+        """End the engines only, and keep the controller and fork server (see stop)."""
+        engines = self._rank_processes + [entry for entry in self._launched if entry["role"] == "engine"]
+        if kill:
+            records.kill_processes(engines)
+        records.stop_processes(engines)
+        kept = [entry for entry in self._launched if entry["role"] != "engine"]
+        kept_clusters.keep(kept_clusters.KeptCluster(
+            self._fingerprint(), self._cluster, self.cluster_id, self.profile_dir, self._fork_server, kept,
+            self._next_engine_id))
+        rendezvous = os.path.join(records.records_dir(self.profile_dir), self.cluster_id)
+        shutil.rmtree(rendezvous, ignore_errors=True)  # the ranks' files: the next lab makes its own
+        self._cluster, self._fork_server, self._launched, self._rank_processes = None, None, [], []
 
     # -- how the engines are started ----------------------------------------------------------
 
@@ -310,16 +354,20 @@ class LocalCluster:
                        "IPP_CLUSTER_ID": self.cluster_id, "IPP_PROFILE_DIR": self.profile_dir}
         with open(self._fork_server_log(), "ab") as log:
             return subprocess.Popen(
-                [sys.executable, "-m", "pplab.drivers.cluster.forkserver", str(self.n_ranks),
-                 *engine_args(self.start_timeout)],
+                [sys.executable, "-m", "pplab.drivers.cluster.forkserver"],
                 env=environment, stdin=subprocess.PIPE, stdout=log, stderr=subprocess.STDOUT,
                 start_new_session=True)  # like ipyparallel's: a notebook interrupt must not reach it
 
     def _ask_for_new_engines(self) -> None:
-        """Have the fork server fork this cluster's engines (see forkserver.main)."""
-        from pplab.drivers.cluster.forkserver import ENGINES_COMMAND
+        """Have the fork server fork this lab's engines (see forkserver.main), with the controller's
+        next free ids: a kept controller may still list the last lab's engines."""
+        from pplab.drivers.cluster.forkserver import engines_command
 
-        self._fork_server.stdin.write(f"{ENGINES_COMMAND} {self.cluster_id}\n".encode())
+        command = engines_command(self.cluster_id, self.profile_dir, self.n_ranks, self._next_engine_id,
+                                  engine_args(self.start_timeout))
+        self._first_engine_id = self._next_engine_id  # this start's set, in the fork server's log
+        self._next_engine_id += self.n_ranks
+        self._fork_server.stdin.write(command.encode())
         self._fork_server.stdin.flush()
 
     def _fork_server_running(self) -> bool:
@@ -340,21 +388,18 @@ class LocalCluster:
     def _fork_server_log(self) -> str:
         return os.path.join(self.profile_dir, "log", f"pplab-engines-{self.cluster_id}.log")
 
-    def _kept_fork_server_log(self) -> str:
-        """Where the fork server's log waits between a restart's stop and its start."""
-        return os.path.join(self.profile_dir, "log", f"pplab-engines-of-{self._fork_server.pid}.log")
-
     def _forked_engine_exit(self) -> str | None:
         """The fork server's log line about an engine of this cluster that exited, if one did."""
         # Imported here: `python -m` runs forkserver.py after this package is imported, and
         # warns (in every start-up error's log tail) if that already imported it as a module.
-        from pplab.drivers.cluster.forkserver import ENGINES_FOR
+        from pplab.drivers.cluster.forkserver import engines_for
 
-        if self._fork_server is None or not os.path.exists(self._fork_server_log()):
+        if (self._fork_server is None or self._first_engine_id is None
+                or not os.path.exists(self._fork_server_log())):
             return None
         with open(self._fork_server_log(), errors="replace") as log:
             lines = log.readlines()
-        ours = f"{ENGINES_FOR} {self.cluster_id}"  # the engines of earlier starts exited at their restart
+        ours = engines_for(self.cluster_id, self._first_engine_id)  # earlier sets exited at their restart
         since = max((index for index, line in enumerate(lines) if line.strip() == ours), default=None)
         if since is None:  # the fork server has not forked this start's engines yet
             return None

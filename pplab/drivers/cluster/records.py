@@ -67,13 +67,14 @@ def find_process(entry: dict) -> psutil.Process | None:
         return None
 
 
-def write_record(profile_dir: str, cluster_id: str, processes: list[dict]) -> str:
-    """Write (or overwrite) the record of lab `cluster_id`, owned by this process."""
+def write_record(profile_dir: str, cluster_id: str, processes: list[dict], kept: bool = False) -> str:
+    """Write (or overwrite) the record of lab `cluster_id`, owned by this process; `kept`: its lab
+    stopped, and its controller and fork server wait for this process's next lab (see kept.py)."""
     folder = records_dir(profile_dir)
     os.makedirs(folder, exist_ok=True)
     path = os.path.join(folder, f"{cluster_id}.json")
     record = {"cluster_id": cluster_id, "owner": process_entry(os.getpid(), "owner"),
-              "processes": processes, "written": time.time()}
+              "processes": processes, "written": time.time(), "kept": kept}
     with open(path + ".tmp", "w") as file:
         json.dump(record, file, indent=1)
     os.replace(path + ".tmp", path)  # never leave a half-written record behind
@@ -180,21 +181,25 @@ def read_records(profile_dir: str) -> list[dict]:
     return records
 
 
-def cleanup(profile_dir: str | None = None, *, force: bool = False, verbose: bool = True) -> list[str]:
-    """Stop labs whose kernel is gone (all labs with force=True); return their cluster ids."""
+def cleanup(profile_dir: str | None = None, *, force: bool = False, verbose: bool = True,
+            kept: bool = False) -> list[str]:
+    """Stop labs whose kernel is gone (all labs with force=True), and with `kept` the controllers and
+    fork servers running kernels keep for their next lab (pplab.drivers.cluster.kept); return
+    their cluster ids."""
     profile_dir = profile_dir or default_profile_dir()
     stopped = []
     for record in read_records(profile_dir):
         owner_alive = find_process(record["owner"]) is not None
         running = [entry for entry in record["processes"] if find_process(entry) is not None]
-        if owner_alive and running and not force:
-            continue  # a lab in use
+        if owner_alive and running and not force and not (kept and record.get("kept")):
+            continue  # a lab in use, or kept for its kernel's next lab
         stop_processes(running)
         remove_lab_files(profile_dir, record["cluster_id"])
         if running:
             stopped.append(record["cluster_id"])
             if verbose:
                 whose = "a running kernel" if owner_alive else "a kernel that is gone"
-                print(f"pplab cleanup: stopped lab {record['cluster_id']} of {whose} "
+                what = "the kept controller and fork server" if record.get("kept") else "lab"
+                print(f"pplab cleanup: stopped {what} {record['cluster_id']} of {whose} "
                       f"({len(running)} process(es) were still running)")
     return stopped
