@@ -16,7 +16,9 @@
    client's time goes; the wrappers only read a clock).
 2. Update latency: `dashboard.latencies` (seconds from a rank putting an item to the
    dashboard applying it; one machine, so the clocks agree), median and p95 over every
-   dashboard run of both modes. Goal: both under 0.5 s.
+   dashboard run of both modes. Goal: both under 0.5 s, and the slowest under 1 s (a bound
+   tests/test_dashboard.py asserted until issue 66: a latency is measured here, where the
+   machine's load is recorded beside it, not asserted in a test).
 3. Render cost, for the record: one 1f1b, 4-rank, 8-microbatch simulated timeline (with a
    predicted one above it) as SVG text (`widgets.svg.timeline_svg`) vs as a matplotlib PNG
    (`render.png(viz.compare_timelines(...))`), interleaved; medians and their ratio.
@@ -269,10 +271,11 @@ def main() -> int:
                                    "median_s": statistics.median(row["latencies_s"]),
                                    "p95_s": percentile(row["latencies_s"], 95),
                                    "max_s": max(row["latencies_s"])} for mode, row in modes.items()},
-               "goal": f"median and p95 < {LATENCY_GOAL_S} s"}
+               "goal": f"median and p95 < {LATENCY_GOAL_S} s, max < {2 * LATENCY_GOAL_S} s"}
     for row in modes.values():
         del row["latencies_s"]  # thousands of numbers: the summary above is the result
-    latency["met"] = latency["median_s"] < LATENCY_GOAL_S and latency["p95_s"] < LATENCY_GOAL_S
+    latency["met"] = (latency["median_s"] < LATENCY_GOAL_S and latency["p95_s"] < LATENCY_GOAL_S
+                      and latency["max_s"] < 2 * LATENCY_GOAL_S)
 
     result = {
         "benchmark": "live dashboard: step time with vs without it, update latency, SVG vs matplotlib render",
