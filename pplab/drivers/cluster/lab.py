@@ -497,7 +497,9 @@ class Lab:
         self._bring_up(self._launcher.restart, "restart")
 
     def stop(self) -> None:
-        """Leave the process group and stop the controller and engines (nothing is left running)."""
+        """Leave the process group and stop the engines. A local lab keeps its controller and fork
+        server for this process's next lab (pplab.drivers.cluster.kept: stopped at exit and by
+        `pplab cleanup`); a connected one leaves its cluster to whoever started it."""
         if self._stopped:
             return
         from ipyparallel.error import NoEnginesRegistered
