@@ -3,10 +3,10 @@
 A profile (`pplab.profile`) times each stage alone in one process. On a lab the same compute runs
 beside the other ranks, the client and the controller, inside a runtime that posts messages and
 records events. `Lab.calibrate()` runs a small probe pipeline on the lab's own ranks at two
-microbatch sizes, profiles the same probe on one device, and reads from the probe's steps:
+widths (pplab.session.calibrate), profiles the same probe on one device, and reads from its steps:
 
 * how a compute on a rank relates to its profile: ``on_rank = scale * profiled + fixed`` (least
-  squares over every compute of the probe, both sizes: `fixed` is what an action pays whatever
+  squares over every compute of the probe, both widths: `fixed` is what an action pays whatever
   its size, `scale` what sharing the cores costs per second of work);
 * the runtime's own time between two computes of a rank (`overhead`: posting messages, recording),
   the median gap before a compute whose input was already there;
@@ -56,13 +56,11 @@ class Calibration(ShownAsText):
         """The costs `schedule` runs at on this lab: each profiled compute as it runs on a rank, plus
         the runtime's overhead; each message the lab's latency (the profile's own link is left out)."""
         split = any(action.kind.value == "I" for actions in schedule.actions for action in actions)
-        per_stage = {name: [self.compute_time(getattr(stage, name)) + self.overhead
-                            for stage in profile.stages]
-                     for name in ("forward", "backward", "input_grad", "weight_grad")}
-        if split:
-            return Costs(forward=per_stage["forward"], input_grad=per_stage["input_grad"],
-                         weight_grad=per_stage["weight_grad"], latency=self.latency)
-        return Costs(forward=per_stage["forward"], backward=per_stage["backward"], latency=self.latency)
+        stages = profile.stages
+        one_device = (Costs(forward=[s.forward for s in stages], input_grad=[s.input_grad for s in stages],
+                            weight_grad=[s.weight_grad for s in stages]) if split else
+                      Costs(forward=[s.forward for s in stages], backward=[s.backward for s in stages]))
+        return self.apply(one_device)
 
     def apply(self, costs: Costs) -> Costs:
         """`costs` measured on one device (per stage, in seconds) as this lab runs them: what
