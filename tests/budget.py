@@ -77,6 +77,12 @@ def import_torch_cpu_seconds() -> float:
     return min(once(), once())
 
 
+def whole_suite(config) -> bool:
+    """Whether this run is the whole suite: pyproject's testpaths, no -m, no -k."""
+    return (config.args_source == pytest.Config.ArgsSource.TESTPATHS and not config.option.markexpr
+            and not config.option.keyword)
+
+
 class SuiteBudget:
     def __init__(self):
         self.per_file: dict[str, list[float]] = {}  # path: [worker-seconds, CPU-seconds]
@@ -88,8 +94,8 @@ class SuiteBudget:
 
     def pytest_sessionstart(self, session):
         """On the controller (or a run without workers): time `import torch` beside the first tests."""
-        if hasattr(session.config, "workerinput") or session.config.option.markexpr:
-            return  # a worker, or a part of the suite (-m quick): its budget line is the whole suite's
+        if hasattr(session.config, "workerinput") or not whole_suite(session.config):
+            return  # a worker, or a part of the suite: the budget line is the whole suite's
         measure = lambda: self._torch_import.append(import_torch_cpu_seconds())  # noqa: E731
         if not getattr(session.config.option, "numprocesses", None):
             measure()  # the tests run in this process: before they are counted
@@ -149,6 +155,10 @@ class SuiteBudget:
         if over:
             write(f"{len(over)} file(s) over {FILE_SHARE_SECONDS:.0f} worker-seconds: split them or make "
                   "them cheaper")
+        if not whole_suite(terminalreporter.config):
+            write(f"CPU of this part of the suite: {cpu:.0f} CPU-s (the budget of {SUITE_CPU_SECONDS} CPU-s "
+                  "is the whole suite's)")
+            return
         verdict = "within" if cpu <= SUITE_CPU_SECONDS else "OVER"
         units = (f" = {cpu / torch_import:.0f} x this machine's `import torch` ({torch_import:.2f} CPU-s, "
                  "the faster of two)" if torch_import else "")
