@@ -135,7 +135,7 @@ def main() -> None:
     seen = sum(row["cpu_s"] for row in kinds.values())
     summary = next((line.strip("= ") for line in reversed(lines)
                     if " passed" in line or " failed" in line), "")
-    budget = next((line for line in lines if line.startswith("suite CPU:")), "")
+    budget = next((line for line in lines if line.startswith(("suite CPU:", "CPU of this part"))), "")
     print(summary)
     print(budget)
     print(f"{seen:.0f} CPU-s seen in the suite's processes ({seen / machine:.0%} of the machine's "
