@@ -139,7 +139,7 @@ def read_command() -> str | None:
     return sys.stdin.readline() if ready else None
 
 
-def main(argv: list[str]) -> int:
+def main() -> int:
     """Import, then fork engines at each `engines {JSON}` read on stdin and supervise them until
     stopped, or until the owner goes away.
 
@@ -168,6 +168,6 @@ def main(argv: list[str]) -> int:
 
 
 if __name__ == "__main__":
-    code = main(sys.argv[1:])
+    code = main()
     sys.stdout.flush()
     os._exit(code)  # skip tearing down torch & co. at exit: it takes most of a second
